@@ -1,0 +1,103 @@
+"""Composition root: ``create_app(loaded)`` builds the policy, upstream pool, registry and routes.
+
+Nothing is built at import time. Resources open and close in the lifespan. Every error the app answers
+is OpenAI's envelope (never FastAPI's ``{"detail": ...}`` or a 422, never a stack trace).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import orjson
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway import __version__
+from gateway.api import Gateway, error_response
+from gateway.config import LoadedConfig
+from gateway.errors import GatewayError, InvalidRequest, MethodNotAllowed, UnknownURL
+from gateway.metrics import Metrics
+from gateway.policy import Policy
+from gateway.upstream import UpstreamPool
+
+log = logging.getLogger("tiergate")
+
+
+def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None) -> FastAPI:
+    """Build the ASGI app for one validated config.
+
+    Args:
+        loaded: the config and resolved keys (``gateway.config.load_config``).
+        registry: Prometheus registry to use; a fresh one when None.
+    """
+    config = loaded.config
+    registry = registry if registry is not None else CollectorRegistry()
+    metrics = Metrics(registry, config.model_names(), [(u.tier, u.name) for u in config.upstreams])
+    pool = UpstreamPool(config.upstreams, loaded.keys)
+    gateway = Gateway(config, Policy(config), pool, metrics)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await pool.start()
+        try:
+            yield
+        finally:
+            await pool.stop()
+
+    app = FastAPI(title="Tiergate", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.gateway = gateway
+    app.add_route("/v1/chat/completions", gateway.chat_completions, methods=["POST"])
+    app.add_route("/v1/tiergate/route", gateway.route, methods=["POST"])
+    created = int(time.time())
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        data = [{"id": m, "object": "model", "created": created, "owned_by": "tiergate"} for m in config.model_names()]
+        return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        if pool.ready:
+            return Response(b'{"status":"ready"}', media_type="application/json")
+        return Response(b'{"status":"starting"}', 503, media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    _install_error_handlers(app)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            err: GatewayError = UnknownURL(f"Unknown request URL: {request.method} {request.url.path}.")
+        elif exc.status_code == 405:
+            err = MethodNotAllowed(f"Method {request.method} is not allowed for {request.url.path}.")
+        else:
+            err = GatewayError(str(exc.detail))
+            err.status = exc.status_code
+        return error_response(err, dict(exc.headers or {}))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(InvalidRequest(f"Invalid request: {exc.errors()}"), {})
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(GatewayError("The gateway had an internal error; it has been logged."), {})

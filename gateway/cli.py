@@ -1,0 +1,172 @@
+"""The ``tiergate`` command line: ``serve``, ``demo``, ``emulate`` and ``check-config``.
+
+Exit codes: 0 ok, 2 bad config or usage (the message names the file, field and problem), 1 other failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from gateway.config import TIERS, LoadedConfig, load_config
+from gateway.errors import ConfigError
+from gateway.settings import Settings, environ
+
+DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen subcommand; returns the process exit code."""
+    settings = Settings()
+    parser = argparse.ArgumentParser(prog="tiergate", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gateway with a config file (production entry point)")
+    serve.add_argument("--config", type=Path, default=settings.config, help="YAML config (env GATEWAY_CONFIG)")
+    _listen_flags(serve, settings)
+    serve.add_argument("--workers", type=int, default=settings.workers, help="worker processes (env GATEWAY_WORKERS)")
+
+    demo = sub.add_parser("demo", help="run the gateway with two emulated tiers; no API keys needed")
+    _listen_flags(demo, settings)
+
+    emulate = sub.add_parser("emulate", help="run one emulated OpenAI-compatible upstream")
+    emulate.add_argument("--tier", choices=TIERS, default="fast")
+    emulate.add_argument("--host", default="127.0.0.1")
+    emulate.add_argument("--port", type=int, default=9101)
+    emulate.add_argument("--tps", type=float, help="output tokens per second (fast 750, standard 50)")
+    emulate.add_argument("--ttft", type=float, help="time to first token in seconds (fast 0.05, standard 0.4)")
+    emulate.add_argument("--dialect", choices=("openai", "cerebras"), help="fast: cerebras, standard: openai")
+    emulate.add_argument("--fixtures", type=Path, help="recorded transcripts (default ../shared/fixtures/upstream)")
+
+    check = sub.add_parser("check-config", help="validate a config file and print the resolved routes")
+    check.add_argument("file", type=Path)
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(args, load_config(args.config, environ()))
+        if args.command == "demo":
+            return _demo(args)
+        if args.command == "emulate":
+            return _emulate(args)
+        return _check(args.file)
+    except ConfigError as exc:
+        print(f"tiergate: {exc}", file=sys.stderr)
+        return 2
+
+
+def _listen_flags(p: argparse.ArgumentParser, settings: Settings) -> None:
+    p.add_argument("--host", default=settings.host, help="listen address (env GATEWAY_HOST)")
+    p.add_argument("--port", type=int, default=settings.port, help="listen port (env GATEWAY_PORT)")
+    p.add_argument("--log-level", default=settings.log_level, help="env GATEWAY_LOG_LEVEL")
+
+
+def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    if args.workers != 1:
+        raise ConfigError("--workers: only 1 worker is supported so far")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = uvicorn.Config(create_app(loaded), host=args.host, port=args.port, loop="uvloop", http="httptools",
+                            log_level=args.log_level, access_log=False, lifespan="on", server_header=False,
+                            date_header=False, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1
+
+
+def _emulate(args: argparse.Namespace) -> int:
+    from gateway.emulator import EmulatorConfig, run
+
+    cfg = EmulatorConfig.for_tier(args.tier, tps=args.tps, ttft=args.ttft, dialect=args.dialect,
+                                  fixtures=args.fixtures)
+    print(f"emulated {args.tier} tier on http://{args.host}:{args.port}/v1: {cfg.tps:g} tokens/s, "
+          f"TTFT {cfg.ttft * 1000:g} ms, {cfg.dialect} dialect", flush=True)
+    run(cfg, args.host, args.port)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    loaded = load_config(DEMO_CONFIG, environ())
+    procs: list[subprocess.Popen[bytes]] = []
+    lines = []
+    try:
+        for up in loaded.config.upstreams:
+            url = urlsplit(up.base_url)
+            host, port = url.hostname or "127.0.0.1", url.port or 80
+            cmd = [sys.executable, "-m", "gateway", "emulate", "--tier", up.tier, "--host", host, "--port", str(port),
+                   "--dialect", up.dialect]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
+            _wait_port(host, port, procs[-1])
+            lines.append(f"  {up.tier:<8} tier: upstream {up.name!r}, emulated on {host}:{port} ({up.dialect} dialect)")
+        base = f"http://{args.host}:{args.port}"
+        print(f"Tiergate demo: gateway on {base} with two emulated tiers (no API keys needed)", *lines, "",
+              "Use it:", f"  export OPENAI_BASE_URL={base}/v1 OPENAI_API_KEY=unused",
+              f"  curl -sN {base}/v1/chat/completions -H 'content-type: application/json' \\",
+              "    -d '{\"model\": \"gpt-5.6-sol-fast\", \"stream\": true, "
+              "\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'",
+              f"  models: gpt-5.6-sol-fast (fast tier), gpt-5.6 (standard tier); metrics: {base}/metrics", "",
+              sep="\n", flush=True)
+        args.workers = 1
+        return _serve(args, loaded)
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ConfigError(f"the emulator for {host}:{port} exited (is the port already in use?)")
+        try:
+            socket.create_connection((host, port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise ConfigError(f"the emulator for {host}:{port} did not start within {timeout:g} s")
+
+
+def _check(path: Path) -> int:
+    loaded = load_config(path, environ(), require_keys=False)
+    cfg = loaded.config
+    print(f"{path}: valid")
+    print(f"default tier: {cfg.default_tier}; fallback to the other tier: {'on' if cfg.fallback else 'off'}; "
+          f"max attempts: {cfg.max_attempts}")
+    print("\nrules (first match wins):")
+    print("  1 header       x-tiergate-tier: fast|standard")
+    print("  2 service_tier priority -> fast, flex -> standard")
+    print("  3 model_alias  " + (", ".join(f"{a} -> {t.tier}" for a, t in cfg.aliases.items() if t.tier) or "(none)"))
+    print("  4 workload     " + ", ".join(f"metadata.workload={w} -> {t}" for w, t in cfg.workloads.items()))
+    print(f"  5 default      -> {cfg.default_tier}")
+    print("\nroutes (client model -> tier/upstream: upstream model id):")
+    for model in cfg.model_names():
+        alias = cfg.aliases.get(model)
+        target = alias.model if alias else model
+        routes = [f"{u.tier}/{u.name}: {u.models[target]}" for u in cfg.upstreams if target in u.models]
+        note = f" (alias of {target}" + (f", pinned to {alias.tier})" if alias.tier else ")") if alias else ""
+        print(f"  {model}{note}\n    " + "\n    ".join(routes))
+    missing = [f"{u.api_key_env} (upstream {u.name})" for u in cfg.upstreams
+               if u.api_key_env and u.name not in loaded.keys]
+    if missing:
+        print("\nnote: not set in this environment: " + ", ".join(missing) + "; `tiergate serve` will refuse to start")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    os._exit(main())

@@ -1,0 +1,378 @@
+"""An emulated OpenAI-compatible upstream for demos, tests and benchmarks (``tiergate emulate``).
+
+It streams ``/v1/chat/completions`` with one SSE event per token (or ``per_chunk`` tokens per event) at a
+set rate after a set time to first token, in the OpenAI dialect (role chunk, content chunks, finish chunk,
+a ``choices: []`` usage chunk only with ``stream_options.include_usage``, ``[DONE]``) or the Cerebras
+dialect (usage and ``time_info`` on the finish chunk, no ``[DONE]``). It answers non-streaming requests
+after the same simulated generation time, and replays a recorded transcript from
+``shared/fixtures/upstream`` at the configured pace.
+
+It is a bare asyncio protocol over httptools' C parser, with timer callbacks instead of a task per stream,
+so that it costs a few microseconds per event and is not the bottleneck of the gateway's benchmark.
+
+Per-request directives ride in the request body (so they cross the gateway untouched), anywhere in it,
+as ``[[emulate key=value ...]]``:
+
+============  ==========================================================================
+tokens        completion tokens to generate (default: max_tokens / max_completion_tokens, capped, else 48)
+tps           tokens per second; ttft_ms: time to first token in milliseconds
+per_chunk     tokens per SSE event (default 1)
+usage         ``none``: report no usage at all
+done          ``0``/``1``: end with ``data: [DONE]`` (default: openai 1, cerebras 0)
+transcript    replay NAME.body from the fixtures folder (status and content-type from NAME.json)
+status        answer this HTTP status with an OpenAI error body (``retry_after_ms`` adds the header)
+drop_after    after N events, reset the connection; stall_after: after N events, go silent
+============  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httptools
+import orjson
+
+WORDS = [w.encode() for w in (" The", " fast", " tier", " streams", " every", " token", " the", " moment", " it",
+                              " exists", ",", " and", " the", " gateway", " relays", " it", " unbuffered", ".")]
+_DIRECTIVE = re.compile(rb"\[\[emulate ([^\]]*)\]\]")
+REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found", 422: b"Unprocessable Entity",
+           429: b"Too Many Requests", 500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable"}
+
+
+@dataclass(frozen=True)
+class EmulatorConfig:
+    """Defaults of one emulated tier: tokens/s, time to first token (seconds), dialect, fixtures folder."""
+
+    tps: float = 750.0
+    ttft: float = 0.05
+    dialect: str = "cerebras"
+    fixtures: Path = Path("../shared/fixtures/upstream")
+    max_tokens: int = 4096
+
+    @classmethod
+    def for_tier(cls, tier: str, **overrides: Any) -> EmulatorConfig:
+        """Defaults per tier: fast 750 tokens/s, 50 ms TTFT, Cerebras dialect; standard 50 tokens/s, 400 ms, OpenAI."""
+        base = cls() if tier == "fast" else cls(tps=50.0, ttft=0.4, dialect="openai")
+        return cls(**{**base.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
+
+
+class _Request:
+    __slots__ = ("method", "url", "body", "headers")
+
+    def __init__(self) -> None:
+        self.method = b""
+        self.url = b""
+        self.body: list[bytes] = []
+        self.headers: dict[bytes, bytes] = {}
+
+
+class EmulatorProtocol(asyncio.Protocol):
+    """One client connection: HTTP/1.1 keep-alive, one request at a time."""
+
+    def __init__(self, config: EmulatorConfig) -> None:
+        self.cfg = config
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.req = _Request()
+        self.timer: asyncio.TimerHandle | None = None
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self._reply(400, b'{"error":{"message":"bad request","type":"invalid_request_error"}}')
+            self._close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.transport = None
+
+    # httptools callbacks
+    def on_url(self, url: bytes) -> None:
+        self.req.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.req.headers[name.lower()] = value
+
+    def on_body(self, body: bytes) -> None:
+        self.req.body.append(body)
+
+    def on_message_complete(self) -> None:
+        req, self.req = self.req, _Request()
+        req.method = self.parser.get_method()
+        try:
+            self._handle(req)
+        except Exception as exc:  # a bad directive must not kill the emulator
+            self._reply(500, orjson.dumps({"error": {"message": f"emulator: {exc}", "type": "server_error",
+                                                     "param": None, "code": None}}))
+
+    # request handling
+    def _handle(self, req: _Request) -> None:
+        path = req.url.split(b"?", 1)[0]
+        if path.endswith(b"/models") and req.method == b"GET":
+            self._reply(200, b'{"object":"list","data":[{"id":"emulated","object":"model","created":0,'
+                             b'"owned_by":"tiergate-emulator"}]}')
+            return
+        if not path.endswith(b"/chat/completions") or req.method != b"POST":
+            self._reply(404, b'{"error":{"message":"Unknown request URL","type":"invalid_request_error",'
+                             b'"param":null,"code":"unknown_url"}}')
+            return
+        raw = b"".join(req.body)
+        body = orjson.loads(raw)
+        d = _directives(raw)
+        if "status" in d:
+            self._error(int(d["status"]), d)
+            return
+        if "transcript" in d:
+            self._replay(d["transcript"], d, stream=body.get("stream") is True)
+            return
+        Generation(self, body, d).start()
+
+    def _error(self, status: int, d: dict[str, str]) -> None:
+        extra = [(b"retry-after-ms", d["retry_after_ms"].encode())] if "retry_after_ms" in d else []
+        etype = "rate_limit_error" if status == 429 else ("server_error" if status >= 500 else "invalid_request_error")
+        body = orjson.dumps({"error": {"message": d.get("message", f"emulated {status}"), "type": etype,
+                                       "param": None, "code": d.get("code")}})
+        self._reply(status, body, extra=extra)
+
+    def _replay(self, name: str, d: dict[str, str], stream: bool) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            raise ValueError("bad transcript name")
+        meta = orjson.loads((self.cfg.fixtures / f"{name}.json").read_bytes())
+        data = (self.cfg.fixtures / f"{name}.body").read_bytes()
+        resp = meta["response"]
+        ctype = _header(resp["headers"], "content-type") or "application/json"
+        if not meta.get("streaming"):
+            self._reply(int(resp["status"]), data, ctype=ctype.encode())
+            return
+        events = [e + b"\n\n" for e in data.split(b"\n\n") if e.strip(b"\n")]
+        tps = float(d.get("tps", self.cfg.tps))
+        ttft = float(d.get("ttft_ms", self.cfg.ttft * 1000)) / 1000
+        t0 = self.loop.time()
+        self._start_chunked(int(resp["status"]), ctype.encode())
+        Schedule(self, [(t0 + ttft + i / tps, e) for i, e in enumerate(events)], d).start()
+
+    # wire helpers
+    def _reply(self, status: int, body: bytes, *, ctype: bytes = b"application/json",
+               extra: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
+        if self.transport is None:
+            return
+        head = [b"HTTP/1.1 %d %s" % (status, REASONS.get(status, b"Status")), b"content-type: " + ctype,
+                b"content-length: %d" % len(body), b"x-request-id: emu_%x" % id(body)]
+        head += [k + b": " + v for k, v in extra]
+        self.transport.write(b"\r\n".join(head) + b"\r\n\r\n" + body)
+
+    def _start_chunked(self, status: int, ctype: bytes) -> None:
+        if self.transport is not None:
+            self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n"
+                                 b"x-request-id: emu_%x\r\n\r\n" % (status, REASONS.get(status, b"OK"), ctype, id(self)))
+
+    def write_chunk(self, payload: bytes) -> None:
+        """Write one HTTP chunk (chunked transfer encoding)."""
+        if self.transport is not None and payload:
+            self.transport.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+
+    def end_chunked(self) -> None:
+        """Write the last chunk; the connection stays open for the next request."""
+        if self.transport is not None:
+            self.transport.write(b"0\r\n\r\n")
+
+    def reset(self) -> None:
+        """Close the connection with a TCP RST (SO_LINGER 0)."""
+        if self.transport is not None:
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.transport.abort()
+
+    def _close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+class Schedule:
+    """Writes timed SSE payloads on one connection with loop timers; all payloads due at a tick go in one write."""
+
+    def __init__(self, proto: EmulatorProtocol, items: list[tuple[float, bytes]], d: dict[str, str],
+                 end: bool = True) -> None:
+        self.proto = proto
+        self.items = items
+        self.i = 0
+        self.end = end
+        self.drop_after = int(d["drop_after"]) if "drop_after" in d else None
+        self.stall_after = int(d["stall_after"]) if "stall_after" in d else None
+
+    def start(self) -> None:
+        """Schedule the first write."""
+        self._arm()
+
+    def _arm(self) -> None:
+        if self.i < len(self.items):
+            self.proto.timer = self.proto.loop.call_at(self.items[self.i][0], self._tick)
+
+    def _tick(self) -> None:
+        now = self.proto.loop.time()
+        parts = []
+        while self.i < len(self.items) and self.items[self.i][0] <= now + 0.0002:
+            if self.i == self.drop_after:
+                self.proto.write_chunk(b"".join(parts))
+                self.proto.reset()
+                return
+            if self.i == self.stall_after:
+                self.proto.write_chunk(b"".join(parts))
+                return
+            parts.append(self.items[self.i][1])
+            self.i += 1
+        self.proto.write_chunk(b"".join(parts))
+        if self.i < len(self.items):
+            self._arm()
+        elif self.end:
+            self.proto.end_chunked()
+
+
+class Generation:
+    """One synthetic chat completion: builds the events of the dialect and schedules them."""
+
+    def __init__(self, proto: EmulatorProtocol, body: dict[str, Any], d: dict[str, str]) -> None:
+        cfg = proto.cfg
+        self.proto = proto
+        self.body = body
+        self.d = d
+        self.dialect = d.get("dialect", cfg.dialect)
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        default = min(int(limit), cfg.max_tokens) if isinstance(limit, int) and limit > 0 else 48
+        self.tokens = max(1, int(d.get("tokens", default)))
+        self.tps = float(d.get("tps", cfg.tps))
+        self.ttft = float(d.get("ttft_ms", cfg.ttft * 1000)) / 1000
+        self.per_chunk = max(1, int(d.get("per_chunk", 1)))
+        self.with_usage = d.get("usage") != "none"
+        self.model = str(body.get("model", "emulated")).encode()
+        self.id = b"chatcmpl-emu%x" % id(self)
+        self.created = int(time.time())
+        self.prompt_tokens = max(1, len(orjson.dumps(body.get("messages", []))) // 4)
+
+    def start(self) -> None:
+        """Answer the request: a timed event stream, or one JSON body after the generation time."""
+        t0 = self.proto.loop.time()
+        if self.body.get("stream") is True:
+            self.proto._start_chunked(200, b"text/event-stream; charset=utf-8")
+            Schedule(self.proto, self._events(t0), self.d).start()
+        else:
+            delay = self.ttft + (self.tokens - 1) / self.tps
+            self.proto.timer = self.proto.loop.call_at(t0 + delay, self._whole)
+
+    def _text(self, start: int, n: int) -> bytes:
+        return b"".join(WORDS[i % len(WORDS)] for i in range(start, start + n))
+
+    def _usage(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
+                "total_tokens": self.prompt_tokens + self.tokens,
+                "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens_details": {"reasoning_tokens": 0}}
+
+    def _time_info(self) -> dict[str, Any]:
+        completion = (self.tokens - 1) / self.tps
+        return {"queue_time": 0.0002, "prompt_time": self.ttft / 2, "completion_time": completion,
+                "total_time": self.ttft + completion, "created": time.time()}
+
+    def _chunk(self, choices: bytes, tail: bytes = b"") -> bytes:
+        return (b'data: {"id":"' + self.id + b'","object":"chat.completion.chunk","created":%d,"model":"' % self.created
+                + self.model + b'","choices":[' + choices + b"]" + tail + b"}\n\n")
+
+    def _events(self, t0: float) -> list[tuple[float, bytes]]:
+        openai = self.dialect == "openai"
+        so = self.body.get("stream_options")
+        include_usage = openai and self.with_usage and isinstance(so, dict) and so.get("include_usage") is True
+        null_usage = b',"usage":null' if include_usage else b""
+        role = (b'{"index":0,"delta":{"role":"assistant","content":"","refusal":null},"finish_reason":null}' if openai
+                else b'{"delta":{"role":"assistant"},"index":0}')
+        items = [(t0, self._chunk(role, null_usage))]
+        t_first = t0 + self.ttft
+        sent = 0
+        while sent < self.tokens:
+            n = min(self.per_chunk, self.tokens - sent)
+            text = self._text(sent, n)
+            delta = (b'{"index":0,"delta":{"content":"' + text + b'"},"finish_reason":null}' if openai
+                     else b'{"delta":{"content":"' + text + b'"},"index":0}')
+            sent += n
+            items.append((t_first + (sent - 1) / self.tps, self._chunk(delta, null_usage)))
+        t_end = items[-1][0]
+        finish = (b'{"index":0,"delta":{},"finish_reason":"stop"}' if openai
+                  else b'{"delta":{},"finish_reason":"stop","index":0}')
+        if openai:
+            items.append((t_end, self._chunk(finish, null_usage)))
+            if include_usage:
+                items.append((t_end, self._chunk(b"", b',"usage":' + orjson.dumps(self._usage()))))
+        else:
+            tail = b',"usage":' + orjson.dumps(self._usage()) + b',"time_info":' + orjson.dumps(self._time_info())
+            items.append((t_end, self._chunk(finish, tail if self.with_usage else b"")))
+        if self.d.get("done", "1" if openai else "0") == "1":
+            items.append((t_end, b"data: [DONE]\n\n"))
+        return items
+
+    def _whole(self) -> None:
+        out: dict[str, Any] = {
+            "id": self.id.decode(), "object": "chat.completion", "created": self.created, "model": self.model.decode(),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": self._text(0, self.tokens).decode(),
+                                                 "refusal": None}, "logprobs": None, "finish_reason": "stop"}],
+        }
+        if self.with_usage:
+            out["usage"] = self._usage()
+        if self.dialect != "openai":
+            out["time_info"] = self._time_info()
+        self.proto._reply(200, orjson.dumps(out))
+
+
+def _directives(raw: bytes) -> dict[str, str]:
+    m = _DIRECTIVE.search(raw)
+    if not m:
+        return {}
+    out = {}
+    for part in m.group(1).decode().split():
+        key, _, value = part.partition("=")
+        out[key] = value
+    return out
+
+
+def _header(headers: dict[str, Any], name: str) -> str | None:
+    for key, value in headers.items():
+        if key.lower() == name:
+            return value if isinstance(value, str) else value[0]
+    return None
+
+
+async def serve(config: EmulatorConfig, host: str, port: int) -> asyncio.Server:
+    """Start listening; returns the server (``port=0`` picks a free port: see ``server.sockets``)."""
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(lambda: EmulatorProtocol(config), host, port, reuse_address=True, backlog=2048)
+
+
+def run(config: EmulatorConfig, host: str, port: int) -> None:
+    """Run an emulator until interrupted (uses uvloop when installed)."""
+    try:
+        import uvloop
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover
+        runner = asyncio.run
+
+    async def main() -> None:
+        server = await serve(config, host, port)
+        async with server:
+            await server.serve_forever()
+
+    try:
+        runner(main())
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,142 @@
+"""Prometheus metrics, declared once against an injected registry and recorded once per request.
+
+Definitions (README "Metrics"; wire contract §6):
+
+* TTFT: request arrival at the gateway -> arrival of the first token-bearing chunk (content, refusal,
+  reasoning or tool-call delta; not the role-only first chunk, not the response headers).
+* time per output token: (t_last_token - t_first_token) / (completion_tokens - 1), completion_tokens from
+  the upstream's usage; decode tokens/s is its inverse. Not recorded without usage or with < 2 tokens.
+* request duration: arrival -> last byte written to the client.
+* overhead: arrival -> upstream request sent (routing, body preparation).
+
+Buckets resolve ~1.3 ms/token (fast tier) and ~25 ms/token (standard tier) and reach 15-minute
+requests. Labels are bounded: tier, upstream and model come from the config (unknown models are
+``other``), outcome from a fixed set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PREFIX = "tiergate"
+TPOT_BUCKETS = (0.0005, 0.00075, 0.001, 0.00125, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02,
+                0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 15,
+                30, 60, 120)
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600, 900)
+TPS_BUCKETS = (5, 10, 20, 30, 40, 50, 75, 100, 150, 200, 300, 400, 500, 600, 750, 1000, 1500, 2000, 3000, 5000)
+OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+OUTCOMES = ("success", "client_error", "upstream_error", "upstream_unavailable", "upstream_timeout", "stream_error",
+            "client_disconnect")
+TOKEN_TYPES = ("input", "output", "cached_input", "reasoning")
+
+_T = ("tier", "upstream", "model")
+
+
+class Metrics:
+    """Every metric family of the gateway, in one registry.
+
+    Args:
+        registry: where the families are registered (a fresh ``CollectorRegistry`` per app).
+        models: configured client-facing model names; any other value is labelled ``other``.
+        routes: (tier, upstream) pairs to pre-initialise so series exist before traffic.
+    """
+
+    def __init__(self, registry: CollectorRegistry, models: Iterable[str], routes: Iterable[tuple[str, str]]) -> None:
+        self.registry = registry
+        self.models = frozenset(models)
+        p = PREFIX
+        self.requests = Counter(f"{p}_requests", "Client requests by tier, upstream, model and outcome.",
+                                (*_T, "outcome"), registry=registry)
+        self.ttft = Histogram(f"{p}_time_to_first_token_seconds",
+                              "Request arrival to the first token-bearing chunk (streams).", _T,
+                              buckets=TTFT_BUCKETS, registry=registry)
+        self.tpot = Histogram(f"{p}_time_per_output_token_seconds",
+                              "(t_last_token - t_first_token) / (completion_tokens - 1), from upstream usage.", _T,
+                              buckets=TPOT_BUCKETS, registry=registry)
+        self.tps = Histogram(f"{p}_output_tokens_per_second", "Decode speed: the inverse of time per output token.",
+                             _T, buckets=TPS_BUCKETS, registry=registry)
+        self.duration = Histogram(f"{p}_request_duration_seconds", "Request arrival to the last byte sent.",
+                                  (*_T, "stream"), buckets=DURATION_BUCKETS, registry=registry)
+        self.overhead = Histogram(f"{p}_gateway_overhead_seconds",
+                                  "Gateway time from request arrival to the upstream request being sent.",
+                                  ("tier",), buckets=OVERHEAD_BUCKETS, registry=registry)
+        self.tokens = Counter(f"{p}_tokens", "Tokens from upstream usage, by type.", (*_T, "token_type"),
+                              registry=registry)
+        self.usage_missing = Counter(f"{p}_usage_missing", "Successful requests whose upstream reported no usage.",
+                                     _T, registry=registry)
+        self.upstream_errors = Counter(f"{p}_upstream_errors", "Failed upstream attempts by reason.",
+                                       ("tier", "upstream", "reason"), registry=registry)
+        self.fallbacks = Counter(f"{p}_fallbacks", "Requests served by another candidate than the first, by reason.",
+                                 ("from_tier", "to_tier", "reason"), registry=registry)
+        self.decisions = Counter(f"{p}_routing_decisions", "Routing decisions by rule and chosen tier.",
+                                 ("rule", "tier"), registry=registry)
+        self.in_flight = Gauge(f"{p}_in_flight_requests", "Requests being served now.", ("tier", "upstream"),
+                               registry=registry)
+        self.upstream_reported = Histogram(f"{p}_upstream_reported_seconds",
+                                           "Upstream-reported timings: Cerebras time_info phases, openai-processing-ms.",
+                                           ("tier", "upstream", "phase"), buckets=TTFT_BUCKETS, registry=registry)
+        for tier, upstream in routes:
+            self.in_flight.labels(tier, upstream)
+            for model in sorted(self.models):
+                self.requests.labels(tier, upstream, model, "success")
+
+    def model_label(self, model: str | None) -> str:
+        """``model`` if it is configured, else ``other`` (bounded cardinality)."""
+        return model if model in self.models else "other"
+
+    def record(self, *, tier: str, upstream: str, model: str, outcome: str, stream: bool, duration: float,
+               ttft: float | None = None, decode_time: float | None = None, usage: dict[str, Any] | None = None,
+               time_info: dict[str, Any] | None = None, processing_ms: str | None = None) -> None:
+        """Record one finished client request (called exactly once per request).
+
+        Args:
+            duration: seconds from arrival to last byte; ttft: seconds to the first token (streams);
+            decode_time: seconds from first to last token-bearing chunk; usage: the upstream's usage object;
+            time_info: Cerebras ``time_info``; processing_ms: OpenAI's ``openai-processing-ms`` header.
+        """
+        labels = (tier, upstream, model)
+        self.requests.labels(*labels, outcome).inc()
+        if outcome in ("client_error",):
+            return
+        self.duration.labels(*labels, "true" if stream else "false").observe(duration)
+        if ttft is not None:
+            self.ttft.labels(*labels).observe(ttft)
+        if outcome == "success":
+            if usage is None:
+                self.usage_missing.labels(*labels).inc()
+            else:
+                self._tokens(labels, usage, decode_time)
+        self._reported(tier, upstream, time_info, processing_ms)
+
+    def _tokens(self, labels: tuple[str, str, str], usage: dict[str, Any], decode_time: float | None) -> None:
+        prompt = _int(usage.get("prompt_tokens"))
+        completion = _int(usage.get("completion_tokens"))
+        cached = _int((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+        reasoning = _int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens"))
+        for token_type, n in zip(TOKEN_TYPES, (prompt, completion, cached, reasoning), strict=True):
+            if n:
+                self.tokens.labels(*labels, token_type).inc(n)
+        if decode_time is not None and completion >= 2 and decode_time > 0:
+            tpot = decode_time / (completion - 1)
+            self.tpot.labels(*labels).observe(tpot)
+            self.tps.labels(*labels).observe(1.0 / tpot)
+
+    def _reported(self, tier: str, upstream: str, time_info: dict[str, Any] | None, processing_ms: str | None) -> None:
+        if time_info:
+            for phase in ("queue", "prompt", "completion", "total"):
+                value = time_info.get(f"{phase}_time")
+                if isinstance(value, int | float) and value >= 0:
+                    self.upstream_reported.labels(tier, upstream, phase).observe(value)
+        elif processing_ms:
+            try:
+                self.upstream_reported.labels(tier, upstream, "total").observe(float(processing_ms) / 1000.0)
+            except ValueError:
+                pass
+
+
+def _int(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0

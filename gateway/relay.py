@@ -1,0 +1,177 @@
+"""Byte-exact SSE relay of chat-completions streams, observed once per event.
+
+Every complete event is forwarded, byte for byte, the moment its terminating blank line arrives; all the
+events of one upstream read leave in one write. The relay edits only at event boundaries and only where
+the wire contract requires it:
+
+* exactly one ``data: [DONE]`` ends a successful stream (appended when the upstream sent none, the
+  repeats dropped); none follows an error;
+* the usage-only chunk (``"choices": []``) is dropped when the gateway, not the client, asked for usage;
+* an upstream failure after the first byte becomes one in-band error event in OpenAI's shape
+  (``{"error": {...}}``, which the ``openai`` SDK raises as ``APIError``), with no ``[DONE]``.
+
+While relaying it fills a :class:`StreamStats`: arrival times of the first and last token-bearing chunk
+(content, refusal, reasoning or tool-call delta; not a role-only chunk), usage wherever the dialect puts
+it, Cerebras ``time_info``, and how the stream ended. Metrics are recorded from it once, at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import orjson
+
+from gateway.errors import error_body
+from gateway.sse import EventTooLarge, SSEEvent, SSEScanner
+from gateway.upstream import StreamInterrupted
+
+DONE = b"data: [DONE]\n\n"
+_TOKEN_KEYS = ("content", "refusal", "reasoning", "reasoning_content", "tool_calls", "function_call")
+
+
+class StreamStats:
+    """What one relayed stream did. Times are ``time.perf_counter()`` seconds.
+
+    Attributes:
+        t_first_token / t_last_token: arrival of the first / last token-bearing chunk, or None.
+        events: data events received; token_chunks: token-bearing chunks received.
+        usage: the last ``usage`` object seen (OpenAI/Azure usage chunk, Cerebras finish chunk,
+            ``x_groq.usage``, or llama.cpp ``timings`` mapped to prompt/completion tokens), or None.
+        time_info: Cerebras' ``time_info`` (seconds), or None.
+        done: a ``[DONE]`` was sent to the client.
+        error: None on success; else ``upstream_error_event``, ``upstream_stream_interrupted``,
+            ``upstream_idle_timeout`` or ``upstream_event_too_large``.
+        bytes_out: bytes written to the client.
+    """
+
+    __slots__ = ("t_first_token", "t_last_token", "events", "token_chunks", "usage", "time_info", "done", "error",
+                 "bytes_out")
+
+    def __init__(self) -> None:
+        self.t_first_token: float | None = None
+        self.t_last_token: float | None = None
+        self.events = 0
+        self.token_chunks = 0
+        self.usage: dict[str, Any] | None = None
+        self.time_info: dict[str, Any] | None = None
+        self.done = False
+        self.error: str | None = None
+        self.bytes_out = 0
+
+
+class Relay:
+    """Relay one upstream SSE body to one client.
+
+    Args:
+        strip_usage_chunk: drop the ``choices: []`` usage chunk (the gateway asked for usage, the client did not).
+        append_done: end a clean stream with ``data: [DONE]`` (chat completions: yes).
+        max_event_bytes: largest single upstream event; past it the stream ends with an in-band error.
+    """
+
+    def __init__(self, *, strip_usage_chunk: bool, append_done: bool = True, max_event_bytes: int) -> None:
+        self.stats = StreamStats()
+        self._strip = strip_usage_chunk
+        self._append_done = append_done
+        self._scanner = SSEScanner(max_event_bytes)
+
+    async def run(self, chunks: AsyncIterator[bytes], write: Callable[[bytes], Awaitable[None]]) -> StreamStats:
+        """Read ``chunks`` to the end, writing each batch of complete events with ``write``.
+
+        Never raises for upstream trouble (it becomes an in-band error event); exceptions from ``write``
+        and cancellation propagate.
+        """
+        stats = self.stats
+        clock = time.perf_counter
+        try:
+            async for chunk in chunks:
+                now = clock()
+                out = self._process(self._scanner.feed(chunk), now)
+                if out:
+                    stats.bytes_out += len(out)
+                    await write(out)
+        except StreamInterrupted as exc:
+            await self._fail(write, exc.code, exc.message)
+            return stats
+        except EventTooLarge as exc:
+            await self._fail(write, "upstream_event_too_large", str(exc))
+            return stats
+        if stats.error or stats.done:
+            return stats
+        if self._scanner.pending:
+            await self._fail(write, "upstream_stream_interrupted", "The upstream stream ended inside an event.")
+        elif self._append_done:
+            stats.done = True
+            stats.bytes_out += len(DONE)
+            await write(DONE)
+        return stats
+
+    async def _fail(self, write: Callable[[bytes], Awaitable[None]], code: str, message: str) -> None:
+        self.stats.error = code
+        out = b"data: " + error_body(message, "server_error", None, code) + b"\n\n"
+        self.stats.bytes_out += len(out)
+        await write(out)
+
+    def _process(self, events: list[SSEEvent], now: float) -> bytes:
+        stats = self.stats
+        out: list[bytes] = []
+        for ev in events:
+            data = ev.data
+            if stats.done:
+                continue  # nothing follows [DONE]; the SDK stops reading there
+            if data is None:
+                out.append(ev.raw)  # keep-alive comment
+                continue
+            if data.startswith(b"[DONE]"):
+                stats.done = True
+                out.append(ev.raw)
+                continue
+            stats.events += 1
+            try:
+                chunk = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                out.append(ev.raw)
+                continue
+            if isinstance(chunk, dict) and not self._observe(chunk, ev, now):
+                continue
+            out.append(ev.raw)
+        return b"".join(out)
+
+    def _observe(self, chunk: dict[str, Any], ev: SSEEvent, now: float) -> bool:
+        """Update stats from one parsed chunk; return False when the chunk must not be forwarded."""
+        stats = self.stats
+        if "error" in chunk or ev.event == b"error":
+            stats.error = "upstream_error_event"
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            stats.usage = usage
+        else:
+            extra = chunk.get("x_groq")
+            if isinstance(extra, dict) and isinstance(extra.get("usage"), dict):
+                stats.usage = extra["usage"]
+            timings = chunk.get("timings")
+            if isinstance(timings, dict) and "predicted_n" in timings:
+                stats.usage = {"prompt_tokens": timings.get("prompt_n", 0), "completion_tokens": timings["predicted_n"]}
+        time_info = chunk.get("time_info")
+        if isinstance(time_info, dict):
+            stats.time_info = time_info
+        choices = chunk.get("choices")
+        if not choices:
+            return not (self._strip and isinstance(usage, dict) and choices == [])
+        if isinstance(choices, list) and _has_token(choices):
+            stats.token_chunks += 1
+            if stats.t_first_token is None:
+                stats.t_first_token = now
+            stats.t_last_token = now
+        return True
+
+
+def _has_token(choices: list[Any]) -> bool:
+    for choice in choices:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if isinstance(delta, dict):
+            for key in _TOKEN_KEYS:
+                if delta.get(key):
+                    return True
+    return False

@@ -1,0 +1,162 @@
+"""The OpenAI wire shapes the gateway touches: reading a chat-completions request, and preparing the body
+sent to each upstream dialect without re-serialising what it does not have to change.
+
+Request body rules (wire contract §1):
+
+* ``openai`` dialect: the client's bytes, except the ``model`` value (alias -> upstream id) and, when the
+  gateway asks for usage, ``stream_options.include_usage``; every other byte, unknown fields included,
+  is kept.
+* ``cerebras`` dialect: Cerebras answers unknown properties with 422, so the fields it rejects are
+  dropped (``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``, ``prompt_cache_key``,
+  ``safety_identifier``, ``stream_options.include_obfuscation``) and the body is re-serialised.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import orjson
+
+from gateway.errors import InvalidRequest
+
+CEREBRAS_DROP = ("metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier")
+
+# A JSON string (unrolled loop) or one structural bracket; everything else is skipped by finditer.
+_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[{}\[\]]')
+_WS = b" \t\r\n"
+
+
+def parse_chat_request(raw: bytes) -> dict[str, Any]:
+    """Parse and check a chat-completions body just enough to route it.
+
+    Returns:
+        The parsed body (a dict).
+
+    Raises:
+        InvalidRequest: not JSON, not an object, ``model`` missing or not a non-empty string,
+            ``messages`` missing or not a non-empty array, ``stream`` or ``stream_options`` of the wrong type.
+    """
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"The request body must be a JSON object, got {_json_type(body)}.", code="invalid_json")
+    model = body.get("model")
+    if model is None:
+        raise InvalidRequest("you must provide a model parameter", param="model", code="missing_required_parameter")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest(f"Invalid type for 'model': expected a non-empty string, got {_json_type(model)}.",
+                             param="model", code="invalid_type")
+    messages = body.get("messages")
+    if messages is None:
+        raise InvalidRequest("Missing required parameter: 'messages'.", param="messages",
+                             code="missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("Invalid 'messages': expected a non-empty array.", param="messages", code="invalid_type")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise InvalidRequest(f"Invalid type for 'stream': expected a boolean, got {_json_type(stream)}.",
+                             param="stream", code="invalid_type")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise InvalidRequest("Invalid type for 'stream_options': expected an object.", param="stream_options",
+                             code="invalid_type")
+    return body
+
+
+def client_wants_usage(body: dict[str, Any]) -> bool:
+    """True when the client itself asked for the usage chunk (``stream_options.include_usage: true``)."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def upstream_body(raw: bytes, body: dict[str, Any], upstream_model: str, dialect: str, ask_usage: bool) -> bytes:
+    """The bytes to send upstream for one attempt.
+
+    Args:
+        raw: the client's body bytes; body: the same, parsed; upstream_model: model id for this upstream;
+        dialect: ``openai`` or ``cerebras``; ask_usage: add ``stream_options.include_usage: true``.
+    """
+    if dialect == "cerebras":
+        out = {k: v for k, v in body.items() if k not in CEREBRAS_DROP}
+        out["model"] = upstream_model
+        options = out.get("stream_options")
+        if isinstance(options, dict) and "include_obfuscation" in options:
+            out["stream_options"] = {k: v for k, v in options.items() if k != "include_obfuscation"}
+        return orjson.dumps(out)
+    if upstream_model != body["model"]:
+        raw = replace_top_level(raw, b"model", orjson.dumps(upstream_model))
+    if ask_usage:
+        options = body.get("stream_options")
+        if options is None:
+            start = raw.index(b"{") + 1
+            raw = raw[:start] + b'"stream_options":{"include_usage":true},' + raw[start:]
+        else:
+            raw = replace_top_level(raw, b"stream_options", orjson.dumps({**options, "include_usage": True}))
+    return raw
+
+
+def replace_top_level(raw: bytes, key: bytes, value: bytes) -> bytes:
+    """Replace the value of top-level ``key`` in the JSON object ``raw`` with the JSON text ``value``.
+
+    Only the value's bytes change. Falls back to parsing and re-serialising when the key cannot be
+    located by the scanner (it is always present: callers only replace keys the parsed body holds).
+    """
+    span = _value_span(raw, key)
+    if span is None:
+        body = orjson.loads(raw)
+        body[key.decode()] = orjson.loads(value)
+        return orjson.dumps(body)
+    return raw[: span[0]] + value + raw[span[1]:]
+
+
+def _value_span(raw: bytes, key: bytes) -> tuple[int, int] | None:
+    """Byte span of the value of top-level ``key`` (a string, object or array value), or None."""
+    quoted = b'"' + key + b'"'
+    depth = 0
+    tokens = _TOKEN.finditer(raw)
+    for m in tokens:
+        tok = m.group()
+        first = tok[0]
+        if first == 0x22:
+            if depth != 1 or not (tok == quoted or (b"\\" in tok and orjson.loads(tok) == key.decode())):
+                continue
+            colon = _skip_ws(raw, m.end())
+            if colon >= len(raw) or raw[colon] != 0x3A:
+                continue
+            start = _skip_ws(raw, colon + 1)
+            return start, _value_end(raw, start, tokens)
+        depth += 1 if first in b"{[" else -1
+    return None
+
+
+def _value_end(raw: bytes, start: int, tokens: Any) -> int:
+    if raw[start] not in b'"{[':  # number, true, false, null
+        end = start
+        while end < len(raw) and raw[end] not in b",}" and raw[end] not in _WS:
+            end += 1
+        return end
+    depth = 0
+    for m in tokens:
+        tok = m.group()
+        if tok[0] == 0x22:
+            if depth == 0:
+                return m.end()
+            continue
+        depth += 1 if tok[0] in b"{[" else -1
+        if depth == 0:
+            return m.end()
+    return len(raw)
+
+
+def _skip_ws(raw: bytes, pos: int) -> int:
+    while pos < len(raw) and raw[pos] in _WS:
+        pos += 1
+    return pos
+
+
+def _json_type(value: object) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
