@@ -39,7 +39,7 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None) 
     """
     config = loaded.config
     registry = registry if registry is not None else CollectorRegistry()
-    metrics = Metrics(registry, config.model_names(), [(u.tier, u.name) for u in config.upstreams])
+    metrics = Metrics(registry, config.model_names(), [(u.tier, u.name, u.models) for u in config.upstreams])
     pool = UpstreamPool(config.upstreams, loaded.keys)
     gateway = Gateway(config, Policy(config), pool, metrics)
 

@@ -42,10 +42,11 @@ class Metrics:
     Args:
         registry: where the families are registered (a fresh ``CollectorRegistry`` per app).
         models: configured client-facing model names; any other value is labelled ``other``.
-        routes: (tier, upstream) pairs to pre-initialise so series exist before traffic.
+        routes: (tier, upstream, served models) to pre-initialise, so series exist before traffic.
     """
 
-    def __init__(self, registry: CollectorRegistry, models: Iterable[str], routes: Iterable[tuple[str, str]]) -> None:
+    def __init__(self, registry: CollectorRegistry, models: Iterable[str],
+                 routes: Iterable[tuple[str, str, Iterable[str]]]) -> None:
         self.registry = registry
         self.models = frozenset(models)
         p = PREFIX
@@ -79,9 +80,9 @@ class Metrics:
         self.upstream_reported = Histogram(f"{p}_upstream_reported_seconds",
                                            "Upstream-reported timings: Cerebras time_info phases, openai-processing-ms.",
                                            ("tier", "upstream", "phase"), buckets=TTFT_BUCKETS, registry=registry)
-        for tier, upstream in routes:
+        for tier, upstream, served in routes:
             self.in_flight.labels(tier, upstream)
-            for model in sorted(self.models):
+            for model in sorted(served):
                 self.requests.labels(tier, upstream, model, "success")
 
     def model_label(self, model: str | None) -> str:

@@ -1,0 +1,180 @@
+"""Shared test infrastructure: real processes on loopback sockets.
+
+* :class:`Proc` runs ``python -m gateway ...`` (gateway or emulator) as a subprocess and waits for its port.
+* :func:`start_stack` writes a config file, starts one emulator per upstream and the gateway in front.
+* ``stack``: the session's default stack (fast tier: Cerebras dialect; standard tier: OpenAI dialect).
+
+Nothing here talks to anything but 127.0.0.1; every process is killed at the end of its fixture.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = (ROOT / ".." / "shared" / "fixtures" / "upstream").resolve()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """A ``python -m gateway`` subprocess listening on ``port``; output goes to a log file."""
+
+    def __init__(self, args: list[str], port: int, log: Path, env: dict[str, str] | None = None) -> None:
+        self.port = port
+        self.log = log
+        self._fh = log.open("wb")
+        self.popen = subprocess.Popen([sys.executable, "-m", "gateway", *args], cwd=ROOT, stdout=self._fh,
+                                      stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{args} exited {self.popen.returncode}:\n{log.read_text()}")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"{args} did not listen on {port}:\n{log.read_text()}")
+
+    def stop(self) -> None:
+        """Terminate (then kill) the process."""
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        self._fh.close()
+
+
+@dataclass
+class Stack:
+    """A running gateway and its emulated upstreams."""
+
+    gateway: Proc
+    upstreams: dict[str, Proc]
+    config_path: Path
+    procs: list[Proc] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        """The gateway's OpenAI base URL (``.../v1``)."""
+        return f"http://127.0.0.1:{self.gateway.port}/v1"
+
+    @property
+    def root(self) -> str:
+        return f"http://127.0.0.1:{self.gateway.port}"
+
+    def metrics(self) -> str:
+        """The gateway's ``/metrics`` text."""
+        return httpx.get(self.root + "/metrics", timeout=5).text
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.stop()
+
+
+def emulator(tier: str, tmp: Path, *, dialect: str | None = None, tps: float | None = None,
+             ttft: float | None = None) -> Proc:
+    """Start ``tiergate emulate`` on a free port."""
+    port = free_port()
+    args = ["emulate", "--tier", tier, "--port", str(port), "--fixtures", str(FIXTURES)]
+    if dialect:
+        args += ["--dialect", dialect]
+    if tps:
+        args += ["--tps", str(tps)]
+    if ttft is not None:
+        args += ["--ttft", str(ttft)]
+    return Proc(args, port, tmp / f"emulator-{tier}-{port}.log")
+
+
+def default_config(fast_url: str, standard_url: str, **overrides: Any) -> dict[str, Any]:
+    """The test config: one emulated upstream per tier serving ``gpt-5.6``, alias ``gpt-5.6-sol-fast`` -> fast."""
+    cfg: dict[str, Any] = {
+        "default_tier": "standard",
+        "upstreams": [
+            {"name": "emu-fast", "tier": "fast", "base_url": fast_url, "dialect": "cerebras",
+             "timeouts": {"connect": 2, "idle": 5, "total": 30}, "models": {"gpt-5.6": "gpt-5.6-wse"}},
+            {"name": "emu-standard", "tier": "standard", "base_url": standard_url, "dialect": "openai",
+             "timeouts": {"connect": 2, "idle": 5, "total": 30}, "models": {"gpt-5.6": "gpt-5.6-2026-10-01"}},
+        ],
+        "aliases": {"gpt-5.6-sol-fast": {"model": "gpt-5.6", "tier": "fast"}},
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def start_gateway(config: dict[str, Any], tmp: Path, env: dict[str, str] | None = None) -> tuple[Proc, Path]:
+    """Write ``config`` to a file and start ``tiergate serve`` on a free port."""
+    path = tmp / f"gateway-{free_port()}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    proc = Proc(["serve", "--config", str(path), "--port", str(port), "--log-level", "warning"], port,
+                tmp / f"gateway-{port}.log", env=env)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    return proc, path
+
+
+def start_stack(tmp: Path, **overrides: Any) -> Stack:
+    """Two emulators (fast: Cerebras dialect, standard: OpenAI dialect) and a gateway in front of them."""
+    fast = emulator("fast", tmp)
+    standard = emulator("standard", tmp)
+    cfg = default_config(f"http://127.0.0.1:{fast.port}/v1", f"http://127.0.0.1:{standard.port}/v1", **overrides)
+    gw, path = start_gateway(cfg, tmp)
+    return Stack(gw, {"fast": fast, "standard": standard}, path, [gw, fast, standard])
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The default stack, shared by the tests of a session."""
+    s = start_stack(tmp_path_factory.mktemp("stack"))
+    yield s
+    s.stop()
+
+
+def sample(metrics_text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` (0.0 when none)."""
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        m = re.match(r"^([^{ ]+)(?:\{(.*)\})? (\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+def fast_directive(**kw: Any) -> str:
+    """An emulator directive string, e.g. ``fast_directive(tokens=5)`` -> ``[[emulate tokens=5]]``."""
+    return "[[emulate " + " ".join(f"{k}={v}" for k, v in kw.items()) + "]]"
