@@ -28,6 +28,7 @@ from gateway.errors import (
     UpstreamBadResponse,
     UpstreamStatusError,
     UpstreamTimeout,
+    UpstreamUnavailable,
 )
 from gateway.metrics import Metrics
 from gateway.policy import Candidate, Decision, Policy, RequestFacts
@@ -73,8 +74,10 @@ class Gateway:
         last: GatewayError | None = None
         reason = decision.fallback
         attempts = decision.candidates[: self.config.max_attempts]
-        for n, cand in enumerate(attempts):
+        tried = 0
+        for cand in attempts:
             up = cand.upstream
+            tried += 1
             gateway_asks = ask_usage and up.dialect == "openai"
             payload = upstream_body(raw, body, cand.upstream_model, up.dialect, gateway_asks)
             self.metrics.overhead.labels(up.tier).observe(time.perf_counter() - t0)
@@ -88,26 +91,29 @@ class Gateway:
             except GatewayError as exc:
                 last = exc
                 self.metrics.upstream_errors.labels(up.tier, up.name, _reason(exc)).inc()
-                if not _retryable(exc) or n + 1 == len(attempts):
+                if not _retryable(exc) or tried == len(attempts):
                     break
                 reason = _reason(exc)
                 continue
-            headers = self._route_headers(decision, cand, rid, reason if n or decision.fallback else None)
-            if reason and (n or decision.fallback):
+            fell_back = tried > 1 or decision.fallback is not None
+            headers = self._route_headers(decision, cand, rid, reason if fell_back else None)
+            if fell_back and reason:
                 self.metrics.fallbacks.labels(decision.tier, up.tier, reason).inc()
             headers.update(resp.headers)
             if stream:
                 relay = Relay(strip_usage_chunk=gateway_asks, max_event_bytes=self.config.limits.max_event_bytes)
                 return RelayResponse(resp, relay, headers, self._stream_recorder(cand, model, t0))
             return await self._whole(resp, cand, model, headers, t0)
-        assert last is not None
+        if last is None:  # no candidate at all (policy guarantees one; kept for safety)
+            last = UpstreamUnavailable("No upstream is configured for this model.")
         outcome = "upstream_timeout" if isinstance(last, UpstreamTimeout) else (
             "upstream_error" if isinstance(last, UpstreamStatusError) else "upstream_unavailable")
-        served = attempts[-1].upstream if attempts else None
-        self.metrics.record(tier=served.tier if served else decision.tier, upstream=served.name if served else "none",
+        final = attempts[tried - 1] if tried else None
+        self.metrics.record(tier=final.upstream.tier if final else decision.tier,
+                            upstream=final.upstream.name if final else "none",
                             model=model, outcome=outcome, stream=stream, duration=time.perf_counter() - t0)
-        extra = self._route_headers(decision, attempts[-1], rid, None) if attempts else {"x-request-id": rid}
-        if len(attempts) > 1:
+        extra = self._route_headers(decision, final, rid, None) if final else {"x-request-id": rid}
+        if tried > 1:
             extra["x-should-retry"] = "false"  # the gateway already retried; the SDK should not multiply it
         return error_response(last, extra)
 

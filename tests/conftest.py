@@ -160,9 +160,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s.stop()
 
 
-def sample(metrics_text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels`` (0.0 when none)."""
+def sample(metrics_text: str, name: str, *, missing_ok: bool = True, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``.
+
+    With ``missing_ok=False`` a series that matches nothing raises ``KeyError`` (so a misspelt name or
+    label value cannot make an assertion pass vacuously); else it counts as 0.0.
+    """
     total = 0.0
+    found = False
     for line in metrics_text.splitlines():
         if not line.startswith(name + "{") and not line.startswith(name + " "):
             continue
@@ -172,6 +177,9 @@ def sample(metrics_text: str, name: str, **labels: str) -> float:
         got = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
         if all(got.get(k) == v for k, v in labels.items()):
             total += float(m.group(3))
+            found = True
+    if not found and not missing_ok:
+        raise KeyError(f"no sample {name} with {labels}")
     return total
 
 

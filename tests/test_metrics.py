@@ -1,0 +1,86 @@
+"""Metrics of streams of known shape land in the right buckets, read from ``/metrics`` as users see them."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from conftest import Stack, fast_directive, sample
+
+TTFT = "tiergate_time_to_first_token_seconds"
+TPOT = "tiergate_time_per_output_token_seconds"
+TPS = "tiergate_output_tokens_per_second"
+
+
+def _delta(before: str, after: str, name: str, **labels: str) -> float:
+    """How much a series grew; the series must exist afterwards (a typo in a label cannot pass vacuously)."""
+    return sample(after, name, missing_ok=False, **labels) - sample(before, name, **labels)
+
+
+@pytest.mark.parametrize(("model", "tier"), [("gpt-5.6-sol-fast", "fast"), ("gpt-5.6", "standard")])
+def test_known_stream_lands_in_the_right_buckets(stack: Stack, model: str, tier: str) -> None:
+    # 200 tokens at 750 tokens/s after a 100 ms TTFT; the role-only chunk is sent at t=0 by the emulator
+    directive = fast_directive(tokens=200, tps=750, ttft_ms=100)
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+    before = stack.metrics()
+    chunks = list(client.chat.completions.create(model=model, stream=True,
+                                                 messages=[{"role": "user", "content": directive}]))
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) == 200
+    after = stack.metrics()
+    lab = {"tier": tier, "model": "gpt-5.6"}
+    assert _delta(before, after, TTFT + "_count", **lab) == 1
+    # TTFT is timed at the first token-bearing chunk: not the headers, not the role-only chunk at t=0
+    assert _delta(before, after, TTFT + "_bucket", le="0.075", **lab) == 0
+    assert _delta(before, after, TTFT + "_bucket", le="0.15", **lab) == 1
+    ttft = _delta(before, after, TTFT + "_sum", **lab)
+    assert 0.100 <= ttft < 0.115
+    # 1.333 ms per token: above the 1.25 ms bound, inside the 1.5 ms one
+    assert _delta(before, after, TPOT + "_bucket", le="0.00125", **lab) == 0
+    assert _delta(before, after, TPOT + "_bucket", le="0.0015", **lab) == 1
+    tpot = _delta(before, after, TPOT + "_sum", **lab)
+    assert tpot == pytest.approx(1 / 750, rel=0.03)
+    assert _delta(before, after, TPS + "_bucket", le="600.0", **lab) == 0
+    assert _delta(before, after, TPS + "_bucket", le="1000.0", **lab) == 1
+    assert _delta(before, after, "tiergate_tokens_total", token_type="output", **lab) == 200
+    assert _delta(before, after, "tiergate_requests_total", outcome="success", **lab) == 1
+
+
+def test_standard_pace_lands_in_the_25ms_bucket(stack: Stack) -> None:
+    directive = fast_directive(tokens=12, tps=45, ttft_ms=20)  # 22.2 ms per token
+    before = stack.metrics()
+    httpx.post(stack.base_url + "/chat/completions", timeout=10, json={
+        "model": "gpt-5.6", "stream": True, "messages": [{"role": "user", "content": directive}]}).raise_for_status()
+    after = stack.metrics()
+    lab = {"tier": "standard", "model": "gpt-5.6"}
+    assert _delta(before, after, TPOT + "_bucket", le="0.02", **lab) == 0
+    assert _delta(before, after, TPOT + "_bucket", le="0.025", **lab) == 1
+    assert _delta(before, after, TPS + "_bucket", le="40.0", **lab) == 0
+    assert _delta(before, after, TPS + "_bucket", le="50.0", **lab) == 1
+
+
+def test_stream_without_usage_counts_usage_missing_not_tokens(stack: Stack) -> None:
+    directive = fast_directive(tokens=5, tps=2000, ttft_ms=2, usage="none")
+    before = stack.metrics()
+    httpx.post(stack.base_url + "/chat/completions", timeout=10, json={
+        "model": "gpt-5.6-sol-fast", "stream": True,
+        "messages": [{"role": "user", "content": directive}]}).raise_for_status()
+    after = stack.metrics()
+    lab = {"tier": "fast", "model": "gpt-5.6"}
+    assert _delta(before, after, "tiergate_usage_missing_total", **lab) == 1
+    assert sample(after, "tiergate_tokens_total", **lab) == sample(before, "tiergate_tokens_total", **lab)
+    assert _delta(before, after, TPOT + "_count", **lab) == 0  # no usage: no invented token count
+    assert _delta(before, after, TTFT + "_count", **lab) == 1
+
+
+def test_cerebras_time_info_and_labels_are_bounded(stack: Stack) -> None:
+    directive = fast_directive(tokens=4, tps=1000, ttft_ms=10)
+    before = stack.metrics()
+    httpx.post(stack.base_url + "/chat/completions", timeout=10, json={
+        "model": "gpt-5.6-sol-fast", "stream": True,
+        "messages": [{"role": "user", "content": directive}]}).raise_for_status()
+    after = stack.metrics()
+    for phase in ("queue", "prompt", "completion", "total"):
+        assert _delta(before, after, "tiergate_upstream_reported_seconds_count", phase=phase, tier="fast") == 1
+    # labels never carry request ids or raw client values
+    assert "req_" not in after and "chatcmpl" not in after
