@@ -1,0 +1,115 @@
+"""Config validation at start-up: a bad file stops the process with a message naming file, field and problem."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from gateway.config import load_config
+from gateway.errors import ConfigError
+
+GOOD: dict[str, Any] = {
+    "upstreams": [
+        {"name": "f", "tier": "fast", "base_url": "http://127.0.0.1:1/v1", "api_key_env": "F_KEY",
+         "models": {"m": "m-fast"}},
+        {"name": "s", "tier": "standard", "base_url": "http://127.0.0.1:2/v1", "models": {"m": "m-std"}},
+    ],
+}
+
+
+def _write(tmp_path: Path, data: Any) -> Path:
+    path = tmp_path / "gw.yaml"
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+def _with(**changes: Any) -> dict[str, Any]:
+    cfg = yaml.safe_load(yaml.safe_dump(GOOD))
+    cfg.update(changes)
+    return cfg
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ("upstreams: [", "not valid YAML"),
+        ("- a\n- b\n", "top level must be a mapping"),
+        (_with(default_tier="turbo"), "default_tier"),
+        (_with(upstreams=[]), "upstreams"),
+        (_with(upstreams=[{**GOOD["upstreams"][0], "tier": "medium"}]), "upstreams.0.tier"),
+        (_with(upstreams=[{**GOOD["upstreams"][0], "base_url": "ftp://x"}]), "upstreams.0.base_url"),
+        (_with(upstreams=[{**GOOD["upstreams"][0], "models": {}}]), "upstreams.0.models"),
+        (_with(upstreams=[{**GOOD["upstreams"][0], "timeouts": {"idle": -1}}]), "upstreams.0.timeouts.idle"),
+        (_with(upstreams=[{**GOOD["upstreams"][0], "colour": "red"}]), "upstreams.0.colour"),
+        (_with(upstreams=[GOOD["upstreams"][0], GOOD["upstreams"][0]]), "repeated: f"),
+        (_with(aliases={"x": {"model": "nope"}}), "aliases.x.model"),
+        (_with(aliases={"m": {"model": "m"}}), "shadows"),
+        (_with(upstreams=[GOOD["upstreams"][1]], aliases={"x": {"model": "m", "tier": "fast"}}),
+         "no fast upstream serves"),
+        (_with(workloads={"batch": "slow"}), "workloads.batch"),
+        (_with(max_attempts=0), "max_attempts"),
+    ],
+)
+def test_bad_config_names_file_field_and_problem(tmp_path: Path, data: Any, needle: str) -> None:
+    path = _write(tmp_path, data)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, {"F_KEY": "k"})
+    assert str(path) in str(info.value)
+    assert needle in str(info.value)
+
+
+def test_missing_key_is_a_startup_error_naming_the_variable(tmp_path: Path) -> None:
+    path = _write(tmp_path, GOOD)
+    with pytest.raises(ConfigError, match=r"F_KEY is not set.*upstream 'f'"):
+        load_config(path, {})
+    loaded = load_config(path, {"F_KEY": "sk-secret"})
+    assert loaded.keys["f"].get_secret_value() == "sk-secret"
+    assert "sk-secret" not in repr(loaded.keys)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "nope.yaml", {})
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gateway", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=30, env={"PATH": "/usr/bin:/bin", **(env or {})})
+
+
+def test_serve_with_bad_config_exits_2_before_serving(tmp_path: Path) -> None:
+    path = _write(tmp_path, _with(default_tier="turbo"))
+    proc = _cli("serve", "--config", str(path), "--port", "1")
+    assert proc.returncode == 2
+    assert str(path) in proc.stderr and "default_tier" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_gateway_config_env_variable_is_used(tmp_path: Path) -> None:
+    path = _write(tmp_path, GOOD)
+    proc = _cli("serve", "--port", "1", env={"GATEWAY_CONFIG": str(path)})
+    assert proc.returncode == 2 and "F_KEY is not set" in proc.stderr
+
+
+def test_check_config_prints_the_resolved_routes() -> None:
+    proc = _cli("check-config", "config/demo.yaml")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "config/demo.yaml: valid" in out
+    assert "gpt-5.6-sol-fast -> fast" in out
+    assert "fast/emulated-fast: gpt-5.6-wse" in out
+    assert "standard/emulated-standard: gpt-5.6-2026-10-01" in out
+
+
+def test_shipped_production_config_is_valid_and_names_its_key_variables() -> None:
+    proc = _cli("check-config", "config/gateway.yaml")
+    assert proc.returncode == 0, proc.stderr
+    assert "CEREBRAS_API_KEY" in proc.stdout and "OPENAI_API_KEY" in proc.stdout
+    loaded = load_config(ROOT / "config" / "gateway.yaml", {"CEREBRAS_API_KEY": "a", "OPENAI_API_KEY": "b"})
+    assert {u.tier for u in loaded.config.upstreams} == {"fast", "standard"}
