@@ -150,6 +150,8 @@ class Gateway:
 
         def finish(stats: StreamStats, outcome: str) -> None:
             gauge.dec()
+            if stats.error:
+                self.metrics.upstream_errors.labels(up.tier, up.name, stats.error).inc()
             ttft = stats.t_first_token - t0 if stats.t_first_token is not None else None
             decode = (stats.t_last_token - stats.t_first_token) if stats.t_first_token is not None else None
             self.metrics.record(tier=up.tier, upstream=up.name, model=model, outcome=outcome, stream=True,

@@ -28,6 +28,7 @@ drop_after    after N events, reset the connection; stall_after: after N events,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import socket
 import struct
@@ -177,8 +178,9 @@ class EmulatorProtocol(asyncio.Protocol):
 
     def _start_chunked(self, status: int, ctype: bytes) -> None:
         if self.transport is not None:
+            reason = REASONS.get(status, b"OK")
             self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n"
-                                 b"x-request-id: emu_%x\r\n\r\n" % (status, REASONS.get(status, b"OK"), ctype, id(self)))
+                                 b"x-request-id: emu_%x\r\n\r\n" % (status, reason, ctype, id(self)))
 
     def write_chunk(self, payload: bytes) -> None:
         """Write one HTTP chunk (chunked transfer encoding)."""
@@ -372,7 +374,5 @@ def run(config: EmulatorConfig, host: str, port: int) -> None:
         async with server:
             await server.serve_forever()
 
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         runner(main())
-    except KeyboardInterrupt:
-        pass

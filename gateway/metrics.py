@@ -16,6 +16,7 @@ requests. Labels are bounded: tier, upstream and model come from the config (unk
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -77,9 +78,9 @@ class Metrics:
                                  ("rule", "tier"), registry=registry)
         self.in_flight = Gauge(f"{p}_in_flight_requests", "Requests being served now.", ("tier", "upstream"),
                                registry=registry)
-        self.upstream_reported = Histogram(f"{p}_upstream_reported_seconds",
-                                           "Upstream-reported timings: Cerebras time_info phases, openai-processing-ms.",
-                                           ("tier", "upstream", "phase"), buckets=TTFT_BUCKETS, registry=registry)
+        self.upstream_reported = Histogram(
+            f"{p}_upstream_reported_seconds", "Upstream-reported timings: Cerebras time_info, openai-processing-ms.",
+            ("tier", "upstream", "phase"), buckets=TTFT_BUCKETS, registry=registry)
         for tier, upstream, served in routes:
             self.in_flight.labels(tier, upstream)
             for model in sorted(served):
@@ -133,10 +134,8 @@ class Metrics:
                 if isinstance(value, int | float) and value >= 0:
                     self.upstream_reported.labels(tier, upstream, phase).observe(value)
         elif processing_ms:
-            try:
+            with contextlib.suppress(ValueError):
                 self.upstream_reported.labels(tier, upstream, "total").observe(float(processing_ms) / 1000.0)
-            except ValueError:
-                pass
 
 
 def _int(value: object) -> int:

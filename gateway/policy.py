@@ -87,7 +87,8 @@ class Policy:
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self._by_tier: dict[Tier, list[UpstreamConfig]] = {t: [u for u in config.upstreams if u.tier == t] for t in TIERS}
+        self._by_tier: dict[Tier, list[UpstreamConfig]] = {
+            t: [u for u in config.upstreams if u.tier == t] for t in TIERS}
         self._served = {m for u in config.upstreams for m in u.models}
 
     def decide(self, facts: RequestFacts) -> Decision:

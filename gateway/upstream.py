@@ -70,7 +70,7 @@ class UpstreamResponse:
                 if not data:
                     return
                 yield data
-        except (TimeoutError, asyncio.TimeoutError) as exc:
+        except TimeoutError as exc:
             raise StreamInterrupted("upstream_idle_timeout", "The upstream stopped sending before the end.") from exc
         except (aiohttp.ClientError, OSError) as exc:
             raise StreamInterrupted("upstream_stream_interrupted",

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import ROOT
 from gateway.config import load_config
 from gateway.errors import ConfigError
+
+from conftest import ROOT
 
 GOOD: dict[str, Any] = {
     "upstreams": [

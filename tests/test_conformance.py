@@ -1,0 +1,306 @@
+"""The wire contract's conformance checks (shared/design/wire-contract.md §7) over real sockets.
+
+One scripted fake upstream serves both tiers (fast: Cerebras dialect, standard: OpenAI dialect); each test
+picks its scripted answer with a top-level ``x_case`` field, which the OpenAI dialect forwards untouched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from conftest import Proc, sample, start_gateway
+from fake_upstream import FakeUpstream, Plan, Received, chunk, sse
+
+CASES: dict[str, Plan] = {}
+SECRET = "sk-SECRET-4f1c9"
+
+
+def _handler(req: Received) -> Plan:
+    try:
+        case = orjson.loads(req.body).get("x_case", "")
+    except orjson.JSONDecodeError:
+        case = ""
+    return CASES.get(case, Plan(parts=[(0, sse(chunk(role=True), chunk("ok"), chunk(finish="stop")))]))
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeUpstream]:
+    up = FakeUpstream(_handler)
+    yield up
+    up.stop()
+
+
+@pytest.fixture(scope="module")
+def gw(fake: FakeUpstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    cfg = {
+        "max_attempts": 1,
+        "upstreams": [
+            {"name": "fake-fast", "tier": "fast", "base_url": fake.base_url, "dialect": "cerebras",
+             "api_key_env": "FAKE_FAST_KEY", "timeouts": {"connect": 1, "idle": 0.5, "total": 5},
+             "models": {"m": "m-fast"}},
+            {"name": "fake-std", "tier": "standard", "base_url": fake.base_url, "dialect": "openai",
+             "api_key_env": "FAKE_STD_KEY", "timeouts": {"connect": 1, "idle": 0.5, "total": 5},
+             "models": {"m": "m-std"}},
+        ],
+    }
+    proc, _ = start_gateway(cfg, tmp_path_factory.mktemp("conf"),
+                            env={"FAKE_FAST_KEY": "fast-upstream-key", "FAKE_STD_KEY": "std-upstream-key"})
+    yield proc
+    proc.stop()
+
+
+def _url(gw: Proc) -> str:
+    return f"http://127.0.0.1:{gw.port}/v1"
+
+
+def _client(gw: Proc, retries: int = 0) -> openai.OpenAI:
+    return openai.OpenAI(base_url=_url(gw), api_key=SECRET, max_retries=retries)
+
+
+def _stream_bytes(gw: Proc, body: dict[str, Any], headers: dict[str, str] | None = None) -> httpx.Response:
+    resp = httpx.post(_url(gw) + "/chat/completions", json={"model": "m", "stream": True, "messages": [
+        {"role": "user", "content": "x"}], **body}, headers=headers, timeout=10)
+    return resp
+
+
+def _events(raw: bytes) -> list[bytes]:
+    return [e for e in raw.split(b"\n\n") if e]
+
+
+# 1. pass-through and 2. usage injected for metering
+def test_plain_stream_passes_through_and_usage_is_metered_not_shown(fake: FakeUpstream, gw: Proc) -> None:
+    body = sse(chunk(role=True), chunk("Hel"), chunk("lo"), chunk(finish="stop"), chunk(usage=True))
+    CASES["pass"] = Plan(parts=[(0, body)])
+    before = httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text
+    resp = _stream_bytes(gw, {"x_case": "pass"})
+    sent = orjson.loads(fake.requests[-1].body)
+    assert sent["stream_options"] == {"include_usage": True}  # asked upstream for usage
+    usage_event = b"data: " + chunk(usage=True).encode() + b"\n\n"
+    assert resp.content == body.replace(usage_event, b"")  # ... and removed it from the client's stream
+    assert resp.headers["content-type"] == "text/event-stream; charset=utf-8"
+    assert "content-length" not in resp.headers
+    after = httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text
+    grew = sample(after, "tiergate_tokens_total", missing_ok=False, token_type="output", tier="standard") - sample(
+        before, "tiergate_tokens_total", token_type="output", tier="standard")
+    assert grew == 3
+
+
+# 3. usage requested by the client from a Cerebras-style upstream (usage on the finish chunk, no [DONE])
+def test_client_usage_from_cerebras_style_upstream(fake: FakeUpstream, gw: Proc) -> None:
+    finish = orjson.loads(chunk(finish="stop"))
+    finish["usage"] = {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    finish["time_info"] = {"queue_time": 0.001, "prompt_time": 0.002, "completion_time": 0.003, "total_time": 0.006}
+    CASES["cb"] = Plan(parts=[(0, sse(chunk(role=True), chunk("a"), chunk("b"), orjson.dumps(finish), done=False))])
+    client = _client(gw)
+    with client.chat.completions.stream(model="m", messages=[{"role": "user", "content": "x"}],
+                                        stream_options={"include_usage": True},
+                                        extra_body={"x_case": "cb"}) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    assert final.usage is not None and final.usage.completion_tokens == 2
+
+
+# 4. line endings, split CR/LF, multi-line data
+@pytest.mark.parametrize("framing", ["crlf", "cr", "mixed", "split_crlf", "multiline"])
+def test_line_endings_give_identical_chunks(fake: FakeUpstream, gw: Proc, framing: str) -> None:
+    events = [chunk(role=True), chunk("one"), chunk("two\u2028three"), chunk(finish="stop")]
+    lf = sse(*events)
+    if framing == "crlf":
+        parts = [(0.0, lf.replace(b"\n", b"\r\n"))]
+    elif framing == "cr":
+        parts = [(0.0, lf.replace(b"\n", b"\r"))]
+    elif framing == "mixed":
+        out = b""
+        for i, ev in enumerate(_events(lf)):
+            eol = (b"\n", b"\r\n", b"\r")[i % 3]
+            out += ev + eol + eol
+        parts = [(0.0, out)]
+    elif framing == "split_crlf":
+        crlf = lf.replace(b"\n", b"\r\n")
+        cut = crlf.index(b"\r\n") + 1  # the CR in one read, its LF in the next
+        parts = [(0.0, crlf[:cut]), (0.05, crlf[cut:])]
+    else:
+        text = chunk("one")
+        mid = text.index(",")
+        parts = [(0.0, sse(chunk(role=True), done=False) + b"data: " + text[:mid].encode() + b"\ndata: "
+                  + text[mid:].encode() + b"\n\n" + sse(chunk(finish="stop")))]
+        events = [chunk(role=True), chunk("one"), chunk(finish="stop")]
+    CASES["frame"] = Plan(parts=parts)
+    got = list(_client(gw).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                   stream=True, extra_body={"x_case": "frame"}))
+    assert [c.model_dump() for c in got] == [
+        openai.types.chat.ChatCompletionChunk.model_validate_json(e).model_dump() for e in events]
+
+
+# 5. BOM, comments and U+2028; 6. never emit data-less events
+def test_bom_comments_u2028_and_dataless_events(fake: FakeUpstream, gw: Proc) -> None:
+    body = (b"\xef\xbb\xbf: ping\n\n" + sse(chunk(role=True), done=False) + b"event: ping\n\nid: 7\n\n\nretry: 10\n\n"
+            + sse(chunk("a\u2028b"), chunk(finish="stop")))
+    CASES["bom"] = Plan(parts=[(0, body)])
+    resp = _stream_bytes(gw, {"x_case": "bom"})
+    assert not resp.content.startswith(b"\xef\xbb\xbf")
+    lines = resp.content.split(b"\n")
+    assert not [ln for ln in lines if ln.startswith((b"event:", b"id:", b"retry:"))]
+    assert "a\u2028b".encode() in resp.content
+    got = list(_client(gw).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                   stream=True, extra_body={"x_case": "bom"}))
+    assert [c.choices[0].delta.content for c in got] == ["", "a\u2028b", None]
+
+
+# 7. an error event after the 200
+def test_error_mid_stream_raises_api_error_in_the_sdk(fake: FakeUpstream, gw: Proc) -> None:
+    err = b'{"error":{"message":"overloaded","type":"server_error","param":null,"code":null}}'
+    CASES["err"] = Plan(parts=[(0, sse(chunk(role=True), chunk("a"), err, done=False))], end="eof")
+    with pytest.raises(openai.APIError) as info:
+        list(_client(gw).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                 stream=True, extra_body={"x_case": "err"}))
+    assert info.value.message == "overloaded"
+    assert not isinstance(info.value, openai.APIStatusError)
+    resp = _stream_bytes(gw, {"x_case": "err"})
+    assert b"[DONE]" not in resp.content
+
+
+# 8. upstream EOF or reset mid-stream
+@pytest.mark.parametrize("end", ["eof", "reset", "stall"])
+def test_upstream_dies_mid_stream_gives_one_inband_error(fake: FakeUpstream, gw: Proc, end: str) -> None:
+    CASES["die"] = Plan(parts=[(0, sse(chunk(role=True), chunk("a"), done=False))], end=end)
+    before = httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text
+    resp = _stream_bytes(gw, {"x_case": "die"})
+    assert resp.status_code == 200
+    events = _events(resp.content)
+    assert events[:2] == _events(sse(chunk(role=True), chunk("a"), done=False))
+    last = orjson.loads(events[-1][len(b"data: "):])
+    code = "upstream_idle_timeout" if end == "stall" else "upstream_stream_interrupted"
+    assert last["error"]["code"] == code and set(last["error"]) == {"message", "type", "param", "code"}
+    assert b"[DONE]" not in resp.content and len(events) == 3
+    after = httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text
+    assert sample(after, "tiergate_requests_total", missing_ok=False, outcome="stream_error") == sample(
+        before, "tiergate_requests_total", outcome="stream_error") + 1
+    assert sample(after, "tiergate_upstream_errors_total", missing_ok=False, reason=code) == sample(
+        before, "tiergate_upstream_errors_total", reason=code) + 1
+    with pytest.raises(openai.APIError) as info:
+        list(_client(gw).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                 stream=True, extra_body={"x_case": "die"}))
+    assert info.value.code == code  # type: ignore[attr-defined]
+
+
+# 9. an error before the first byte: status, envelope (flat Cerebras body wrapped), retry headers kept
+def test_429_flat_body_before_first_byte(fake: FakeUpstream, gw: Proc) -> None:
+    flat = b'{"message":"Requests per minute limit exceeded","type":"too_many_requests_error","param":"quota",' \
+           b'"code":"request_quota_exceeded"}'
+    CASES["429"] = Plan(status=429, headers={"content-type": "application/json", "retry-after-ms": "200",
+                                             "x-ratelimit-remaining-requests-day": "0"},
+                        parts=[(0, flat)], chunked=False)
+    n = len(fake.requests)
+    resp = _stream_bytes(gw, {"x_case": "429"})
+    assert resp.status_code == 429 and resp.headers["content-type"] == "application/json"
+    assert resp.json() == {"error": {"message": "Requests per minute limit exceeded",
+                                     "type": "too_many_requests_error", "param": "quota",
+                                     "code": "request_quota_exceeded"}}
+    assert resp.headers["retry-after-ms"] == "200"
+    assert resp.headers["x-ratelimit-remaining-requests-day"] == "0"
+    t0 = time.monotonic()
+    with pytest.raises(openai.RateLimitError) as info:
+        _client(gw, retries=2).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                       stream=True, extra_body={"x_case": "429"})
+    assert info.value.code == "request_quota_exceeded"
+    assert len(fake.requests) - n == 1 + 3  # one by httpx above, three by the SDK (it retried twice)
+    assert time.monotonic() - t0 >= 0.4  # and honoured retry-after-ms between attempts
+
+
+# 11. timeouts: no status line within the idle timeout -> 504 in the envelope
+@pytest.mark.parametrize("stream", [True, False])
+def test_upstream_hangs_before_headers_gives_504(fake: FakeUpstream, gw: Proc, stream: bool) -> None:
+    CASES["hang"] = Plan(head_delay=2.0, parts=[(0, sse(chunk("late")))])  # idle timeout is 0.5 s
+    t0 = time.monotonic()
+    resp = httpx.post(_url(gw) + "/chat/completions", timeout=5, json={
+        "model": "m", "stream": stream, "x_case": "hang", "messages": [{"role": "user", "content": "x"}]})
+    assert resp.status_code == 504
+    assert resp.json()["error"]["code"] == "upstream_timeout"
+    assert 0.5 <= time.monotonic() - t0 < 1.5
+
+
+# 12. field filtering for Cerebras; the same request to OpenAI is byte-identical apart from the model
+def test_cerebras_fields_dropped_openai_body_byte_identical(fake: FakeUpstream, gw: Proc) -> None:
+    body = (b'{"messages": [{"role": "user", "content": "x"}], "model": "m", "metadata": {"k": "v"}, "store": true, '
+            b'"service_tier": "priority", "parallel_tool_calls": true, "prompt_cache_key": "p", '
+            b'"stream_options": {"include_obfuscation": false}, "temperature": 1.2, "max_tokens": 256, '
+            b'"x_unknown_field": [1, 2.50, "\\u00e9"]}')
+    httpx.post(_url(gw) + "/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=5)
+    sent = orjson.loads(fake.requests[-1].body)  # service_tier=priority routed it to the fast tier (Cerebras)
+    for field in ("metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key"):
+        assert field not in sent
+    assert "include_obfuscation" not in sent.get("stream_options", {})
+    assert sent["temperature"] == 1.2 and sent["max_tokens"] == 256 and sent["model"] == "m-fast"
+    httpx.post(_url(gw) + "/chat/completions", content=body, timeout=5,
+               headers={"content-type": "application/json", "x-tiergate-tier": "standard"})
+    assert fake.requests[-1].body == body.replace(b'"model": "m"', b'"model": "m-std"')
+
+
+# 14. service_tier echo: the upstream's answer is relayed untouched
+def test_nonstream_body_relayed_untouched(fake: FakeUpstream, gw: Proc) -> None:
+    answer = (b'{"id":"x","object":"chat.completion","created":1,"model":"gpt-5.6-2026-10-01",'
+              b'"service_tier":"default","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},'
+              b'"logprobs":null,"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,'
+              b'"total_tokens":2}}\n')
+    CASES["echo"] = Plan(headers={"content-type": "application/json"}, parts=[(0, answer)], chunked=False)
+    resp = httpx.post(_url(gw) + "/chat/completions", timeout=5, json={
+        "model": "m", "service_tier": "auto", "x_case": "echo", "messages": [{"role": "user", "content": "x"}]})
+    assert resp.content == answer
+    CASES["notjson"] = Plan(headers={"content-type": "text/html"}, parts=[(0, b"<html>oops</html>")], chunked=False)
+    resp = httpx.post(_url(gw) + "/chat/completions", timeout=5, json={
+        "model": "m", "x_case": "notjson", "messages": [{"role": "user", "content": "x"}]})
+    assert resp.status_code == 502 and resp.json()["error"]["code"] == "upstream_bad_response"
+
+
+def test_no_client_credential_reaches_an_upstream_and_no_upstream_secret_reaches_the_client(
+        fake: FakeUpstream, gw: Proc) -> None:
+    CASES["hdr"] = Plan(headers={
+        "content-type": "text/event-stream", "set-cookie": f"s={SECRET}", "x-internal-token": SECRET,
+        "authorization": SECRET, "openai-organization": SECRET, "x-ratelimit-remaining-tokens": "99",
+        "content-encoding": "identity", "retry-after": "1"}, parts=[(0, sse(chunk("a")))])
+    planted = dict.fromkeys(("authorization", "api-key", "x-api-key", "cookie", "proxy-authorization",
+                             "openai-organization", "openai-project", "x-goog-api-key", "x-secret"), SECRET)
+    planted["authorization"] = f"Bearer {SECRET}"
+    for tier in ("fast", "standard"):
+        resp = httpx.post(_url(gw) + "/chat/completions", timeout=5, headers={**planted, "x-tiergate-tier": tier},
+                          json={"model": "m", "stream": True, "x_case": "hdr",
+                                "messages": [{"role": "user", "content": "x"}]})
+        got = fake.requests[-1]
+        assert SECRET not in repr(got.headers)
+        assert got.headers["authorization"] == f"Bearer {tier if tier == 'fast' else 'std'}-upstream-key"
+        assert got.headers["accept-encoding"] == "identity"
+        assert SECRET not in repr(dict(resp.headers))
+        assert resp.headers["x-ratelimit-remaining-tokens"] == "99" and resp.headers["retry-after"] == "1"
+        assert "set-cookie" not in resp.headers and "content-encoding" not in resp.headers
+
+
+@pytest.mark.parametrize("phase", ["before_first_token", "mid_stream"])
+def test_client_disconnect_closes_the_upstream_quickly(fake: FakeUpstream, gw: Proc, phase: str) -> None:
+    first = 2.0 if phase == "before_first_token" else 0.0
+    CASES["cancel"] = Plan(parts=[(0, b": hello\n\n"), (first, sse(chunk("a"), done=False)),
+                                  *[(0.05, sse(chunk("b"), done=False)) for _ in range(60)]])
+    closed = len(fake.closed_at)
+    with httpx.Client(timeout=5) as client, client.stream("POST", _url(gw) + "/chat/completions", json={
+            "model": "m", "stream": True, "x_case": "cancel", "messages": [{"role": "user", "content": "x"}]}) as r:
+        it = r.iter_raw()
+        next(it)
+        if phase == "mid_stream":
+            while b'"b"' not in next(it):
+                pass
+        t_close = time.monotonic()
+    deadline = time.monotonic() + 2
+    while len(fake.closed_at) == closed and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(fake.closed_at) > closed, "the upstream connection was never closed"
+    assert fake.closed_at[-1] - t_close < 0.1
+    metrics = httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text
+    assert sample(metrics, "tiergate_requests_total", missing_ok=False, outcome="client_disconnect") >= 1
