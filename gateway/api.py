@@ -1,9 +1,11 @@
-"""HTTP routes and the one orchestrating function: read -> decide -> send -> relay -> record.
+"""The HTTP surface of the hot path and the one orchestrating function: read -> decide -> send -> relay -> record.
 
-``POST /v1/chat/completions`` is a plain Starlette route (no FastAPI body model or dependency machinery on
-the hot path): the body is parsed once with orjson, routing reads a few facts, and the client's bytes go
-upstream. Streams are written by :class:`RelayResponse`, which watches for the client's disconnect and
-closes the upstream on every exit path.
+``POST /v1/chat/completions`` is a bare ASGI endpoint (no FastAPI body model, dependency machinery or
+Starlette request object on the hot path): the body is parsed once with orjson, routing reads a few facts,
+and the client's bytes go upstream. One watcher task per request awaits the client's ``http.disconnect``
+and cancels the request wherever it is (waiting for the upstream's headers, for the first token,
+mid-stream, or in a non-streaming call); the upstream response is then closed, never pooled half-read, and
+the request is counted once with outcome ``client_disconnect``.
 """
 
 from __future__ import annotations
@@ -12,17 +14,17 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway.config import GatewayConfig
 from gateway.errors import (
     GatewayError,
+    InvalidRequest,
     PayloadTooLarge,
     UnsupportedMediaType,
     UpstreamBadResponse,
@@ -32,13 +34,55 @@ from gateway.errors import (
 )
 from gateway.metrics import Metrics
 from gateway.policy import Candidate, Decision, Policy, RequestFacts
-from gateway.relay import Relay, StreamStats
+from gateway.relay import Relay
 from gateway.upstream import UpstreamPool, UpstreamResponse, status_error
 from gateway.wire import client_wants_usage, parse_chat_request, upstream_body
 
 log = logging.getLogger("tiergate")
 
-STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+JSON = b"application/json"
+STREAM_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body was complete."""
+
+
+class Exchange:
+    """Per-request state: labels for metrics, the open upstream response, and whether it was recorded.
+
+    Times are ``time.perf_counter()`` seconds; ``t0`` is the request's arrival at the endpoint.
+    """
+
+    __slots__ = ("t0", "rid", "tier", "upstream", "model", "stream", "recorded", "resp", "metrics", "in_flight")
+
+    def __init__(self, metrics: Metrics, rid: str) -> None:
+        self.t0 = time.perf_counter()
+        self.rid = rid
+        self.metrics = metrics
+        self.tier = "none"
+        self.upstream = "none"
+        self.model = "other"
+        self.stream = False
+        self.recorded = False
+        self.resp: UpstreamResponse | None = None
+        self.in_flight: Any = None
+
+    def record(self, outcome: str, **kw: Any) -> None:
+        """Record the request once; later calls are ignored. ``kw`` as :meth:`Metrics.record`."""
+        if self.recorded:
+            return
+        self.recorded = True
+        if self.in_flight is not None:
+            self.in_flight.dec()
+        self.metrics.record(tier=self.tier, upstream=self.upstream, model=self.model, outcome=outcome,
+                            stream=self.stream, duration=time.perf_counter() - self.t0, **kw)
+
+    def close_upstream(self) -> None:
+        """Close the upstream response if one is still open (its connection is not reused)."""
+        if self.resp is not None:
+            self.resp.close()
+            self.resp = None
 
 
 class Gateway:
@@ -50,45 +94,77 @@ class Gateway:
         self.pool = pool
         self.metrics = metrics
 
-    async def chat_completions(self, request: Request) -> Response:
-        """``POST /v1/chat/completions``, streaming or not (OpenAI API reference, "Create chat completion")."""
-        t0 = time.perf_counter()
-        rid = request.headers.get("x-request-id") or f"req_{uuid.uuid4().hex}"
-        body: dict[str, Any] | None = None
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """ASGI endpoint for ``POST /v1/chat/completions`` (OpenAI API reference, "Create chat completion")."""
+        headers = _headers(scope)
+        ex = Exchange(self.metrics, headers.get("x-request-id") or f"req_{uuid.uuid4().hex}")
         try:
-            raw = await read_body(request, self.config.limits.max_request_bytes)
-            body = parse_chat_request(raw)
-            decision = self.policy.decide(RequestFacts.from_request(body, request.headers))
+            raw = await _read_body(headers, receive, self.config.limits.max_request_bytes)
+        except ClientGone:
+            return
         except GatewayError as exc:
-            model = body.get("model") if body is not None else None
-            self.metrics.record(tier="none", upstream="none", model=self.metrics.model_label(model),
-                                outcome="client_error", stream=False, duration=time.perf_counter() - t0)
-            return error_response(exc, {"x-request-id": rid})
-        self.metrics.decisions.labels(decision.rule, decision.tier).inc()
-        return await self._serve(raw, body, decision, rid, t0)
+            ex.record("client_error")
+            await _send_error(send, exc, [(b"x-request-id", ex.rid.encode())])
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        gone = False
 
-    async def _serve(self, raw: bytes, body: dict[str, Any], decision: Decision, rid: str, t0: float) -> Response:
-        stream = body.get("stream") is True
-        ask_usage = stream and not client_wants_usage(body)
-        model = decision.model
-        last: GatewayError | None = None
-        reason = decision.fallback
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            task.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            await self._handle(raw, headers, ex, send)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            task.uncancel()
+            ex.record("client_disconnect")
+        finally:
+            watcher.cancel()
+            ex.close_upstream()
+
+    async def _handle(self, raw: bytes, headers: dict[str, str], ex: Exchange, send: Send) -> None:
+        try:
+            body = parse_chat_request(raw)
+            ex.model = self.metrics.model_label(body["model"])
+            decision = self.policy.decide(RequestFacts.from_request(body, headers))
+        except GatewayError as exc:
+            ex.record("client_error")
+            await _send_error(send, exc, [(b"x-request-id", ex.rid.encode())])
+            return
+        ex.model = decision.model
+        ex.stream = body.get("stream") is True
+        self.metrics.decisions.labels(decision.rule, decision.tier).inc()
+        await self._serve(raw, body, decision, ex, send)
+
+    async def _serve(self, raw: bytes, body: dict[str, Any], decision: Decision, ex: Exchange, send: Send) -> None:
+        """Try the candidates in order (failover only before the first byte), then answer."""
+        ask_usage = ex.stream and not client_wants_usage(body)
         attempts = decision.candidates[: self.config.max_attempts]
+        last: GatewayError = UpstreamUnavailable("No upstream is configured for this model.")
+        reason = decision.fallback
         tried = 0
         for cand in attempts:
             up = cand.upstream
             tried += 1
+            ex.tier, ex.upstream = up.tier, up.name
             gateway_asks = ask_usage and up.dialect == "openai"
             payload = upstream_body(raw, body, cand.upstream_model, up.dialect, gateway_asks)
-            self.metrics.overhead.labels(up.tier).observe(time.perf_counter() - t0)
+            self.metrics.overhead.labels(up.tier).observe(time.perf_counter() - ex.t0)
             try:
-                resp = await self.pool.send(up, payload, stream=stream, request_id=rid)
-                if resp.status != 200:
-                    raise await _status_failure(resp)
-                if stream and not resp.content_type.startswith("text/event-stream"):
-                    resp.close()
+                ex.resp = await self.pool.send(up, payload, stream=ex.stream, request_id=ex.rid)
+                if ex.resp.status != 200:
+                    raise await _status_failure(ex)
+                if ex.stream and not ex.resp.content_type.startswith("text/event-stream"):
                     raise UpstreamBadResponse("The upstream answered a stream request without an event stream.")
             except GatewayError as exc:
+                ex.close_upstream()
                 last = exc
                 self.metrics.upstream_errors.labels(up.tier, up.name, _reason(exc)).inc()
                 if not _retryable(exc) or tried == len(attempts):
@@ -96,90 +172,99 @@ class Gateway:
                 reason = _reason(exc)
                 continue
             fell_back = tried > 1 or decision.fallback is not None
-            headers = self._route_headers(decision, cand, rid, reason if fell_back else None)
             if fell_back and reason:
                 self.metrics.fallbacks.labels(decision.tier, up.tier, reason).inc()
-            headers.update(resp.headers)
-            if stream:
-                relay = Relay(strip_usage_chunk=gateway_asks, max_event_bytes=self.config.limits.max_event_bytes)
-                return RelayResponse(resp, relay, headers, self._stream_recorder(cand, model, t0))
-            return await self._whole(resp, cand, model, headers, t0)
-        if last is None:  # no candidate at all (policy guarantees one; kept for safety)
-            last = UpstreamUnavailable("No upstream is configured for this model.")
+            hdrs = _route_headers(decision, cand, ex.rid, reason if fell_back else None)
+            hdrs += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in ex.resp.headers.items()]
+            if ex.stream:
+                await self._relay(ex, hdrs, gateway_asks, send)
+            else:
+                await self._whole(ex, hdrs, send)
+            return
         outcome = "upstream_timeout" if isinstance(last, UpstreamTimeout) else (
             "upstream_error" if isinstance(last, UpstreamStatusError) else "upstream_unavailable")
-        final = attempts[tried - 1] if tried else None
-        self.metrics.record(tier=final.upstream.tier if final else decision.tier,
-                            upstream=final.upstream.name if final else "none",
-                            model=model, outcome=outcome, stream=stream, duration=time.perf_counter() - t0)
-        extra = self._route_headers(decision, final, rid, None) if final else {"x-request-id": rid}
+        ex.record(outcome)
+        extra = _route_headers(decision, attempts[tried - 1], ex.rid, None) if tried else [
+            (b"x-request-id", ex.rid.encode())]
         if tried > 1:
-            extra["x-should-retry"] = "false"  # the gateway already retried; the SDK should not multiply it
-        return error_response(last, extra)
+            extra.append((b"x-should-retry", b"false"))  # the gateway already retried; the SDK should not multiply
+        await _send_error(send, last, extra)
 
-    async def _whole(self, resp: UpstreamResponse, cand: Candidate, model: str, headers: dict[str, str],
-                     t0: float) -> Response:
-        up = cand.upstream
-        labels = {"tier": up.tier, "upstream": up.name, "model": model, "stream": False}
+    async def _relay(self, ex: Exchange, hdrs: list[tuple[bytes, bytes]], strip_usage: bool, send: Send) -> None:
+        """Relay an SSE answer; the status line and headers leave with the first relayed bytes."""
+        assert ex.resp is not None
+        resp = ex.resp
+        ctype = resp.content_type.encode("latin-1")
+        start = {"type": "http.response.start", "status": 200,
+                 "headers": [*hdrs, *STREAM_HEADERS, (b"content-type", ctype)]}
+        started = False
+        ex.in_flight = self.metrics.in_flight.labels(ex.tier, ex.upstream)
+        ex.in_flight.inc()
+
+        async def write(data: bytes) -> None:
+            nonlocal started
+            if not started:
+                started = True
+                await send(start)
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        relay = Relay(strip_usage_chunk=strip_usage, max_event_bytes=self.config.limits.max_event_bytes)
+        stats = await relay.run(resp.chunks(), write)
+        first, last = stats.t_first_token, stats.t_last_token
+        kw = {"ttft": first - ex.t0 if first is not None else None,
+              "decode_time": last - first if first is not None and last is not None else None,
+              "usage": stats.usage, "time_info": stats.time_info}
+        if stats.error:
+            self.metrics.upstream_errors.labels(ex.tier, ex.upstream, stats.error).inc()
+            ex.close_upstream()
+        else:
+            resp.release()
+            ex.resp = None
+        ex.record("stream_error" if stats.error else "success", **kw)
+        if not started:
+            await send(start)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _whole(self, ex: Exchange, hdrs: list[tuple[bytes, bytes]], send: Send) -> None:
+        """Relay a non-streaming answer untouched after checking it is a JSON object and reading its usage."""
+        assert ex.resp is not None
+        resp = ex.resp
         try:
             data = await resp.read()
-            resp.release()
-            parsed = orjson.loads(data)
-            if not isinstance(parsed, dict):
-                raise orjson.JSONDecodeError("not an object", "", 0)
-        except orjson.JSONDecodeError:
-            exc: GatewayError = UpstreamBadResponse("The upstream answered 200 with a body that is not a JSON object.")
-            self.metrics.record(**labels, outcome="upstream_error", duration=time.perf_counter() - t0)
-            return error_response(exc, headers)
         except GatewayError as exc:
-            resp.close()
-            outcome = "upstream_timeout" if isinstance(exc, UpstreamTimeout) else "upstream_unavailable"
-            self.metrics.record(**labels, outcome=outcome, duration=time.perf_counter() - t0)
-            return error_response(exc, headers)
+            ex.record("upstream_timeout" if isinstance(exc, UpstreamTimeout) else "upstream_unavailable")
+            await _send_error(send, exc, hdrs)
+            return
+        resp.release()
+        ex.resp = None
+        try:
+            parsed = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            ex.record("upstream_error")
+            await _send_error(send, UpstreamBadResponse("The upstream answered 200 with a body that is not a JSON "
+                                                        "object."), hdrs)
+            return
         usage = parsed.get("usage")
-        self.metrics.record(**labels, outcome="success", duration=time.perf_counter() - t0,
-                            usage=usage if isinstance(usage, dict) else None,
-                            time_info=parsed.get("time_info") if isinstance(parsed.get("time_info"), dict) else None,
-                            processing_ms=resp.headers.get("openai-processing-ms"))
-        return Response(data, 200, headers, media_type="application/json")
-
-    def _stream_recorder(self, cand: Candidate, model: str, t0: float) -> Callable[[StreamStats, str], None]:
-        up = cand.upstream
-        gauge = self.metrics.in_flight.labels(up.tier, up.name)
-        gauge.inc()
-
-        def finish(stats: StreamStats, outcome: str) -> None:
-            gauge.dec()
-            if stats.error:
-                self.metrics.upstream_errors.labels(up.tier, up.name, stats.error).inc()
-            ttft = stats.t_first_token - t0 if stats.t_first_token is not None else None
-            decode = (stats.t_last_token - stats.t_first_token) if stats.t_first_token is not None else None
-            self.metrics.record(tier=up.tier, upstream=up.name, model=model, outcome=outcome, stream=True,
-                                duration=time.perf_counter() - t0, ttft=ttft, decode_time=decode, usage=stats.usage,
-                                time_info=stats.time_info)
-
-        return finish
-
-    @staticmethod
-    def _route_headers(decision: Decision, cand: Candidate, rid: str, fallback: str | None) -> dict[str, str]:
-        headers = {
-            "x-request-id": rid,
-            "x-tiergate-tier": cand.upstream.tier,
-            "x-tiergate-upstream": cand.upstream.name,
-            "x-tiergate-rule": decision.rule,
-        }
-        if fallback:
-            headers["x-tiergate-fallback"] = fallback
-        return headers
+        time_info = parsed.get("time_info")
+        ex.record("success", usage=usage if isinstance(usage, dict) else None,
+                  time_info=time_info if isinstance(time_info, dict) else None,
+                  processing_ms=resp.headers.get("openai-processing-ms"))
+        await _send_body(send, 200, data, hdrs)
 
     async def route(self, request: Request) -> Response:
         """``POST /v1/tiergate/route``: the decision and its trace for a chat-completions body; no upstream call."""
         try:
-            body = parse_chat_request(await read_body(request, self.config.limits.max_request_bytes))
-            facts = RequestFacts.from_request(body, request.headers)
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            raw = await _read_body(headers, request.receive, self.config.limits.max_request_bytes)
+            body = parse_chat_request(raw)
+            facts = RequestFacts.from_request(body, headers)
             decision = self.policy.decide(facts)
         except GatewayError as exc:
-            return error_response(exc, {})
+            return Response(exc.body(), exc.status, exc.headers, media_type="application/json")
+        except ClientGone:
+            return Response(b"", 400)
         out = {
             "tier": decision.tier,
             "rule": decision.rule,
@@ -195,99 +280,80 @@ class Gateway:
         return Response(orjson.dumps(out), 200, media_type="application/json")
 
 
-class RelayResponse(Response):
-    """Streams an upstream SSE body to the client through a :class:`Relay`.
+def _headers(scope: Scope) -> dict[str, str]:
+    """Request headers with lower-case names (ASGI already lower-cases them); the last value wins."""
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
 
-    The status line and headers go out with the first relayed bytes. A watcher task awaits the client's
-    ``http.disconnect`` and cancels the relay; in every case the upstream response is closed (or released
-    when fully read) and ``finish(stats, outcome)`` is called exactly once.
+
+async def _read_body(headers: dict[str, str], receive: Receive, limit: int) -> bytes:
+    """The request body, refusing non-JSON content types (415) and bodies over ``limit`` bytes (413).
+
+    Raises:
+        UnsupportedMediaType, PayloadTooLarge; ClientGone when the client leaves mid-body.
     """
-
-    def __init__(self, upstream: UpstreamResponse, relay: Relay, headers: dict[str, str],
-                 finish: Callable[[StreamStats, str], None]) -> None:
-        self.status_code = 200
-        self.background = None
-        ctype = upstream.content_type or "text/event-stream"
-        hdrs = {**headers, **STREAM_HEADERS, "content-type": ctype}
-        self.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in hdrs.items()]
-        self._upstream = upstream
-        self._relay = relay
-        self._finish = finish
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = False
-        gone = False
-        task = asyncio.current_task()
-        assert task is not None
-
-        async def write(data: bytes) -> None:
-            nonlocal started
-            if not started:
-                started = True
-                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            await send({"type": "http.response.body", "body": data, "more_body": True})
-
-        async def watch() -> None:
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            task.cancel()
-
-        watcher = asyncio.get_running_loop().create_task(watch())
-        outcome = "success"
-        try:
-            stats = await self._relay.run(self._upstream.chunks(), write)
-            if stats.error:
-                outcome = "stream_error"
-        except asyncio.CancelledError:
-            if not gone:
-                raise
-            task.uncancel()
-            outcome = "client_disconnect"
-        finally:
-            watcher.cancel()
-            if outcome == "success":
-                self._upstream.release()
-            else:
-                self._upstream.close()
-            self._finish(self._relay.stats, outcome)
-        if not gone:
-            if not started:
-                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing non-JSON content types (415) and bodies over ``limit`` bytes (413)."""
-    ctype = request.headers.get("content-type", "application/json").split(";", 1)[0].strip().lower()
+    ctype = headers.get("content-type", "application/json").split(";", 1)[0].strip().lower()
     if ctype != "application/json" and not ctype.endswith("+json"):
         raise UnsupportedMediaType(f"Unsupported content type {ctype!r}; send application/json.")
-    declared = request.headers.get("content-length")
+    declared = headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"The request body is over the {limit}-byte limit.")
-    parts = []
+    parts: list[bytes] = []
     size = 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise PayloadTooLarge(f"The request body is over the {limit}-byte limit.")
-        parts.append(part)
-    return b"".join(parts)
+    while True:
+        message: Message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        part = message.get("body", b"")
+        if part:
+            size += len(part)
+            if size > limit:
+                raise PayloadTooLarge(f"The request body is over the {limit}-byte limit.")
+            parts.append(part)
+        if not message.get("more_body", False):
+            break
+    if not parts:
+        raise InvalidRequest("The request body is empty; send a JSON object.", code="invalid_json")
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def _send_body(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*headers, (b"content-type", JSON), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_error(send: Send, exc: GatewayError, headers: list[tuple[bytes, bytes]]) -> None:
+    """Answer ``exc`` as OpenAI's error envelope with its status and headers (``application/json``)."""
+    extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
+    await _send_body(send, exc.status, exc.body(), [*headers, *extra])
 
 
 def error_response(exc: GatewayError, headers: dict[str, str]) -> Response:
-    """Render ``exc`` as OpenAI's error envelope with its status and headers (``application/json``)."""
+    """``exc`` as a Starlette response (for the non-hot-path handlers in ``app``)."""
     return Response(exc.body(), exc.status, {**exc.headers, **headers}, media_type="application/json")
 
 
-async def _status_failure(resp: UpstreamResponse) -> GatewayError:
+def _route_headers(decision: Decision, cand: Candidate, rid: str, fallback: str | None) -> list[tuple[bytes, bytes]]:
+    out = [
+        (b"x-request-id", rid.encode("latin-1")),
+        (b"x-tiergate-tier", cand.upstream.tier.encode()),
+        (b"x-tiergate-upstream", cand.upstream.name.encode()),
+        (b"x-tiergate-rule", decision.rule.encode()),
+    ]
+    if fallback:
+        out.append((b"x-tiergate-fallback", fallback.encode()))
+    return out
+
+
+async def _status_failure(ex: Exchange) -> GatewayError:
+    assert ex.resp is not None
+    resp = ex.resp
     try:
         data = await resp.read()
-        resp.release()
     except GatewayError as exc:
-        resp.close()
         return exc
+    resp.release()
+    ex.resp = None
     return status_error(resp.status, data, resp.headers)
 
 

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Route
 
 from gateway import __version__
 from gateway.api import Gateway, error_response
@@ -54,7 +55,8 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None) 
     app = FastAPI(title="Tiergate", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.gateway = gateway
-    app.add_route("/v1/chat/completions", gateway.chat_completions, methods=["POST"])
+    # a bare ASGI endpoint: Starlette's Route passes non-function endpoints scope/receive/send directly
+    app.router.routes.append(Route("/v1/chat/completions", endpoint=gateway, methods=["POST"]))
     app.add_route("/v1/tiergate/route", gateway.route, methods=["POST"])
     created = int(time.time())
 

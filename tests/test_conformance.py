@@ -6,6 +6,7 @@ picks its scripted answer with a top-level ``x_case`` field, which the OpenAI di
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -283,24 +284,43 @@ def test_no_client_credential_reaches_an_upstream_and_no_upstream_secret_reaches
         assert "set-cookie" not in resp.headers and "content-encoding" not in resp.headers
 
 
-@pytest.mark.parametrize("phase", ["before_first_token", "mid_stream"])
+@pytest.mark.parametrize("phase", ["headers", "first_token", "mid_stream", "nonstream"])
 def test_client_disconnect_closes_the_upstream_quickly(fake: FakeUpstream, gw: Proc, phase: str) -> None:
-    first = 2.0 if phase == "before_first_token" else 0.0
-    CASES["cancel"] = Plan(parts=[(0, b": hello\n\n"), (first, sse(chunk("a"), done=False)),
-                                  *[(0.05, sse(chunk("b"), done=False)) for _ in range(60)]])
+    """In each of the four disconnect phases the upstream sees its connection closed within 100 ms."""
+    ticks = [(0.05, sse(chunk("b"), done=False)) for _ in range(60)]
+    CASES["cancel"] = {
+        "headers": Plan(head_delay=0.45, parts=[(0, sse(chunk("a")))]),  # under the 0.5 s idle timeout
+        "first_token": Plan(parts=[(0, b": hello\n\n"), (0.45, sse(chunk("a"), done=False)), *ticks]),
+        "mid_stream": Plan(parts=[(0, sse(chunk("a"), done=False)), *ticks]),
+        "nonstream": Plan(head_delay=0.45, headers={"content-type": "application/json"}, parts=[(0, b"{}")],
+                          chunked=False),
+    }[phase]
+    before = httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text
+    body = orjson.dumps({"model": "m", "stream": phase != "nonstream", "x_case": "cancel",
+                         "messages": [{"role": "user", "content": "x"}]})
     closed = len(fake.closed_at)
-    with httpx.Client(timeout=5) as client, client.stream("POST", _url(gw) + "/chat/completions", json={
-            "model": "m", "stream": True, "x_case": "cancel", "messages": [{"role": "user", "content": "x"}]}) as r:
-        it = r.iter_raw()
-        next(it)
-        if phase == "mid_stream":
-            while b'"b"' not in next(it):
-                pass
+    n = len(fake.requests)
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 2
+        while len(fake.requests) == n and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert len(fake.requests) > n, "the request never reached the upstream"
+        if phase in ("first_token", "mid_stream"):
+            got = b""
+            while (b'"b"' if phase == "mid_stream" else b"hello") not in got:
+                got += sock.recv(65536)
+        else:
+            time.sleep(0.1)
         t_close = time.monotonic()
     deadline = time.monotonic() + 2
     while len(fake.closed_at) == closed and time.monotonic() < deadline:
-        time.sleep(0.005)
+        time.sleep(0.002)
     assert len(fake.closed_at) > closed, "the upstream connection was never closed"
     assert fake.closed_at[-1] - t_close < 0.1
-    metrics = httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text
-    assert sample(metrics, "tiergate_requests_total", missing_ok=False, outcome="client_disconnect") >= 1
+    time.sleep(0.05)
+    after = httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text
+    assert sample(after, "tiergate_requests_total", missing_ok=False, outcome="client_disconnect") == sample(
+        before, "tiergate_requests_total", outcome="client_disconnect") + 1
+    assert sample(after, "tiergate_in_flight_requests", missing_ok=False) == 0
