@@ -7,6 +7,7 @@ is OpenAI's envelope (never FastAPI's ``{"detail": ...}`` or a 422, never a stac
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -14,7 +15,7 @@ from contextlib import asynccontextmanager
 import orjson
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -22,21 +23,25 @@ from starlette.routing import Route
 
 from gateway import __version__
 from gateway.api import Gateway, error_response
-from gateway.config import LoadedConfig
+from gateway.config import LoadedConfig, load_config
 from gateway.errors import GatewayError, InvalidRequest, MethodNotAllowed, UnknownURL
 from gateway.metrics import Metrics
 from gateway.policy import Policy
+from gateway.settings import Settings, environ, multiprocess_dir
 from gateway.upstream import UpstreamPool
 
 log = logging.getLogger("tiergate")
 
 
-def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None) -> FastAPI:
+def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
+               multiprocess_dir: str | None = None) -> FastAPI:
     """Build the ASGI app for one validated config.
 
     Args:
         loaded: the config and resolved keys (``gateway.config.load_config``).
         registry: Prometheus registry to use; a fresh one when None.
+        multiprocess_dir: prometheus-client's multiprocess directory when several workers share the port;
+            ``/metrics`` then merges every worker's samples, so each request is counted exactly once.
     """
     config = loaded.config
     registry = registry if registry is not None else CollectorRegistry()
@@ -51,6 +56,8 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None) 
             yield
         finally:
             await pool.stop()
+            if multiprocess_dir:
+                multiprocess.mark_process_dead(os.getpid(), multiprocess_dir)
 
     app = FastAPI(title="Tiergate", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -77,10 +84,25 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None) 
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
+        if multiprocess_dir:
+            merged = CollectorRegistry()
+            multiprocess.MultiProcessCollector(merged, multiprocess_dir)
+            return Response(generate_latest(merged), media_type=CONTENT_TYPE_LATEST)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     _install_error_handlers(app)
     return app
+
+
+def create_app_from_env() -> FastAPI:
+    """App factory for worker processes (``tiergate serve --workers N``): config path and metrics directory
+    come from the environment the supervisor prepared (``gateway.settings.set_worker_environment``).
+
+    Raises:
+        ConfigError: the config is invalid (the supervisor validated it first, so only if it changed).
+    """
+    settings = Settings()
+    return create_app(load_config(settings.config, environ()), multiprocess_dir=multiprocess_dir())
 
 
 def _install_error_handlers(app: FastAPI) -> None:

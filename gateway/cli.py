@@ -12,13 +12,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from gateway.config import TIERS, LoadedConfig, load_config
 from gateway.errors import ConfigError
-from gateway.settings import Settings, environ
+from gateway.settings import Settings, environ, set_worker_environment
 
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
 
@@ -74,13 +75,20 @@ def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
 
     from gateway.app import create_app
 
-    if args.workers != 1:
-        raise ConfigError("--workers: only 1 worker is supported so far")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = uvicorn.Config(create_app(loaded), host=args.host, port=args.port, loop="uvloop", http="httptools",
-                            log_level=args.log_level, access_log=False, lifespan="on", server_header=False,
-                            date_header=False, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    common = {"host": args.host, "port": args.port, "loop": "uvloop", "http": "httptools", "log_level": args.log_level,
+              "access_log": False, "lifespan": "on", "server_header": False, "date_header": False,
+              "timeout_graceful_shutdown": 5}
+    if args.workers < 1:
+        raise ConfigError("--workers: must be at least 1")
+    if args.workers > 1:
+        # uvicorn's supervisor shares one listening socket between N worker processes; metrics go through
+        # prometheus-client's multiprocess mode so /metrics counts every request exactly once.
+        with tempfile.TemporaryDirectory(prefix="tiergate-metrics-") as metrics_dir:
+            set_worker_environment(loaded.path, Path(metrics_dir))
+            uvicorn.run("gateway.app:create_app_from_env", factory=True, workers=args.workers, **common)
+        return 0
+    server = uvicorn.Server(uvicorn.Config(create_app(loaded), **common))
     server.run()
     return 0 if server.started else 1
 

@@ -76,8 +76,8 @@ class Metrics:
                                  ("from_tier", "to_tier", "reason"), registry=registry)
         self.decisions = Counter(f"{p}_routing_decisions", "Routing decisions by rule and chosen tier.",
                                  ("rule", "tier"), registry=registry)
-        self.in_flight = Gauge(f"{p}_in_flight_requests", "Requests being served now.", ("tier", "upstream"),
-                               registry=registry)
+        self.in_flight = Gauge(f"{p}_in_flight_requests", "Streams being relayed now.", ("tier", "upstream"),
+                               registry=registry, multiprocess_mode="livesum")
         self.upstream_reported = Histogram(
             f"{p}_upstream_reported_seconds", "Upstream-reported timings: Cerebras time_info, openai-processing-ms.",
             ("tier", "upstream", "phase"), buckets=TTFT_BUCKETS, registry=registry)

@@ -37,6 +37,24 @@ class Settings(BaseSettings):
     workers: int = 1
 
 
+MULTIPROC_VAR = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def multiprocess_dir() -> str | None:
+    """prometheus-client's multiprocess directory (set by ``tiergate serve --workers N``), or None."""
+    return os.environ.get(MULTIPROC_VAR) or None
+
+
+def set_worker_environment(config: Path, metrics_dir: Path) -> None:
+    """Before spawning workers: hand them the config path and the shared metrics directory.
+
+    prometheus-client reads ``PROMETHEUS_MULTIPROC_DIR`` when it is imported, so the variable must be in the
+    environment the worker processes inherit (prometheus client_python docs, "Multiprocess Mode").
+    """
+    os.environ["GATEWAY_CONFIG"] = str(config.resolve())
+    os.environ[MULTIPROC_VAR] = str(metrics_dir)
+
+
 def environ() -> dict[str, str]:
     """A snapshot of the process environment, taken once so API keys can be resolved at start-up."""
     return dict(os.environ)

@@ -125,14 +125,15 @@ def default_config(fast_url: str, standard_url: str, **overrides: Any) -> dict[s
     return cfg
 
 
-def start_gateway(config: dict[str, Any], tmp: Path, env: dict[str, str] | None = None) -> tuple[Proc, Path]:
-    """Write ``config`` to a file and start ``tiergate serve`` on a free port."""
+def start_gateway(config: dict[str, Any], tmp: Path, env: dict[str, str] | None = None,
+                  extra: tuple[str, ...] = ()) -> tuple[Proc, Path]:
+    """Write ``config`` to a file and start ``tiergate serve [extra...]`` on a free port; wait for ``/readyz``."""
     path = tmp / f"gateway-{free_port()}.yaml"
     path.write_text(yaml.safe_dump(config))
     port = free_port()
-    proc = Proc(["serve", "--config", str(path), "--port", str(port), "--log-level", "warning"], port,
+    proc = Proc(["serve", "--config", str(path), "--port", str(port), "--log-level", "warning", *extra], port,
                 tmp / f"gateway-{port}.log", env=env)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
