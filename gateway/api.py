@@ -133,7 +133,7 @@ class Gateway:
         try:
             body = parse_chat_request(raw)
             ex.model = self.metrics.model_label(body["model"])
-            decision = self.policy.decide(RequestFacts.from_request(body, headers))
+            decision = self.policy.decide(RequestFacts(body, headers, len(raw)))
         except GatewayError as exc:
             ex.record("client_error")
             await _send_error(send, exc, [(b"x-request-id", ex.rid.encode())])
@@ -259,7 +259,7 @@ class Gateway:
             headers = {k.lower(): v for k, v in request.headers.items()}
             raw = await _read_body(headers, request.receive, self.config.limits.max_request_bytes)
             body = parse_chat_request(raw)
-            facts = RequestFacts.from_request(body, headers)
+            facts = RequestFacts(body, headers, len(raw))
             decision = self.policy.decide(facts)
         except GatewayError as exc:
             return Response(exc.body(), exc.status, exc.headers, media_type="application/json")
@@ -273,8 +273,8 @@ class Gateway:
             "fallback": decision.fallback,
             "candidates": [{"upstream": c.upstream.name, "tier": c.upstream.tier, "model": c.upstream_model}
                            for c in decision.candidates],
-            "facts": {"model": facts.model, "stream": facts.stream, "service_tier": facts.service_tier,
-                      "workload": facts.workload, "tier_header": facts.tier_header},
+            "skipped": [{"upstream": name, "reason": why} for name, why in decision.skipped],
+            "facts": facts.as_dict(),
             "trace": list(decision.trace),
         }
         return Response(orjson.dumps(out), 200, media_type="application/json")

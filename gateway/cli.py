@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 from gateway.config import TIERS, LoadedConfig, load_config
 from gateway.errors import ConfigError
+from gateway.policy import Policy
 from gateway.settings import Settings, environ, set_worker_environment
 
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
@@ -156,12 +157,14 @@ def _check(path: Path) -> int:
     print(f"{path}: valid")
     print(f"default tier: {cfg.default_tier}; fallback to the other tier: {'on' if cfg.fallback else 'off'}; "
           f"max attempts: {cfg.max_attempts}")
-    print("\nrules (first match wins):")
-    print("  1 header       x-tiergate-tier: fast|standard")
-    print("  2 service_tier priority -> fast, flex -> standard")
-    print("  3 model_alias  " + (", ".join(f"{a} -> {t.tier}" for a, t in cfg.aliases.items() if t.tier) or "(none)"))
-    print("  4 workload     " + ", ".join(f"metadata.workload={w} -> {t}" for w, t in cfg.workloads.items()))
-    print(f"  5 default      -> {cfg.default_tier}")
+    source = "rules from the file" if cfg.rules is not None else "the default policy"
+    print(f"\nrules, {source} (first match wins):")
+    rules = Policy(cfg).rules
+    for i, rule in enumerate(rules, 1):
+        target = rule.route.tier + (f" (upstream {rule.route.upstream})" if rule.route.upstream else "")
+        other = "" if rule.route.fallback else ", no fallback"
+        print(f"  {i:>2} {rule.name:<14} {rule.describe()} -> {target}{other}")
+    print(f"  {len(rules) + 1:>2} {'default':<14} (every other request) -> {cfg.default_tier}")
     print("\nroutes (client model -> tier/upstream: upstream model id):")
     for model in cfg.model_names():
         alias = cfg.aliases.get(model)

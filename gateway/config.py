@@ -21,6 +21,7 @@ and the problem; the process stops before it serves anything.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
@@ -63,6 +64,9 @@ class UpstreamConfig(_Strict):
     timeouts: Timeouts = Timeouts()
     models: dict[str, str] = Field(min_length=1)
     max_connections: int = Field(256, ge=1)
+    context_window: int | None = Field(None, ge=1)
+    modalities: list[Literal["text", "image", "audio"]] = ["text", "image", "audio"]
+    weight: int = Field(1, ge=1)
 
     @field_validator("base_url")
     @classmethod
@@ -70,6 +74,114 @@ class UpstreamConfig(_Strict):
         if not value.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
         return value.rstrip("/")
+
+
+class StrMatch(_Strict):
+    """How a string matches: exactly one of ``exact``, ``prefix``, ``regex`` (``re.search``) or ``glob``.
+
+    A plain string in the YAML means ``exact``.
+    """
+
+    exact: str | None = None
+    prefix: str | None = None
+    regex: str | None = None
+    glob: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain(cls, value: object) -> object:
+        return {"exact": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _one(self) -> StrMatch:
+        given = [k for k in ("exact", "prefix", "regex", "glob") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of exact, prefix, regex, glob")
+        if self.regex is not None:
+            try:
+                re.compile(self.regex)
+            except re.error as exc:
+                raise ValueError(f"bad regex {self.regex!r}: {exc}") from exc
+        return self
+
+
+class Range(_Strict):
+    """A numeric condition: any of ``gt``, ``gte``, ``lt``, ``lte`` (all given must hold)."""
+
+    gt: float | None = None
+    gte: float | None = None
+    lt: float | None = None
+    lte: float | None = None
+
+    @model_validator(mode="after")
+    def _some(self) -> Range:
+        if self.gt is None and self.gte is None and self.lt is None and self.lte is None:
+            raise ValueError("give at least one of gt, gte, lt, lte")
+        return self
+
+
+def _listify(value: object) -> object:
+    return [value] if isinstance(value, str | bool) else value
+
+
+class MatchConfig(_Strict):
+    """Conditions on request facts; all given must hold (an empty match matches every request).
+
+    headers: header name -> StrMatch; metadata: ``metadata`` key -> allowed values; service_tier: allowed
+    values; model: globs on the requested model or alias; stream / tools / images / audio: presence;
+    tool_choice: ``auto``, ``none``, ``required`` or ``function``; prompt_tokens: estimated prompt size
+    (request bytes / 4); max_tokens: ``max_completion_tokens`` or ``max_tokens``; n: choices;
+    user_agent: StrMatch on ``User-Agent``.
+    """
+
+    headers: dict[str, StrMatch] | None = None
+    metadata: dict[str, list[str]] | None = None
+    service_tier: list[str] | None = None
+    model: list[str] | None = None
+    stream: bool | None = None
+    tools: bool | None = None
+    tool_choice: list[str] | None = None
+    images: bool | None = None
+    audio: bool | None = None
+    prompt_tokens: Range | None = None
+    max_tokens: Range | None = None
+    n: Range | None = None
+    user_agent: StrMatch | None = None
+
+    @field_validator("service_tier", "model", "tool_choice", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: object) -> object:
+        return _listify(value)
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _metadata_values(cls, value: object) -> object:
+        if isinstance(value, dict):
+            return {k: _listify(v) for k, v in value.items()}
+        return value
+
+    @field_validator("headers", mode="before")
+    @classmethod
+    def _lower_names(cls, value: object) -> object:
+        if isinstance(value, dict):
+            return {str(k).lower(): v for k, v in value.items()}
+        return value
+
+
+class RouteConfig(_Strict):
+    """A rule's action: the tier, optionally one upstream of it first, and whether the other tier may serve."""
+
+    tier: Tier
+    upstream: str | None = None
+    fallback: bool = True
+
+
+class RuleConfig(_Strict):
+    """One routing rule: a name (reported in ``x-tiergate-rule``), conditions, and a route."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    match: MatchConfig = MatchConfig()
+    route: RouteConfig
 
 
 class AliasConfig(_Strict):
@@ -102,6 +214,8 @@ class GatewayConfig(_Strict):
         "background": "standard",
     }
     limits: Limits = Limits()
+    long_prompt_tokens: int = Field(32768, ge=1)
+    rules: list[RuleConfig] | None = None
 
     @model_validator(mode="after")
     def _cross_check(self) -> GatewayConfig:
@@ -109,6 +223,21 @@ class GatewayConfig(_Strict):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"upstream names must be unique; repeated: {', '.join(dupes)}")
+        tiers = {u.name: u.tier for u in self.upstreams}
+        seen: dict[str, str] = {}
+        for i, rule in enumerate(self.rules or []):
+            where = f"rules[{i}] {rule.name!r}"
+            up = rule.route.upstream
+            if up is not None and up not in tiers:
+                raise ValueError(f"{where}: route.upstream {up!r} is not a configured upstream")
+            if up is not None and tiers[up] != rule.route.tier:
+                raise ValueError(f"{where}: upstream {up!r} is on the {tiers[up]} tier, not {rule.route.tier}")
+            key = rule.match.model_dump_json(exclude_none=True)
+            if key in seen:
+                raise ValueError(f"{where}: unreachable: {seen[key]} has the same conditions and comes first")
+            if "{}" in seen:
+                raise ValueError(f"{where}: unreachable: {seen['{}']} matches every request and comes first")
+            seen[key] = where
         served = {m for u in self.upstreams for m in u.models}
         for alias, target in self.aliases.items():
             if alias in served:

@@ -1,59 +1,160 @@
-"""Routing policy: request facts in, a route decision and its explanation out. No I/O.
+"""Routing policy: request facts in, a route decision and its explanation out. Pure code, no I/O.
 
-Rules are tried in order; the first that names a tier wins (issue 2, "Routing, first match wins"):
+Rules are tried in order and the first whose conditions all hold names the tier (and optionally an upstream).
+A config without ``rules:`` gets the default policy (:func:`default_rules`), which keeps issue 2's order and
+adds the standard-tier cases of issue 4:
 
-1. ``header``        ``x-tiergate-tier: fast|standard``
-2. ``service_tier``  OpenAI's ``service_tier``: ``priority`` -> fast, ``flex`` -> standard
-3. ``model_alias``   a configured alias that pins a tier (``aliases.<name>.tier``)
-4. ``workload``      ``metadata.workload`` looked up in ``workloads`` (interactive/agent -> fast, ...)
-5. ``default``       ``default_tier``
+==============  ==========================================================  ========
+rule            matches                                                     tier
+==============  ==========================================================  ========
+header          ``x-tiergate-tier: fast`` / ``standard``                    as asked
+service_tier    OpenAI ``service_tier``: ``priority`` / ``flex``            fast / standard
+model_alias     an alias pinned to a tier (``aliases.<name>.tier``)         its tier
+n_gt_1          ``n`` > 1 (several choices: bulk work)                      standard
+long_prompt     estimated prompt over ``long_prompt_tokens``                standard
+workload        ``metadata.workload`` per ``workloads``                     as mapped
+default         everything else                                             ``default_tier``
+==============  ==========================================================  ========
 
-The decision lists the candidate upstreams: those of the chosen tier that serve the model, then (when
-``fallback`` is on) those of the other tier, so the upstream layer can fail over in order.
+Then candidates are listed: the chosen tier's upstreams that serve the model (the rule's upstream first),
+then, when the rule and the config allow it, the other tier's. Upstreams that cannot take the request (its
+estimated prompt plus ``max_tokens`` over their ``context_window``, or an image/audio input they lack) are
+left out and the reason is reported as the fallback. Health, quota and concurrency are the upstream layer's
+business (``gateway.health``), not the policy's.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
-from gateway.config import TIERS, GatewayConfig, Tier, UpstreamConfig
+from gateway.config import (
+    TIERS,
+    GatewayConfig,
+    MatchConfig,
+    Range,
+    RouteConfig,
+    RuleConfig,
+    StrMatch,
+    Tier,
+    UpstreamConfig,
+)
 from gateway.errors import ModelNotFound
 
-SERVICE_TIER_MAP: dict[str, Tier] = {"priority": "fast", "flex": "standard"}
 TIER_HEADER = "x-tiergate-tier"
+BYTES_PER_TOKEN = 4  # OpenAI's rule of thumb for English text: ~4 characters per token
+_IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
+_AUDIO_PARTS = frozenset({"input_audio", "audio"})
 
 
-@dataclass(frozen=True, slots=True)
 class RequestFacts:
-    """What routing reads from one request.
+    """What routing can read from one request; each fact is computed on first use.
 
-    model: the client's ``model`` string; stream: its ``stream`` flag; service_tier / workload: the
-    request's ``service_tier`` and ``metadata.workload`` when they are strings; tier_header: the
-    ``x-tiergate-tier`` header value, lower-cased, or None.
+    Args:
+        body: the parsed chat-completions body (``model`` already checked to be a string).
+        headers: request headers with lower-case names.
+        size: the request body's length in bytes (for the prompt-size estimate).
     """
 
-    model: str
-    stream: bool = False
-    service_tier: str | None = None
-    workload: str | None = None
-    tier_header: str | None = None
+    def __init__(self, body: Mapping[str, Any], headers: Mapping[str, str], size: int = 0) -> None:
+        self.body = body
+        self.headers = headers
+        self.size = size
+        self.model: str = body["model"]
 
     @classmethod
-    def from_request(cls, body: Mapping[str, Any], headers: Mapping[str, str]) -> RequestFacts:
-        """Extract facts from a parsed chat-completions body (already checked to hold a string ``model``)."""
-        metadata = body.get("metadata")
-        workload = metadata.get("workload") if isinstance(metadata, dict) else None
-        service_tier = body.get("service_tier")
-        tier_header = headers.get(TIER_HEADER)
-        return cls(
-            model=body["model"],
-            stream=body.get("stream") is True,
-            service_tier=service_tier if isinstance(service_tier, str) else None,
-            workload=workload if isinstance(workload, str) else None,
-            tier_header=tier_header.strip().lower() if tier_header else None,
-        )
+    def from_request(cls, body: Mapping[str, Any], headers: Mapping[str, str], size: int = 0) -> RequestFacts:
+        """Same as the constructor (kept for readability at call sites)."""
+        return cls(body, headers, size)
+
+    @cached_property
+    def stream(self) -> bool:
+        return self.body.get("stream") is True
+
+    @cached_property
+    def service_tier(self) -> str | None:
+        value = self.body.get("service_tier")
+        return value if isinstance(value, str) else None
+
+    @cached_property
+    def metadata(self) -> dict[str, Any]:
+        value = self.body.get("metadata")
+        return value if isinstance(value, dict) else {}
+
+    @cached_property
+    def workload(self) -> str | None:
+        value = self.metadata.get("workload")
+        return value if isinstance(value, str) else None
+
+    @cached_property
+    def tier_header(self) -> str | None:
+        value = self.headers.get(TIER_HEADER)
+        return value.strip().lower() if value else None
+
+    @cached_property
+    def user_agent(self) -> str:
+        return self.headers.get("user-agent", "")
+
+    @cached_property
+    def tools(self) -> bool:
+        tools = self.body.get("tools")
+        return isinstance(tools, list) and len(tools) > 0
+
+    @cached_property
+    def tool_choice(self) -> str | None:
+        value = self.body.get("tool_choice")
+        if isinstance(value, dict):
+            return "function"
+        return value if isinstance(value, str) else None
+
+    @cached_property
+    def _parts(self) -> frozenset[str]:
+        kinds: set[str] = set()
+        messages = self.body.get("messages")
+        for message in messages if isinstance(messages, list) else ():
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                kinds.update(p.get("type") for p in content if isinstance(p, dict) and isinstance(p.get("type"), str))
+        return frozenset(kinds)
+
+    @cached_property
+    def images(self) -> bool:
+        return not self._parts.isdisjoint(_IMAGE_PARTS)
+
+    @cached_property
+    def audio(self) -> bool:
+        modalities = self.body.get("modalities")
+        wants_audio = isinstance(modalities, list) and "audio" in modalities
+        return wants_audio or not self._parts.isdisjoint(_AUDIO_PARTS)
+
+    @cached_property
+    def prompt_tokens(self) -> int:
+        """Estimated prompt tokens: request bytes / 4 (cheap and offline; no tokenizer on the hot path)."""
+        return -(-self.size // BYTES_PER_TOKEN)
+
+    @cached_property
+    def max_tokens(self) -> int | None:
+        for key in ("max_completion_tokens", "max_tokens"):
+            value = self.body.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return None
+
+    @cached_property
+    def n(self) -> int:
+        value = self.body.get("n")
+        return value if isinstance(value, int) and not isinstance(value, bool) else 1
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every fact, for ``POST /v1/tiergate/route``."""
+        return {"model": self.model, "stream": self.stream, "service_tier": self.service_tier,
+                "metadata": self.metadata, "tier_header": self.tier_header, "user_agent": self.user_agent,
+                "tools": self.tools, "tool_choice": self.tool_choice, "images": self.images, "audio": self.audio,
+                "prompt_tokens_estimate": self.prompt_tokens, "max_tokens": self.max_tokens, "n": self.n}
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +169,11 @@ class Candidate:
 class Decision:
     """The route for one request.
 
-    tier: the tier the policy chose; rule: the name of the rule that chose it; reason: one human sentence;
-    model: the configured (client-facing, alias-resolved) model name; candidates: upstreams in the order
-    to try; fallback: why the first candidate is not on the chosen tier, or None.
+    tier: the tier the matching rule chose; rule: its name; reason: one human sentence; model: the configured
+    (alias-resolved) model name; candidates: upstreams in the order to try; fallback: why the first candidate
+    is not on the chosen tier (``model_not_on_fast_tier``, ``context_window``, ``modality``), or None;
+    trace: one line per earlier rule saying why it did not match; skipped: (upstream, reason) left out;
+    index: the 1-based position of the matching rule (0 for the default).
     """
 
     tier: Tier
@@ -79,20 +182,133 @@ class Decision:
     model: str
     candidates: tuple[Candidate, ...]
     fallback: str | None = None
-    trace: tuple[str, ...] = field(default=())
+    trace: tuple[str, ...] = ()
+    skipped: tuple[tuple[str, str], ...] = ()
+    index: int = 0
+
+
+class _StrTest:
+    __slots__ = ("kind", "value", "_re")
+
+    def __init__(self, m: StrMatch) -> None:
+        self.kind, self.value = next((k, v) for k, v in m.model_dump().items() if v is not None)
+        self._re = re.compile(self.value) if self.kind == "regex" else None
+
+    def __call__(self, text: str) -> bool:
+        if self.kind == "exact":
+            return text == self.value
+        if self.kind == "prefix":
+            return text.startswith(self.value)
+        if self.kind == "glob":
+            return fnmatch.fnmatchcase(text, self.value)
+        assert self._re is not None
+        return self._re.search(text) is not None
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.value!r}"
+
+
+def _in_range(value: float, r: Range) -> bool:
+    return ((r.gt is None or value > r.gt) and (r.gte is None or value >= r.gte)
+            and (r.lt is None or value < r.lt) and (r.lte is None or value <= r.lte))
+
+
+def _range_text(r: Range) -> str:
+    ops = {"gt": ">", "gte": ">=", "lt": "<", "lte": "<="}
+    return " and ".join(f"{ops[k]} {v:g}" for k, v in r.model_dump().items() if v is not None)
+
+
+class Rule:
+    """A compiled :class:`RuleConfig`; :meth:`why_not` explains a non-match."""
+
+    def __init__(self, cfg: RuleConfig) -> None:
+        self.name = cfg.name
+        self.route: RouteConfig = cfg.route
+        self.match: MatchConfig = cfg.match
+        self._headers = {k: _StrTest(v) for k, v in (cfg.match.headers or {}).items()}
+        self._ua = _StrTest(cfg.match.user_agent) if cfg.match.user_agent else None
+
+    def why_not(self, f: RequestFacts) -> str | None:
+        """None when every condition holds, else the first failing condition in words."""
+        m = self.match
+        for name, test in self._headers.items():
+            value = f.headers.get(name)
+            if value is None or not test(value):
+                return f"header {name} is {'absent' if value is None else repr(value)}, not {test}"
+        if m.service_tier is not None and f.service_tier not in m.service_tier:
+            return f"service_tier {f.service_tier!r} not in {m.service_tier}"
+        if m.model is not None and not any(fnmatch.fnmatchcase(f.model, g) for g in m.model):
+            return f"model {f.model!r} matches none of {m.model}"
+        for key, allowed in (m.metadata or {}).items():
+            value = f.metadata.get(key)
+            if not isinstance(value, str) or value not in allowed:
+                return f"metadata.{key} {value!r} not in {allowed}"
+        for fact in ("stream", "tools", "images", "audio"):
+            want = getattr(m, fact)
+            if want is not None and getattr(f, fact) != want:
+                return f"{fact} is {getattr(f, fact)}, rule wants {want}"
+        if m.tool_choice is not None and f.tool_choice not in m.tool_choice:
+            return f"tool_choice {f.tool_choice!r} not in {m.tool_choice}"
+        for fact, r in (("prompt_tokens", m.prompt_tokens), ("max_tokens", m.max_tokens), ("n", m.n)):
+            if r is not None:
+                value = getattr(f, fact)
+                if value is None or not _in_range(value, r):
+                    return f"{fact} {value} is not {_range_text(r)}"
+        if self._ua is not None and not self._ua(f.user_agent):
+            return f"user-agent {f.user_agent!r} does not match {self._ua}"
+        return None
+
+    def describe(self) -> str:
+        """The rule's conditions in one line, for ``tiergate check-config`` and explanations."""
+        m = self.match
+        conds = [f"header {name} {test}" for name, test in self._headers.items()]
+        for fact in ("service_tier", "model", "tool_choice"):
+            if getattr(m, fact) is not None:
+                conds.append(f"{fact} in [{', '.join(getattr(m, fact))}]")
+        conds += [f"metadata.{k} in [{', '.join(v)}]" for k, v in (m.metadata or {}).items()]
+        conds += [f"{fact}={getattr(m, fact)}" for fact in ("stream", "tools", "images", "audio")
+                  if getattr(m, fact) is not None]
+        conds += [f"{fact} {_range_text(r)}" for fact, r in (("prompt_tokens", m.prompt_tokens),
+                                                            ("max_tokens", m.max_tokens), ("n", m.n)) if r]
+        if self._ua is not None:
+            conds.append(f"user-agent {self._ua}")
+        return " and ".join(conds) or "every request"
+
+
+def default_rules(config: GatewayConfig) -> list[RuleConfig]:
+    """The default policy for a config that has no ``rules:`` (see the module docstring)."""
+    rules: list[dict[str, Any]] = []
+    for tier in TIERS:
+        rules.append({"name": "header", "match": {"headers": {TIER_HEADER: {"regex": rf"(?i)^\s*{tier}\s*$"}}},
+                      "route": {"tier": tier}})
+    rules.append({"name": "service_tier", "match": {"service_tier": ["priority"]}, "route": {"tier": "fast"}})
+    rules.append({"name": "service_tier", "match": {"service_tier": ["flex"]}, "route": {"tier": "standard"}})
+    for tier in TIERS:
+        pinned = sorted(a for a, t in config.aliases.items() if t.tier == tier)
+        if pinned:
+            rules.append({"name": "model_alias", "match": {"model": pinned}, "route": {"tier": tier}})
+    rules.append({"name": "n_gt_1", "match": {"n": {"gt": 1}}, "route": {"tier": "standard"}})
+    rules.append({"name": "long_prompt", "match": {"prompt_tokens": {"gt": config.long_prompt_tokens}},
+                  "route": {"tier": "standard"}})
+    for tier in TIERS:
+        values = sorted(w for w, t in config.workloads.items() if t == tier)
+        if values:
+            rules.append({"name": "workload", "match": {"metadata": {"workload": values}}, "route": {"tier": tier}})
+    return [RuleConfig.model_validate(r) for r in rules]
 
 
 class Policy:
-    """The routing table built once from a :class:`GatewayConfig`; :meth:`decide` is pure and cheap."""
+    """The routing table built once from a :class:`GatewayConfig`; :meth:`decide` is pure."""
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
+        self.rules = [Rule(r) for r in (config.rules if config.rules is not None else default_rules(config))]
         self._by_tier: dict[Tier, list[UpstreamConfig]] = {
             t: [u for u in config.upstreams if u.tier == t] for t in TIERS}
         self._served = {m for u in config.upstreams for m in u.models}
 
     def decide(self, facts: RequestFacts) -> Decision:
-        """Choose a tier and the upstreams to try for ``facts``.
+        """Choose a tier, explain it, and list the upstreams to try.
 
         Raises:
             ModelNotFound: no upstream serves the model (after alias resolution).
@@ -103,30 +319,45 @@ class Policy:
             raise ModelNotFound(f"The model `{facts.model}` does not exist or you do not have access to it.",
                                 param="model")
         trace: list[str] = []
-        tier, rule, reason = self._choose(facts, alias.tier if alias else None, trace)
-        first = self._serving(tier, model)
-        other_tier: Tier = "standard" if tier == "fast" else "fast"
-        other = self._serving(other_tier, model) if (self.config.fallback or not first) else []
-        fallback = None if first else f"model_not_on_{tier}_tier"
-        candidates = tuple(Candidate(u, u.models[model]) for u in (*first, *other))
-        return Decision(tier, rule, reason, model, candidates, fallback, tuple(trace))
+        name, index = "default", 0
+        route = RouteConfig(tier=self.config.default_tier)
+        reason = f"no rule matched: default tier {route.tier}"
+        for i, rule in enumerate(self.rules, 1):
+            why = rule.why_not(facts)
+            if why is None:
+                name, index, route = rule.name, i, rule.route
+                reason = f"rule {i} {rule.name!r}: {rule.describe()} -> {route.tier}"
+                break
+            trace.append(f"rule {i} {rule.name!r}: {why}")
+        cands, fallback, skipped = self._candidates(facts, model, route)
+        return Decision(route.tier, name, reason, model, cands, fallback, tuple(trace), skipped, index)
 
-    def _serving(self, tier: Tier, model: str) -> list[UpstreamConfig]:
-        return [u for u in self._by_tier[tier] if model in u.models]
+    def _candidates(self, facts: RequestFacts, model: str,
+                    route: RouteConfig) -> tuple[tuple[Candidate, ...], str | None, tuple[tuple[str, str], ...]]:
+        first = [u for u in self._by_tier[route.tier] if model in u.models]
+        if route.upstream:
+            first.sort(key=lambda u: u.name != route.upstream)
+        other_tier: Tier = "standard" if route.tier == "fast" else "fast"
+        allow_other = (route.fallback and self.config.fallback) or not first
+        other = [u for u in self._by_tier[other_tier] if model in u.models] if allow_other else []
+        skipped = [(u.name, why) for u in (*first, *other) if (why := _cannot_take(u, facts))]
+        out = {name for name, _ in skipped}
+        kept_first = [u for u in first if u.name not in out]
+        kept = [*kept_first, *(u for u in other if u.name not in out)]
+        if not kept:  # nobody fits by our estimate: let the upstreams judge (their answer is relayed)
+            kept, kept_first, skipped = [*first, *other], first, []
+        fallback = None
+        if not kept_first:
+            fallback = next((why for name, why in skipped if name in {u.name for u in first}),
+                            f"model_not_on_{route.tier}_tier")
+        return tuple(Candidate(u, u.models[model]) for u in kept), fallback, tuple(skipped)
 
-    def _choose(self, facts: RequestFacts, alias_tier: Tier | None, trace: list[str]) -> tuple[Tier, str, str]:
-        if facts.tier_header in TIERS:
-            return facts.tier_header, "header", f"header {TIER_HEADER}: {facts.tier_header}"  # type: ignore[return-value]
-        trace.append("header: absent" if facts.tier_header is None else f"header: {facts.tier_header!r} is no tier")
-        mapped = SERVICE_TIER_MAP.get(facts.service_tier or "")
-        if mapped:
-            return mapped, "service_tier", f"service_tier={facts.service_tier}"
-        trace.append(f"service_tier: {facts.service_tier!r} maps to no tier")
-        if alias_tier:
-            return alias_tier, "model_alias", f"model alias {facts.model} is pinned to the {alias_tier} tier"
-        trace.append(f"model_alias: {facts.model!r} pins no tier")
-        wl = self.config.workloads.get(facts.workload or "")
-        if wl:
-            return wl, "workload", f"metadata.workload={facts.workload}"
-        trace.append(f"workload: {facts.workload!r} maps to no tier")
-        return self.config.default_tier, "default", f"default tier {self.config.default_tier}"
+
+def _cannot_take(u: UpstreamConfig, f: RequestFacts) -> str | None:
+    if u.context_window is not None and f.prompt_tokens + (f.max_tokens or 0) > u.context_window:
+        return "context_window"
+    if f.images and "image" not in u.modalities:
+        return "modality"
+    if f.audio and "audio" not in u.modalities:
+        return "modality"
+    return None

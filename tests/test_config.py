@@ -103,7 +103,7 @@ def test_check_config_prints_the_resolved_routes() -> None:
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "config/demo.yaml: valid" in out
-    assert "gpt-5.6-sol-fast -> fast" in out
+    assert "model_alias    model in [gpt-5.6-sol-fast] -> fast" in out
     assert "fast/emulated-fast: gpt-5.6-wse" in out
     assert "standard/emulated-standard: gpt-5.6-2026-10-01" in out
 

@@ -74,9 +74,12 @@ def test_first_matching_rule_wins(body: dict[str, Any], headers: dict[str, str],
     assert decision.reason
     assert decision.candidates[0].upstream.tier == tier
     assert decision.fallback is None
-    # the earlier rules that did not match are explained, one line each
-    order = ["header", "service_tier", "model_alias", "workload", "default"]
-    assert len(decision.trace) == order.index(rule)
+    # every earlier rule that did not match is explained, one line each, in order
+    names = [r.name for r in POLICY.rules]
+    tried = decision.index - 1 if decision.index else len(names)
+    assert len(decision.trace) == tried
+    assert all(f"'{name}'" in line for name, line in zip(names, decision.trace, strict=False))
+    assert decision.index == 0 or names[decision.index - 1] == rule
 
 
 def test_candidates_are_chosen_tier_then_other_tier_with_mapped_model_ids() -> None:
@@ -104,5 +107,124 @@ def test_no_fallback_config_keeps_only_the_chosen_tier() -> None:
 @pytest.mark.parametrize("model", ["gpt-9", "GPT-5.6", "wse-gpt-5.6", ""])
 def test_unknown_model_is_a_404(model: str) -> None:
     with pytest.raises(ModelNotFound) as info:
-        POLICY.decide(RequestFacts(model=model))
+        POLICY.decide(RequestFacts({"model": model}, {}))
     assert info.value.status == 404 and info.value.param == "model"
+
+
+RULES = GatewayConfig.model_validate({
+    "default_tier": "fast",
+    "long_prompt_tokens": 1000,
+    "upstreams": [
+        {"name": "fast-a", "tier": "fast", "base_url": "http://127.0.0.1:1/v1", "context_window": 8192,
+         "modalities": ["text"], "models": {"gpt-5.6": "wse", "coder": "qwen"}},
+        {"name": "fast-b", "tier": "fast", "base_url": "http://127.0.0.1:3/v1", "models": {"gpt-5.6": "wse-b"}},
+        {"name": "std-a", "tier": "standard", "base_url": "http://127.0.0.1:2/v1",
+         "models": {"gpt-5.6": "gpt", "coder": "gpt-coder"}},
+    ],
+    "rules": [
+        {"name": "ci-bots", "match": {"user_agent": {"regex": "(?i)github-actions|jenkins"}},
+         "route": {"tier": "standard", "fallback": False}},
+        {"name": "team-header", "match": {"headers": {"x-team": {"prefix": "search-"}}},
+         "route": {"tier": "fast", "upstream": "fast-b"}},
+        {"name": "forced-tools", "match": {"tools": True, "tool_choice": ["required", "function"]},
+         "route": {"tier": "fast"}},
+        {"name": "vision", "match": {"images": True}, "route": {"tier": "standard"}},
+        {"name": "voice", "match": {"audio": True}, "route": {"tier": "standard"}},
+        {"name": "bulk", "match": {"n": {"gte": 2}}, "route": {"tier": "standard"}},
+        {"name": "long-output", "match": {"max_tokens": {"gt": 4000}}, "route": {"tier": "standard"}},
+        {"name": "big-prompt", "match": {"prompt_tokens": {"gt": 1000}}, "route": {"tier": "standard"}},
+        {"name": "coder-models", "match": {"model": "cod*"}, "route": {"tier": "fast"}},
+        {"name": "offline", "match": {"stream": False, "metadata": {"priority": ["low", "bulk"]}},
+         "route": {"tier": "standard"}},
+        {"name": "evals", "match": {"metadata": {"workload": "eval"}}, "route": {"tier": "standard"}},
+    ],
+})
+RULES_POLICY = Policy(RULES)
+IMAGE = {"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+AUDIO = {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}
+TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "size", "tier", "rule", "explains"),
+    [
+        ({"model": "gpt-5.6"}, {"user-agent": "GitHub-Actions/2.3"}, 0, "standard", "ci-bots", "user-agent regex"),
+        ({"model": "gpt-5.6"}, {"user-agent": "curl/8"}, 0, "fast", "default", "no rule matched"),
+        ({"model": "gpt-5.6"}, {"x-team": "search-ranking"}, 0, "fast", "team-header", "prefix 'search-'"),
+        ({"model": "gpt-5.6"}, {"x-team": "ads"}, 0, "fast", "default", "no rule matched"),
+        ({"model": "gpt-5.6", "tools": TOOL, "tool_choice": "required"}, {}, 0, "fast", "forced-tools", "tools=True"),
+        ({"model": "gpt-5.6", "tools": TOOL, "tool_choice": {"type": "function", "function": {"name": "f"}}}, {}, 0,
+         "fast", "forced-tools", "tool_choice in [required, function]"),
+        ({"model": "gpt-5.6", "tools": TOOL, "tool_choice": "auto", "n": 3}, {}, 0, "standard", "bulk", "n >= 2"),
+        ({"model": "gpt-5.6", "tools": [], "tool_choice": "required", "n": 2}, {}, 0, "standard", "bulk", "n >= 2"),
+        ({"model": "gpt-5.6", "messages": [IMAGE]}, {}, 0, "standard", "vision", "images=True"),
+        ({"model": "gpt-5.6", "messages": [AUDIO]}, {}, 0, "standard", "voice", "audio=True"),
+        ({"model": "gpt-5.6", "modalities": ["text", "audio"]}, {}, 0, "standard", "voice", "audio=True"),
+        ({"model": "gpt-5.6", "n": 1}, {}, 0, "fast", "default", "no rule matched"),
+        ({"model": "gpt-5.6", "max_tokens": 8000}, {}, 0, "standard", "long-output", "max_tokens > 4000"),
+        ({"model": "gpt-5.6", "max_completion_tokens": 4001}, {}, 0, "standard", "long-output", "max_tokens > 4000"),
+        ({"model": "gpt-5.6", "max_completion_tokens": 4000}, {}, 0, "fast", "default", "no rule matched"),
+        ({"model": "gpt-5.6"}, {}, 4004, "standard", "big-prompt", "prompt_tokens > 1000"),
+        ({"model": "gpt-5.6"}, {}, 4000, "fast", "default", "no rule matched"),
+        ({"model": "coder"}, {}, 0, "fast", "coder-models", "model in [cod*]"),
+        ({"model": "gpt-5.6", "stream": False, "metadata": {"priority": "bulk"}}, {}, 0, "standard", "offline",
+         "metadata.priority in [low, bulk]"),
+        ({"model": "gpt-5.6", "stream": True, "metadata": {"priority": "bulk"}}, {}, 0, "fast", "default",
+         "no rule matched"),
+        ({"model": "gpt-5.6", "metadata": {"workload": "eval"}}, {}, 0, "standard", "evals", "workload in [eval]"),
+    ],
+)
+def test_custom_rules_match_on_every_fact(body: dict[str, Any], headers: dict[str, str], size: int, tier: str,
+                                          rule: str, explains: str) -> None:
+    full = {"messages": [{"role": "user", "content": "x"}], **body}
+    decision = RULES_POLICY.decide(RequestFacts(full, headers, size))
+    assert (decision.tier, decision.rule) == (tier, rule)
+    assert explains in decision.reason
+    assert len(decision.trace) == (decision.index - 1 if decision.index else len(RULES_POLICY.rules))
+
+
+def test_rule_upstream_goes_first_and_no_fallback_rule_keeps_its_tier() -> None:
+    decision = RULES_POLICY.decide(RequestFacts({"model": "gpt-5.6", "messages": []}, {"x-team": "search-x"}))
+    assert [c.upstream.name for c in decision.candidates] == ["fast-b", "fast-a", "std-a"]
+    decision = RULES_POLICY.decide(RequestFacts({"model": "gpt-5.6", "messages": []}, {"user-agent": "jenkins"}))
+    assert [c.upstream.name for c in decision.candidates] == ["std-a"]
+
+
+def test_inputs_the_fast_tier_cannot_take_skip_its_upstreams() -> None:
+    # 40,000 bytes ~ 10,000 tokens: over fast-a's 8,192-token window; fast-b has no window configured
+    facts = RequestFacts({"model": "coder", "messages": []}, {}, 40_000)
+    decision = RULES_POLICY.decide(facts)
+    assert decision.rule == "big-prompt"
+    facts = RequestFacts({"model": "coder", "messages": []}, {"x-team": "search-1"}, 40_000)
+    decision = RULES_POLICY.decide(facts)
+    assert [c.upstream.name for c in decision.candidates] == ["std-a"]  # fast-b does not serve "coder"
+    assert decision.fallback == "context_window" and decision.skipped == (("fast-a", "context_window"),)
+    decision = RULES_POLICY.decide(RequestFacts({"model": "coder", "messages": [IMAGE]}, {"x-team": "search-1"}))
+    assert decision.tier == "fast" and decision.fallback == "modality"
+
+
+@pytest.mark.parametrize(
+    ("rules", "needle"),
+    [
+        ([{"name": "r", "route": {"tier": "fast", "upstream": "nope"}}], "rules[0] 'r': route.upstream 'nope'"),
+        ([{"name": "r", "route": {"tier": "standard", "upstream": "fast-a"}}], "is on the fast tier"),
+        ([{"name": "r", "match": {"user_agent": {"regex": "("}}, "route": {"tier": "fast"}}], "bad regex"),
+        ([{"name": "all", "route": {"tier": "fast"}}, {"name": "later", "match": {"n": {"gt": 1}},
+                                                      "route": {"tier": "standard"}}],
+         "rules[1] 'later': unreachable: rules[0] 'all' matches every request"),
+        ([{"name": "a", "match": {"stream": True}, "route": {"tier": "fast"}},
+          {"name": "b", "match": {"stream": True}, "route": {"tier": "standard"}}],
+         "rules[1] 'b': unreachable: rules[0] 'a' has the same conditions"),
+        ([{"name": "r", "match": {"tier": "fast"}, "route": {"tier": "fast"}}], "rules.0.match.tier"),
+        ([{"name": "r", "match": {"n": {}}, "route": {"tier": "fast"}}], "at least one of gt"),
+        ([{"name": "r", "match": {"headers": {"x": {"exact": "a", "prefix": "b"}}}, "route": {"tier": "fast"}}],
+         "exactly one of exact"),
+    ],
+)
+def test_bad_rules_stop_startup_naming_the_rule(rules: list[dict[str, Any]], needle: str) -> None:
+    data = RULES.model_dump(exclude_none=True)
+    data["rules"] = rules
+    with pytest.raises(ValueError) as info:
+        GatewayConfig.model_validate(data)
+    assert needle in str(info.value)
