@@ -28,10 +28,13 @@ from gateway.errors import (
     PayloadTooLarge,
     UnsupportedMediaType,
     UpstreamBadResponse,
+    UpstreamsResting,
     UpstreamStatusError,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from gateway.health import SOFT_REASONS, Health, UpstreamHealth
+from gateway.health import monotonic as health_clock
 from gateway.metrics import Metrics
 from gateway.policy import Candidate, Decision, Policy, RequestFacts
 from gateway.relay import Relay
@@ -54,7 +57,8 @@ class Exchange:
     Times are ``time.perf_counter()`` seconds; ``t0`` is the request's arrival at the endpoint.
     """
 
-    __slots__ = ("t0", "rid", "tier", "upstream", "model", "stream", "recorded", "resp", "metrics", "in_flight")
+    __slots__ = ("t0", "rid", "tier", "upstream", "model", "stream", "recorded", "resp", "metrics", "in_flight",
+                 "health")
 
     def __init__(self, metrics: Metrics, rid: str) -> None:
         self.t0 = time.perf_counter()
@@ -67,6 +71,7 @@ class Exchange:
         self.recorded = False
         self.resp: UpstreamResponse | None = None
         self.in_flight: Any = None
+        self.health: UpstreamHealth | None = None
 
     def record(self, outcome: str, **kw: Any) -> None:
         """Record the request once; later calls are ignored. ``kw`` as :meth:`Metrics.record`."""
@@ -78,6 +83,37 @@ class Exchange:
         self.metrics.record(tier=self.tier, upstream=self.upstream, model=self.model, outcome=outcome,
                             stream=self.stream, duration=time.perf_counter() - self.t0, **kw)
 
+    def take(self, health: UpstreamHealth, need_tokens: int) -> None:
+        """An attempt starts on the upstream of ``health`` (the previous attempt's slot is given back)."""
+        self.release_health()
+        health.start(health_clock(), need_tokens)
+        self.health = health
+
+    def health_seen(self, status: int, headers: dict[str, str]) -> None:
+        """The upstream answered with ``status``: update its quota estimate, cooldown and breaker."""
+        h = self.health
+        if h is None:
+            return
+        now = health_clock()
+        h.observe_headers(headers, now)
+        if status == 429:
+            h.rate_limited(headers, now)
+        elif status >= 500:
+            h.failure(now)
+        else:
+            h.success()  # 2xx, or a 4xx that is the request's fault: the upstream is up
+
+    def health_failed(self, exc: GatewayError) -> None:
+        """An attempt failed without a status from the upstream (connect, timeout, bad or broken answer)."""
+        if self.health is not None and not isinstance(exc, UpstreamStatusError):
+            self.health.failure(health_clock())
+
+    def release_health(self) -> None:
+        """The attempt is over: free its concurrency slot."""
+        if self.health is not None:
+            self.health.finish()
+            self.health = None
+
     def close_upstream(self) -> None:
         """Close the upstream response if one is still open (its connection is not reused)."""
         if self.resp is not None:
@@ -88,11 +124,13 @@ class Exchange:
 class Gateway:
     """The request path of one app: config, policy, upstream pool and metrics, built by ``create_app``."""
 
-    def __init__(self, config: GatewayConfig, policy: Policy, pool: UpstreamPool, metrics: Metrics) -> None:
+    def __init__(self, config: GatewayConfig, policy: Policy, pool: UpstreamPool, metrics: Metrics,
+                 health: Health) -> None:
         self.config = config
         self.policy = policy
         self.pool = pool
         self.metrics = metrics
+        self.health = health
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI endpoint for ``POST /v1/chat/completions`` (OpenAI API reference, "Create chat completion")."""
@@ -128,12 +166,14 @@ class Gateway:
         finally:
             watcher.cancel()
             ex.close_upstream()
+            ex.release_health()
 
     async def _handle(self, raw: bytes, headers: dict[str, str], ex: Exchange, send: Send) -> None:
         try:
             body = parse_chat_request(raw)
             ex.model = self.metrics.model_label(body["model"])
-            decision = self.policy.decide(RequestFacts(body, headers, len(raw)))
+            facts = RequestFacts(body, headers, len(raw))
+            decision = self.policy.decide(facts)
         except GatewayError as exc:
             ex.record("client_error")
             await _send_error(send, exc, [(b"x-request-id", ex.rid.encode())])
@@ -141,14 +181,19 @@ class Gateway:
         ex.model = decision.model
         ex.stream = body.get("stream") is True
         self.metrics.decisions.labels(decision.rule, decision.tier).inc()
-        await self._serve(raw, body, decision, ex, send)
+        await self._serve(raw, body, decision, facts, ex, send)
 
-    async def _serve(self, raw: bytes, body: dict[str, Any], decision: Decision, ex: Exchange, send: Send) -> None:
-        """Try the candidates in order (failover only before the first byte), then answer."""
+    async def _serve(self, raw: bytes, body: dict[str, Any], decision: Decision, facts: RequestFacts, ex: Exchange,
+                     send: Send) -> None:
+        """Try the available candidates in order (failover only before the first byte), then answer."""
         ask_usage = ex.stream and not client_wants_usage(body)
-        attempts = decision.candidates[: self.config.max_attempts]
+        need = facts.prompt_tokens + (facts.max_tokens or 0)
+        attempts, reason, refusal = self._available(decision, need)
+        if refusal is not None:
+            ex.record("upstream_unavailable")
+            await _send_error(send, refusal, [(b"x-request-id", ex.rid.encode())])
+            return
         last: GatewayError = UpstreamUnavailable("No upstream is configured for this model.")
-        reason = decision.fallback
         tried = 0
         for cand in attempts:
             up = cand.upstream
@@ -157,30 +202,34 @@ class Gateway:
             gateway_asks = ask_usage and up.dialect == "openai"
             payload = upstream_body(raw, body, cand.upstream_model, up.dialect, gateway_asks)
             self.metrics.overhead.labels(up.tier).observe(time.perf_counter() - ex.t0)
+            ex.take(self.health[up.name], need)
             try:
                 ex.resp = await self.pool.send(up, payload, stream=ex.stream, request_id=ex.rid)
+                ex.health_seen(ex.resp.status, ex.resp.headers)
                 if ex.resp.status != 200:
                     raise await _status_failure(ex)
                 if ex.stream and not ex.resp.content_type.startswith("text/event-stream"):
                     raise UpstreamBadResponse("The upstream answered a stream request without an event stream.")
             except GatewayError as exc:
                 ex.close_upstream()
+                ex.health_failed(exc)
                 last = exc
                 self.metrics.upstream_errors.labels(up.tier, up.name, _reason(exc)).inc()
                 if not _retryable(exc) or tried == len(attempts):
                     break
                 reason = _reason(exc)
                 continue
-            fell_back = tried > 1 or decision.fallback is not None
-            if fell_back and reason:
+            self.metrics.attempts.observe(tried)
+            if reason is not None:  # set only by a fallback: tier lacks the model, spillover, or failover
                 self.metrics.fallbacks.labels(decision.tier, up.tier, reason).inc()
-            hdrs = _route_headers(decision, cand, ex.rid, reason if fell_back else None)
+            hdrs = _route_headers(decision, cand, ex.rid, reason)
             hdrs += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in ex.resp.headers.items()]
             if ex.stream:
                 await self._relay(ex, hdrs, gateway_asks, send)
             else:
                 await self._whole(ex, hdrs, send)
             return
+        self.metrics.attempts.observe(tried)
         outcome = "upstream_timeout" if isinstance(last, UpstreamTimeout) else (
             "upstream_error" if isinstance(last, UpstreamStatusError) else "upstream_unavailable")
         ex.record(outcome)
@@ -189,6 +238,41 @@ class Gateway:
         if tried > 1:
             extra.append((b"x-should-retry", b"false"))  # the gateway already retried; the SDK should not multiply
         await _send_error(send, last, extra)
+
+    def _available(self, decision: Decision,
+                   need: int) -> tuple[list[Candidate], str | None, GatewayError | None]:
+        """Candidates that can take the request now (spillover), the first spillover reason, or a refusal.
+
+        When every candidate is unavailable only because of a quota estimate or its concurrency limit, the
+        first of them is tried anyway (the upstream is the judge); when all are in cooldown or have their
+        breaker open, the answer is 503 with ``retry-after``.
+        """
+        now = self.health.clock()
+        usable: list[Candidate] = []
+        soft: list[Candidate] = []
+        spill: str | None = None
+        waits: list[float] = []
+        for cand in self.health.order(decision.candidates):
+            h = self.health[cand.upstream.name]
+            why = h.unavailable(now, need)
+            if why is None:
+                usable.append(cand)
+                continue
+            self.metrics.spillovers.labels(cand.upstream.tier, cand.upstream.name, why).inc()
+            if not usable and spill is None:
+                spill = f"spillover_{why}"
+            if why in SOFT_REASONS:
+                soft.append(cand)
+            else:
+                waits.append(h.resting_until() - now)
+        if not usable and soft:
+            return soft[:1], decision.fallback, None
+        if not usable:
+            retry = max(1, int(min(waits) + 0.999)) if waits else 1
+            return [], None, UpstreamsResting(
+                "Every upstream for this model is resting (circuit breaker open or rate-limit cooldown); "
+                f"retry in {retry} s.", headers={"retry-after": str(retry)})
+        return usable[: self.config.max_attempts], spill or decision.fallback, None
 
     async def _relay(self, ex: Exchange, hdrs: list[tuple[bytes, bytes]], strip_usage: bool, send: Send) -> None:
         """Relay an SSE answer; the status line and headers leave with the first relayed bytes."""
@@ -216,6 +300,8 @@ class Gateway:
               "usage": stats.usage, "time_info": stats.time_info}
         if stats.error:
             self.metrics.upstream_errors.labels(ex.tier, ex.upstream, stats.error).inc()
+            if ex.health is not None:
+                ex.health.failure(health_clock())
             ex.close_upstream()
         else:
             resp.release()

@@ -25,6 +25,7 @@ from gateway import __version__
 from gateway.api import Gateway, error_response
 from gateway.config import LoadedConfig, load_config
 from gateway.errors import GatewayError, InvalidRequest, MethodNotAllowed, UnknownURL
+from gateway.health import Health
 from gateway.metrics import Metrics
 from gateway.policy import Policy
 from gateway.settings import Settings, environ, multiprocess_dir
@@ -47,7 +48,8 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
     registry = registry if registry is not None else CollectorRegistry()
     metrics = Metrics(registry, config.model_names(), [(u.tier, u.name, u.models) for u in config.upstreams])
     pool = UpstreamPool(config.upstreams, loaded.keys)
-    gateway = Gateway(config, Policy(config), pool, metrics)
+    health = Health(config.upstreams)
+    gateway = Gateway(config, Policy(config), pool, metrics, health)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -84,6 +86,10 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
+        now = health.clock()
+        for name, h in health.by_name.items():
+            metrics.set_upstream_state(name, h.state(now), {k: q.remaining for k, q in h.quota.items()
+                                                            if q.resets_at > now})
         if multiprocess_dir:
             merged = CollectorRegistry()
             multiprocess.MultiProcessCollector(merged, multiprocess_dir)

@@ -53,6 +53,23 @@ class Timeouts(_Strict):
     total: float = Field(600.0, gt=0)
 
 
+class HealthConfig(_Strict):
+    """Per-upstream health settings (``gateway.health``); times in seconds.
+
+    failures: consecutive failures that open the circuit breaker; open_seconds: how long it stays open before
+    one probe is let through; cooldown_default / cooldown_max: rest after a 429 without / with a retry hint
+    (the hint is capped); max_concurrent: requests in flight before new ones spill over (None: no limit);
+    quota_reserve: remaining ``requests`` / ``tokens`` to keep unused (spill over before going under).
+    """
+
+    failures: int = Field(5, ge=1)
+    open_seconds: float = Field(30.0, gt=0)
+    cooldown_default: float = Field(1.0, ge=0)
+    cooldown_max: float = Field(60.0, ge=0)
+    max_concurrent: int | None = Field(None, ge=1)
+    quota_reserve: dict[Literal["requests", "tokens"], int] = {}
+
+
 class UpstreamConfig(_Strict):
     """One upstream endpoint of a tier."""
 
@@ -67,6 +84,7 @@ class UpstreamConfig(_Strict):
     context_window: int | None = Field(None, ge=1)
     modalities: list[Literal["text", "image", "audio"]] = ["text", "image", "audio"]
     weight: int = Field(1, ge=1)
+    health: HealthConfig = HealthConfig()
 
     @field_validator("base_url")
     @classmethod

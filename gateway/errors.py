@@ -13,6 +13,7 @@
     ├── UpstreamUnavailable          502 upstream_unavailable (connect refused, reset before the status line)
     ├── UpstreamBadResponse          502 upstream_bad_response (a 200 that is not what the request asked for)
     ├── UpstreamTimeout              504 upstream_timeout
+    ├── UpstreamsResting             503 upstreams_resting (every candidate's breaker open or in 429 cooldown)
     └── UpstreamStatusError          the upstream's own 4xx/5xx before the first byte, status kept
 
 Status codes and ``type``/``code`` strings follow OpenAI's error guide and the table in
@@ -133,6 +134,14 @@ class UpstreamTimeout(GatewayError):
     status = 504
     error_type = "server_error"
     code = "upstream_timeout"
+
+
+class UpstreamsResting(GatewayError):
+    """503: every candidate upstream is resting (circuit breaker open or 429 cooldown); ``retry-after`` says when."""
+
+    status = 503
+    error_type = "server_error"
+    code = "upstreams_resting"
 
 
 class UpstreamStatusError(GatewayError):

@@ -35,6 +35,7 @@ OUTCOMES = ("success", "client_error", "upstream_error", "upstream_unavailable",
 TOKEN_TYPES = ("input", "output", "cached_input", "reasoning")
 
 _T = ("tier", "upstream", "model")
+STATES = ("closed", "open", "half_open", "cooldown")
 
 
 class Metrics:
@@ -74,6 +75,17 @@ class Metrics:
                                        ("tier", "upstream", "reason"), registry=registry)
         self.fallbacks = Counter(f"{p}_fallbacks", "Requests served by another candidate than the first, by reason.",
                                  ("from_tier", "to_tier", "reason"), registry=registry)
+        self.spillovers = Counter(
+            f"{p}_spillovers", "Candidates passed over before sending, by reason (circuit_open, circuit_half_open, "
+            "cooldown, quota_requests, quota_tokens, concurrency).", ("tier", "upstream", "reason"), registry=registry)
+        self.upstream_state = Gauge(f"{p}_upstream_state", "1 for the upstream's current health state, else 0.",
+                                    ("upstream", "state"), registry=registry, multiprocess_mode="livemostrecent")
+        self.quota_remaining = Gauge(f"{p}_upstream_quota_remaining",
+                                     "Remaining requests or tokens as last reported in the upstream's rate-limit "
+                                     "headers, minus what was sent since.", ("upstream", "kind"), registry=registry,
+                                     multiprocess_mode="livemostrecent")
+        self.attempts = Histogram(f"{p}_upstream_attempts", "Upstream attempts per request.", (),
+                                  buckets=(1, 2, 3, 4, 5, 10), registry=registry)
         self.decisions = Counter(f"{p}_routing_decisions", "Routing decisions by rule and chosen tier.",
                                  ("rule", "tier"), registry=registry)
         self.in_flight = Gauge(f"{p}_in_flight_requests", "Streams being relayed now.", ("tier", "upstream"),
@@ -85,6 +97,13 @@ class Metrics:
             self.in_flight.labels(tier, upstream)
             for model in sorted(served):
                 self.requests.labels(tier, upstream, model, "success")
+
+    def set_upstream_state(self, upstream: str, state: str, quota: dict[str, float]) -> None:
+        """Publish one upstream's health ``state`` (one of ``STATES``) and its quota estimate."""
+        for s in STATES:
+            self.upstream_state.labels(upstream, s).set(1.0 if s == state else 0.0)
+        for kind, remaining in quota.items():
+            self.quota_remaining.labels(upstream, kind).set(remaining)
 
     def model_label(self, model: str | None) -> str:
         """``model`` if it is configured, else ``other`` (bounded cardinality)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -99,19 +100,25 @@ def test_bad_input_is_counted_as_client_error(stack: Stack) -> None:
 
 
 def test_upstream_429_before_first_byte_is_relayed_with_retry_headers(stack: Stack) -> None:
-    directive = fast_directive(status=429, retry_after_ms=1500, code="rate_limit_exceeded", message="slow_down")
+    directive = fast_directive(status=429, retry_after_ms=300, code="rate_limit_exceeded", message="slow_down")
     body = {"model": "gpt-5.6", "stream": True, "messages": [{"role": "user", "content": directive}]}
     resp = httpx.post(stack.base_url + "/chat/completions", json=body, timeout=10)
     assert resp.status_code == 429
     err = _envelope(resp)
     assert err["message"] == "slow_down" and err["code"] == "rate_limit_exceeded"
-    assert resp.headers["retry-after-ms"] == "1500"
+    assert resp.headers["retry-after-ms"] == "300"
     # both tiers answered 429, so the gateway already retried: it tells the SDK not to retry again
     assert resp.headers["x-should-retry"] == "false"
+    # both upstreams now rest for their retry-after-ms: the gateway answers for them without calling them
+    resting = httpx.post(stack.base_url + "/chat/completions", json=body, timeout=10)
+    assert resting.status_code == 503 and _envelope(resting)["code"] == "upstreams_resting"
+    assert resting.headers["retry-after"] == "1"
+    time.sleep(0.35)
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=2)
     with pytest.raises(openai.RateLimitError) as info:
         client.chat.completions.create(model="gpt-5.6", messages=body["messages"], stream=True)
     assert info.value.code == "rate_limit_exceeded"
+    time.sleep(0.35)  # let both cooldowns end for the tests that follow
 
 
 def test_upstream_400_is_not_retried_on_the_other_tier(stack: Stack) -> None:
