@@ -40,28 +40,37 @@ class EventTooLarge(Exception):
 class SSEScanner:
     """Turns a byte stream into :class:`SSEEvent` objects; keeps at most one partial event buffered.
 
+    A CR that ends a read ends its line at once (the event it completes is returned without waiting for
+    the next read); an LF opening the next read is then skipped as the second half of that CRLF.
+
     Args:
-        max_event_bytes: largest single event accepted; :meth:`feed` raises :class:`EventTooLarge` past it.
+        max_event_bytes: largest single event accepted (its lines and their line ends, without the blank
+            line); :meth:`feed` raises :class:`EventTooLarge` past it, whether or not the event is complete.
     """
 
-    __slots__ = ("_buf", "_started", "_max")
+    __slots__ = ("_buf", "_started", "_max", "_skip_lf")
 
     def __init__(self, max_event_bytes: int = 8 * 1024 * 1024) -> None:
         self._buf = b""
         self._started = False
         self._max = max_event_bytes
+        self._skip_lf = False  # the last read ended with a CR: an LF opening the next read belongs to it
 
     @property
     def pending(self) -> int:
-        """Bytes held back: the start of an event whose blank line has not arrived yet."""
+        """Bytes held back: the start of an event whose blank line has not arrived yet (0 between events)."""
         return len(self._buf)
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         """Add one read; return the events it completed, in order.
 
         Raises:
-            EventTooLarge: the unfinished event is over the limit.
+            EventTooLarge: an event (finished or not) is over the limit; the scanner drops what it holds.
         """
+        if self._skip_lf and chunk:
+            self._skip_lf = False
+            if chunk[0] == 10:
+                chunk = chunk[1:]
         buf = self._buf + chunk if self._buf else chunk
         if not self._started:
             if len(buf) < 3 and BOM.startswith(buf):
@@ -72,46 +81,73 @@ class SSEScanner:
                 buf = buf[3:]
         if b"\r" in buf:
             events = self._feed_general(buf)
-        else:
-            parts = buf.split(b"\n\n")
-            self._buf = parts.pop()
-            events = [ev for part in parts if (ev := _event_lf(part)) is not None]
-        if len(self._buf) > self._max:
-            self._buf = b""
-            raise EventTooLarge(f"an SSE event exceeded {self._max} bytes")
-        return events
+            if len(self._buf) > self._max:
+                raise self._too_large()
+            return events
+        parts = buf.split(b"\n\n")
+        rest = parts.pop()
+        if rest and rest[0] == 10:  # a blank line with no event before it: nothing to keep
+            rest = rest.lstrip(b"\n")
+        self._buf = rest
+        if len(buf) > self._max:  # only then can an event, finished or not, be over the limit
+            if len(rest) > self._max:
+                raise self._too_large()
+            for part in parts:
+                if len(part) >= self._max and len(part.lstrip(b"\n")) + 1 > self._max:
+                    raise self._too_large()
+        return [ev for part in parts if (ev := _event_lf(part)) is not None]
+
+    def _too_large(self) -> EventTooLarge:
+        self._buf = b""
+        self._skip_lf = False
+        return EventTooLarge(f"an SSE event exceeded {self._max} bytes")
 
     def _feed_general(self, buf: bytes) -> list[SSEEvent]:
-        """Any mix of CR, LF and CRLF: split into lines by hand, holding back a trailing CR."""
+        """Any mix of CR, LF and CRLF: split into lines by hand; a CR ending ``buf`` ends its line."""
         events: list[SSEEvent] = []
         lines: list[bytes] = []
         pos = 0
-        start = 0
+        start = 0  # first byte of the event being built
         n = len(buf)
-        while pos < n:
-            cr = buf.find(b"\r", pos)
-            lf = buf.find(b"\n", pos)
-            if cr < 0 and lf < 0:
-                break
-            end = lf if cr < 0 or (0 <= lf < cr) else cr
-            if buf[end] == 13:  # CR: may be the first half of CRLF
-                if end + 1 == n:
-                    break  # wait for the next read to tell
-                nxt = end + 2 if buf[end + 1] == 10 else end + 1
+        trailing_cr = False
+        cr = buf.find(b"\r")
+        lf = buf.find(b"\n")
+        while cr >= 0 or lf >= 0:
+            if cr < 0 or 0 <= lf < cr:
+                end = lf
+                nxt = lf + 1
             else:
-                nxt = end + 1
+                end = cr
+                if cr + 1 == n:
+                    nxt = n
+                    trailing_cr = True
+                else:
+                    nxt = cr + 2 if buf[cr + 1] == 10 else cr + 1
             line = buf[pos:end]
             pos = nxt
+            if 0 <= cr < pos:
+                cr = buf.find(b"\r", pos)
+            if 0 <= lf < pos:
+                lf = buf.find(b"\n", pos)
             if line:
                 lines.append(line)
                 continue
             if lines:
+                if end - start > self._max:
+                    raise self._too_large()
                 ev = _event_lines(lines, normalise=True)
                 if ev is not None:
                     events.append(ev)
                 lines = []
             start = pos
-        self._buf = buf[start:]
+        rest = buf[start:]
+        if trailing_cr:
+            self._skip_lf = True  # an LF opening the next read completes this CRLF
+            if rest:
+                # the CR ended a line of an unfinished event: hold it as LF, so that it cannot pair with
+                # an LF that the next read brings after the skipped one
+                rest = rest[:-1] + b"\n"
+        self._buf = rest
         return events
 
 

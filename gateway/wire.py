@@ -90,31 +90,35 @@ def upstream_body(raw: bytes, body: dict[str, Any], upstream_model: str, dialect
         raw = replace_top_level(raw, b"model", orjson.dumps(upstream_model))
     if ask_usage:
         options = body.get("stream_options")
-        if options is None:
+        if "stream_options" not in body:
             start = raw.index(b"{") + 1
             raw = raw[:start] + b'"stream_options":{"include_usage":true},' + raw[start:]
-        else:
-            raw = replace_top_level(raw, b"stream_options", orjson.dumps({**options, "include_usage": True}))
+        else:  # an object, or null (a second key would leave the upstream reading the client's null)
+            raw = replace_top_level(raw, b"stream_options", orjson.dumps({**(options or {}), "include_usage": True}))
     return raw
 
 
 def replace_top_level(raw: bytes, key: bytes, value: bytes) -> bytes:
     """Replace the value of top-level ``key`` in the JSON object ``raw`` with the JSON text ``value``.
 
-    Only the value's bytes change. Falls back to parsing and re-serialising when the key cannot be
-    located by the scanner (it is always present: callers only replace keys the parsed body holds).
+    Only the value's bytes change; a key given more than once has every value replaced (parsers keep
+    the last one, the scanner finds the first). Falls back to parsing and re-serialising when the key
+    cannot be located by the scanner (it is always present: callers only replace keys the parsed body holds).
     """
-    span = _value_span(raw, key)
-    if span is None:
+    spans = _value_spans(raw, key)
+    if not spans:
         body = orjson.loads(raw)
         body[key.decode()] = orjson.loads(value)
         return orjson.dumps(body)
-    return raw[: span[0]] + value + raw[span[1]:]
+    for start, end in reversed(spans):
+        raw = raw[:start] + value + raw[end:]
+    return raw
 
 
-def _value_span(raw: bytes, key: bytes) -> tuple[int, int] | None:
-    """Byte span of the value of top-level ``key`` (a string, object or array value), or None."""
+def _value_spans(raw: bytes, key: bytes) -> list[tuple[int, int]]:
+    """Byte spans of the values of top-level ``key``, in order (more than one only for a repeated key)."""
     quoted = b'"' + key + b'"'
+    spans: list[tuple[int, int]] = []
     depth = 0
     tokens = _TOKEN.finditer(raw)
     for m in tokens:
@@ -127,9 +131,13 @@ def _value_span(raw: bytes, key: bytes) -> tuple[int, int] | None:
             if colon >= len(raw) or raw[colon] != 0x3A:
                 continue
             start = _skip_ws(raw, colon + 1)
-            return start, _value_end(raw, start, tokens)
+            end = _value_end(raw, start, tokens)  # consumes the value's tokens: depth is still 1
+            spans.append((start, end))
+            if raw.find(quoted, end) < 0 and raw.find(b"\\u", end) < 0:
+                return spans  # no second copy of the key can follow (spelt plainly or with escapes)
+            continue
         depth += 1 if first in b"{[" else -1
-    return None
+    return spans
 
 
 def _value_end(raw: bytes, start: int, tokens: Any) -> int:
