@@ -215,7 +215,8 @@ class Gateway:
                 ex.health_failed(exc)
                 last = exc
                 self.metrics.upstream_errors.labels(up.tier, up.name, _reason(exc)).inc()
-                if not _retryable(exc) or tried == len(attempts):
+                nxt = attempts[tried] if tried < len(attempts) else None
+                if nxt is None or not _retryable(exc, up.tier != nxt.upstream.tier):
                     break
                 reason = _reason(exc)
                 continue
@@ -443,14 +444,24 @@ async def _status_failure(ex: Exchange) -> GatewayError:
     return status_error(resp.status, data, resp.headers)
 
 
-def _retryable(exc: GatewayError) -> bool:
-    """Fail over only where it is safe: connect/timeout failures, 429 and 5xx, before any byte was sent."""
+def _retryable(exc: GatewayError, other_tier: bool) -> bool:
+    """Fail over only where it is safe, and always before any byte was sent: connect and timeout failures,
+    429 and 5xx; a context-length 400 only when the next candidate is on the other tier (whose window may be
+    larger). Other 4xx are the request's fault and would fail the same way anywhere."""
     if isinstance(exc, UpstreamStatusError):
-        return exc.status == 429 or exc.status >= 500
+        return exc.status == 429 or exc.status >= 500 or (other_tier and _context_length(exc))
     return True
+
+
+def _context_length(exc: UpstreamStatusError) -> bool:
+    text = f"{exc.code} {exc.message}".lower()
+    return exc.status == 400 and ("context_length" in text or "context length" in text
+                                  or "maximum context" in text or "too many tokens" in text)
 
 
 def _reason(exc: GatewayError) -> str:
     if isinstance(exc, UpstreamStatusError):
+        if _context_length(exc):
+            return "context_length"
         return "upstream_429" if exc.status == 429 else f"upstream_{exc.status // 100}xx"
     return exc.code or "upstream_error"

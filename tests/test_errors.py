@@ -123,11 +123,11 @@ def test_upstream_429_before_first_byte_is_relayed_with_retry_headers(stack: Sta
 
 def test_upstream_400_is_not_retried_on_the_other_tier(stack: Stack) -> None:
     before = sample(stack.metrics(), "tiergate_upstream_errors_total")
-    directive = fast_directive(status=400, code="context_length_exceeded", message="too long")
+    directive = fast_directive(status=400, code="invalid_value", message="temperature_too_high")
     resp = httpx.post(stack.base_url + "/chat/completions", timeout=10, json={
         "model": "gpt-5.6", "messages": [{"role": "user", "content": directive}]})
     assert resp.status_code == 400
-    assert _envelope(resp)["code"] == "context_length_exceeded"
+    assert _envelope(resp)["code"] == "invalid_value"
     assert "x-should-retry" not in resp.headers
     assert sample(stack.metrics(), "tiergate_upstream_errors_total") == before + 1
 
