@@ -298,6 +298,7 @@ class Gateway:
         first, last = stats.t_first_token, stats.t_last_token
         kw = {"ttft": first - ex.t0 if first is not None else None,
               "decode_time": last - first if first is not None and last is not None else None,
+              "token_chunks": stats.token_chunks,
               "usage": stats.usage, "time_info": stats.time_info}
         if stats.error:
             self.metrics.upstream_errors.labels(ex.tier, ex.upstream, stats.error).inc()

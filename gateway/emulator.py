@@ -303,13 +303,13 @@ class Generation:
         items = [(t0, self._chunk(role, null_usage))]
         t_first = t0 + self.ttft
         sent = 0
-        while sent < self.tokens:
+        while sent < self.tokens:  # chunk k leaves at ttft + k * per_chunk / tps: decode runs at exactly tps
             n = min(self.per_chunk, self.tokens - sent)
             text = self._text(sent, n)
             delta = (b'{"index":0,"delta":{"content":"' + text + b'"},"finish_reason":null}' if openai
                      else b'{"delta":{"content":"' + text + b'"},"index":0}')
+            items.append((t_first + sent / self.tps, self._chunk(delta, null_usage)))
             sent += n
-            items.append((t_first + (sent - 1) / self.tps, self._chunk(delta, null_usage)))
         t_end = items[-1][0]
         finish = (b'{"index":0,"delta":{},"finish_reason":"stop"}' if openai
                   else b'{"delta":{},"finish_reason":"stop","index":0}')

@@ -4,8 +4,11 @@ Definitions (README "Metrics"; wire contract §6):
 
 * TTFT: request arrival at the gateway -> arrival of the first token-bearing chunk (content, refusal,
   reasoning or tool-call delta; not the role-only first chunk, not the response headers).
-* time per output token: (t_last_token - t_first_token) / (completion_tokens - 1), completion_tokens from
-  the upstream's usage; decode tokens/s is its inverse. Not recorded without usage or with < 2 tokens.
+* time per output token: (t_last_token - t_first_token) / (completion_tokens - first_chunk_tokens), from the
+  upstream's usage; first_chunk_tokens is the mean tokens per token-bearing chunk (completion_tokens /
+  token_chunks), which is 1 when every chunk carries one token (OpenAI, Cerebras): then this is exactly
+  (t_last - t_first) / (completion_tokens - 1). Decode tokens/s is its inverse. Not recorded without usage or
+  with fewer than 2 token-bearing chunks.
 * request duration: arrival -> last byte written to the client.
 * overhead: arrival -> upstream request sent (routing, body preparation).
 
@@ -110,13 +113,15 @@ class Metrics:
         return model if model in self.models else "other"
 
     def record(self, *, tier: str, upstream: str, model: str, outcome: str, stream: bool, duration: float,
-               ttft: float | None = None, decode_time: float | None = None, usage: dict[str, Any] | None = None,
-               time_info: dict[str, Any] | None = None, processing_ms: str | None = None) -> None:
+               ttft: float | None = None, decode_time: float | None = None, token_chunks: int = 0,
+               usage: dict[str, Any] | None = None, time_info: dict[str, Any] | None = None,
+               processing_ms: str | None = None) -> None:
         """Record one finished client request (called exactly once per request).
 
         Args:
             duration: seconds from arrival to last byte; ttft: seconds to the first token (streams);
-            decode_time: seconds from first to last token-bearing chunk; usage: the upstream's usage object;
+            decode_time: seconds from first to last token-bearing chunk; token_chunks: how many chunks carried
+            tokens; usage: the upstream's usage object;
             time_info: Cerebras ``time_info``; processing_ms: OpenAI's ``openai-processing-ms`` header.
         """
         labels = (tier, upstream, model)
@@ -130,10 +135,11 @@ class Metrics:
             if usage is None:
                 self.usage_missing.labels(*labels).inc()
             else:
-                self._tokens(labels, usage, decode_time)
+                self._tokens(labels, usage, decode_time, token_chunks)
         self._reported(tier, upstream, time_info, processing_ms)
 
-    def _tokens(self, labels: tuple[str, str, str], usage: dict[str, Any], decode_time: float | None) -> None:
+    def _tokens(self, labels: tuple[str, str, str], usage: dict[str, Any], decode_time: float | None,
+                chunks: int) -> None:
         prompt = _int(usage.get("prompt_tokens"))
         completion = _int(usage.get("completion_tokens"))
         cached = _int((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
@@ -141,8 +147,8 @@ class Metrics:
         for token_type, n in zip(TOKEN_TYPES, (prompt, completion, cached, reasoning), strict=True):
             if n:
                 self.tokens.labels(*labels, token_type).inc(n)
-        if decode_time is not None and completion >= 2 and decode_time > 0:
-            tpot = decode_time / (completion - 1)
+        if decode_time is not None and chunks >= 2 and completion >= chunks and decode_time > 0:
+            tpot = decode_time * chunks / (completion * (chunks - 1))  # = decode / (completion - 1) at 1 per chunk
             self.tpot.labels(*labels).observe(tpot)
             self.tps.labels(*labels).observe(1.0 / tpot)
 
