@@ -11,6 +11,7 @@ the request is counted once with outcome ``client_disconnect``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -25,6 +26,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
+    ModelNotFound,
     PayloadTooLarge,
     UnsupportedMediaType,
     UpstreamBadResponse,
@@ -39,7 +41,7 @@ from gateway.metrics import Metrics
 from gateway.policy import Candidate, Decision, Policy, RequestFacts
 from gateway.relay import Relay
 from gateway.upstream import UpstreamPool, UpstreamResponse, status_error
-from gateway.wire import client_wants_usage, parse_chat_request, upstream_body
+from gateway.wire import chat_usage, client_wants_usage, parse_chat_request, parse_responses_request, upstream_body
 
 log = logging.getLogger("tiergate")
 
@@ -57,12 +59,13 @@ class Exchange:
     Times are ``time.perf_counter()`` seconds; ``t0`` is the request's arrival at the endpoint.
     """
 
-    __slots__ = ("t0", "rid", "tier", "upstream", "model", "stream", "recorded", "resp", "metrics", "in_flight",
-                 "health")
+    __slots__ = ("t0", "rid", "kind", "tier", "upstream", "model", "stream", "recorded", "resp", "metrics",
+                 "in_flight", "health")
 
-    def __init__(self, metrics: Metrics, rid: str) -> None:
+    def __init__(self, metrics: Metrics, rid: str, kind: str = "chat") -> None:
         self.t0 = time.perf_counter()
         self.rid = rid
+        self.kind = kind
         self.metrics = metrics
         self.tier = "none"
         self.upstream = "none"
@@ -132,10 +135,11 @@ class Gateway:
         self.metrics = metrics
         self.health = health
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """ASGI endpoint for ``POST /v1/chat/completions`` (OpenAI API reference, "Create chat completion")."""
+    async def handle(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
+        """Serve one ASGI request of ``kind`` ``chat`` (``POST /v1/chat/completions``, OpenAI API reference
+        "Create chat completion") or ``responses`` (``POST /v1/responses``, "Create a model response")."""
         headers = _headers(scope)
-        ex = Exchange(self.metrics, headers.get("x-request-id") or f"req_{uuid.uuid4().hex}")
+        ex = Exchange(self.metrics, headers.get("x-request-id") or f"req_{uuid.uuid4().hex}", kind)
         try:
             raw = await _read_body(headers, receive, self.config.limits.max_request_bytes)
         except ClientGone:
@@ -170,10 +174,12 @@ class Gateway:
 
     async def _handle(self, raw: bytes, headers: dict[str, str], ex: Exchange, send: Send) -> None:
         try:
-            body = parse_chat_request(raw)
+            body = parse_chat_request(raw) if ex.kind == "chat" else parse_responses_request(raw)
             ex.model = self.metrics.model_label(body["model"])
             facts = RequestFacts(body, headers, len(raw))
             decision = self.policy.decide(facts)
+            if ex.kind == "responses":
+                decision = _responses_only(decision)
         except GatewayError as exc:
             ex.record("client_error")
             await _send_error(send, exc, [(b"x-request-id", ex.rid.encode())])
@@ -186,7 +192,8 @@ class Gateway:
     async def _serve(self, raw: bytes, body: dict[str, Any], decision: Decision, facts: RequestFacts, ex: Exchange,
                      send: Send) -> None:
         """Try the available candidates in order (failover only before the first byte), then answer."""
-        ask_usage = ex.stream and not client_wants_usage(body)
+        ask_usage = ex.kind == "chat" and ex.stream and not client_wants_usage(body)
+        path = "/chat/completions" if ex.kind == "chat" else "/responses"
         need = facts.prompt_tokens + (facts.max_tokens or 0)
         attempts, reason, refusal = self._available(decision, need)
         if refusal is not None:
@@ -204,7 +211,7 @@ class Gateway:
             self.metrics.overhead.labels(up.tier).observe(time.perf_counter() - ex.t0)
             ex.take(self.health[up.name], need)
             try:
-                ex.resp = await self.pool.send(up, payload, stream=ex.stream, request_id=ex.rid)
+                ex.resp = await self.pool.send(up, payload, stream=ex.stream, request_id=ex.rid, path=path)
                 ex.health_seen(ex.resp.status, ex.resp.headers)
                 if ex.resp.status != 200:
                     raise await _status_failure(ex)
@@ -293,7 +300,8 @@ class Gateway:
                 await send(start)
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
-        relay = Relay(strip_usage_chunk=strip_usage, max_event_bytes=self.config.limits.max_event_bytes)
+        relay = Relay(strip_usage_chunk=strip_usage, max_event_bytes=self.config.limits.max_event_bytes,
+                      responses=ex.kind == "responses")
         stats = await relay.run(resp.chunks(), write)
         first, last = stats.t_first_token, stats.t_last_token
         kw = {"ttft": first - ex.t0 if first is not None else None,
@@ -302,7 +310,9 @@ class Gateway:
               "usage": stats.usage, "time_info": stats.time_info}
         if stats.error:
             self.metrics.upstream_errors.labels(ex.tier, ex.upstream, stats.error).inc()
-            if ex.health is not None:
+            if ex.health is not None and stats.error != "upstream_error_event":
+                # a broken or stalled stream is the upstream's failure; an error event it sent may be the
+                # request's fault (Groq's tool_use_failed carries status_code 400), so it opens no breaker
                 ex.health.failure(health_clock())
             ex.close_upstream()
         else:
@@ -336,7 +346,7 @@ class Gateway:
             return
         usage = parsed.get("usage")
         time_info = parsed.get("time_info")
-        ex.record("success", usage=usage if isinstance(usage, dict) else None,
+        ex.record("success", usage=chat_usage(usage) if isinstance(usage, dict) else None,
                   time_info=time_info if isinstance(time_info, dict) else None,
                   processing_ms=resp.headers.get("openai-processing-ms"))
         await _send_body(send, 200, data, hdrs)
@@ -366,6 +376,35 @@ class Gateway:
             "trace": list(decision.trace),
         }
         return Response(orjson.dumps(out), 200, media_type="application/json")
+
+
+class Endpoint:
+    """A bare ASGI endpoint (Starlette's ``Route`` calls non-function endpoints with scope/receive/send)."""
+
+    def __init__(self, gateway: Gateway, kind: str) -> None:
+        self.gateway = gateway
+        self.kind = kind
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.gateway.handle(scope, receive, send, self.kind)
+
+
+def _responses_only(decision: Decision) -> Decision:
+    """Keep the candidates that speak the Responses API (OpenAI dialect; Cerebras has no ``/v1/responses``).
+
+    Raises:
+        ModelNotFound: none of the model's upstreams does.
+    """
+    kept = tuple(c for c in decision.candidates if c.upstream.dialect == "openai")
+    if not kept:
+        raise ModelNotFound(f"No upstream serves the Responses API for `{decision.model}`; use /v1/chat/completions.",
+                            param="model")
+    fallback = decision.fallback
+    if kept[0].upstream.tier != decision.tier and fallback is None:
+        fallback = "no_responses_api"
+    skipped = (*decision.skipped, *((c.upstream.name, "no_responses_api") for c in decision.candidates
+                                    if c not in kept))
+    return dataclasses.replace(decision, candidates=kept, fallback=fallback, skipped=skipped)
 
 
 def _headers(scope: Scope) -> dict[str, str]:

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway import __version__
-from gateway.api import Gateway, error_response
+from gateway.api import Endpoint, Gateway, error_response
 from gateway.config import LoadedConfig, load_config
 from gateway.errors import GatewayError, InvalidRequest, MethodNotAllowed, UnknownURL
 from gateway.health import Health
@@ -65,7 +65,8 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
                   openapi_url=None)
     app.state.gateway = gateway
     # a bare ASGI endpoint: Starlette's Route passes non-function endpoints scope/receive/send directly
-    app.router.routes.append(Route("/v1/chat/completions", endpoint=gateway, methods=["POST"]))
+    app.router.routes.append(Route("/v1/chat/completions", endpoint=Endpoint(gateway, "chat"), methods=["POST"]))
+    app.router.routes.append(Route("/v1/responses", endpoint=Endpoint(gateway, "responses"), methods=["POST"]))
     app.add_route("/v1/tiergate/route", gateway.route, methods=["POST"])
     created = int(time.time())
 

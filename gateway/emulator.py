@@ -127,7 +127,7 @@ class EmulatorProtocol(asyncio.Protocol):
             self._reply(200, b'{"object":"list","data":[{"id":"emulated","object":"model","created":0,'
                              b'"owned_by":"tiergate-emulator"}]}')
             return
-        if not path.endswith(b"/chat/completions") or req.method != b"POST":
+        if not path.endswith((b"/chat/completions", b"/responses")) or req.method != b"POST":
             self._reply(404, b'{"error":{"message":"Unknown request URL","type":"invalid_request_error",'
                              b'"param":null,"code":"unknown_url"}}')
             return
@@ -140,6 +140,8 @@ class EmulatorProtocol(asyncio.Protocol):
         if "transcript" in d:
             self._replay(d["transcript"], d, stream=body.get("stream") is True)
             return
+        if path.endswith(b"/responses"):
+            raise ValueError("the emulator answers /v1/responses only with a transcript directive")
         Generation(self, body, d).start()
 
     def _error(self, status: int, d: dict[str, str]) -> None:

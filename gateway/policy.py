@@ -115,6 +115,8 @@ class RequestFacts:
     def _parts(self) -> frozenset[str]:
         kinds: set[str] = set()
         messages = self.body.get("messages")
+        if not isinstance(messages, list):  # a Responses API body: ``input`` items carry content parts
+            messages = self.body.get("input")
         for message in messages if isinstance(messages, list) else ():
             content = message.get("content") if isinstance(message, dict) else None
             if isinstance(content, list):

@@ -17,6 +17,7 @@ it, Cerebras ``time_info``, and how the stream ended. Metrics are recorded from 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -26,8 +27,11 @@ import orjson
 from gateway.errors import error_body
 from gateway.sse import EventTooLarge, SSEEvent, SSEScanner
 from gateway.upstream import StreamInterrupted
+from gateway.wire import chat_usage
 
 DONE = b"data: [DONE]\n\n"
+DONE_GRACE = 0.02  # seconds to wait for the end of the upstream's body after its [DONE]
+_RESPONSE_TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 _TOKEN_KEYS = ("content", "refusal", "reasoning", "reasoning_content", "tool_calls", "function_call")
 
 
@@ -70,14 +74,21 @@ class Relay:
         max_event_bytes: largest single upstream event; past it the stream ends with an in-band error.
     """
 
-    def __init__(self, *, strip_usage_chunk: bool, append_done: bool = True, max_event_bytes: int) -> None:
+    def __init__(self, *, strip_usage_chunk: bool, append_done: bool = True, max_event_bytes: int,
+                 responses: bool = False) -> None:
         self.stats = StreamStats()
         self._strip = strip_usage_chunk
-        self._append_done = append_done
+        self._responses = responses
+        self._append_done = append_done and not responses  # Responses API streams end with their terminal event
         self._scanner = SSEScanner(max_event_bytes)
 
     async def run(self, chunks: AsyncIterator[bytes], write: Callable[[bytes], Awaitable[None]]) -> StreamStats:
-        """Read ``chunks`` to the end, writing each batch of complete events with ``write``.
+        """Read ``chunks`` to the end or to ``[DONE]``, writing each batch of complete events with ``write``.
+
+        It returns right after the batch holding ``[DONE]`` was written (``stats.done``), so that the
+        client's body ends there (wire contract §3.3) even when the upstream keeps its response open; what
+        follows ``[DONE]`` is read and dropped for at most :data:`DONE_GRACE` seconds first, so that an
+        upstream whose body ends at once leaves a fully read, reusable connection.
 
         Never raises for upstream trouble (it becomes an in-band error event); exceptions from ``write``
         and cancellation propagate.
@@ -91,6 +102,9 @@ class Relay:
                 if out:
                     stats.bytes_out += len(out)
                     await write(out)
+                if stats.done:
+                    await _drain(chunks, DONE_GRACE)
+                    return stats
         except StreamInterrupted as exc:
             await self._fail(write, exc.code, exc.message)
             return stats
@@ -138,10 +152,33 @@ class Relay:
             out.append(ev.raw)
         return b"".join(out)
 
+    def _observe_response_event(self, chunk: dict[str, Any], now: float) -> None:
+        """Responses API events (wire contract §5): a ``*.delta`` event carries output; the terminal event
+        carries ``response.usage``; ``error`` and ``response.failed`` end the stream as an upstream error."""
+        stats = self.stats
+        etype = chunk.get("type")
+        if not isinstance(etype, str):
+            return
+        if etype.endswith(".delta"):
+            stats.token_chunks += 1
+            if stats.t_first_token is None:
+                stats.t_first_token = now
+            stats.t_last_token = now
+        elif etype in _RESPONSE_TERMINAL:
+            response = chunk.get("response")
+            usage = response.get("usage") if isinstance(response, dict) else None
+            if isinstance(usage, dict):
+                stats.usage = chat_usage(usage)
+        if etype in ("error", "response.failed"):
+            stats.error = "upstream_error_event"
+
     def _observe(self, chunk: dict[str, Any], ev: SSEEvent, now: float) -> bool:
         """Update stats from one parsed chunk; return False when the chunk must not be forwarded."""
         stats = self.stats
-        if "error" in chunk or ev.event == b"error":
+        if self._responses:
+            self._observe_response_event(chunk, now)
+            return True
+        if chunk.get("error") or ev.event == b"error":  # the SDK raises only on a non-empty error
             stats.error = "upstream_error_event"
         usage = chunk.get("usage")
         if isinstance(usage, dict):
@@ -165,6 +202,16 @@ class Relay:
                 stats.t_first_token = now
             stats.t_last_token = now
         return True
+
+
+async def _drain(chunks: AsyncIterator[bytes], grace: float) -> None:
+    """Read and drop ``chunks`` until they end, fail, or ``grace`` seconds pass (the caller then closes)."""
+    try:
+        async with asyncio.timeout(grace):
+            async for _ in chunks:
+                pass
+    except (TimeoutError, StreamInterrupted):
+        pass
 
 
 def _has_token(choices: list[Any]) -> bool:

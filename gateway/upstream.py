@@ -124,8 +124,9 @@ class UpstreamPool:
         """True while the session is open."""
         return self._session is not None and not self._session.closed
 
-    async def send(self, upstream: UpstreamConfig, body: bytes, *, stream: bool, request_id: str) -> UpstreamResponse:
-        """POST ``body`` to the upstream's ``/chat/completions`` and wait for the status line.
+    async def send(self, upstream: UpstreamConfig, body: bytes, *, stream: bool, request_id: str,
+                   path: str = "/chat/completions") -> UpstreamResponse:
+        """POST ``body`` to the upstream's ``path`` (under its base URL) and wait for the status line.
 
         Returns:
             The open response (any status).
@@ -148,7 +149,7 @@ class UpstreamPool:
         if auth:
             headers["Authorization"] = auth
         with map_errors():
-            resp = await self._session.post(upstream.base_url + "/chat/completions", data=body, headers=headers,
+            resp = await self._session.post(upstream.base_url + path, data=body, headers=headers,
                                             timeout=timeout, allow_redirects=False)
         return UpstreamResponse(resp)
 

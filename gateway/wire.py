@@ -66,6 +66,44 @@ def parse_chat_request(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def parse_responses_request(raw: bytes) -> dict[str, Any]:
+    """Parse and check a Responses API body (``POST /v1/responses``) just enough to route it.
+
+    Raises:
+        InvalidRequest: not a JSON object, ``model`` missing or not a non-empty string, ``stream`` not a boolean.
+    """
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"The request body must be a JSON object, got {_json_type(body)}.", code="invalid_json")
+    model = body.get("model")
+    if model is None:
+        raise InvalidRequest("you must provide a model parameter", param="model", code="missing_required_parameter")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest(f"Invalid type for 'model': expected a non-empty string, got {_json_type(model)}.",
+                             param="model", code="invalid_type")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise InvalidRequest(f"Invalid type for 'stream': expected a boolean, got {_json_type(stream)}.",
+                             param="stream", code="invalid_type")
+    return body
+
+
+def chat_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """Usage in chat-completions terms: a Responses API ``ResponseUsage`` (``input_tokens``, ``output_tokens``,
+    ``*_details``) is mapped to ``prompt_tokens``/``completion_tokens``/``*_tokens_details``; chat usage is
+    returned as is (OpenAPI ``CompletionUsage`` vs ``ResponseUsage``)."""
+    if "input_tokens" not in usage and "output_tokens" not in usage:
+        return usage
+    inp = usage.get("input_tokens_details") or {}
+    out = usage.get("output_tokens_details") or {}
+    return {"prompt_tokens": usage.get("input_tokens", 0), "completion_tokens": usage.get("output_tokens", 0),
+            "prompt_tokens_details": {"cached_tokens": inp.get("cached_tokens", 0)},
+            "completion_tokens_details": {"reasoning_tokens": out.get("reasoning_tokens", 0)}}
+
+
 def client_wants_usage(body: dict[str, Any]) -> bool:
     """True when the client itself asked for the usage chunk (``stream_options.include_usage: true``)."""
     options = body.get("stream_options")

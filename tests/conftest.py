@@ -137,11 +137,12 @@ def start_gateway(config: dict[str, Any], tmp: Path, env: dict[str, str] | None 
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                break
+                return proc, path
         except httpx.HTTPError:
             pass
         time.sleep(0.05)
-    return proc, path
+    proc.stop()
+    raise RuntimeError(f"the gateway on port {port} never became ready:\n{proc.log.read_text()}")
 
 
 def start_stack(tmp: Path, **overrides: Any) -> Stack:

@@ -1,0 +1,68 @@
+"""``POST /v1/responses``: recorded Responses API streams relayed byte for byte with nothing appended, timed at
+the first output delta (not ``response.created``), usage from the terminal event; only OpenAI-dialect upstreams."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from conftest import FIXTURES, Stack, sample
+
+
+def _request(name: str, stream: bool = True, model: str = "gpt-5.6") -> dict[str, object]:
+    directive = f"[[emulate transcript={name} tps=200 ttft_ms=30]]"
+    return {"model": model, "stream": stream, "input": [{"role": "user", "content": f"Reply: pong {directive}"}]}
+
+
+@pytest.mark.parametrize("name", ["openai_responses_stream_text", "openai_responses_stream_tool_call"])
+def test_responses_stream_relayed_byte_for_byte(stack: Stack, name: str) -> None:
+    expected = (FIXTURES / f"{name}.body").read_bytes()
+    before = stack.metrics()
+    resp = httpx.post(stack.base_url + "/responses", json=_request(name), timeout=10)
+    assert resp.status_code == 200
+    assert resp.content == expected  # nothing appended: no [DONE] on Responses streams
+    assert resp.headers["x-tiergate-tier"] == "standard"
+    after = stack.metrics()
+    lab = {"tier": "standard", "model": "gpt-5.6"}
+    assert sample(after, "tiergate_time_to_first_token_seconds_count", missing_ok=False, **lab) == sample(
+        before, "tiergate_time_to_first_token_seconds_count", **lab) + 1
+    # events are 5 ms apart after a 30 ms TTFT; the first *.delta is not the first event (response.created)
+    first_delta = next(i for i, e in enumerate(expected.split(b"\n\n")) if b".delta\n" in e + b"\n")
+    ttft = sample(after, "tiergate_time_to_first_token_seconds_sum", **lab) - sample(
+        before, "tiergate_time_to_first_token_seconds_sum", **lab)
+    assert ttft >= 0.030 + first_delta * 0.005 - 0.001
+    assert sample(after, "tiergate_requests_total", **lab, outcome="success") == sample(
+        before, "tiergate_requests_total", **lab, outcome="success") + 1
+
+
+def test_responses_usage_and_sdk_events(stack: Stack) -> None:
+    before = stack.metrics()
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+    body = _request("openai_responses_stream_text")
+    events = list(client.responses.create(model="gpt-5.6", input=body["input"], stream=True))  # type: ignore[arg-type]
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "pong"
+    after = stack.metrics()
+    lab = {"tier": "standard", "model": "gpt-5.6"}
+    for token_type, n in (("input", 11), ("output", 5)):
+        assert sample(after, "tiergate_tokens_total", missing_ok=False, token_type=token_type, **lab) == sample(
+            before, "tiergate_tokens_total", token_type=token_type, **lab) + n
+
+
+def test_responses_never_go_to_a_cerebras_dialect_upstream(stack: Stack) -> None:
+    resp = httpx.post(stack.base_url + "/responses", timeout=10,
+                      json=_request("openai_responses_stream_text", model="gpt-5.6-sol-fast"))
+    assert resp.status_code == 200
+    assert resp.headers["x-tiergate-tier"] == "standard"
+    assert resp.headers["x-tiergate-fallback"] == "no_responses_api"
+    route = httpx.post(stack.root + "/v1/tiergate/route", timeout=5, json={
+        "model": "gpt-5.6-sol-fast", "messages": [{"role": "user", "content": "x"}]}).json()
+    assert route["tier"] == "fast" and route["rule"] == "model_alias"
+
+
+def test_responses_bad_input(stack: Stack) -> None:
+    resp = httpx.post(stack.base_url + "/responses", json={"input": "hi"}, timeout=5)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "model"
+    resp = httpx.post(stack.base_url + "/responses", json={"model": "nope", "input": "hi"}, timeout=5)
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
