@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -39,7 +40,7 @@ from gateway.health import SOFT_REASONS, Health, UpstreamHealth
 from gateway.health import monotonic as health_clock
 from gateway.metrics import Metrics
 from gateway.policy import Candidate, Decision, Policy, RequestFacts
-from gateway.relay import Relay
+from gateway.relay import FirstTokenTimeout, Relay
 from gateway.upstream import UpstreamPool, UpstreamResponse, status_error
 from gateway.wire import chat_usage, client_wants_usage, parse_chat_request, parse_responses_request, upstream_body
 
@@ -60,7 +61,7 @@ class Exchange:
     """
 
     __slots__ = ("t0", "rid", "kind", "tier", "upstream", "model", "stream", "recorded", "resp", "metrics",
-                 "in_flight", "health")
+                 "in_flight", "health", "on_start")
 
     def __init__(self, metrics: Metrics, rid: str, kind: str = "chat") -> None:
         self.t0 = time.perf_counter()
@@ -75,6 +76,13 @@ class Exchange:
         self.resp: UpstreamResponse | None = None
         self.in_flight: Any = None
         self.health: UpstreamHealth | None = None
+        self.on_start: Callable[[], None] | None = None
+
+    def started(self) -> None:
+        """The answer starts to reach the client: run the attempt's ``on_start`` hook once."""
+        if self.on_start is not None:
+            self.on_start()
+            self.on_start = None
 
     def record(self, outcome: str, **kw: Any) -> None:
         """Record the request once; later calls are ignored. ``kw`` as :meth:`Metrics.record`."""
@@ -210,33 +218,40 @@ class Gateway:
             payload = upstream_body(raw, body, cand.upstream_model, up.dialect, gateway_asks)
             self.metrics.overhead.labels(up.tier).observe(time.perf_counter() - ex.t0)
             ex.take(self.health[up.name], need)
+            ttft = up.timeouts.ttft if ex.stream else None
+            first_token_by = asyncio.get_running_loop().time() + ttft if ttft else None
+            ex.on_start = self._on_start(decision, up.tier, tried, reason)
             try:
-                ex.resp = await self.pool.send(up, payload, stream=ex.stream, request_id=ex.rid, path=path)
+                try:
+                    async with asyncio.timeout_at(first_token_by):
+                        ex.resp = await self.pool.send(up, payload, stream=ex.stream, request_id=ex.rid, path=path)
+                except TimeoutError as err:
+                    raise FirstTokenTimeout() from err
                 ex.health_seen(ex.resp.status, ex.resp.headers)
                 if ex.resp.status != 200:
                     raise await _status_failure(ex)
                 if ex.stream and not ex.resp.content_type.startswith("text/event-stream"):
                     raise UpstreamBadResponse("The upstream answered a stream request without an event stream.")
-            except GatewayError as exc:
-                ex.close_upstream()
-                ex.health_failed(exc)
-                last = exc
-                self.metrics.upstream_errors.labels(up.tier, up.name, _reason(exc)).inc()
-                nxt = attempts[tried] if tried < len(attempts) else None
-                if nxt is None or not _retryable(exc, up.tier != nxt.upstream.tier):
-                    break
-                reason = _reason(exc)
-                continue
-            self.metrics.attempts.observe(tried)
-            if reason is not None:  # set only by a fallback: tier lacks the model, spillover, or failover
-                self.metrics.fallbacks.labels(decision.tier, up.tier, reason).inc()
-            hdrs = _route_headers(decision, cand, ex.rid, reason)
-            hdrs += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in ex.resp.headers.items()]
-            if ex.stream:
-                await self._relay(ex, hdrs, gateway_asks, send)
-            else:
-                await self._whole(ex, hdrs, send)
-            return
+                hdrs = _route_headers(decision, cand, ex.rid, reason)
+                hdrs += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in ex.resp.headers.items()]
+                if ex.stream:
+                    await self._relay(ex, hdrs, gateway_asks, send, first_token_by)
+                else:
+                    await self._whole(ex, hdrs, send)
+                return
+            except FirstTokenTimeout:
+                exc: GatewayError = UpstreamTimeout(f"No first token from the upstream within {ttft:g} s.",
+                                                    code="upstream_ttft_timeout")
+            except GatewayError as err:
+                exc = err
+            ex.close_upstream()
+            ex.health_failed(exc)
+            last = exc
+            self.metrics.upstream_errors.labels(up.tier, up.name, _reason(exc)).inc()
+            nxt = attempts[tried] if tried < len(attempts) else None
+            if nxt is None or not _retryable(exc, up.tier != nxt.upstream.tier):
+                break
+            reason = _reason(exc)
         self.metrics.attempts.observe(tried)
         outcome = "upstream_timeout" if isinstance(last, UpstreamTimeout) else (
             "upstream_error" if isinstance(last, UpstreamStatusError) else "upstream_unavailable")
@@ -246,6 +261,14 @@ class Gateway:
         if tried > 1:
             extra.append((b"x-should-retry", b"false"))  # the gateway already retried; the SDK should not multiply
         await _send_error(send, last, extra)
+
+    def _on_start(self, decision: Decision, tier: str, tried: int, reason: str | None) -> Callable[[], None]:
+        """What to count once an attempt's answer starts to reach the client (it can no longer fail over)."""
+        def count() -> None:
+            self.metrics.attempts.observe(tried)
+            if reason is not None:  # set only by a fallback: tier lacks the model, spillover, or failover
+                self.metrics.fallbacks.labels(decision.tier, tier, reason).inc()
+        return count
 
     def _available(self, decision: Decision,
                    need: int) -> tuple[list[Candidate], str | None, GatewayError | None]:
@@ -282,27 +305,34 @@ class Gateway:
                 f"retry in {retry} s.", headers={"retry-after": str(retry)})
         return usable[: self.config.max_attempts], spill or decision.fallback, None
 
-    async def _relay(self, ex: Exchange, hdrs: list[tuple[bytes, bytes]], strip_usage: bool, send: Send) -> None:
-        """Relay an SSE answer; the status line and headers leave with the first relayed bytes."""
+    async def _relay(self, ex: Exchange, hdrs: list[tuple[bytes, bytes]], strip_usage: bool, send: Send,
+                     first_token_by: float | None) -> None:
+        """Relay an SSE answer; the status line and headers leave with the first relayed bytes.
+
+        Raises:
+            FirstTokenTimeout: no token by ``first_token_by`` (loop time); nothing was sent, so the caller
+                may fail over.
+        """
         assert ex.resp is not None
         resp = ex.resp
         ctype = resp.content_type.encode("latin-1")
         start = {"type": "http.response.start", "status": 200,
                  "headers": [*hdrs, *STREAM_HEADERS, (b"content-type", ctype)]}
         started = False
-        ex.in_flight = self.metrics.in_flight.labels(ex.tier, ex.upstream)
-        ex.in_flight.inc()
 
         async def write(data: bytes) -> None:
             nonlocal started
             if not started:
                 started = True
+                ex.started()
+                ex.in_flight = self.metrics.in_flight.labels(ex.tier, ex.upstream)
+                ex.in_flight.inc()
                 await send(start)
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
         relay = Relay(strip_usage_chunk=strip_usage, max_event_bytes=self.config.limits.max_event_bytes,
                       responses=ex.kind == "responses")
-        stats = await relay.run(resp.chunks(), write)
+        stats = await relay.run(resp.chunks(), write, first_token_by)
         first, last = stats.t_first_token, stats.t_last_token
         kw = {"ttft": first - ex.t0 if first is not None else None,
               "decode_time": last - first if first is not None and last is not None else None,
@@ -320,6 +350,7 @@ class Gateway:
             ex.resp = None
         ex.record("stream_error" if stats.error else "success", **kw)
         if not started:
+            ex.started()
             await send(start)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -349,6 +380,7 @@ class Gateway:
         ex.record("success", usage=chat_usage(usage) if isinstance(usage, dict) else None,
                   time_info=time_info if isinstance(time_info, dict) else None,
                   processing_ms=resp.headers.get("openai-processing-ms"))
+        ex.started()
         await _send_body(send, 200, data, hdrs)
 
     async def route(self, request: Request) -> Response:

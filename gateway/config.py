@@ -43,12 +43,16 @@ class Timeouts(_Strict):
     """Per-upstream timeouts in seconds.
 
     connect: TCP connect (and TLS) to the upstream.
+    ttft: streams only: longest wait from sending the request to the first token-bearing event (status line
+        included); past it, with nothing yet sent to the client, the next candidate is tried. None: no limit
+        (reasoning models can think for minutes before their first visible token).
     idle: longest silence between two reads of a response, including the wait for the status line and
         the first event; a stream that stalls longer ends with an in-band error.
     total: whole non-streaming request; streams have no total timeout.
     """
 
     connect: float = Field(5.0, gt=0)
+    ttft: float | None = Field(None, gt=0)
     idle: float = Field(120.0, gt=0)
     total: float = Field(600.0, gt=0)
 

@@ -30,6 +30,11 @@ from gateway.upstream import StreamInterrupted
 from gateway.wire import chat_usage
 
 DONE = b"data: [DONE]\n\n"
+
+
+class FirstTokenTimeout(Exception):
+    """No token-bearing event arrived before the first-token deadline; nothing was written to the client."""
+
 DONE_GRACE = 0.02  # seconds to wait for the end of the upstream's body after its [DONE]
 _RESPONSE_TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 _TOKEN_KEYS = ("content", "refusal", "reasoning", "reasoning_content", "tool_calls", "function_call")
@@ -82,7 +87,8 @@ class Relay:
         self._append_done = append_done and not responses  # Responses API streams end with their terminal event
         self._scanner = SSEScanner(max_event_bytes)
 
-    async def run(self, chunks: AsyncIterator[bytes], write: Callable[[bytes], Awaitable[None]]) -> StreamStats:
+    async def run(self, chunks: AsyncIterator[bytes], write: Callable[[bytes], Awaitable[None]],
+                  first_token_by: float | None = None) -> StreamStats:
         """Read ``chunks`` to the end or to ``[DONE]``, writing each batch of complete events with ``write``.
 
         It returns right after the batch holding ``[DONE]`` was written (``stats.done``), so that the
@@ -90,11 +96,19 @@ class Relay:
         follows ``[DONE]`` is read and dropped for at most :data:`DONE_GRACE` seconds first, so that an
         upstream whose body ends at once leaves a fully read, reusable connection.
 
-        Never raises for upstream trouble (it becomes an in-band error event); exceptions from ``write``
-        and cancellation propagate.
+        With ``first_token_by`` (an ``asyncio`` loop time), nothing is written until the first token-bearing
+        event (or the end of the stream): the events before it are held and leave together with it, so the
+        caller can still fail over when the deadline passes first.
+
+        Raises:
+            FirstTokenTimeout: ``first_token_by`` passed before the first token; nothing was written.
+            Exceptions from ``write`` and cancellation propagate; upstream trouble never raises (it becomes
+            an in-band error event).
         """
         stats = self.stats
         clock = time.perf_counter
+        if first_token_by is not None:
+            chunks = await self._hold(chunks, write, first_token_by)
         try:
             async for chunk in chunks:
                 now = clock()
@@ -120,6 +134,40 @@ class Relay:
             stats.bytes_out += len(DONE)
             await write(DONE)
         return stats
+
+    async def _hold(self, chunks: AsyncIterator[bytes], write: Callable[[bytes], Awaitable[None]],
+                    deadline: float) -> AsyncIterator[bytes]:
+        """Read until the first token (or the end, or an error), holding the output; write it all at once.
+
+        Returns the rest of ``chunks``: an iterator that yields the held-back tail first when the stream
+        ended here (so :meth:`run` sees the same end), else ``chunks`` itself.
+        """
+        stats = self.stats
+        held: list[bytes] = []
+        it = aiter(chunks)
+        try:
+            while stats.t_first_token is None and not stats.done and not stats.error:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        chunk = await anext(it)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError as exc:
+                    raise FirstTokenTimeout() from exc
+                out = self._process(self._scanner.feed(chunk), time.perf_counter())
+                if out:
+                    held.append(out)
+        except StreamInterrupted as exc:
+            await self._flush(held, write)
+            return _failing(exc)
+        await self._flush(held, write)
+        return it
+
+    async def _flush(self, held: list[bytes], write: Callable[[bytes], Awaitable[None]]) -> None:
+        if held:
+            out = b"".join(held)
+            self.stats.bytes_out += len(out)
+            await write(out)
 
     async def _fail(self, write: Callable[[bytes], Awaitable[None]], code: str, message: str) -> None:
         self.stats.error = code
@@ -202,6 +250,12 @@ class Relay:
                 stats.t_first_token = now
             stats.t_last_token = now
         return True
+
+
+async def _failing(exc: StreamInterrupted) -> AsyncIterator[bytes]:
+    """An iterator that raises ``exc`` at once (hands a failure seen while holding over to :meth:`Relay.run`)."""
+    raise exc
+    yield b""  # pragma: no cover - makes this an async generator
 
 
 async def _drain(chunks: AsyncIterator[bytes], grace: float) -> None:

@@ -51,7 +51,8 @@ def _config(ups: dict[str, FakeUpstream], fast_url: str | None = None, **health:
     return {
         "max_attempts": 3,
         "upstreams": [
-            {"name": "fast-1", "tier": "fast", "base_url": fast_url or ups["fast"].base_url, "timeouts": timeouts,
+            {"name": "fast-1", "tier": "fast", "base_url": fast_url or ups["fast"].base_url,
+             "timeouts": {**timeouts, "ttft": 0.3},
              "health": {"failures": 2, "open_seconds": 0.8, **health}, "models": {"m": "m"}},
             {"name": "std-1", "tier": "standard", "base_url": ups["standard"].base_url, "timeouts": timeouts,
              "models": {"m": "m"}},
@@ -83,6 +84,9 @@ def _grew(before: str, after: str, name: str, **labels: str) -> float:
 FAULTS = {
     # case: (fast-tier plan, expected fallback reason)
     "slow_headers": (Plan(head_delay=1.5, parts=[(0, OK_STREAM)]), "upstream_timeout"),
+    # the role chunk and a keep-alive comment arrive at once, the first token only after the 0.3 s TTFT limit
+    "slow_first_token": (Plan(parts=[(0, b": busy\n\n" + sse(chunk(role=True), done=False)),
+                                     (1.0, sse(chunk("late"), chunk(finish="stop")))]), "upstream_ttft_timeout"),
     "429": (Plan(status=429, headers={"content-type": "application/json", "retry-after-ms": "50"},
                  parts=[(0, b'{"error":{"message":"busy","type":"rate_limit_error","param":null,"code":null}}')],
                  chunked=False), "upstream_429"),
@@ -100,6 +104,10 @@ FAULTS = {
 def test_fast_tier_fault_before_first_byte_fails_over_to_standard(ups: dict[str, FakeUpstream], gw: Proc,
                                                                    case: str, stream: bool) -> None:
     plan, reason = FAULTS[case]
+    if case == "slow_first_token" and not stream:
+        pytest.skip("a first-token deadline applies to streams only")
+    if case == "slow_headers" and stream:
+        reason = "upstream_ttft_timeout"  # the fast tier's 0.3 s TTFT limit covers the wait for its headers
     PLANS[("fast", case)] = plan
     time.sleep(1.0)  # any breaker or cooldown from the previous case is over
     before = _metrics(gw)
