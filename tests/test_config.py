@@ -12,6 +12,7 @@ import yaml
 
 from gateway.config import load_config
 from gateway.errors import ConfigError
+from gateway.policy import default_rules
 
 from conftest import ROOT
 
@@ -114,3 +115,10 @@ def test_shipped_production_config_is_valid_and_names_its_key_variables() -> Non
     assert "CEREBRAS_API_KEY" in proc.stdout and "OPENAI_API_KEY" in proc.stdout
     loaded = load_config(ROOT / "config" / "gateway.yaml", {"CEREBRAS_API_KEY": "a", "OPENAI_API_KEY": "b"})
     assert {u.tier for u in loaded.config.upstreams} == {"fast", "standard"}
+
+
+def test_shipped_rules_are_the_default_policy_written_out() -> None:
+    loaded = load_config(ROOT / "config" / "gateway.yaml", {"CEREBRAS_API_KEY": "a", "OPENAI_API_KEY": "b"})
+    assert loaded.config.rules is not None
+    without = loaded.config.model_copy(update={"rules": None})
+    assert [r.model_dump() for r in loaded.config.rules] == [r.model_dump() for r in default_rules(without)]
