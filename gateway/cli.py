@@ -53,6 +53,14 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     try:
+        return _run(args)
+    except BrokenPipeError:  # e.g. `tiergate check-config FILE | head`
+        sys.stderr.close()
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
         if args.command == "serve":
             return _serve(args, load_config(args.config, environ()))
         if args.command == "demo":

@@ -53,6 +53,7 @@ class FakeUpstream:
     def __init__(self, handler: Callable[[Received], Plan]) -> None:
         self.handler = handler
         self.requests: list[Received] = []
+        self.opened = 0
         self.closed_at: list[float] = []
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -94,6 +95,7 @@ class _Proto(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.owner.opened += 1
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.owner.closed_at.append(time.monotonic())

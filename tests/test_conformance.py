@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -324,3 +325,43 @@ def test_client_disconnect_closes_the_upstream_quickly(fake: FakeUpstream, gw: P
     assert sample(after, "tiergate_requests_total", missing_ok=False, outcome="client_disconnect") == sample(
         before, "tiergate_requests_total", outcome="client_disconnect") + 1
     assert sample(after, "tiergate_in_flight_requests", missing_ok=False) == 0
+
+
+def test_a_thousand_disconnects_leave_no_connection_or_task_behind(fake: FakeUpstream, gw: Proc) -> None:
+    """250 client disconnects in each of the four phases, 25 at a time: afterwards the gateway holds no more
+    file descriptors than before and every upstream connection it opened is closed."""
+    CASES["leak"] = Plan(parts=[(0, sse(chunk("a"), done=False)), (5.0, sse(chunk("b")))])
+    CASES["leak_headers"] = Plan(head_delay=5.0, parts=[(0, sse(chunk("a")))])
+    CASES["leak_first"] = Plan(parts=[(0, sse(chunk(role=True), done=False)), (5.0, sse(chunk("b")))])
+    fds = Path(f"/proc/{gw.popen.pid}/fd")
+    httpx.get(f"http://127.0.0.1:{gw.port}/healthz", timeout=5)
+    baseline = len(list(fds.iterdir()))
+    requests = {phase: orjson.dumps({"model": "m", "stream": phase != "nonstream", "x_case": case,
+                                     "messages": [{"role": "user", "content": "x"}]})
+                for phase, case in (("headers", "leak_headers"), ("first_token", "leak_first"),
+                                    ("mid_stream", "leak"), ("nonstream", "leak_headers"))}
+    t_end = time.monotonic() + 60
+    for phase, body in requests.items():
+        for _ in range(10):  # 10 waves of 25 = 250 per phase
+            assert time.monotonic() < t_end, "bounded: the loop must finish within 60 s"
+            socks = []
+            for _ in range(25):
+                s = socket.create_connection(("127.0.0.1", gw.port), timeout=5)
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                          b"content-length: %d\r\n\r\n%s" % (len(body), body))
+                socks.append(s)
+            if phase in ("first_token", "mid_stream"):
+                for s in socks:
+                    s.recv(65536)  # the first token arrived: the stream is open on both sides
+            else:
+                time.sleep(0.05)  # the gateway is waiting for the upstream's status line
+            for s in socks:
+                s.close()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and fake.opened - len(fake.closed_at) > 0:
+        time.sleep(0.05)
+    assert fake.opened - len(fake.closed_at) == 0, "upstream connections left open"
+    time.sleep(0.2)
+    assert len(list(fds.iterdir())) <= baseline + 2
+    metrics = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=5).text
+    assert sample(metrics, "tiergate_in_flight_requests", missing_ok=False) == 0
