@@ -37,28 +37,13 @@ def parse_chat_request(raw: bytes) -> dict[str, Any]:
         InvalidRequest: not JSON, not an object, ``model`` missing or not a non-empty string,
             ``messages`` missing or not a non-empty array, ``stream`` or ``stream_options`` of the wrong type.
     """
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from exc
-    if not isinstance(body, dict):
-        raise InvalidRequest(f"The request body must be a JSON object, got {_json_type(body)}.", code="invalid_json")
-    model = body.get("model")
-    if model is None:
-        raise InvalidRequest("you must provide a model parameter", param="model", code="missing_required_parameter")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest(f"Invalid type for 'model': expected a non-empty string, got {_json_type(model)}.",
-                             param="model", code="invalid_type")
+    body = _routable(raw)
     messages = body.get("messages")
     if messages is None:
         raise InvalidRequest("Missing required parameter: 'messages'.", param="messages",
                              code="missing_required_parameter")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("Invalid 'messages': expected a non-empty array.", param="messages", code="invalid_type")
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise InvalidRequest(f"Invalid type for 'stream': expected a boolean, got {_json_type(stream)}.",
-                             param="stream", code="invalid_type")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise InvalidRequest("Invalid type for 'stream_options': expected an object.", param="stream_options",
@@ -72,6 +57,11 @@ def parse_responses_request(raw: bytes) -> dict[str, Any]:
     Raises:
         InvalidRequest: not a JSON object, ``model`` missing or not a non-empty string, ``stream`` not a boolean.
     """
+    return _routable(raw)
+
+
+def _routable(raw: bytes) -> dict[str, Any]:
+    """A JSON object with a non-empty string ``model`` and, if present, a boolean ``stream``."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
