@@ -1,0 +1,1 @@
+"""Tiergate benchmark harness: ``python -m bench.run`` (see ``bench/README.md``)."""
