@@ -11,6 +11,7 @@ the request is counted once with outcome ``client_disconnect``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -61,7 +62,7 @@ class Exchange:
     """
 
     __slots__ = ("t0", "rid", "kind", "tier", "upstream", "model", "stream", "recorded", "resp", "metrics",
-                 "in_flight", "health", "on_start")
+                 "in_flight", "health", "on_start", "answered")
 
     def __init__(self, metrics: Metrics, rid: str, kind: str = "chat") -> None:
         self.t0 = time.perf_counter()
@@ -77,9 +78,11 @@ class Exchange:
         self.in_flight: Any = None
         self.health: UpstreamHealth | None = None
         self.on_start: Callable[[], None] | None = None
+        self.answered = False  # the status line went to the client
 
     def started(self) -> None:
         """The answer starts to reach the client: run the attempt's ``on_start`` hook once."""
+        self.answered = True
         if self.on_start is not None:
             self.on_start()
             self.on_start = None
@@ -175,6 +178,13 @@ class Gateway:
                 raise
             task.uncancel()
             ex.record("client_disconnect")
+        except Exception:  # a bug: answer like the rest of the app, never with a stack trace
+            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            ex.record("upstream_error")
+            if not ex.answered:
+                with contextlib.suppress(RuntimeError):  # uvicorn refuses a second status line: nothing to add
+                    await _send_error(send, GatewayError("The gateway had an internal error; it has been logged."),
+                                      [(b"x-request-id", ex.rid.encode())])
         finally:
             watcher.cancel()
             ex.close_upstream()
@@ -390,7 +400,7 @@ class Gateway:
             raw = await _read_body(headers, request.receive, self.config.limits.max_request_bytes)
             body = parse_chat_request(raw)
             facts = RequestFacts(body, headers, len(raw))
-            decision = self.policy.decide(facts)
+            decision = self.policy.decide(facts, explain=True)
         except GatewayError as exc:
             return Response(exc.body(), exc.status, exc.headers, media_type="application/json")
         except ClientGone:

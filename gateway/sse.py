@@ -95,7 +95,13 @@ class SSEScanner:
             for part in parts:
                 if len(part) >= self._max and len(part.lstrip(b"\n")) + 1 > self._max:
                     raise self._too_large()
-        return [ev for part in parts if (ev := _event_lf(part)) is not None]
+        events = []
+        for part in parts:  # the common event, one "data: " line, is built here without a call
+            if part.startswith(b"data: ") and b"\n" not in part:
+                events.append(SSEEvent(part + b"\n\n", part[6:], None))
+            elif (ev := _event_lf(part)) is not None:
+                events.append(ev)
+        return events
 
     def _too_large(self) -> EventTooLarge:
         self._buf = b""

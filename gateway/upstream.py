@@ -104,6 +104,10 @@ class UpstreamPool:
     def __init__(self, upstreams: list[UpstreamConfig], keys: Mapping[str, SecretStr]) -> None:
         self._upstreams = {u.name: u for u in upstreams}
         self._auth = {name: f"Bearer {key.get_secret_value()}" for name, key in keys.items()}
+        self._timeouts = {(u.name, stream): aiohttp.ClientTimeout(total=None if stream else u.timeouts.total,
+                                                                  sock_connect=u.timeouts.connect,
+                                                                  sock_read=u.timeouts.idle)
+                          for u in upstreams for stream in (True, False)}
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -136,8 +140,7 @@ class UpstreamPool:
             UpstreamTimeout: no status line within the idle timeout (or connect timeout passed).
         """
         assert self._session is not None, "UpstreamPool.start() was not called"
-        t = upstream.timeouts
-        timeout = aiohttp.ClientTimeout(total=None if stream else t.total, sock_connect=t.connect, sock_read=t.idle)
+        timeout = self._timeouts[upstream.name, stream]
         headers = {
             "Content-Type": "application/json",
             "Accept": "text/event-stream" if stream else "application/json",

@@ -69,7 +69,7 @@ def facts(body: dict[str, Any], headers: dict[str, str] | None = None) -> Reques
     ],
 )
 def test_first_matching_rule_wins(body: dict[str, Any], headers: dict[str, str], tier: str, rule: str) -> None:
-    decision = POLICY.decide(facts(body, headers))
+    decision = POLICY.decide(facts(body, headers), explain=True)
     assert (decision.tier, decision.rule) == (tier, rule)
     assert decision.reason
     assert decision.candidates[0].upstream.tier == tier
@@ -178,7 +178,8 @@ TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": "o
 def test_custom_rules_match_on_every_fact(body: dict[str, Any], headers: dict[str, str], size: int, tier: str,
                                           rule: str, explains: str) -> None:
     full = {"messages": [{"role": "user", "content": "x"}], **body}
-    decision = RULES_POLICY.decide(RequestFacts(full, headers, size))
+    decision = RULES_POLICY.decide(RequestFacts(full, headers, size), explain=True)
+    assert RULES_POLICY.decide(RequestFacts(full, headers, size)).rule == rule  # the hot path agrees
     assert (decision.tier, decision.rule) == (tier, rule)
     assert explains in decision.reason
     assert len(decision.trace) == (decision.index - 1 if decision.index else len(RULES_POLICY.rules))
