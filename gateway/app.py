@@ -70,7 +70,8 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
     """
     config = loaded.config
     registry = registry if registry is not None else CollectorRegistry()
-    metrics = Metrics(registry, config.model_names(), [(u.tier, u.name, u.models) for u in config.upstreams])
+    metrics = Metrics(registry, config.model_names(), [(u.tier, u.name, u.models) for u in config.upstreams],
+                      prices={u.name: u.prices.per_token() for u in config.upstreams if u.prices is not None})
     pool = UpstreamPool(config.upstreams, loaded.keys)
     health = Health(config.upstreams)
     gateway = Gateway(config, Policy(config), pool, metrics, health)

@@ -1,4 +1,4 @@
-"""The ``tiergate`` command line: ``serve``, ``demo``, ``emulate`` and ``check-config``.
+"""The ``tiergate`` command line: ``serve``, ``demo``, ``emulate``, ``check-config`` and ``bench``.
 
 Exit codes: 0 ok, 2 bad config or usage (the message names the file, field and problem), 1 other failure.
 """
@@ -51,6 +51,20 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("check-config", help="validate a config file and print the resolved routes")
     check.add_argument("file", type=Path)
 
+    bench = sub.add_parser("bench", help="send a mix of streamed requests through a running gateway; compare tiers")
+    bench.add_argument("--base-url", default="http://127.0.0.1:8080/v1", help="OpenAI base URL of the gateway")
+    bench.add_argument("--requests", type=int, default=40, help="requests to send in all (default 40)")
+    bench.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (default 4)")
+    bench.add_argument("--mix", default="gpt-5.6-sol-fast:0.5,gpt-5.6:0.5",
+                       help="models and their shares, e.g. gpt-5.6-sol-fast:0.5,gpt-5.6:0.5")
+    bench.add_argument("--max-tokens", type=int, default=200, help="max_completion_tokens per request (default 200)")
+    bench.add_argument("--api-key", help="sent as the bearer token (default: env OPENAI_API_KEY, else 'unused')")
+    bench.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per request (default 300)")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the request order and prompts")
+    bench.add_argument("--out", default="tiergate-bench.html", help="HTML chart to write ('' for none)")
+    bench.add_argument("--json", help="also write the per-tier summary as JSON to this file")
+    bench.add_argument("--quiet", action="store_true", help="no progress line")
+
     args = parser.parse_args(argv)
     try:
         return _run(args)
@@ -67,6 +81,10 @@ def _run(args: argparse.Namespace) -> int:
             return _demo(args)
         if args.command == "emulate":
             return _emulate(args)
+        if args.command == "bench":
+            from gateway.loadtest import main as bench_main
+
+            return bench_main(args)
         return _check(args.file)
     except ConfigError as exc:
         print(f"tiergate: {exc}", file=sys.stderr)
@@ -136,6 +154,9 @@ def _demo(args: argparse.Namespace) -> int:
               f"  models: gpt-5.6-sol-fast (fast tier), gpt-5.6 (standard tier); metrics: {base}/metrics", "",
               sep="\n", flush=True)
         args.workers = 1
+        # uvicorn re-raises SIGTERM after its shutdown, which would skip the finally below and orphan the
+        # emulators; turning SIGTERM into SystemExit lets it run
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         return _serve(args, loaded)
     finally:
         for proc in procs:

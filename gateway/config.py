@@ -11,6 +11,7 @@ Shape (see ``config/gateway.yaml`` for a commented example)::
         dialect: cerebras             # openai | cerebras: which request fields it accepts
         timeouts: {connect: 5, idle: 60, total: 600}   # seconds
         models: {gpt-oss-120b: gpt-oss-120b}           # client-facing name -> upstream model id
+        prices: {input: 0.35, cached_input: 0.1, output: 0.75}   # USD per million tokens (optional)
     aliases:
       gpt-5.6-sol-fast: {model: gpt-5.6, tier: fast}   # a name that pins a tier
     workloads: {interactive: fast, agent: fast, batch: standard, eval: standard, background: standard}
@@ -74,6 +75,22 @@ class HealthConfig(_Strict):
     quota_reserve: dict[Literal["requests", "tokens"], int] = {}
 
 
+class Prices(_Strict):
+    """What an upstream charges, in USD per million tokens (``prompt_tokens`` includes the cached ones).
+
+    cached_input: the price of cached prompt tokens; when absent they cost the ``input`` price.
+    """
+
+    input: float = Field(ge=0)
+    output: float = Field(ge=0)
+    cached_input: float | None = Field(None, ge=0)
+
+    def per_token(self) -> tuple[float, float, float]:
+        """(input, cached input, output) in USD per token."""
+        cached = self.input if self.cached_input is None else self.cached_input
+        return self.input / 1e6, cached / 1e6, self.output / 1e6
+
+
 class UpstreamConfig(_Strict):
     """One upstream endpoint of a tier."""
 
@@ -89,6 +106,7 @@ class UpstreamConfig(_Strict):
     modalities: list[Literal["text", "image", "audio"]] = ["text", "image", "audio"]
     weight: int = Field(1, ge=1)
     health: HealthConfig = HealthConfig()
+    prices: Prices | None = None  # USD per million tokens; None: unpriced (no cost is recorded)
 
     @field_validator("base_url")
     @classmethod

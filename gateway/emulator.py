@@ -4,8 +4,8 @@ It streams ``/v1/chat/completions`` with one SSE event per token (or ``per_chunk
 set rate after a set time to first token, in the OpenAI dialect (role chunk, content chunks, finish chunk,
 a ``choices: []`` usage chunk only with ``stream_options.include_usage``, ``[DONE]``) or the Cerebras
 dialect (usage and ``time_info`` on the finish chunk, no ``[DONE]``). It answers non-streaming requests
-after the same simulated generation time, and replays a recorded transcript from
-``shared/fixtures/upstream`` at the configured pace.
+after the same simulated generation time (OpenAI dialect: with an ``openai-processing-ms`` header), and
+replays a recorded transcript from ``shared/fixtures/upstream`` at the configured pace.
 
 It is a bare asyncio protocol over httptools' C parser, with timer callbacks instead of a task per stream,
 so that it costs a few microseconds per event and is not the bottleneck of the gateway's benchmark.
@@ -267,10 +267,11 @@ class Generation:
         self.id = b"chatcmpl-emu%x" % id(self)
         self.created = int(time.time())
         self.prompt_tokens = max(1, len(orjson.dumps(body.get("messages", []))) // 4)
+        self.t0 = 0.0
 
     def start(self) -> None:
         """Answer the request: a timed event stream, or one JSON body after the generation time."""
-        t0 = self.proto.loop.time()
+        t0 = self.t0 = self.proto.loop.time()
         if self.body.get("stream") is True:
             self.proto._start_chunked(200, b"text/event-stream; charset=utf-8")
             Schedule(self.proto, self._events(t0), self.d).start()
@@ -336,7 +337,11 @@ class Generation:
             out["usage"] = self._usage()
         if self.dialect != "openai":
             out["time_info"] = self._time_info()
-        self.proto._reply(200, orjson.dumps(out))
+            self.proto._reply(200, orjson.dumps(out))
+            return
+        # OpenAI reports its own processing time of a request, in whole milliseconds
+        ms = round((self.proto.loop.time() - self.t0) * 1000)
+        self.proto._reply(200, orjson.dumps(out), extra=[(b"openai-processing-ms", b"%d" % ms)])
 
 
 def _directives(raw: bytes) -> dict[str, str]:

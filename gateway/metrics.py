@@ -11,6 +11,10 @@ Definitions (README "Metrics"; wire contract §6):
   with fewer than 2 token-bearing chunks.
 * request duration: arrival -> last byte written to the client.
 * overhead: arrival -> upstream request sent (routing, body preparation).
+* cost: from the upstream's usage and its configured prices (USD per million tokens):
+  (prompt - cached) * input + cached * cached_input + completion * output, since OpenAI's ``prompt_tokens``
+  includes the cached ones. A request answered by an upstream that reported no usage, or by an upstream
+  without prices, adds no cost and is counted as unpriced instead.
 
 Buckets resolve ~1.3 ms/token (fast tier) and ~25 ms/token (standard tier) and reach 15-minute
 requests. Labels are bounded: tier, upstream and model come from the config (unknown models are
@@ -20,7 +24,7 @@ requests. Labels are bounded: tier, upstream and model come from the config (unk
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -38,6 +42,8 @@ OUTCOMES = ("success", "client_error", "upstream_error", "upstream_unavailable",
 TOKEN_TYPES = ("input", "output", "cached_input", "reasoning")
 
 _T = ("tier", "upstream", "model")
+# outcomes for which an upstream produced an answer (and may bill for it): these add cost or count as unpriced
+BILLABLE = ("success", "stream_error", "client_disconnect")
 STATES = ("closed", "open", "half_open", "cooldown")
 
 
@@ -48,12 +54,16 @@ class Metrics:
         registry: where the families are registered (a fresh ``CollectorRegistry`` per app).
         models: configured client-facing model names; any other value is labelled ``other``.
         routes: (tier, upstream, served models) to pre-initialise, so series exist before traffic.
+        prices: upstream name -> (input, cached input, output) in USD per token; an upstream missing here is
+            unpriced.
     """
 
     def __init__(self, registry: CollectorRegistry, models: Iterable[str],
-                 routes: Iterable[tuple[str, str, Iterable[str]]]) -> None:
+                 routes: Iterable[tuple[str, str, Iterable[str]]],
+                 prices: Mapping[str, tuple[float, float, float]] | None = None) -> None:
         self.registry = registry
         self.models = frozenset(models)
+        self.prices = dict(prices or {})
         p = PREFIX
         self.requests = Counter(f"{p}_requests", "Client requests by tier, upstream, model and outcome.",
                                 (*_T, "outcome"), registry=registry)
@@ -96,10 +106,17 @@ class Metrics:
         self.upstream_reported = Histogram(
             f"{p}_upstream_reported_seconds", "Upstream-reported timings: Cerebras time_info, openai-processing-ms.",
             ("tier", "upstream", "phase"), buckets=TTFT_BUCKETS, registry=registry)
+        self.cost = Counter(f"{p}_cost_usd", "Cost in USD from upstream usage and the configured prices.", _T,
+                            registry=registry)
+        self.unpriced = Counter(f"{p}_unpriced_requests",
+                                "Requests answered by an upstream that added no cost: no usage reported, or no "
+                                "prices configured for the upstream.", _T, registry=registry)
         for tier, upstream, served in routes:
             self.in_flight.labels(tier, upstream)
             for model in sorted(served):
                 self.requests.labels(tier, upstream, model, "success")
+                if upstream in self.prices:
+                    self.cost.labels(tier, upstream, model)
 
     def set_upstream_state(self, upstream: str, state: str, quota: dict[str, float]) -> None:
         """Publish one upstream's health ``state`` (one of ``STATES``) and its quota estimate."""
@@ -136,14 +153,29 @@ class Metrics:
                 self.usage_missing.labels(*labels).inc()
             else:
                 self._tokens(labels, usage, decode_time, token_chunks)
+        if outcome in BILLABLE and upstream != "none":
+            self._cost(labels, usage)
         self._reported(tier, upstream, time_info, processing_ms)
+
+    def _cost(self, labels: tuple[str, str, str], usage: dict[str, Any] | None) -> None:
+        price = self.prices.get(labels[1])
+        if price is None or usage is None:
+            self.unpriced.labels(*labels).inc()
+            return
+        prompt = _int(usage.get("prompt_tokens"))
+        completion = _int(usage.get("completion_tokens"))
+        cached = min(prompt, _detail(usage, "prompt_tokens_details", "cached_tokens"))
+        p_in, p_cached, p_out = price
+        cost = (prompt - cached) * p_in + cached * p_cached + completion * p_out
+        if cost > 0:
+            self.cost.labels(*labels).inc(cost)
 
     def _tokens(self, labels: tuple[str, str, str], usage: dict[str, Any], decode_time: float | None,
                 chunks: int) -> None:
         prompt = _int(usage.get("prompt_tokens"))
         completion = _int(usage.get("completion_tokens"))
-        cached = _int((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
-        reasoning = _int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens"))
+        cached = _detail(usage, "prompt_tokens_details", "cached_tokens")
+        reasoning = _detail(usage, "completion_tokens_details", "reasoning_tokens")
         for token_type, n in zip(TOKEN_TYPES, (prompt, completion, cached, reasoning), strict=True):
             if n:
                 self.tokens.labels(*labels, token_type).inc(n)
@@ -165,3 +197,8 @@ class Metrics:
 
 def _int(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _detail(usage: dict[str, Any], key: str, name: str) -> int:
+    details = usage.get(key)
+    return _int(details.get(name)) if isinstance(details, dict) else 0

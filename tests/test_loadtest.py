@@ -1,0 +1,119 @@
+"""``tiergate bench`` against the test stack: per-tier figures that match the emulated tiers, cost from /metrics,
+the HTML chart; its mix, plan and percentile helpers; and what it says when requests fail."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.loadtest import parse_mix, percentile, plan
+
+from conftest import ROOT, Stack, default_config, emulator, free_port, sample, start_gateway
+
+PRICES = {"fast": {"input": 0.6, "cached_input": 0.15, "output": 1.2},
+          "standard": {"input": 0.35, "cached_input": 0.1, "output": 0.75}}
+
+
+@pytest.fixture(scope="module")
+def priced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The default emulated tiers (fast 750 tokens/s after 50 ms, standard 50 tokens/s after 400 ms), priced."""
+    tmp = tmp_path_factory.mktemp("bench")
+    fast, standard = emulator("fast", tmp), emulator("standard", tmp)
+    cfg = default_config(f"http://127.0.0.1:{fast.port}/v1", f"http://127.0.0.1:{standard.port}/v1")
+    for up in cfg["upstreams"]:
+        up["prices"] = PRICES[up["tier"]]
+    gw, path = start_gateway(cfg, tmp)
+    stack = Stack(gw, {"fast": fast, "standard": standard}, path, [gw, fast, standard])
+    yield stack
+    stack.stop()
+
+
+def bench(tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]:
+    out, js = tmp / "bench.html", tmp / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "gateway", "bench", "--out", str(out), "--json", str(js), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    return proc, orjson.loads(js.read_bytes()) if js.exists() else {}, out
+
+
+def test_bench_measures_both_tiers_and_their_cost(priced: Stack, tmp_path: Path) -> None:
+    before = priced.metrics()
+    proc, report, html = bench(tmp_path, "--base-url", priced.base_url, "--requests", "8", "--concurrency", "2",
+                               "--max-tokens", "40", "--mix", "gpt-5.6-sol-fast:0.5,gpt-5.6:0.5")
+    after = priced.metrics()
+    assert proc.returncode == 0, proc.stderr
+    tiers = report["tiers"]
+    assert set(tiers) == {"fast", "standard"}
+    fast, std = tiers["fast"], tiers["standard"]
+    assert fast["requests"] == std["requests"] == 4 and fast["errors"] == std["errors"] == 0
+    assert fast["output_tokens"] == std["output_tokens"] == 4 * 40
+    # client-side TTFT: the emulator's 50 / 400 ms plus the hops; decode speed: the emulators' 750 / 50 tokens/s
+    assert 0.050 <= fast["ttft_p50_s"] <= fast["ttft_p95_s"] < 0.1
+    assert 0.400 <= std["ttft_p50_s"] <= std["ttft_p95_s"] < 0.45
+    assert fast["tokens_per_s_p50"] == pytest.approx(750, rel=0.1)
+    assert std["tokens_per_s_p50"] == pytest.approx(50, rel=0.03)
+    assert std["time_per_output_token_p50_s"] == pytest.approx(0.02, rel=0.03)
+    # cost: the gateway's counter over the run, which is its usage at the configured prices
+    for tier, got in (("fast", fast), ("standard", std)):
+        lab = {"tier": tier}
+        tokens = {t: sample(after, "tiergate_tokens_total", token_type=t, **lab)
+                  - sample(before, "tiergate_tokens_total", token_type=t, **lab) for t in ("input", "output")}
+        p = PRICES[tier]
+        assert tokens["output"] == 160
+        assert got["cost_usd"] == pytest.approx((tokens["input"] * p["input"] + tokens["output"] * p["output"]) / 1e6,
+                                                rel=1e-6)
+        assert got["cost_usd"] > 0 and got["unpriced_requests"] == 0
+    # the printed table and the chart
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
+    assert "fast" in lines and "standard" in lines and "TTFT p50 ms" in lines["tier"]
+    assert f"{fast['cost_usd']:.6f}" in lines["fast"]
+    page = html.read_text()
+    assert page.count("<svg") == 2 and "<script" not in page and "Time to first token" in page
+    assert "Decode speed" in page and ">fast<" in page and ">standard<" in page
+    assert page.count("<circle") == 16  # one dot per request in each chart
+    assert "8/8 requests, 0 errors" in proc.stderr  # the progress line
+
+
+def test_bench_counts_errors_and_fails_when_nothing_succeeds(priced: Stack, tmp_path: Path) -> None:
+    proc, report, _ = bench(tmp_path, "--base-url", priced.base_url, "--requests", "3", "--mix", "no-such-model",
+                            "--quiet")
+    assert proc.returncode == 1
+    (group,) = report["tiers"].values()
+    assert group["requests"] == group["errors"] == 3 and group["error_kinds"] == ["HTTP 404"]
+    # a gateway that is not there: every request fails, no cost
+    proc, report, _ = bench(tmp_path, "--base-url", f"http://127.0.0.1:{free_port()}/v1", "--requests", "2",
+                            "--quiet", "--timeout", "5")
+    assert proc.returncode == 1 and "n/a" in proc.stdout
+    assert sum(g["errors"] for g in report["tiers"].values()) == 2
+    # bad arguments
+    proc, _, _ = bench(tmp_path, "--mix", "fast:x")
+    assert proc.returncode == 2 and "bad weight" in proc.stderr
+
+
+def test_mix_plan_and_percentiles() -> None:
+    assert parse_mix("a:0.25, b:0.75") == [("a", 0.25), ("b", 0.75)]
+    assert parse_mix("gpt-5.6") == [("gpt-5.6", 1.0)]
+    with pytest.raises(ValueError):
+        parse_mix("a:0,b:0")
+    with pytest.raises(ValueError):
+        parse_mix("a:-1")
+    todo = plan([("a", 0.3), ("b", 0.7)], 10, seed=1)
+    assert sorted(m for m, _ in todo) == ["a"] * 3 + ["b"] * 7
+    assert plan([("a", 1), ("b", 1)], 7, seed=3) == plan([("a", 1), ("b", 1)], 7, seed=3)
+    assert len(plan([("a", 1), ("b", 1), ("c", 1)], 4, seed=0)) == 4
+    assert percentile([], 0.5) is None
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.95) == pytest.approx(3.85)
+    assert percentile([5.0], 0.95) == 5.0
+
+
+def test_bench_reads_the_demo_chart_back() -> None:
+    # the chart committed from a run against `tiergate demo` is the command's own output
+    page = (ROOT / "bench" / "tiergate-bench-demo.html").read_text()
+    assert page.count("<svg") == 2 and "<script" not in page and "tiergate bench" in page
+

@@ -1,0 +1,259 @@
+"""A real Prometheus (Debian's ``prometheus`` package, installed by ``.ci/run``) scrapes gateways that served known
+traffic, and PromQL over its HTTP API gives back what was sent: per-tier TTFT and tokens/s quantiles (within
+bucket resolution), output tokens, cost and requests by tier. ``promtool check metrics`` accepts the exposition,
+and ``tiergate serve --workers 2`` scraped the same way counts every request exactly once.
+
+The scrape config is ``config/prometheus.yml`` with its target rewritten to loopback ports. Skipped when the
+``prometheus`` binary is not installed, except in CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import yaml
+from test_dashboard import expressions
+
+from conftest import ROOT, Proc, default_config, emulator, fast_directive, free_port, start_gateway
+
+# skipped on a developer's machine without Prometheus; never in CI (CI=true), where .ci/run installs it
+pytestmark = pytest.mark.skipif(
+    (shutil.which("prometheus") is None or shutil.which("promtool") is None) and not os.environ.get("CI"),
+    reason="Prometheus is not installed (apt-get install prometheus; .ci/run does)")
+
+PRICES = {"fast": {"input": 0.6, "cached_input": 0.15, "output": 1.2},
+          "standard": {"input": 0.35, "cached_input": 0.1, "output": 0.75}}  # USD per million tokens
+# (tier, TTFT ms, tokens/s, tokens, usage): TTFTs and rates sit inside one bucket each, away from its bounds
+FAST = ("fast", 35, 880, 60, True)  # TTFT bucket (0.025, 0.05], tokens/s bucket (750, 1000]
+STANDARD = ("standard", 350, 45, 10, True)  # TTFT bucket (0.3, 0.4], tokens/s bucket (40, 50]
+FAST_NO_USAGE = ("fast", 35, 880, 60, False)
+WAVE = [FAST, FAST, FAST, STANDARD, STANDARD, FAST_NO_USAGE]  # sent twice: before and after a scrape
+WORKER_REQUESTS = 30
+
+
+@dataclass
+class Prom:
+    """A running Prometheus: its HTTP API on loopback."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        resp = httpx.get(self.url + "/api/v1/query", params={"query": promql}, timeout=5)
+        body = resp.json()
+        assert resp.status_code == 200 and body["status"] == "success", (promql, body)
+        result = body["data"]["result"]
+        print(f"PromQL {promql}\n  -> " + (", ".join(f"{r['metric']}: {r['value'][1]}" for r in result) or "(empty)"))
+        return result
+
+    def by(self, promql: str, label: str) -> dict[str, float]:
+        """An instant query's result as label value -> float."""
+        return {r["metric"].get(label, ""): float(r["value"][1]) for r in self.query(promql)}
+
+    def scalar(self, promql: str) -> float | None:
+        result = self.query(promql)
+        return float(result[0]["value"][1]) if result else None
+
+    def wait_for(self, promql: str, expected: float, timeout: float = 15) -> None:
+        """Wait until ``promql`` (one series) equals ``expected``: Prometheus scraped what was sent."""
+        deadline = time.monotonic() + timeout
+        got = None
+        while time.monotonic() < deadline:
+            got = self.scalar(promql)
+            if got == expected:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"{promql} = {got}, expected {expected} within {timeout} s")
+
+
+def _start_prometheus(tmp: Path, targets: dict[str, int]) -> Prom:
+    cfg = yaml.safe_load((ROOT / "config" / "prometheus.yml").read_text())
+    cfg["global"].update(scrape_interval="500ms", scrape_timeout="400ms", evaluation_interval="500ms")
+    template = cfg["scrape_configs"][0]
+    cfg["scrape_configs"] = [{**template, "job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}
+                             for job, port in targets.items()]
+    path = tmp / "prometheus.yml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert subprocess.run(["promtool", "check", "config", str(path)], capture_output=True).returncode == 0
+    port = free_port()
+    log = (tmp / "prometheus.log").open("wb")
+    proc = subprocess.Popen(["prometheus", f"--config.file={path}", f"--storage.tsdb.path={tmp / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prometheus exited {proc.returncode}:\n{(tmp / 'prometheus.log').read_text()}")
+        try:
+            if httpx.get(url + "/-/ready", timeout=1).status_code == 200:
+                return Prom(proc, url)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("prometheus did not become ready")
+
+
+@dataclass
+class World:
+    prom: Prom
+    gateway: Proc
+    workers: Proc
+    expected: dict[str, Any]
+
+
+def _send(port: int, shape: tuple[str, int, int, int, bool]) -> int:
+    """Stream one request of ``shape``; returns the prompt tokens the emulator reports for it."""
+    tier, ttft_ms, tps, tokens, usage = shape
+    directive = fast_directive(tokens=tokens, tps=tps, ttft_ms=ttft_ms, **({} if usage else {"usage": "none"}))
+    messages = [{"role": "user", "content": f"Scrape me. {directive}"}]
+    with httpx.Client(timeout=10) as client:  # a new connection each time: spread over the workers
+        resp = client.post(f"http://127.0.0.1:{port}/v1/chat/completions", headers={"x-tiergate-tier": tier},
+                           json={"model": "gpt-5.6", "stream": True, "messages": messages})
+    assert resp.status_code == 200 and resp.headers["x-tiergate-tier"] == tier
+    assert resp.text.count('"delta":{"content":"') == tokens and resp.text.endswith("data: [DONE]\n\n")
+    return max(1, len(orjson.dumps(messages)) // 4)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    tmp = tmp_path_factory.mktemp("prometheus")
+    procs: list[Any] = []
+    try:
+        fast = emulator("fast", tmp)
+        procs.append(fast)
+        standard = emulator("standard", tmp)
+        procs.append(standard)
+        cfg = default_config(f"http://127.0.0.1:{fast.port}/v1", f"http://127.0.0.1:{standard.port}/v1")
+        for up in cfg["upstreams"]:
+            up["prices"] = PRICES[up["tier"]]
+        gw, _ = start_gateway(cfg, tmp)
+        procs.append(gw)
+        workers, _ = start_gateway(cfg, tmp, extra=("--workers", "2"))
+        procs.append(workers)
+        prom = _start_prometheus(tmp, {"tiergate": gw.port, "tiergate-workers": workers.port})
+        procs.append(prom)
+        prom.wait_for('sum(up{job=~"tiergate.*"})', 2)
+        expected: dict[str, Any] = {"requests": {"fast": 0, "standard": 0}, "output": {"fast": 0, "standard": 0},
+                                    "cost": {"fast": 0.0, "standard": 0.0}, "unpriced": 0}
+        for wave in range(2):  # two waves with a scrape between, so rate() has an increase to work on
+            for shape in WAVE:
+                tier, _, _, tokens, usage = shape
+                prompt = _send(gw.port, shape)
+                expected["requests"][tier] += 1
+                if usage:
+                    expected["output"][tier] += tokens
+                    p = PRICES[tier]
+                    expected["cost"][tier] += (prompt * p["input"] + tokens * p["output"]) / 1e6
+                else:
+                    expected["unpriced"] += 1
+            prom.wait_for('sum(tiergate_requests_total{job="tiergate"})', 6 * (wave + 1))
+        for _ in range(WORKER_REQUESTS):
+            _send(workers.port, ("fast", 2, 3000, 3, True))
+        prom.wait_for('sum(tiergate_requests_total{job="tiergate-workers"})', WORKER_REQUESTS)
+        yield World(prom, gw, workers, expected)
+    finally:
+        for p in reversed(procs):
+            if isinstance(p, Prom):
+                p.proc.terminate()
+                try:
+                    p.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.proc.kill()
+            else:
+                p.stop()
+
+
+def _within_bucket(value: float, low: float, high: float) -> bool:
+    return low < value <= high
+
+
+def test_ttft_quantiles_per_tier_land_in_the_known_buckets(world: World) -> None:
+    q = world.prom.by('histogram_quantile(0.5, sum by (tier, le) '
+                      '(tiergate_time_to_first_token_seconds_bucket{job="tiergate"}))', "tier")
+    assert _within_bucket(q["fast"], 0.025, 0.05), q  # 35 ms
+    assert _within_bucket(q["standard"], 0.3, 0.4), q  # 350 ms
+    # the README's form, over a rate: the second wave's increase, same buckets
+    q = world.prom.by('histogram_quantile(0.95, sum by (tier, le) '
+                      '(rate(tiergate_time_to_first_token_seconds_bucket{job="tiergate"}[1m])))', "tier")
+    assert _within_bucket(q["fast"], 0.025, 0.05), q
+    assert _within_bucket(q["standard"], 0.3, 0.4), q
+
+
+def test_tokens_per_second_quantiles_per_tier(world: World) -> None:
+    q = world.prom.by('histogram_quantile(0.5, sum by (tier, le) '
+                      '(rate(tiergate_output_tokens_per_second_bucket{job="tiergate"}[1m])))', "tier")
+    assert _within_bucket(q["fast"], 750, 1000), q  # 880 tokens/s
+    assert _within_bucket(q["standard"], 40, 50), q  # 45 tokens/s
+    q = world.prom.by('histogram_quantile(0.5, sum by (tier, le) '
+                      '(tiergate_time_per_output_token_seconds_bucket{job="tiergate"}))', "tier")
+    assert _within_bucket(q["fast"], 0.001, 0.00125), q  # 1.14 ms
+    assert _within_bucket(q["standard"], 0.02, 0.025), q  # 22.2 ms
+
+
+def test_tokens_cost_and_requests_by_tier(world: World) -> None:
+    prom, exp = world.prom, world.expected
+    assert prom.by('sum by (tier) (tiergate_requests_total{job="tiergate", outcome="success"})', "tier") == \
+        exp["requests"]
+    assert prom.by('sum by (tier) (tiergate_tokens_total{job="tiergate", token_type="output"})', "tier") == \
+        exp["output"]
+    assert prom.scalar('sum(tiergate_tokens_total{job="tiergate", token_type="output"})') == \
+        sum(exp["output"].values())
+    cost = prom.by('sum by (tier) (tiergate_cost_usd_total{job="tiergate"})', "tier")
+    assert cost.keys() == exp["cost"].keys()
+    for tier, usd in exp["cost"].items():
+        assert cost[tier] == pytest.approx(usd, rel=1e-9)
+    assert prom.scalar('sum(tiergate_unpriced_requests_total{job="tiergate"})') == exp["unpriced"]
+    assert prom.scalar('sum(tiergate_usage_missing_total{job="tiergate"})') == exp["unpriced"]
+    # rates exist over the scraped window (the dashboard's form)
+    assert prom.scalar('sum(rate(tiergate_tokens_total{job="tiergate", token_type="output"}[1m]))') > 0
+
+
+def test_promtool_accepts_the_exposition(world: World) -> None:
+    for proc in (world.gateway, world.workers):
+        text = httpx.get(f"http://127.0.0.1:{proc.port}/metrics", timeout=5).content
+        assert b"tiergate_cost_usd_total" in text
+        result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, timeout=30)
+        assert result.returncode == 0 and not result.stdout.strip() and not result.stderr.strip(), (
+            result.stdout.decode() + result.stderr.decode())
+
+
+def test_promtool_rejects_a_broken_exposition() -> None:
+    # the check above can fail: promtool flags a counter without _total and a bad sample line
+    bad = b"# HELP x_requests requests\n# TYPE x_requests counter\nx_requests 1\n"
+    result = subprocess.run(["promtool", "check", "metrics"], input=bad, capture_output=True, timeout=30)
+    assert result.returncode != 0 or result.stdout.strip() or result.stderr.strip()
+
+
+def test_two_workers_scraped_count_every_request_once(world: World) -> None:
+    prom = world.prom
+    job = '{job="tiergate-workers"}'
+    assert prom.scalar(f"sum(tiergate_requests_total{job})") == WORKER_REQUESTS
+    assert prom.scalar(f"sum(tiergate_time_to_first_token_seconds_count{job})") == WORKER_REQUESTS
+    assert prom.scalar('sum(tiergate_tokens_total{job="tiergate-workers", token_type="output"})') == \
+        3 * WORKER_REQUESTS
+    assert prom.scalar(f"sum(tiergate_in_flight_requests{job})") == 0
+    # every scrape since the traffic saw the same total, whichever worker answered it
+    assert prom.scalar(f"max_over_time(sum(tiergate_requests_total{job})[2s:250ms])") == WORKER_REQUESTS
+
+
+def test_every_dashboard_expression_runs_in_prometheus(world: World) -> None:
+    dashboard = json.loads((ROOT / "config" / "grafana" / "dashboards" / "tiergate.json").read_text())
+    answered = 0
+    for expr in expressions(dashboard):
+        promql = re.sub(r"\$\{?__(rate_interval|interval|range)\}?", "1m", expr).replace("$tier", ".*")
+        answered += bool(world.prom.query(promql))  # a PromQL syntax error or a bad function fails in query()
+    assert answered >= 10  # most panels have data after the traffic (fallbacks and spillovers may not)
