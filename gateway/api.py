@@ -204,7 +204,7 @@ class Gateway:
             return
         ex.model = decision.model
         ex.stream = body.get("stream") is True
-        self.metrics.decisions.labels(decision.rule, decision.tier).inc()
+        self.metrics.child(self.metrics.decisions, decision.rule, decision.tier).inc()
         await self._serve(raw, body, decision, facts, ex, send)
 
     async def _serve(self, raw: bytes, body: dict[str, Any], decision: Decision, facts: RequestFacts, ex: Exchange,
@@ -226,7 +226,7 @@ class Gateway:
             ex.tier, ex.upstream = up.tier, up.name
             gateway_asks = ask_usage and up.dialect == "openai"
             payload = upstream_body(raw, body, cand.upstream_model, up.dialect, gateway_asks)
-            self.metrics.overhead.labels(up.tier).observe(time.perf_counter() - ex.t0)
+            self.metrics.child(self.metrics.overhead, up.tier).observe(time.perf_counter() - ex.t0)
             ex.take(self.health[up.name], need)
             ttft = up.timeouts.ttft if ex.stream else None
             first_token_by = asyncio.get_running_loop().time() + ttft if ttft else None
@@ -335,7 +335,7 @@ class Gateway:
             if not started:
                 started = True
                 ex.started()
-                ex.in_flight = self.metrics.in_flight.labels(ex.tier, ex.upstream)
+                ex.in_flight = self.metrics.child(self.metrics.in_flight, ex.tier, ex.upstream)
                 ex.in_flight.inc()
                 await send(start)
             await send({"type": "http.response.body", "body": data, "more_body": True})

@@ -64,6 +64,7 @@ class Metrics:
         self.registry = registry
         self.models = frozenset(models)
         self.prices = dict(prices or {})
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         p = PREFIX
         self.requests = Counter(f"{p}_requests", "Client requests by tier, upstream, model and outcome.",
                                 (*_T, "outcome"), registry=registry)
@@ -125,6 +126,15 @@ class Metrics:
         for kind, remaining in quota.items():
             self.quota_remaining.labels(upstream, kind).set(remaining)
 
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, remembered: a dict lookup instead of prometheus-client's validation and
+        lock on every request (label values are bounded, so is this cache)."""
+        key = (metric, labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
     def model_label(self, model: str | None) -> str:
         """``model`` if it is configured, else ``other`` (bounded cardinality)."""
         return model if model in self.models else "other"
@@ -142,15 +152,15 @@ class Metrics:
             time_info: Cerebras ``time_info``; processing_ms: OpenAI's ``openai-processing-ms`` header.
         """
         labels = (tier, upstream, model)
-        self.requests.labels(*labels, outcome).inc()
+        self.child(self.requests, *labels, outcome).inc()
         if outcome in ("client_error",):
             return
-        self.duration.labels(*labels, "true" if stream else "false").observe(duration)
+        self.child(self.duration, *labels, "true" if stream else "false").observe(duration)
         if ttft is not None:
-            self.ttft.labels(*labels).observe(ttft)
+            self.child(self.ttft, *labels).observe(ttft)
         if outcome == "success":
             if usage is None:
-                self.usage_missing.labels(*labels).inc()
+                self.child(self.usage_missing, *labels).inc()
             else:
                 self._tokens(labels, usage, decode_time, token_chunks)
         if outcome in BILLABLE and upstream != "none":
@@ -160,7 +170,7 @@ class Metrics:
     def _cost(self, labels: tuple[str, str, str], usage: dict[str, Any] | None) -> None:
         price = self.prices.get(labels[1])
         if price is None or usage is None:
-            self.unpriced.labels(*labels).inc()
+            self.child(self.unpriced, *labels).inc()
             return
         prompt = _int(usage.get("prompt_tokens"))
         completion = _int(usage.get("completion_tokens"))
@@ -168,7 +178,7 @@ class Metrics:
         p_in, p_cached, p_out = price
         cost = (prompt - cached) * p_in + cached * p_cached + completion * p_out
         if cost > 0:
-            self.cost.labels(*labels).inc(cost)
+            self.child(self.cost, *labels).inc(cost)
 
     def _tokens(self, labels: tuple[str, str, str], usage: dict[str, Any], decode_time: float | None,
                 chunks: int) -> None:
@@ -178,21 +188,21 @@ class Metrics:
         reasoning = _detail(usage, "completion_tokens_details", "reasoning_tokens")
         for token_type, n in zip(TOKEN_TYPES, (prompt, completion, cached, reasoning), strict=True):
             if n:
-                self.tokens.labels(*labels, token_type).inc(n)
+                self.child(self.tokens, *labels, token_type).inc(n)
         if decode_time is not None and chunks >= 2 and completion >= chunks and decode_time > 0:
             tpot = decode_time * chunks / (completion * (chunks - 1))  # = decode / (completion - 1) at 1 per chunk
-            self.tpot.labels(*labels).observe(tpot)
-            self.tps.labels(*labels).observe(1.0 / tpot)
+            self.child(self.tpot, *labels).observe(tpot)
+            self.child(self.tps, *labels).observe(1.0 / tpot)
 
     def _reported(self, tier: str, upstream: str, time_info: dict[str, Any] | None, processing_ms: str | None) -> None:
         if time_info:
             for phase in ("queue", "prompt", "completion", "total"):
                 value = time_info.get(f"{phase}_time")
                 if isinstance(value, int | float) and value >= 0:
-                    self.upstream_reported.labels(tier, upstream, phase).observe(value)
+                    self.child(self.upstream_reported, tier, upstream, phase).observe(value)
         elif processing_ms:
             with contextlib.suppress(ValueError):
-                self.upstream_reported.labels(tier, upstream, "total").observe(float(processing_ms) / 1000.0)
+                self.child(self.upstream_reported, tier, upstream, "total").observe(float(processing_ms) / 1000.0)
 
 
 def _int(value: object) -> int:
