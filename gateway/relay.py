@@ -210,7 +210,7 @@ class Relay:
                   or "timings" in chunk or "time_info" in chunk):
                 if not self._observe(chunk, event, now):
                     continue
-            elif _has_token(chunk.get("choices")):
+            elif (choices := chunk.get("choices")) and _has_token(choices):
                 stats.token_chunks += 1
                 if stats.t_first_token is None:
                     stats.t_first_token = now

@@ -96,9 +96,10 @@ class SSEScanner:
                 if len(part) >= self._max and len(part.lstrip(b"\n")) + 1 > self._max:
                     raise self._too_large()
         events = []
+        new = tuple.__new__  # builds an SSEEvent without the Python-level NamedTuple.__new__ frame
         for part in parts:  # the common event, one "data: " line, is built here without a call
             if part.startswith(b"data: ") and b"\n" not in part:
-                events.append(SSEEvent(part + b"\n\n", part[6:], None))
+                events.append(new(SSEEvent, (part + b"\n\n", part[6:], None)))
             elif (ev := _event_lf(part)) is not None:
                 events.append(ev)
         return events
