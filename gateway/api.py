@@ -62,7 +62,7 @@ class Exchange:
     """
 
     __slots__ = ("t0", "rid", "kind", "tier", "upstream", "model", "stream", "recorded", "resp", "metrics",
-                 "in_flight", "health", "on_start", "answered")
+                 "in_flight", "health", "on_start", "answered", "relay")
 
     def __init__(self, metrics: Metrics, rid: str, kind: str = "chat") -> None:
         self.t0 = time.perf_counter()
@@ -79,6 +79,7 @@ class Exchange:
         self.health: UpstreamHealth | None = None
         self.on_start: Callable[[], None] | None = None
         self.answered = False  # the status line went to the client
+        self.relay: Relay | None = None
 
     def started(self) -> None:
         """The answer starts to reach the client: run the attempt's ``on_start`` hook once."""
@@ -97,9 +98,20 @@ class Exchange:
         self.metrics.record(tier=self.tier, upstream=self.upstream, model=self.model, outcome=outcome,
                             stream=self.stream, duration=time.perf_counter() - self.t0, **kw)
 
+    def stream_figures(self) -> dict[str, Any]:
+        """What the relay measured so far, as :meth:`Metrics.record` keywords (empty before any relay)."""
+        if self.relay is None:
+            return {}
+        stats = self.relay.stats
+        first, last = stats.t_first_token, stats.t_last_token
+        return {"ttft": first - self.t0 if first is not None else None,
+                "decode_time": last - first if first is not None and last is not None else None,
+                "token_chunks": stats.token_chunks, "usage": stats.usage, "time_info": stats.time_info}
+
     def take(self, health: UpstreamHealth, need_tokens: int) -> None:
         """An attempt starts on the upstream of ``health`` (the previous attempt's slot is given back)."""
         self.release_health()
+        self.relay = None
         health.start(health_clock(), need_tokens)
         self.health = health
 
@@ -150,7 +162,7 @@ class Gateway:
         """Serve one ASGI request of ``kind`` ``chat`` (``POST /v1/chat/completions``, OpenAI API reference
         "Create chat completion") or ``responses`` (``POST /v1/responses``, "Create a model response")."""
         headers = _headers(scope)
-        ex = Exchange(self.metrics, headers.get("x-request-id") or f"req_{uuid.uuid4().hex}", kind)
+        ex = Exchange(self.metrics, _request_id(headers.get("x-request-id")), kind)
         try:
             raw = await _read_body(headers, receive, self.config.limits.max_request_bytes)
         except ClientGone:
@@ -177,7 +189,7 @@ class Gateway:
             if not gone:
                 raise
             task.uncancel()
-            ex.record("client_disconnect")
+            ex.record("client_disconnect", **ex.stream_figures())
         except Exception:  # a bug: answer like the rest of the app, never with a stack trace
             log.exception("unhandled error on %s %s", scope["method"], scope["path"])
             ex.record("upstream_error")
@@ -266,7 +278,7 @@ class Gateway:
         outcome = "upstream_timeout" if isinstance(last, UpstreamTimeout) else (
             "upstream_error" if isinstance(last, UpstreamStatusError) else "upstream_unavailable")
         ex.record(outcome)
-        extra = _route_headers(decision, attempts[tried - 1], ex.rid, None) if tried else [
+        extra = _route_headers(decision, attempts[tried - 1], ex.rid, reason) if tried else [
             (b"x-request-id", ex.rid.encode())]
         if tried > 1:
             extra.append((b"x-should-retry", b"false"))  # the gateway already retried; the SDK should not multiply
@@ -342,12 +354,9 @@ class Gateway:
 
         relay = Relay(strip_usage_chunk=strip_usage, max_event_bytes=self.config.limits.max_event_bytes,
                       responses=ex.kind == "responses")
+        ex.relay = relay
         stats = await relay.run(resp.chunks(), write, first_token_by)
-        first, last = stats.t_first_token, stats.t_last_token
-        kw = {"ttft": first - ex.t0 if first is not None else None,
-              "decode_time": last - first if first is not None and last is not None else None,
-              "token_chunks": stats.token_chunks,
-              "usage": stats.usage, "time_info": stats.time_info}
+        kw = ex.stream_figures()
         if stats.error:
             self.metrics.upstream_errors.labels(ex.tier, ex.upstream, stats.error).inc()
             if ex.health is not None and stats.error != "upstream_error_event":
@@ -447,6 +456,15 @@ def _responses_only(decision: Decision) -> Decision:
     skipped = (*decision.skipped, *((c.upstream.name, "no_responses_api") for c in decision.candidates
                                     if c not in kept))
     return dataclasses.replace(decision, candidates=kept, fallback=fallback, skipped=skipped)
+
+
+def _request_id(given: str | None) -> str:
+    """The client's ``x-request-id`` when it is 1-200 printable ASCII characters, else a new ``req_<32 hex>``.
+
+    Bounded and plain so it can be echoed in headers, logs and upstream requests as it came."""
+    if given and len(given) <= 200 and given.isascii() and given.isprintable():
+        return given
+    return f"req_{uuid.uuid4().hex}"
 
 
 def _headers(scope: Scope) -> dict[str, str]:

@@ -25,10 +25,11 @@ from starlette.types import Receive, Scope, Send
 from gateway import __version__
 from gateway.api import Endpoint, Gateway, error_response
 from gateway.config import LoadedConfig, load_config
-from gateway.errors import GatewayError, InvalidRequest, MethodNotAllowed, UnknownURL
+from gateway.errors import GatewayError, InvalidRequest, MethodNotAllowed, ModelNotFound, UnknownURL
 from gateway.health import Health
 from gateway.metrics import Metrics
 from gateway.policy import Policy
+from gateway.server import configure as configure_client_limits
 from gateway.settings import Settings, environ, multiprocess_dir
 from gateway.upstream import UpstreamPool
 
@@ -86,8 +87,9 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
             if multiprocess_dir:
                 multiprocess.mark_process_dead(os.getpid(), multiprocess_dir)
 
+    # redirect_slashes=False: a trailing slash is an unknown URL (404), never a redirect built from the Host header
     app = FastAPI(title="Tiergate", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url=None, redirect_slashes=False)
     app.state.gateway = gateway
     hot = {"/v1/chat/completions": Endpoint(gateway, "chat"), "/v1/responses": Endpoint(gateway, "responses")}
     for path, endpoint in hot.items():  # reached only through HotPath's fallback: wrong methods get a 405
@@ -95,22 +97,32 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
     app.add_route("/v1/tiergate/route", gateway.route, methods=["POST"])
     created = int(time.time())
 
+    def model_object(name: str) -> dict[str, object]:  # OpenAPI ``Model``
+        return {"id": name, "object": "model", "created": created, "owned_by": "tiergate"}
+
     @app.get("/v1/models")
     async def models() -> Response:
-        data = [{"id": m, "object": "model", "created": created, "owned_by": "tiergate"} for m in config.model_names()]
+        data = [model_object(m) for m in config.model_names()]
         return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
-    @app.get("/healthz")
+    @app.get("/v1/models/{model:path}")  # ids may contain "/" (wire contract §5)
+    async def model(model: str) -> Response:
+        if model not in config.model_names():
+            return error_response(ModelNotFound(f"The model `{model}` does not exist or you do not have access to "
+                                                "it.", param="model"), {})
+        return Response(orjson.dumps(model_object(model)), media_type="application/json")
+
+    @app.api_route("/healthz", methods=["GET", "HEAD"])
     async def healthz() -> Response:
         return Response(b'{"status":"ok"}', media_type="application/json")
 
-    @app.get("/readyz")
+    @app.api_route("/readyz", methods=["GET", "HEAD"])
     async def readyz() -> Response:
         if pool.ready:
             return Response(b'{"status":"ready"}', media_type="application/json")
         return Response(b'{"status":"starting"}', 503, media_type="application/json")
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics_endpoint() -> Response:
         now = health.clock()
         for name, h in health.by_name.items():
@@ -134,6 +146,7 @@ def create_app_from_env() -> HotPath:
         ConfigError: the config is invalid (the supervisor validated it first, so only if it changed).
     """
     settings = Settings()
+    configure_client_limits(settings)
     return create_app(load_config(settings.config, environ()), multiprocess_dir=multiprocess_dir())
 
 

@@ -101,9 +101,13 @@ def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.server import GuardedHttpToolsProtocol
+    from gateway.server import configure as configure_client_limits
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    common = {"host": args.host, "port": args.port, "loop": "uvloop", "http": "httptools", "log_level": args.log_level,
+    configure_client_limits(Settings())
+    common = {"host": args.host, "port": args.port, "loop": "uvloop", "http": GuardedHttpToolsProtocol,
+              "log_level": args.log_level,
               "access_log": False, "lifespan": "on", "server_header": False, "date_header": False,
               "proxy_headers": False,  # the gateway reads no client address; saves a middleware per request
               "timeout_graceful_shutdown": 5}
@@ -140,6 +144,7 @@ def _demo(args: argparse.Namespace) -> int:
         for up in loaded.config.upstreams:
             url = urlsplit(up.base_url)
             host, port = url.hostname or "127.0.0.1", url.port or 80
+            _require_free(host, port, f"the demo's emulated {up.tier} tier")
             cmd = [sys.executable, "-m", "gateway", "emulate", "--tier", up.tier, "--host", host, "--port", str(port),
                    "--dialect", up.dialect]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
@@ -168,6 +173,16 @@ def _demo(args: argparse.Namespace) -> int:
                 proc.kill()
 
 
+def _require_free(host: str, port: int, what: str) -> None:
+    """Refuse to start when ``host:port`` is taken (else the readiness check would find the other process)."""
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(f"{host}:{port} is already in use ({exc.strerror}); it is needed by {what}. "
+                              "Stop what listens there (another `tiergate demo`?) and try again.") from exc
+
+
 def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -187,7 +202,7 @@ def _check(path: Path) -> int:
     print(f"{path}: valid")
     print(f"default tier: {cfg.default_tier}; fallback to the other tier: {'on' if cfg.fallback else 'off'}; "
           f"max attempts: {cfg.max_attempts}")
-    source = "rules from the file" if cfg.rules is not None else "the default policy"
+    source = "as written in the file" if cfg.rules is not None else "the default policy"
     print(f"\nrules, {source} (first match wins):")
     rules = Policy(cfg).rules
     for i, rule in enumerate(rules, 1):

@@ -40,8 +40,8 @@ from typing import Any
 import httptools
 import orjson
 
-WORDS = [w.encode() for w in (" The", " fast", " tier", " streams", " every", " token", " the", " moment", " it",
-                              " exists", ",", " and", " the", " gateway", " relays", " it", " unbuffered", ".")]
+WORDS = [w.encode() for w in (" Every", " token", " leaves", " the", " gateway", " the", " moment", " it",
+                              " arrives", ",", " unbuffered", ",", " and", " is", " counted", " once", ".")]
 _DIRECTIVE = re.compile(rb"\[\[emulate ([^\]]*)\]\]")
 REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found", 422: b"Unprocessable Entity",
            429: b"Too Many Requests", 500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable"}
@@ -140,9 +140,7 @@ class EmulatorProtocol(asyncio.Protocol):
         if "transcript" in d:
             self._replay(d["transcript"], d, stream=body.get("stream") is True)
             return
-        if path.endswith(b"/responses"):
-            raise ValueError("the emulator answers /v1/responses only with a transcript directive")
-        Generation(self, body, d).start()
+        Generation(self, body, d, responses=path.endswith(b"/responses")).start()
 
     def _error(self, status: int, d: dict[str, str]) -> None:
         extra = [(b"retry-after-ms", d["retry_after_ms"].encode())] if "retry_after_ms" in d else []
@@ -248,9 +246,11 @@ class Schedule:
 
 
 class Generation:
-    """One synthetic chat completion: builds the events of the dialect and schedules them."""
+    """One synthetic chat completion (or Responses API response): builds the events and schedules them."""
 
-    def __init__(self, proto: EmulatorProtocol, body: dict[str, Any], d: dict[str, str]) -> None:
+    def __init__(self, proto: EmulatorProtocol, body: dict[str, Any], d: dict[str, str],
+                 responses: bool = False) -> None:
+        self.responses = responses
         cfg = proto.cfg
         self.proto = proto
         self.body = body
@@ -266,7 +266,7 @@ class Generation:
         self.model = str(body.get("model", "emulated")).encode()
         self.id = b"chatcmpl-emu%x" % id(self)
         self.created = int(time.time())
-        self.prompt_tokens = max(1, len(orjson.dumps(body.get("messages", []))) // 4)
+        self.prompt_tokens = max(1, len(orjson.dumps(body.get("messages", body.get("input", [])))) // 4)
         self.t0 = 0.0
 
     def start(self) -> None:
@@ -274,7 +274,8 @@ class Generation:
         t0 = self.t0 = self.proto.loop.time()
         if self.body.get("stream") is True:
             self.proto._start_chunked(200, b"text/event-stream; charset=utf-8")
-            Schedule(self.proto, self._events(t0), self.d).start()
+            events = self._response_events(t0) if self.responses else self._events(t0)
+            Schedule(self.proto, events, self.d).start()
         else:
             delay = self.ttft + (self.tokens - 1) / self.tps
             self.proto.timer = self.proto.loop.call_at(t0 + delay, self._whole)
@@ -327,7 +328,56 @@ class Generation:
             items.append((t_end, b"data: [DONE]\n\n"))
         return items
 
+    def _response(self, status: str, text: bytes) -> dict[str, Any]:
+        """A Responses API ``response`` object (OpenAPI ``Response``), minimal."""
+        out: dict[str, Any] = {"id": f"resp_emu{id(self):x}", "object": "response", "created_at": self.created,
+                               "status": status, "model": self.model.decode(), "output": [], "usage": None}
+        if status == "completed":
+            out["output"] = [{"id": "msg_emu", "type": "message", "status": "completed", "role": "assistant",
+                              "content": [{"type": "output_text", "text": text.decode(), "annotations": []}]}]
+            if self.with_usage:
+                out["usage"] = {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                                "output_tokens": self.tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                                "total_tokens": self.prompt_tokens + self.tokens}
+        return out
+
+    def _response_events(self, t0: float) -> list[tuple[float, bytes]]:
+        """Responses API stream (wire contract §5): created, in_progress, one output_text.delta per chunk,
+        completed with usage; every event named by an ``event:`` line and numbered; no ``[DONE]``."""
+        seq = iter(range(1 << 30))
+
+        def event(kind: str, **fields: Any) -> bytes:
+            data = orjson.dumps({"type": kind, **fields, "sequence_number": next(seq)})
+            return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+        item = {"id": "msg_emu", "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+        part = {"type": "output_text", "text": "", "annotations": []}
+        items = [(t0, event("response.created", response=self._response("in_progress", b"")) +
+                  event("response.in_progress", response=self._response("in_progress", b"")) +
+                  event("response.output_item.added", output_index=0, item=item) +
+                  event("response.content_part.added", item_id="msg_emu", output_index=0, content_index=0,
+                        part=part))]
+        sent = 0
+        while sent < self.tokens:
+            n = min(self.per_chunk, self.tokens - sent)
+            delta = self._text(sent, n).decode()
+            items.append((t0 + self.ttft + sent / self.tps, event(
+                "response.output_text.delta", item_id="msg_emu", output_index=0, content_index=0, delta=delta)))
+            sent += n
+        text = self._text(0, self.tokens)
+        done = self._response("completed", text)
+        items.append((items[-1][0], event("response.output_text.done", item_id="msg_emu", output_index=0,
+                                          content_index=0, text=text.decode())
+                      + event("response.content_part.done", item_id="msg_emu", output_index=0, content_index=0,
+                              part={**part, "text": text.decode()})
+                      + event("response.output_item.done", output_index=0, item=done["output"][0])
+                      + event("response.completed", response=done)))
+        return items
+
     def _whole(self) -> None:
+        if self.responses:
+            self.proto._reply(200, orjson.dumps(self._response("completed", self._text(0, self.tokens))))
+            return
         out: dict[str, Any] = {
             "id": self.id.decode(), "object": "chat.completion", "created": self.created, "model": self.model.decode(),
             "choices": [{"index": 0, "message": {"role": "assistant", "content": self._text(0, self.tokens).decode(),

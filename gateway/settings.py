@@ -10,6 +10,9 @@ GATEWAY_HOST           127.0.0.1                 address to listen on
 GATEWAY_PORT           8080                      TCP port to listen on
 GATEWAY_LOG_LEVEL      info                      uvicorn/gateway log level
 GATEWAY_WORKERS        1                         worker processes (``tiergate serve --workers``)
+GATEWAY_MAX_HEAD_BYTES 65536                     largest request line plus headers; larger -> 431
+GATEWAY_HEAD_TIMEOUT   30                        seconds to send a request head; then the connection closes
+GATEWAY_BODY_TIMEOUT   120                       seconds to send a request body; then 408
 =====================  ========================  ==============================================
 
 Upstream API keys are not settings: the YAML names the variable that holds each key
@@ -22,6 +25,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -35,6 +39,9 @@ class Settings(BaseSettings):
     port: int = 8080
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     workers: int = 1
+    max_head_bytes: int = Field(64 * 1024, ge=1024)
+    head_timeout: float = Field(30.0, gt=0)
+    body_timeout: float = Field(120.0, gt=0)
 
 
 MULTIPROC_VAR = "PROMETHEUS_MULTIPROC_DIR"

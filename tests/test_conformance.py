@@ -325,6 +325,10 @@ def test_client_disconnect_closes_the_upstream_quickly(fake: FakeUpstream, gw: P
     assert sample(after, "tiergate_requests_total", missing_ok=False, outcome="client_disconnect") == sample(
         before, "tiergate_requests_total", outcome="client_disconnect") + 1
     assert sample(after, "tiergate_in_flight_requests", missing_ok=False) == 0
+    # a stream the client left after its first token still counts in TTFT (users press "stop")
+    ttft_grew = sample(after, "tiergate_time_to_first_token_seconds_count", tier="standard") - sample(
+        before, "tiergate_time_to_first_token_seconds_count", tier="standard")
+    assert ttft_grew == (1 if phase == "mid_stream" else 0)
 
 
 def test_a_thousand_disconnects_leave_no_connection_or_task_behind(fake: FakeUpstream, gw: Proc) -> None:

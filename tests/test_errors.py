@@ -159,3 +159,32 @@ def test_unreachable_fast_tier_falls_back_then_502_when_all_down(tmp_path: Path)
     finally:
         gw.stop()
         standard.stop()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions/", "/metrics/", "/v1/models/"])
+def test_trailing_slash_is_an_unknown_url_never_a_redirect(stack: Stack, path: str) -> None:
+    resp = httpx.request("POST" if "chat" in path else "GET", stack.root + path, json={}, timeout=5,
+                         headers={"host": "evil.example"})
+    assert resp.status_code == 404 and "location" not in resp.headers
+    assert _envelope(resp)["code"] in ("unknown_url", "model_not_found")
+
+
+@pytest.mark.parametrize(("given", "kept"), [("abc-123_XYZ.9", True), ("x" * 201, False), ("é😀", False),
+                                             ("has space ok", True), ("tab\tno", False)])
+def test_request_id_is_echoed_only_when_short_printable_ascii(stack: Stack, given: str, kept: bool) -> None:
+    for body in ({"model": "gpt-5.6", "messages": MSG}, {"model": "nope", "messages": MSG}):
+        resp = httpx.post(stack.base_url + "/chat/completions", json=body, timeout=10,
+                          headers={"x-request-id": given.encode()})
+        rid = resp.headers["x-request-id"]
+        assert (rid == given) if kept else (rid.startswith("req_") and len(rid) == 36)
+
+
+def test_health_and_model_endpoints(stack: Stack) -> None:
+    for path in ("/healthz", "/readyz", "/metrics"):
+        assert httpx.head(stack.root + path, timeout=5).status_code == 200
+    listed = httpx.get(stack.base_url + "/models", timeout=5).json()
+    assert {m["id"] for m in listed["data"]} == {"gpt-5.6", "gpt-5.6-sol-fast"}
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+    assert client.models.retrieve("gpt-5.6-sol-fast").id == "gpt-5.6-sol-fast"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")

@@ -66,3 +66,14 @@ def test_responses_bad_input(stack: Stack) -> None:
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "model"
     resp = httpx.post(stack.base_url + "/responses", json={"model": "nope", "input": "hi"}, timeout=5)
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+
+
+def test_emulated_responses_api_stream_and_whole(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+    prompt = "hi [[emulate tokens=5 tps=2000 ttft_ms=2]]"
+    with client.responses.stream(model="gpt-5.6", input=prompt) as stream:
+        final = stream.get_final_response()
+    assert final.output_text == " Every token leaves the gateway" and final.usage is not None
+    assert final.usage.output_tokens == 5
+    whole = client.responses.create(model="gpt-5.6", input=prompt)
+    assert whole.output_text == " Every token leaves the gateway" and whole.usage.output_tokens == 5
