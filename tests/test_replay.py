@@ -26,7 +26,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import FIXTURES, Stack, default_config, emulator, start_gateway
+from conftest import FIXTURES, Stack, default_config, emulator, sample, start_gateway
 
 DONE = b"data: [DONE]\n\n"
 TIMEOUT = httpx.Timeout(10.0, connect=5.0)
@@ -323,3 +323,25 @@ def test_error_keeps_status_in_openai_envelope_and_sdk_class(openai_stack: Stack
         # already OpenAI's envelope upstream (pretty-printed or compact): the same four values
         assert envelope == upstream
     assert isinstance(exc.body, dict) and exc.body["message"] == upstream["error"]["message"]
+
+
+@pytest.mark.parametrize(("name", "output_tokens"), [
+    ("groq_chat_stream_text", 73),                    # x_groq.usage on the last chunk
+    ("llamacpp_chat_stream_reasoning", 82),           # timings.predicted_n
+    ("cerebras_chat_stream_text", 35),                # usage on the finish_reason chunk
+    ("openai_chat_stream_include_usage_length", 100),  # the choices: [] usage chunk
+    ("vllm_chat_stream", None),                       # no usage at all: counted as missing, never invented
+    ("ollama_openai_compat_chat_stream", None),
+])
+def test_usage_is_read_wherever_the_dialect_puts_it(stack: Stack, name: str, output_tokens: int | None) -> None:
+    body = {"model": "gpt-5.6", "stream": True, "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": f"x [[emulate transcript={name} tps=5000 ttft_ms=1]]"}]}
+    lab = {"tier": "standard", "model": "gpt-5.6"}
+    before = stack.metrics()
+    assert httpx.post(stack.base_url + "/chat/completions", json=body, timeout=10).status_code == 200
+    after = stack.metrics()
+    grew = sample(after, "tiergate_tokens_total", token_type="output", **lab) - sample(
+        before, "tiergate_tokens_total", token_type="output", **lab)
+    missing = sample(after, "tiergate_usage_missing_total", **lab) - sample(
+        before, "tiergate_usage_missing_total", **lab)
+    assert (grew, missing) == ((output_tokens, 0) if output_tokens else (0, 1))
