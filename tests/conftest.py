@@ -36,13 +36,14 @@ def free_port() -> int:
 
 
 class Proc:
-    """A ``python -m gateway`` subprocess listening on ``port``; output goes to a log file."""
+    """A ``python -m gateway`` subprocess (or ``cmd``) listening on ``port``; output goes to a log file."""
 
-    def __init__(self, args: list[str], port: int, log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], port: int, log: Path, env: dict[str, str] | None = None,
+                 cmd: list[str] | None = None) -> None:
         self.port = port
         self.log = log
         self._fh = log.open("wb")
-        self.popen = subprocess.Popen([sys.executable, "-m", "gateway", *args], cwd=ROOT, stdout=self._fh,
+        self.popen = subprocess.Popen(cmd or [sys.executable, "-m", "gateway", *args], cwd=ROOT, stdout=self._fh,
                                       stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:

@@ -18,62 +18,35 @@ libuv timers have millisecond resolution, so it may differ from what its directi
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import Proc
+
 _TOKEN = b'"delta":{"content":"'  # a content delta with text: the role chunk's is '"delta":{"role":...'
 
 
-class ProbedEmulator:
-    """A probed emulator subprocess: ``port``, ``log`` (JSON lines), :meth:`record` and :meth:`stop`."""
+class ProbedEmulator(Proc):
+    """A probed emulator subprocess: ``port``, ``records`` (the probe's JSON lines), :meth:`record`, :meth:`stop`."""
 
-    def __init__(self, args: list[str], port: int, log: Path, out: Path) -> None:
-        self.port = port
-        self.log = log
-        self._fh = out.open("wb")
-        self.popen = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(log), *args], cwd=ROOT,
-                                      stdout=self._fh, stderr=subprocess.STDOUT, env=dict(os.environ))
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"probed emulator exited {self.popen.returncode}:\n{out.read_text()}")
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"probed emulator did not listen on {port}:\n{out.read_text()}")
+    def __init__(self, args: list[str], port: int, records: Path, out: Path) -> None:
+        self.records = records
+        super().__init__(args, port, out, cmd=[sys.executable, str(Path(__file__).resolve()), str(records), *args])
 
     def record(self, rid: str, timeout: float = 5.0) -> dict[str, Any]:
         """The probe's record of the request whose ``X-Client-Request-Id`` was ``rid``."""
         deadline = time.monotonic() + timeout
         while True:
-            if self.log.exists():
-                for line in self.log.read_text().splitlines():
+            if self.records.exists():
+                for line in self.records.read_text().splitlines():
                     rec = json.loads(line)
                     if rec["rid"] == rid:
                         return rec
             if time.monotonic() > deadline:
                 raise KeyError(f"the emulator logged no request {rid!r}")
             time.sleep(0.01)
-
-    def stop(self) -> None:
-        """Terminate (then kill) the process."""
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(5)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(5)
-        self._fh.close()
 
 
 def start_probed_emulator(tier: str, tmp: Path, port: int, fixtures: Path) -> ProbedEmulator:
