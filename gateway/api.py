@@ -374,15 +374,15 @@ class Gateway:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _whole(self, ex: Exchange, hdrs: list[tuple[bytes, bytes]], send: Send) -> None:
-        """Relay a non-streaming answer untouched after checking it is a JSON object and reading its usage."""
+        """Relay a non-streaming answer untouched after checking it is a JSON object and reading its usage.
+
+        Raises:
+            UpstreamTimeout, UpstreamUnavailable: the body did not arrive; UpstreamBadResponse: it is not a JSON
+                object. Nothing was sent to the client yet, so the caller may fail over.
+        """
         assert ex.resp is not None
         resp = ex.resp
-        try:
-            data = await resp.read()
-        except GatewayError as exc:
-            ex.record("upstream_timeout" if isinstance(exc, UpstreamTimeout) else "upstream_unavailable")
-            await _send_error(send, exc, hdrs)
-            return
+        data = await resp.read()
         resp.release()
         ex.resp = None
         try:
@@ -390,10 +390,7 @@ class Gateway:
         except orjson.JSONDecodeError:
             parsed = None
         if not isinstance(parsed, dict):
-            ex.record("upstream_error")
-            await _send_error(send, UpstreamBadResponse("The upstream answered 200 with a body that is not a JSON "
-                                                        "object."), hdrs)
-            return
+            raise UpstreamBadResponse("The upstream answered 200 with a body that is not a JSON object.")
         usage = parsed.get("usage")
         time_info = parsed.get("time_info")
         ex.record("success", usage=chat_usage(usage) if isinstance(usage, dict) else None,

@@ -92,6 +92,8 @@ FAULTS = {
                  chunked=False), "upstream_429"),
     "503": (Plan(status=503, headers={"content-type": "application/json"},
                  parts=[(0, b'{"message":"overloaded","type":"server_error"}')], chunked=False), "upstream_5xx"),
+    "not_json": (Plan(headers={"content-type": "text/html"}, parts=[(0, b"<html>maintenance</html>")],
+                      chunked=False), "upstream_bad_response"),
     "context": (Plan(status=400, headers={"content-type": "application/json"}, parts=[(
         0, b'{"error":{"message":"This model\'s maximum context length is 8192 tokens","type":'
            b'"invalid_request_error","param":"messages","code":"context_length_exceeded"}}')], chunked=False),
