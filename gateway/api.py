@@ -225,21 +225,28 @@ class Gateway:
         ask_usage = ex.kind == "chat" and ex.stream and not client_wants_usage(body)
         path = "/chat/completions" if ex.kind == "chat" else "/responses"
         need = facts.prompt_tokens + (facts.max_tokens or 0)
-        attempts, reason, refusal = self._available(decision, need)
+        attempts, reason, refusal, queued = self._available(decision, need)
         if refusal is not None:
             ex.record("upstream_unavailable")
             await _send_error(send, refusal, [(b"x-request-id", ex.rid.encode())])
             return
         last: GatewayError = UpstreamUnavailable("No upstream is configured for this model.")
         tried = 0
-        for cand in attempts:
+        for i, cand in enumerate(attempts):
             up = cand.upstream
+            h = self.health[up.name]
+            if up.name in queued and not await h.wait_for_slot():
+                self.metrics.spillovers.labels(up.tier, up.name, "concurrency").inc()
+                reason = reason or "spillover_concurrency"
+                last = UpstreamsResting("Every upstream for this model stayed at its concurrency limit.",
+                                        headers={"retry-after": "1"})
+                continue
             tried += 1
             ex.tier, ex.upstream = up.tier, up.name
             gateway_asks = ask_usage and up.dialect == "openai"
             payload = upstream_body(raw, body, cand.upstream_model, up.dialect, gateway_asks)
             self.metrics.child(self.metrics.overhead, up.tier).observe(time.perf_counter() - ex.t0)
-            ex.take(self.health[up.name], need)
+            ex.take(h, need)
             ttft = up.timeouts.ttft if ex.stream else None
             first_token_by = asyncio.get_running_loop().time() + ttft if ttft else None
             ex.on_start = self._on_start(decision, up.tier, tried, reason)
@@ -270,7 +277,7 @@ class Gateway:
             ex.health_failed(exc)
             last = exc
             self.metrics.upstream_errors.labels(up.tier, up.name, _reason(exc)).inc()
-            nxt = attempts[tried] if tried < len(attempts) else None
+            nxt = attempts[i + 1] if i + 1 < len(attempts) else None
             if nxt is None or not _retryable(exc, up.tier != nxt.upstream.tier):
                 break
             reason = _reason(exc)
@@ -278,7 +285,8 @@ class Gateway:
         outcome = "upstream_timeout" if isinstance(last, UpstreamTimeout) else (
             "upstream_error" if isinstance(last, UpstreamStatusError) else "upstream_unavailable")
         ex.record(outcome)
-        extra = _route_headers(decision, attempts[tried - 1], ex.rid, reason) if tried else [
+        final = next((c for c in reversed(attempts) if c.upstream.name == ex.upstream), None)
+        extra = _route_headers(decision, final, ex.rid, reason) if final is not None else [
             (b"x-request-id", ex.rid.encode())]
         if tried > 1:
             extra.append((b"x-should-retry", b"false"))  # the gateway already retried; the SDK should not multiply
@@ -293,8 +301,9 @@ class Gateway:
         return count
 
     def _available(self, decision: Decision,
-                   need: int) -> tuple[list[Candidate], str | None, GatewayError | None]:
-        """Candidates that can take the request now (spillover), the first spillover reason, or a refusal.
+                   need: int) -> tuple[list[Candidate], str | None, GatewayError | None, set[str]]:
+        """Candidates that can take the request now (spillover), the first spillover reason, a refusal, and
+        the upstreams among them to wait on for a concurrency slot (``health.queue_seconds``).
 
         When every candidate is unavailable only because of a quota estimate or its concurrency limit, the
         first of them is tried anyway (the upstream is the judge); when all are in cooldown or have their
@@ -303,11 +312,15 @@ class Gateway:
         now = self.health.clock()
         usable: list[Candidate] = []
         soft: list[Candidate] = []
+        queued: set[str] = set()
         spill: str | None = None
         waits: list[float] = []
         for cand in self.health.order(decision.candidates):
             h = self.health[cand.upstream.name]
             why = h.unavailable(now, need)
+            if why == "concurrency" and h.can_queue():
+                queued.add(cand.upstream.name)  # waits for a slot, then spills over if none comes in time
+                why = None
             if why is None:
                 usable.append(cand)
                 continue
@@ -319,13 +332,13 @@ class Gateway:
             else:
                 waits.append(h.resting_until() - now)
         if not usable and soft:
-            return soft[:1], decision.fallback, None
+            return soft[:1], decision.fallback, None, set()
         if not usable:
             retry = max(1, int(min(waits) + 0.999)) if waits else 1
             return [], None, UpstreamsResting(
                 "Every upstream for this model is resting (circuit breaker open or rate-limit cooldown); "
-                f"retry in {retry} s.", headers={"retry-after": str(retry)})
-        return usable[: self.config.max_attempts], spill or decision.fallback, None
+                f"retry in {retry} s.", headers={"retry-after": str(retry)}), set()
+        return usable[: self.config.max_attempts], spill or decision.fallback, None, queued
 
     async def _relay(self, ex: Exchange, hdrs: list[tuple[bytes, bytes]], strip_usage: bool, send: Send,
                      first_token_by: float | None) -> None:

@@ -64,7 +64,9 @@ class HealthConfig(_Strict):
     failures: consecutive failures that open the circuit breaker; open_seconds: how long it stays open before
     one probe is let through; cooldown_default / cooldown_max: rest after a 429 without / with a retry hint
     (the hint is capped); max_concurrent: requests in flight before new ones spill over (None: no limit);
-    quota_reserve: remaining ``requests`` / ``tokens`` to keep unused (spill over before going under).
+    quota_reserve: remaining ``requests`` / ``tokens`` to keep unused (spill over before going under);
+    queue_seconds: with ``max_concurrent``, wait up to this long for a free slot before spilling over (None:
+    spill over at once).
     """
 
     failures: int = Field(5, ge=1)
@@ -72,6 +74,7 @@ class HealthConfig(_Strict):
     cooldown_default: float = Field(1.0, ge=0)
     cooldown_max: float = Field(60.0, ge=0)
     max_concurrent: int | None = Field(None, ge=1)
+    queue_seconds: float | None = Field(None, gt=0)
     quota_reserve: dict[Literal["requests", "tokens"], int] = {}
 
 

@@ -20,8 +20,10 @@ the upstream can refuse it:
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from random import random
@@ -80,6 +82,7 @@ class UpstreamHealth:
         self.probe_started: float | None = None
         self.cooldown_until = 0.0
         self.in_flight = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
         self.quota: dict[str, _Quota] = {}  # "requests" | "tokens" -> the tightest reported window
 
     def state(self, now: float) -> str:
@@ -123,8 +126,39 @@ class UpstreamHealth:
                 q.remaining -= spent
 
     def finish(self) -> None:
-        """The request is over (whatever its result)."""
+        """The request is over (whatever its result); wakes the first request waiting for a slot."""
         self.in_flight = max(0, self.in_flight - 1)
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                break
+
+    def can_queue(self) -> bool:
+        """Whether a request may wait for a concurrency slot here (``health.queue_seconds`` is set)."""
+        return self.cfg.queue_seconds is not None
+
+    async def wait_for_slot(self) -> bool:
+        """Wait up to ``health.queue_seconds`` for fewer than ``max_concurrent`` requests in flight.
+
+        Returns:
+            True when a slot is free (take it with :meth:`start` at once), False when the wait timed out.
+        """
+        limit = self.cfg.max_concurrent
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.cfg.queue_seconds or 0.0)
+        while limit is not None and self.in_flight >= limit:
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await waiter
+            except TimeoutError:
+                return False
+            finally:
+                if not waiter.done():
+                    waiter.cancel()
+        return True
 
     def observe_headers(self, headers: Mapping[str, str], now: float) -> None:
         """Update the quota estimate from ``x-ratelimit-remaining-*`` / ``x-ratelimit-reset-*`` headers."""

@@ -6,6 +6,7 @@ Two fake upstreams, one per tier; each answers by the scripted plan for its tier
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -261,4 +262,30 @@ def test_max_tokens_reserved_against_the_token_quota(ups: dict[str, FakeUpstream
         assert resp.headers["x-tiergate-fallback"] == "spillover_quota_tokens"
     finally:
         ups["fast"].handler = handler("fast")
+        proc.stop()
+
+
+@pytest.mark.parametrize(("queue_seconds", "second_tier"), [(1.0, "fast"), (0.05, "standard")])
+async def test_concurrency_limit_waits_for_a_slot_or_spills_over(ups: dict[str, FakeUpstream],
+                                                                 tmp_path_factory: pytest.TempPathFactory,
+                                                                 queue_seconds: float, second_tier: str) -> None:
+    proc, _ = start_gateway(_config(ups, max_concurrent=1, queue_seconds=queue_seconds),
+                            tmp_path_factory.mktemp("queue"))
+    try:
+        PLANS[("fast", "busy")] = Plan(parts=[(0, sse(chunk(role=True), done=False)),
+                                              (0.2, sse(chunk("ok"), chunk(finish="stop")))])
+        body = {"model": "m-fast", "stream": True, "x_case": "busy", "messages": [{"role": "user", "content": "x"}]}
+        url = f"http://127.0.0.1:{proc.port}/v1/chat/completions"
+        async with httpx.AsyncClient(timeout=10) as client:
+            first = asyncio.ensure_future(client.post(url, json=body))
+            await asyncio.sleep(0.1)  # the first stream holds fast-1's only slot for ~0.2 s (its TTFT limit: 0.3)
+            second = await client.post(url, json=body)
+            assert (await first).headers["x-tiergate-tier"] == "fast"
+        assert second.status_code == 200 and second.headers["x-tiergate-tier"] == second_tier
+        if second_tier == "standard":
+            assert second.headers["x-tiergate-fallback"] == "spillover_concurrency"
+        else:
+            assert "x-tiergate-fallback" not in second.headers
+    finally:
+        PLANS.pop(("fast", "busy"), None)
         proc.stop()

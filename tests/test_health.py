@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from typing import Any
 
@@ -119,3 +120,20 @@ def test_weights_shuffle_within_a_tier_and_keep_tier_order() -> None:
     equal = Health([upstream("x"), upstream("y")])
     pair = (Candidate(upstream("x"), "m"), Candidate(upstream("y"), "m"))
     assert [c.upstream.name for c in equal.order(pair)] == ["x", "y"]  # equal weights: configured order
+
+
+async def test_a_request_waits_for_a_concurrency_slot_up_to_queue_seconds() -> None:
+    h = UpstreamHealth(upstream(health={"max_concurrent": 1, "queue_seconds": 0.2}))
+    assert h.can_queue()
+    h.start(0.0, 1)
+    assert h.unavailable(0.0, 1) == "concurrency"
+    waiting = asyncio.ensure_future(h.wait_for_slot())
+    await asyncio.sleep(0.02)
+    assert not waiting.done()
+    h.finish()  # the slot frees: the first waiter gets it
+    assert await asyncio.wait_for(waiting, 1) is True
+    h.start(0.0, 1)
+    t0 = asyncio.get_running_loop().time()
+    assert await h.wait_for_slot() is False  # nobody finishes: gives up after queue_seconds
+    assert 0.18 < asyncio.get_running_loop().time() - t0 < 0.5
+    assert not UpstreamHealth(upstream(health={"max_concurrent": 1})).can_queue()
