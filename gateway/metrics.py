@@ -37,8 +37,6 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600, 900)
 TPS_BUCKETS = (5, 10, 20, 30, 40, 50, 75, 100, 150, 200, 300, 400, 500, 600, 750, 1000, 1500, 2000, 3000, 5000)
 OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
-OUTCOMES = ("success", "client_error", "upstream_error", "upstream_unavailable", "upstream_timeout", "stream_error",
-            "client_disconnect")
 TOKEN_TYPES = ("input", "output", "cached_input", "reasoning")
 
 _T = ("tier", "upstream", "model")

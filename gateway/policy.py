@@ -80,11 +80,6 @@ class RequestFacts:
         self.size = size
         self.model: str = body["model"]
 
-    @classmethod
-    def from_request(cls, body: Mapping[str, Any], headers: Mapping[str, str], size: int = 0) -> RequestFacts:
-        """Same as the constructor (kept for readability at call sites)."""
-        return cls(body, headers, size)
-
     @_lazy
     def stream(self) -> bool:
         return self.body.get("stream") is True

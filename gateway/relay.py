@@ -45,29 +45,25 @@ class StreamStats:
 
     Attributes:
         t_first_token / t_last_token: arrival of the first / last token-bearing chunk, or None.
-        events: data events received; token_chunks: token-bearing chunks received.
+        token_chunks: token-bearing chunks received.
         usage: the last ``usage`` object seen (OpenAI/Azure usage chunk, Cerebras finish chunk,
             ``x_groq.usage``, or llama.cpp ``timings`` mapped to prompt/completion tokens), or None.
         time_info: Cerebras' ``time_info`` (seconds), or None.
         done: a ``[DONE]`` was sent to the client.
         error: None on success; else ``upstream_error_event``, ``upstream_stream_interrupted``,
             ``upstream_idle_timeout`` or ``upstream_event_too_large``.
-        bytes_out: bytes written to the client.
     """
 
-    __slots__ = ("t_first_token", "t_last_token", "events", "token_chunks", "usage", "time_info", "done", "error",
-                 "bytes_out")
+    __slots__ = ("t_first_token", "t_last_token", "token_chunks", "usage", "time_info", "done", "error")
 
     def __init__(self) -> None:
         self.t_first_token: float | None = None
         self.t_last_token: float | None = None
-        self.events = 0
         self.token_chunks = 0
         self.usage: dict[str, Any] | None = None
         self.time_info: dict[str, Any] | None = None
         self.done = False
         self.error: str | None = None
-        self.bytes_out = 0
 
 
 class Relay:
@@ -114,7 +110,6 @@ class Relay:
                 now = clock()
                 out = self._process(self._scanner.feed(chunk), now)
                 if out:
-                    stats.bytes_out += len(out)
                     await write(out)
                 if stats.done:
                     await _drain(chunks, DONE_GRACE)
@@ -131,7 +126,6 @@ class Relay:
             await self._fail(write, "upstream_stream_interrupted", "The upstream stream ended inside an event.")
         elif self._append_done:
             stats.done = True
-            stats.bytes_out += len(DONE)
             await write(DONE)
         return stats
 
@@ -139,8 +133,9 @@ class Relay:
                     deadline: float) -> AsyncIterator[bytes]:
         """Read until the first token (or the end, or an error), holding the output; write it all at once.
 
-        Returns the rest of ``chunks``: an iterator that yields the held-back tail first when the stream
-        ended here (so :meth:`run` sees the same end), else ``chunks`` itself.
+        Returns the rest of ``chunks`` for :meth:`run` to go on with; when the upstream failed while held
+        (broken stream, oversized event), an iterator that raises that failure at once, so that :meth:`run`
+        ends the stream the same way it would have after the first byte.
         """
         stats = self.stats
         held: list[bytes] = []
@@ -163,17 +158,14 @@ class Relay:
         await self._flush(held, write)
         return it
 
-    async def _flush(self, held: list[bytes], write: Callable[[bytes], Awaitable[None]]) -> None:
+    @staticmethod
+    async def _flush(held: list[bytes], write: Callable[[bytes], Awaitable[None]]) -> None:
         if held:
-            out = b"".join(held)
-            self.stats.bytes_out += len(out)
-            await write(out)
+            await write(b"".join(held))
 
     async def _fail(self, write: Callable[[bytes], Awaitable[None]], code: str, message: str) -> None:
         self.stats.error = code
-        out = b"data: " + error_body(message, "server_error", None, code) + b"\n\n"
-        self.stats.bytes_out += len(out)
-        await write(out)
+        await write(b"data: " + error_body(message, "server_error", None, code) + b"\n\n")
 
     def _process(self, events: list[SSEEvent], now: float) -> bytes:
         """Observe one read's events; return the bytes to forward (per event: its raw bytes, or nothing).
@@ -195,7 +187,6 @@ class Relay:
                 stats.done = True
                 out.append(raw)
                 continue
-            stats.events += 1
             try:
                 chunk = loads(data)
             except JSONDecodeError:

@@ -26,7 +26,7 @@ POLICY = Policy(CONFIG)
 
 
 def facts(body: dict[str, Any], headers: dict[str, str] | None = None) -> RequestFacts:
-    return RequestFacts.from_request({"messages": [{"role": "user", "content": "x"}], **body}, headers or {})
+    return RequestFacts({"messages": [{"role": "user", "content": "x"}], **body}, headers or {})
 
 
 @pytest.mark.parametrize(
