@@ -152,7 +152,7 @@ class Relay:
                 out = self._process(self._scanner.feed(chunk), time.perf_counter())
                 if out:
                     held.append(out)
-        except StreamInterrupted as exc:
+        except (StreamInterrupted, EventTooLarge) as exc:
             await self._flush(held, write)
             return _failing(exc)
         await self._flush(held, write)
@@ -258,7 +258,7 @@ class Relay:
         return True
 
 
-async def _failing(exc: StreamInterrupted) -> AsyncIterator[bytes]:
+async def _failing(exc: StreamInterrupted | EventTooLarge) -> AsyncIterator[bytes]:
     """An iterator that raises ``exc`` at once (hands a failure seen while holding over to :meth:`Relay.run`)."""
     raise exc
     yield b""  # pragma: no cover - makes this an async generator

@@ -289,3 +289,20 @@ async def test_concurrency_limit_waits_for_a_slot_or_spills_over(ups: dict[str, 
     finally:
         PLANS.pop(("fast", "busy"), None)
         proc.stop()
+
+
+def test_oversized_event_while_holding_for_the_first_token_ends_in_band(
+        ups: dict[str, FakeUpstream], tmp_path_factory: pytest.TempPathFactory) -> None:
+    cfg = _config(ups)
+    cfg["limits"] = {"max_event_bytes": 2048}
+    proc, _ = start_gateway(cfg, tmp_path_factory.mktemp("bigevent"))
+    try:
+        PLANS[("fast", "big")] = Plan(parts=[(0, b"data: " + b"x" * 4096)])  # no token yet, no blank line
+        resp = _post(proc, "big", True)
+        assert resp.status_code == 200 and resp.headers["x-tiergate-tier"] == "fast"
+        last = orjson.loads(resp.content.split(b"\n\n")[-2][6:])
+        assert last["error"]["code"] == "upstream_event_too_large"
+        assert _post(proc, "", True).status_code == 200  # and the gateway goes on serving
+    finally:
+        PLANS.pop(("fast", "big"), None)
+        proc.stop()
