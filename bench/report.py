@@ -1,4 +1,4 @@
-"""Summaries, the figure table (direct | tiergate | added | target) and the JSON/Markdown writers."""
+"""Summaries, the figure table (direct | tiergate | added | reference proxies | target), JSON/Markdown writers."""
 
 from __future__ import annotations
 
@@ -40,20 +40,37 @@ def ms_summary(values_ns: Sequence[int]) -> dict[str, Any]:
 
 # --- the figure table -------------------------------------------------------------------------------------
 
+# Reference proxies, in the order their columns appear; each one that ran gets "<name>" and "<name> added".
+REFERENCES: dict[str, str] = {
+    "minproxy": "a minimal Python proxy: uvicorn + aiohttp, bench/minproxy.py",
+    "nginx": "proxy_buffering off",
+}
+
+
+def references(run: dict[str, Any]) -> list[str]:
+    """The reference proxies measured in ``run``, in column order (old runs: none, or nginx only)."""
+    targets = run.get("targets", [])
+    return [name for name in REFERENCES if name in targets]
+
+
 class Row:
-    """One figure: values per column, unit, and its target (text and check) when the issue sets one."""
+    """One figure: values per column, unit, and its target (text and check) when the issue sets one.
+
+    ``refs`` and ``refs_added`` hold the reference proxies' cells, keyed by target name (``minproxy``, ``nginx``).
+    """
 
     def __init__(self, key: str, label: str, unit: str, direct: float | None, tiergate: float | None,
                  added: float | None, target: str = "", check: tuple[str, float, str | None] | None = None,
-                 nginx: float | None = None, nginx_added: float | None = None) -> None:
+                 refs: dict[str, float | None] | None = None,
+                 refs_added: dict[str, float | None] | None = None) -> None:
         self.key = key
         self.label = label
         self.unit = unit
         self.direct = direct
         self.tiergate = tiergate
         self.added = added
-        self.nginx = nginx
-        self.nginx_added = nginx_added
+        self.refs = refs or {}
+        self.refs_added = refs_added or {}
         self.target = target
         self.check = check  # (which column: "added"|"tiergate", threshold, "le"|"ge")
         self.spread: float | None = None
@@ -75,10 +92,14 @@ class Row:
         return out
 
     def as_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "figure": self.label, "unit": self.unit, "direct": self.direct,
-                "tiergate": self.tiergate, "added": self.added, "nginx": self.nginx, "nginx_added": self.nginx_added,
-                "target": self.target, "verdict": self.verdict(), "spread": self.spread,
-                "other_load": self.other_load}
+        """JSON form: every known reference gets ``<name>`` and ``<name>_added`` (None when it did not run)."""
+        out: dict[str, Any] = {"key": self.key, "figure": self.label, "unit": self.unit, "direct": self.direct,
+                               "tiergate": self.tiergate, "added": self.added}
+        for name in REFERENCES:
+            out[name] = self.refs.get(name)
+            out[f"{name}_added"] = self.refs_added.get(name)
+        out.update(target=self.target, verdict=self.verdict(), spread=self.spread, other_load=self.other_load)
+        return out
 
 
 def _sub(a: float | None, b: float | None) -> float | None:
@@ -96,24 +117,27 @@ def _get(d: dict[str, Any] | None, *path: str) -> Any:
 def build_rows(run: dict[str, Any], sizes: dict[str, Any]) -> list[Row]:
     """The table rows of one run (see README "Reading the table")."""
     rows: list[Row] = []
-    has_nginx = "nginx" in run.get("targets", [])
+    refs = references(run)
 
-    def pair(key: str, label: str, unit: str, path: tuple[str, ...], target: str = "",
-             check: tuple[str, float, str] | None = None) -> None:
-        direct = _get(run, *path, "direct")
-        tg = _get(run, *path, "tiergate")
-        ng = _get(run, *path, "nginx") if has_nginx else None
-        rows.append(Row(key, label, unit, direct, tg, _sub(tg, direct), target, check, ng, _sub(ng, direct)))
+    def row(key: str, label: str, unit: str, figure: str, added: str, target: str = "",
+            check: tuple[str, float, str] | None = None) -> None:
+        """One figure for every target; ``added``: "diff" (proxy minus direct), "whole" (the proxy's own CPU
+        or memory: all of it is added) or "none" (no added column). Only direct has no proxy figures."""
+        vals = {name: _get(run, "figures", figure, name) for name in ("direct", "tiergate", *refs)}
+        if added == "diff":
+            extra = {name: _sub(v, vals["direct"]) for name, v in vals.items()}
+        else:
+            extra = {name: (v if added == "whole" else None) for name, v in vals.items()}
+        rows.append(Row(key, label, unit, vals["direct"], vals["tiergate"], extra["tiergate"], target, check,
+                        {n: vals[n] for n in refs}, {n: extra[n] for n in refs}))
 
     n = sizes["ttft_requests"]
-    pair("ttft_p50", f"TTFT p50 (1 stream, {n} requests)", "ms", ("figures", "ttft_p50_ms"),
-         "added <= 0.6 ms", ("added", 0.6, "le"))
-    pair("ttft_p99", f"TTFT p99 (1 stream, {n} requests)", "ms", ("figures", "ttft_p99_ms"),
-         "added <= 3 ms", ("added", 3.0, "le"))
-    tg = _get(run, "figures", "cpu_ms_per_stream_request", "tiergate")
-    ng = _get(run, "figures", "cpu_ms_per_stream_request", "nginx") if has_nginx else None
-    rows.append(Row("cpu_stream_request", f"proxy CPU per streamed request ({sizes['ttft_tokens']} tokens, 1 stream)",
-                    "ms", None, tg, tg, "", None, ng, ng))
+    row("ttft_p50", f"TTFT p50 (1 stream, {n} requests)", "ms", "ttft_p50_ms", "diff",
+        "added <= 0.6 ms", ("added", 0.6, "le"))
+    row("ttft_p99", f"TTFT p99 (1 stream, {n} requests)", "ms", "ttft_p99_ms", "diff",
+        "added <= 3 ms", ("added", 3.0, "le"))
+    row("cpu_stream_request", f"proxy CPU per streamed request ({sizes['ttft_tokens']} tokens, 1 stream)", "ms",
+        "cpu_ms_per_stream_request", "whole")
     tps = sizes["chunk_tps"]
     for c in sizes["chunk_conc"]:
         for q in ("p50", "p99"):
@@ -122,33 +146,22 @@ def build_rows(run: dict[str, Any], sizes: dict[str, Any]) -> list[Row]:
                 target, check = "added <= 1 ms", ("added", 1.0, "le")
             if q == "p99" and c == 64:
                 target, check = "stretch: added <= 1 ms", ("added", 1.0, "le")
-            pair(f"chunk_{q}_{c}", f"per-chunk delay {q}, {c} stream{'s' if c > 1 else ''} @ {tps:g} tok/s", "ms",
-                 ("figures", f"chunk_{q}_ms_c{c}"), target, check)
+            row(f"chunk_{q}_{c}", f"per-chunk delay {q}, {c} stream{'s' if c > 1 else ''} @ {tps:g} tok/s", "ms",
+                f"chunk_{q}_ms_c{c}", "diff", target, check)
     for c in sizes["chunk_conc"]:
         target, check = ("<= 25 ms (stretch <= 15)", ("tiergate", 25.0, "le")) if c == 32 else ("", None)
-        tg = _get(run, "figures", f"cpu_ms_per_1k_chunks_c{c}", "tiergate")
-        ng = _get(run, "figures", f"cpu_ms_per_1k_chunks_c{c}", "nginx") if has_nginx else None
-        rows.append(Row(f"cpu_chunks_{c}", f"proxy CPU per 1,000 relayed chunks, {c} stream{'s' if c > 1 else ''}",
-                        "ms", None, tg, tg, target, check, ng, ng))
+        row(f"cpu_chunks_{c}", f"proxy CPU per 1,000 relayed chunks, {c} stream{'s' if c > 1 else ''}", "ms",
+            f"cpu_ms_per_1k_chunks_c{c}", "whole", target, check)
     conc = sizes["rps_conc"]
-    tg = _get(run, "figures", "cpu_ms_per_request", "tiergate")
-    ng = _get(run, "figures", "cpu_ms_per_request", "nginx") if has_nginx else None
-    rows.append(Row("cpu_request", f"proxy CPU per non-streaming request ({conc} concurrent)", "ms", None, tg, tg,
-                    "<= 0.25 ms", ("tiergate", 0.25, "le"), ng, ng))
-    direct = _get(run, "figures", "rps", "direct")
-    tg = _get(run, "figures", "rps", "tiergate")
-    ng = _get(run, "figures", "rps", "nginx") if has_nginx else None
-    rows.append(Row("rps", f"non-streaming req/s ({conc} concurrent, proxy on one core)", "req/s", direct, tg, None,
-                    ">= 4,000", ("tiergate", 4000.0, "ge"), ng, None))
-    tg = _get(run, "figures", "rps_cpu_bound", "tiergate")
-    ng = _get(run, "figures", "rps_cpu_bound", "nginx") if has_nginx else None
-    rows.append(Row("rps_cpu_bound", "non-streaming req/s one proxy core allows (1 / CPU per request)", "req/s", None,
-                    tg, None, "", None, ng, None))
-    tg = _get(run, "figures", "rps_proxy_cpu_util", "tiergate")
-    ng = _get(run, "figures", "rps_proxy_cpu_util", "nginx") if has_nginx else None
-    rows.append(Row("rps_util", "proxy CPU use during the req/s phase", "%", None, tg, None, "", None, ng, None))
+    row("cpu_request", f"proxy CPU per non-streaming request ({conc} concurrent)", "ms", "cpu_ms_per_request",
+        "whole", "<= 0.25 ms", ("tiergate", 0.25, "le"))
+    row("rps", f"non-streaming req/s ({conc} concurrent, proxy on one core)", "req/s", "rps", "none",
+        ">= 4,000", ("tiergate", 4000.0, "ge"))
+    row("rps_cpu_bound", "non-streaming req/s one proxy core allows (1 / CPU per request)", "req/s", "rps_cpu_bound",
+        "none")
+    row("rps_util", "proxy CPU use during the req/s phase", "%", "rps_proxy_cpu_util", "none")
     lo, hi = sizes["rss_levels"]
-    for key, label, path, target, check in (
+    for key, label, figure, target, check in (
         ("rss_idle", "proxy RSS idle (after warm-up)", "rss_idle_mib", "", None),
         ("rss_lo", f"proxy RSS with {lo} open slow streams", f"rss_{lo}_mib",
          "<= 80 MiB" if lo == 256 else "", ("tiergate", 80.0, "le") if lo == 256 else None),
@@ -156,11 +169,8 @@ def build_rows(run: dict[str, Any], sizes: dict[str, Any]) -> list[Row]:
         ("rss_per_stream", f"proxy RSS per additional open stream ({lo} -> {hi})", "rss_per_stream_kib",
          "<= 40 KiB" if (lo, hi) == (256, 1024) else "", ("tiergate", 40.0, "le") if (lo, hi) == (256, 1024) else None),
     ):
-        tg = _get(run, "figures", path, "tiergate")
-        ng = _get(run, "figures", path, "nginx") if has_nginx else None
-        rows.append(Row(key, label, "KiB" if key == "rss_per_stream" else "MiB", None, tg, None, target, check, ng,
-                        None))
-    pair("errors", "errors (all measured phases)", "count", ("figures", "errors"), "0", ("tiergate", 0.0, "le"))
+        row(key, label, "KiB" if key == "rss_per_stream" else "MiB", figure, "none", target, check)
+    row("errors", "errors (all measured phases)", "count", "errors", "diff", "0", ("tiergate", 0.0, "le"))
     meters = run.get("meters", {})
     for r in rows:
         phase = _phase_of(r.key)
@@ -190,9 +200,13 @@ def aggregate(runs_rows: list[list[Row]]) -> list[Row]:
     for rows in zip(*runs_rows, strict=True):
         first = rows[0]
         agg = Row(first.key, first.label, first.unit, None, None, None, first.target, first.check)
-        for col in ("direct", "tiergate", "added", "nginx", "nginx_added"):
+        for col in ("direct", "tiergate", "added"):
             vals = [getattr(r, col) for r in rows if getattr(r, col) is not None]
             setattr(agg, col, statistics.fmean(vals) if vals else None)
+        for name in [n for n in REFERENCES if any(n in r.refs for r in rows)]:
+            for cells, into in ((lambda r: r.refs, agg.refs), (lambda r: r.refs_added, agg.refs_added)):
+                vals = [v for r in rows if (v := cells(r).get(name)) is not None]
+                into[name] = statistics.fmean(vals) if vals else None
         col = "added" if first.added is not None else "tiergate"
         vals = [getattr(r, col) for r in rows if getattr(r, col) is not None]
         agg.spread = (max(vals) - min(vals)) if len(vals) > 1 else None
@@ -218,18 +232,19 @@ def fmt(value: float | None, unit: str) -> str:
     return f"{value:.{digits}f} {unit}"
 
 
-def markdown_table(rows: list[Row], *, nginx: bool, repeat: int) -> str:
+def markdown_table(rows: list[Row], *, refs: Sequence[str], repeat: int) -> str:
+    """The figure table; ``refs``: the reference proxies to show (``<name>`` and ``<name> added`` columns)."""
     cols = ["figure", "direct", "tiergate", "added"]
-    if nginx:
-        cols += ["nginx", "nginx added"]
+    for name in refs:
+        cols += [name, f"{name} added"]
     if repeat > 1:
         cols.append(f"spread ({repeat} runs)")
     cols += ["other load", "target"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 2) + ["---"]) + "|"]
     for r in rows:
         cells = [r.label, fmt(r.direct, r.unit), fmt(r.tiergate, r.unit), fmt(r.added, r.unit)]
-        if nginx:
-            cells += [fmt(r.nginx, r.unit), fmt(r.nginx_added, r.unit)]
+        for name in refs:
+            cells += [fmt(r.refs.get(name), r.unit), fmt(r.refs_added.get(name), r.unit)]
         if repeat > 1:
             cells.append(fmt(r.spread, r.unit))
         cells.append(fmt(r.other_load * 100 if r.other_load is not None else None, "%"))
@@ -239,20 +254,23 @@ def markdown_table(rows: list[Row], *, nginx: bool, repeat: int) -> str:
     return "\n".join(lines)
 
 
-def sweep_table(run: dict[str, Any], *, nginx: bool) -> str:
+def sweep_table(run: dict[str, Any]) -> str:
+    """Per step: delivered chunks/s and TTFT p50 per target, each proxy's CPU use, errors per target."""
     sweep = run.get("sweep", {})
-    names = ["direct", "tiergate"] + (["nginx"] if nginx else [])
+    proxies = ["tiergate", *references(run)]
+    names = ["direct", *proxies]
     head = ["streams", "offered chunks/s"]
     head += [f"{n} chunks/s" for n in names] + [f"{n} TTFT p50" for n in names]
-    head += ["tiergate CPU use", "errors (d/t)"]
+    head += [f"{n} CPU use" for n in proxies] + [f"errors ({'/'.join(names)})"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---:"] * len(head)) + "|"]
     for c, per in sweep.items():
         cells = [str(c), f"{per.get('offered_chunks_per_s', 0):,.0f}"]
         cells += [f"{_get(per, n, 'delivered_chunks_per_s') or 0:,.0f}" for n in names]
         cells += [fmt(_get(per, n, "ttft", "p50"), "ms") for n in names]
-        util = _get(per, "tiergate", "meter", "proxy_cpu_util")
-        cells.append(fmt(util * 100 if util is not None else None, "%"))
-        cells.append(f"{_get(per, 'direct', 'errors_total') or 0}/{_get(per, 'tiergate', 'errors_total') or 0}")
+        for n in proxies:
+            util = _get(per, n, "meter", "proxy_cpu_util")
+            cells.append(fmt(util * 100 if util is not None else None, "%"))
+        cells.append("/".join(str(_get(per, n, "errors_total") or 0) for n in names))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -262,8 +280,9 @@ def conditions_table(run: dict[str, Any]) -> str:
     lines = ["| phase | target | seconds | proxy CPU | CPU 0 (upstream + loadgen) "
              "| other CPU (other processes, kernel, steal) |",
              "|---|---|---:|---:|---:|---:|"]
+    order = {name: i for i, name in enumerate(("direct", "tiergate", *REFERENCES))}
     for phase, per in run.get("meters", {}).items():
-        for target, m in per.items():
+        for target, m in sorted(per.items(), key=lambda kv: order.get(kv[0], len(order))):
             util = m.get("proxy_cpu_util")
             lines.append(f"| {phase} | {target} | {m['elapsed_s']:.1f} | "
                          f"{fmt(util * 100 if util is not None else None, '%')} | "

@@ -3,8 +3,9 @@
     .venv/bin/python -m bench.run [--quick] [--out DIR] [--repeat N] [--profile] [--phases ttft,chunks,...]
 
 Starts the bench upstream (``bench/upstream.py``) pinned to CPU 0, the gateway (``python -m gateway serve``)
-pinned to CPU 1 and, when ``/usr/sbin/nginx`` exists, nginx with ``proxy_buffering off`` on CPU 1 too; the
-load generator is this process, pinned to CPU 0. Writes ``bench.json`` (every figure) and ``bench.md``
+pinned to CPU 1 and, on CPU 1 too, two reference proxies: ``bench/minproxy.py`` (the least a Python proxy on
+uvicorn + aiohttp does) and, when ``/usr/sbin/nginx`` exists, nginx with ``proxy_buffering off``; the load
+generator is this process, pinned to CPU 0. Writes ``bench.json`` (every figure) and ``bench.md``
 (the table) into ``--out``. Method and how to read the table: ``bench/README.md``.
 """
 
@@ -67,7 +68,8 @@ QUICK = Sizes(ttft_requests=20, chunk_conc=(1, 8), chunk_tokens=50, chunk_durati
 
 @dataclass
 class Target:
-    """Where the load generator sends requests: ``direct`` (the upstream), ``tiergate`` or ``nginx``."""
+    """Where the load generator sends requests: ``direct`` (the upstream), ``tiergate``, or a reference proxy
+    (``minproxy``, ``nginx``: see ``report.REFERENCES``)."""
 
     name: str
     url: str
@@ -81,18 +83,22 @@ class Target:
 
 class Meter:
     """CPU seconds over one phase: the proxy (utime+stime, children included), the upstream, this process
-    (the load generator) and the whole machine (/proc/stat), from which the CPU used outside the bench."""
+    (the load generator) and the whole machine (/proc/stat), from which the CPU used outside the bench.
 
-    def __init__(self, proxy_pids: list[int], upstream_pid: int) -> None:
+    ``peer_pids``: other bench proxies busy during the same interval (the interleaved TTFT phase); their CPU
+    is not counted as used outside the bench."""
+
+    def __init__(self, proxy_pids: list[int], upstream_pid: int, peer_pids: list[int] | None = None) -> None:
         self.proxy_pids = proxy_pids
         self.upstream_pid = upstream_pid
+        self.peer_pids = peer_pids or []
         self.result: dict[str, Any] = {}
 
-    def _sample(self) -> tuple[float, float, float, float, float, float]:
+    def _sample(self) -> tuple[float, float, float, float, float, float, float]:
         splits = [procs.cpu_split(p) for p in self.proxy_pids]
         user, system = sum(u for u, _ in splits), sum(s for _, s in splits)
         return (time.monotonic(), user + system, procs.cpu_seconds(self.upstream_pid), procs.self_cpu_seconds(),
-                procs.system_busy_seconds(), system)
+                procs.system_busy_seconds(), system, sum(procs.cpu_seconds(p) for p in self.peer_pids))
 
     def __enter__(self) -> Meter:
         self.t0 = self._sample()
@@ -100,14 +106,14 @@ class Meter:
 
     def __exit__(self, *exc: object) -> None:
         t1 = self._sample()
-        elapsed, proxy, up, gen, busy, proxy_sys = (b - a for a, b in zip(self.t0, t1, strict=True))
+        elapsed, proxy, up, gen, busy, proxy_sys, peers = (b - a for a, b in zip(self.t0, t1, strict=True))
         elapsed = max(elapsed, 1e-9)
+        other = max(0.0, busy - proxy - up - gen - peers)
         self.result.update(
             elapsed_s=elapsed, proxy_cpu_s=proxy if self.proxy_pids else None,
             proxy_system_cpu_s=proxy_sys if self.proxy_pids else None, upstream_cpu_s=up, loadgen_cpu_s=gen,
-            other_cpu_s=max(0.0, busy - proxy - up - gen),
-            proxy_cpu_util=proxy / elapsed if self.proxy_pids else None,
-            cpu0_util=(up + gen) / elapsed, other_cpu_util=max(0.0, busy - proxy - up - gen) / elapsed)
+            other_cpu_s=other, proxy_cpu_util=proxy / elapsed if self.proxy_pids else None,
+            cpu0_util=(up + gen) / elapsed, other_cpu_util=other / elapsed)
 
 
 def summarize(tally: Tally, meter: dict[str, Any], window_s: float | None = None) -> dict[str, Any]:
@@ -136,8 +142,9 @@ class Bench:
         self.out: dict[str, Any] = {"targets": [t.name for t in targets], "meters": {}, "warmup_errors": {}}
         self.raw_samples: dict[str, Any] = {}
 
-    def meter(self, phase: str, target: Target) -> Meter:
-        m = Meter(target.pids, self.upstream_pid)
+    def meter(self, phase: str, target: Target, *, interleaved: bool = False) -> Meter:
+        peers = [p for t in self.targets if interleaved and t is not target for p in t.pids]
+        m = Meter(target.pids, self.upstream_pid, peers)
         self.out["meters"].setdefault(phase, {})[target.name] = m.result
         return m
 
@@ -173,7 +180,7 @@ class Bench:
         for t in self.targets:
             await self.warm(t, streams=1)
         tallies = {t.name: Tally(keep_delays=False) for t in self.targets}
-        meters = {t.name: self.meter("ttft (interleaved)", t) for t in self.targets if t.proxy}
+        meters = {t.name: self.meter("ttft (interleaved)", t, interleaved=True) for t in self.targets if t.proxy}
         for m in meters.values():
             m.__enter__()
         try:
@@ -412,6 +419,15 @@ def run_once(args: argparse.Namespace, sizes: Sizes, out: Path, idx: int, pin: b
         procs.wait_http_ready(gw, f"http://127.0.0.1:{gw_port}/healthz")
         targets = [Target("direct", f"http://127.0.0.1:{up_port}/v1/chat/completions", []),
                    Target("tiergate", f"http://127.0.0.1:{gw_port}/v1/chat/completions", [gw.pid])]
+        started = [f"upstream :{up_port} (pid {up.pid})", f"tiergate :{gw_port} (pid {gw.pid})"]
+        if not args.no_minproxy:
+            mp_port = procs.free_port()
+            mp = kids.start("minproxy", procs.pin_prefix(1 if pin else None) + [
+                py, "-m", "bench.minproxy", "--upstream", f"http://127.0.0.1:{up_port}", "--port", str(mp_port)],
+                out / f"minproxy{suffix}.log", cwd=ROOT)
+            procs.wait_http_ready(mp, f"http://127.0.0.1:{mp_port}/healthz")
+            targets.append(Target("minproxy", f"http://127.0.0.1:{mp_port}/v1/chat/completions", [mp.pid]))
+            started.append(f"minproxy :{mp_port} (pid {mp.pid})")
         if procs.NGINX.exists() and not args.no_nginx:
             ng_port = procs.free_port()
             ng_dir = (out / f"nginx{suffix}").resolve()
@@ -424,8 +440,9 @@ def run_once(args: argparse.Namespace, sizes: Sizes, out: Path, idx: int, pin: b
             time.sleep(0.2)
             targets.append(Target("nginx", f"http://127.0.0.1:{ng_port}/v1/chat/completions",
                                   [ng.pid, *procs.descendants(ng.pid)]))
-        log(f"run {idx + 1}/{args.repeat}: upstream :{up_port} (pid {up.pid}), tiergate :{gw_port} (pid {gw.pid})"
-            + (", nginx" if len(targets) > 2 else ", nginx skipped (not installed)"))
+            started.append(f"nginx :{ng_port} (pid {ng.pid})")
+        skipped = [f"{name} {st}" for name, st in reference_status(args).items() if st != "measured"]
+        log(f"run {idx + 1}/{args.repeat}: {', '.join(started)}" + "".join(f"; {x}" for x in skipped))
         bench = Bench(sizes, targets, up.pid, args.raw)
         import uvloop
 
@@ -448,8 +465,19 @@ def run_once(args: argparse.Namespace, sizes: Sizes, out: Path, idx: int, pin: b
     return result
 
 
+def reference_status(args: argparse.Namespace) -> dict[str, str]:
+    """Per reference proxy: "measured", or why it was skipped (recorded in bench.json's meta)."""
+    return {"minproxy": "skipped (--no-minproxy)" if args.no_minproxy else "measured",
+            "nginx": "skipped (--no-nginx)" if args.no_nginx else
+            "measured" if procs.NGINX.exists() else f"skipped ({procs.NGINX} not installed)"}
+
+
 def markdown(meta: dict[str, Any], rows: list[report.Row], runs: list[dict[str, Any]], repeat: int) -> str:
-    nginx = "nginx" in runs[0].get("targets", [])
+    refs = report.references(runs[0])
+    # bench.json files from before minproxy existed carry no "references": only whether nginx ran is known.
+    status = meta.get("references") or {"nginx": "measured" if "nginx" in refs else "skipped"}
+    described = ", ".join(f"{name} ({report.REFERENCES[name]})" for name in refs) or "none"
+    described += "".join(f"; {name} {st}" for name, st in status.items() if name not in refs)
     v = meta["versions"]
     lines = [
         f"# Tiergate benchmark{' (quick smoke run)' if meta['quick'] else ''}",
@@ -463,17 +491,18 @@ def markdown(meta: dict[str, Any], rows: list[report.Row], runs: list[dict[str, 
         f"- load before the run: loadavg {meta['loadavg_before']}, {meta['idle_other_cores']:.2f} cores busy outside "
         f"the bench; after: loadavg {meta['loadavg_after']}",
         f"- runs: {repeat}" + (" (cells are the mean; spread = max - min of the judged column)" if repeat > 1 else ""),
-        f"- nginx: {'measured (proxy_buffering off)' if nginx else 'skipped (/usr/sbin/nginx not installed)'}",
+        f"- reference proxies: {described}",
         "",
-        "added = tiergate minus direct, same run (for percentiles: difference of the percentiles). "
+        "added = tiergate minus direct, same run (for percentiles: difference of the percentiles); "
+        "`<reference> added` is the same for that reference proxy. "
         "CPU and RSS figures are the proxy process's own (utime+stime incl. children, VmRSS).",
         "",
-        report.markdown_table(rows, nginx=nginx, repeat=repeat),
+        report.markdown_table(rows, refs=refs, repeat=repeat),
         "",
     ]
     if runs[0].get("sweep"):
         lines += [f"## Sweep (run 1): concurrent streams at {meta['sizes']['chunk_tps']:g} tokens/s each", "",
-                  report.sweep_table(runs[0], nginx=nginx), ""]
+                  report.sweep_table(runs[0]), ""]
     lines += ["## Conditions (run 1): CPU use per phase", "",
               "CPU 0 hosts the upstream and the load generator; near 100 % it, not the proxy, limits the figures.",
               "", report.conditions_table(runs[0]), ""]
@@ -509,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
                         "NOT comparable); writes gateway.prof and gateway-profile.txt")
     p.add_argument("--raw", action="store_true", help="also write every TTFT and chunk-delay sample (raw*.json)")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
+    p.add_argument("--no-minproxy", action="store_true", help="skip the minimal Python reference proxy")
     p.add_argument("--no-nginx", action="store_true", help="skip nginx even when installed")
     p.add_argument("--render", type=Path, metavar="BENCH_JSON",
                    help="only rebuild bench.md (into --out) from an earlier bench.json; runs nothing")
@@ -540,6 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         "nproc": ncpu, "cpu_model": procs.cpu_model(), "versions": versions(), "git": git_rev(),
         "pinning": "upstream + load generator on CPU 0, proxy on CPU 1" if pin else "no",
         "nofile_limit": nofile, "sizes": asdict(sizes), "loadavg_before": procs.loadavg(),
+        "references": reference_status(args),
         "idle_other_cores": idle_load(1.0), "command": " ".join([Path(sys.executable).name, "-m", "bench.run",
                                                                  *(argv if argv is not None else sys.argv[1:])]),
     }
