@@ -410,15 +410,22 @@ def run_once(args: argparse.Namespace, sizes: Sizes, out: Path, idx: int, pin: b
         gw_cmd = procs.pin_prefix(1 if pin else None) + [py]
         gw_cmd += ["-m", "bench.gwprofile", str(prof)] if args.profile else ["-m", "gateway"]
         gw_cmd += ["serve", "--config", str(cfg), "--host", "127.0.0.1", "--port", str(gw_port),
-                   "--log-level", "warning"]
+                   "--log-level", "warning", "--workers", str(args.workers)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
         # uvicorn re-raises the stop signal after its graceful shutdown; under the profiler that must be SIGINT
         # (KeyboardInterrupt unwinds to bench.gwprofile, which then writes its file); SIGTERM would kill it first.
         gw = kids.start("tiergate", gw_cmd, out / f"gateway{suffix}.log", cwd=ROOT, env=env,
                         stop_signal=signal.SIGINT if args.profile else signal.SIGTERM)
         procs.wait_http_ready(gw, f"http://127.0.0.1:{gw_port}/healthz")
+        gw_pids = [gw.pid]
+        if args.workers > 1:  # uvicorn's supervisor spawns the workers; count them all (they are not reaped yet)
+            deadline = time.monotonic() + 30
+            while len(procs.descendants(gw.pid)) < args.workers and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(1.0)  # every worker has imported the app and listens
+            gw_pids += procs.descendants(gw.pid)
         targets = [Target("direct", f"http://127.0.0.1:{up_port}/v1/chat/completions", []),
-                   Target("tiergate", f"http://127.0.0.1:{gw_port}/v1/chat/completions", [gw.pid])]
+                   Target("tiergate", f"http://127.0.0.1:{gw_port}/v1/chat/completions", gw_pids)]
         started = [f"upstream :{up_port} (pid {up.pid})", f"tiergate :{gw_port} (pid {gw.pid})"]
         if not args.no_minproxy:
             mp_port = procs.free_port()
@@ -486,7 +493,7 @@ def markdown(meta: dict[str, Any], rows: list[report.Row], runs: list[dict[str, 
         f"- machine: {meta['nproc']} CPUs, {meta['cpu_model']}; pinned: {meta['pinning']}",
         f"- Python {v['python']}, aiohttp {v['aiohttp']}, uvicorn {v['uvicorn']}, uvloop {v['uvloop']}, "
         f"httptools {v['httptools']}, starlette {v['starlette']}, orjson {v['orjson']}",
-        f"- gateway: git {meta['git']}",
+        f"- gateway: git {meta['git']}, `--workers {meta.get('gateway_workers', 1)}`",
         f"- command: `{meta.get('command', 'python -m bench.run')}`",
         f"- load before the run: loadavg {meta['loadavg_before']}, {meta['idle_other_cores']:.2f} cores busy outside "
         f"the bench; after: loadavg {meta['loadavg_after']}",
@@ -539,6 +546,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw", action="store_true", help="also write every TTFT and chunk-delay sample (raw*.json)")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
     p.add_argument("--no-minproxy", action="store_true", help="skip the minimal Python reference proxy")
+    p.add_argument("--workers", type=int, default=1,
+                   help="run the gateway with `tiergate serve --workers N` (its CPU figures then sum every worker; "
+                        "use with --no-pin, or every worker shares the proxy's one core)")
     p.add_argument("--no-nginx", action="store_true", help="skip nginx even when installed")
     p.add_argument("--render", type=Path, metavar="BENCH_JSON",
                    help="only rebuild bench.md (into --out) from an earlier bench.json; runs nothing")
@@ -550,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown phase(s): {', '.join(bad)}")
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
+    if args.workers < 1 or (args.workers > 1 and args.profile):
+        p.error("--workers must be >= 1, and 1 with --profile")
     sizes = replace(QUICK if args.quick else FULL, phases=phases)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -569,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "quick": args.quick,
         "nproc": ncpu, "cpu_model": procs.cpu_model(), "versions": versions(), "git": git_rev(),
         "pinning": "upstream + load generator on CPU 0, proxy on CPU 1" if pin else "no",
-        "nofile_limit": nofile, "sizes": asdict(sizes), "loadavg_before": procs.loadavg(),
+        "gateway_workers": args.workers, "nofile_limit": nofile, "sizes": asdict(sizes),
+        "loadavg_before": procs.loadavg(),
         "references": reference_status(args),
         "idle_other_cores": idle_load(1.0), "command": " ".join([Path(sys.executable).name, "-m", "bench.run",
                                                                  *(argv if argv is not None else sys.argv[1:])]),
