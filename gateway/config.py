@@ -47,8 +47,9 @@ class Timeouts(_Strict):
     ttft: streams only: longest wait from sending the request to the first token-bearing event (status line
         included); past it, with nothing yet sent to the client, the next candidate is tried. None: no limit
         (reasoning models can think for minutes before their first visible token).
-    idle: longest silence between two reads of a response, including the wait for the status line and
-        the first event; a stream that stalls longer ends with an in-band error.
+    idle: longest silence from the upstream, including the wait for the status line and the first event; a
+        stream that stalls longer ends with an in-band error (detected within ``1.25 * idle``; bytes the
+        upstream sent that wait for a slow client are not silence).
     total: whole non-streaming request; streams have no total timeout.
     """
 

@@ -1,0 +1,106 @@
+"""The streamed body's idle timeout (``gateway.upstream.IdleWatch``): silence from the upstream ends the stream
+after between ``idle`` and ``1.25 * idle`` seconds; bytes that keep coming, or that arrived and wait to be read
+(a slow client), never do; a body that ended is never failed afterwards.
+
+Real HTTP over loopback: the gateway's ``UpstreamPool`` (aiohttp) against the scripted fake upstream, reading
+with ``UpstreamResponse.chunks()`` the way the relay does. The end-to-end cases (a stalled upstream gives the
+client an in-band ``upstream_idle_timeout``) are in test_conformance.py and test_failover.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from gateway.config import UpstreamConfig
+from gateway.upstream import StreamInterrupted, UpstreamPool, UpstreamResponse
+
+from fake_upstream import FakeUpstream, Plan, Received
+
+IDLE = 0.3
+PLANS: dict[str, Plan] = {
+    # one event, then silence far past the idle timeout
+    "silence": Plan(parts=[(0, b"data: 1\n\n"), (5.0, b"data: 2\n\n")]),
+    # an event every 0.4 idle for 4 idle periods: never idle
+    "trickle": Plan(parts=[(0 if i == 0 else IDLE * 0.4, b"data: %d\n\n" % i) for i in range(10)]),
+    # two events at once, then silence
+    "two_then_silence": Plan(parts=[(0, b"data: a\n\n"), (0.01, b"data: b\n\n"), (5.0, b"data: c\n\n")]),
+    # a complete body
+    "done": Plan(parts=[(0, b"data: a\n\n"), (0.01, b"data: [DONE]\n\n")]),
+}
+
+
+def _handler(req: Received) -> Plan:
+    return PLANS[req.headers["x-client-request-id"]]
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeUpstream]:
+    up = FakeUpstream(_handler)
+    yield up
+    up.stop()
+
+
+@pytest.fixture
+async def pool(fake: FakeUpstream) -> AsyncIterator[tuple[UpstreamPool, UpstreamConfig]]:
+    cfg = UpstreamConfig.model_validate({"name": "fake", "tier": "fast", "base_url": fake.base_url,
+                                         "api_key_env": None, "models": {"m": "m"},
+                                         "timeouts": {"connect": 1, "idle": IDLE, "total": 10}})
+    p = UpstreamPool([cfg], {})
+    await p.start()
+    yield p, cfg
+    await p.stop()
+
+
+async def _open(pool: tuple[UpstreamPool, UpstreamConfig], plan: str) -> tuple[UpstreamResponse, AsyncIterator[bytes]]:
+    p, cfg = pool
+    resp = await p.send(cfg, b'{"model":"m","stream":true}', stream=True, request_id=plan)
+    assert resp.status == 200
+    return resp, resp.chunks()
+
+
+async def _next_event(chunks: AsyncIterator[bytes]) -> bytes:
+    return await asyncio.wait_for(anext(chunks), 5)
+
+
+async def test_silence_ends_the_stream_after_the_idle_timeout(pool: tuple[UpstreamPool, UpstreamConfig]) -> None:
+    resp, chunks = await _open(pool, "silence")
+    assert await _next_event(chunks) == b"data: 1\n\n"
+    t0 = time.monotonic()
+    with pytest.raises(StreamInterrupted) as info:
+        await _next_event(chunks)
+    waited = time.monotonic() - t0
+    resp.close()
+    assert info.value.code == "upstream_idle_timeout"
+    assert IDLE * 0.9 <= waited <= IDLE * 1.25 + 0.2, waited
+
+
+async def test_bytes_that_keep_coming_are_not_silence(pool: tuple[UpstreamPool, UpstreamConfig]) -> None:
+    resp, chunks = await _open(pool, "trickle")
+    got = b"".join([c async for c in chunks])
+    resp.release()
+    assert got == b"".join(b"data: %d\n\n" % i for i in range(10))
+
+
+async def test_unread_bytes_are_not_silence(pool: tuple[UpstreamPool, UpstreamConfig]) -> None:
+    resp, chunks = await _open(pool, "two_then_silence")
+    got = await _next_event(chunks)
+    await asyncio.sleep(IDLE * 3)  # the relay is busy with a slow client while the upstream is quiet
+    while got != b"data: a\n\ndata: b\n\n":  # what arrived meanwhile is read, not failed
+        got += await _next_event(chunks)
+    with pytest.raises(StreamInterrupted) as info:  # and the silence after it is still caught
+        await asyncio.wait_for(anext(chunks), IDLE * 1.25 + 1)
+    resp.close()
+    assert info.value.code == "upstream_idle_timeout"
+
+
+async def test_a_finished_body_read_late_is_not_failed(pool: tuple[UpstreamPool, UpstreamConfig]) -> None:
+    resp, chunks = await _open(pool, "done")
+    got = await _next_event(chunks)
+    await asyncio.sleep(IDLE * 3)
+    got += b"".join([c async for c in chunks])
+    resp.release()
+    assert got == b"data: a\n\ndata: [DONE]\n\n"
