@@ -371,6 +371,10 @@ class Policy:
             t: [u for u in config.upstreams if u.tier == t] for t in TIERS}
         self._served = {m for u in config.upstreams for m in u.models}
         self._default = RouteConfig(tier=config.default_tier)
+        # a rule with one condition is its check: one call per rule instead of two and a loop
+        self._checks = [(i, r, r._checks[0] if len(r._checks) == 1 else r.failure) for i, r in enumerate(self.rules, 1)]
+        self._plans: dict[tuple[Any, ...], tuple[list[UpstreamConfig], list[UpstreamConfig],
+                                                 tuple[Candidate, ...], bool]] = {}
 
     def decide(self, facts: RequestFacts, explain: bool = False) -> Decision:
         """Choose a tier and list the upstreams to try; with ``explain``, also say why in words (``reason``, and
@@ -389,8 +393,8 @@ class Policy:
         name, index = "default", 0
         route = self._default
         reason = f"no rule matched: default tier {route.tier}" if explain else ""
-        for i, rule in enumerate(self.rules, 1):
-            failed = rule.failure(facts)
+        for i, rule, failure in self._checks:
+            failed = failure(facts)
             if failed is None:
                 name, index, route = rule.name, i, rule.route
                 reason = f"rule {i} {rule.name!r}: {rule.describe()} -> {route.tier}" if explain else ""
@@ -402,12 +406,13 @@ class Policy:
 
     def _candidates(self, facts: RequestFacts, model: str,
                     route: RouteConfig) -> tuple[tuple[Candidate, ...], str | None, tuple[tuple[str, str], ...]]:
-        first = [u for u in self._by_tier[route.tier] if model in u.models]
-        if route.upstream:
-            first.sort(key=lambda u: u.name != route.upstream)
-        other_tier: Tier = "standard" if route.tier == "fast" else "fast"
-        allow_other = (route.fallback and self.config.fallback) or not first
-        other = [u for u in self._by_tier[other_tier] if model in u.models] if allow_other else []
+        key = (route.tier, route.upstream, route.fallback, model)
+        plan = self._plans.get(key)
+        if plan is None:  # bounded: routes x configured models (decide() refuses other models first)
+            plan = self._plans[key] = self._plan(model, route)
+        first, other, every, takes_anything = plan
+        if takes_anything:  # no context window or modality limit on any of them: nothing to check per request
+            return every, (None if first else f"model_not_on_{route.tier}_tier"), ()
         skipped = [(u.name, why) for u in (*first, *other) if (why := _cannot_take(u, facts))]
         out = {name for name, _ in skipped}
         kept_first = [u for u in first if u.name not in out]
@@ -419,6 +424,20 @@ class Policy:
             fallback = next((why for name, why in skipped if name in {u.name for u in first}),
                             f"model_not_on_{route.tier}_tier")
         return tuple(Candidate(u, u.models[model]) for u in kept), fallback, tuple(skipped)
+
+    def _plan(self, model: str, route: RouteConfig) -> tuple[list[UpstreamConfig], list[UpstreamConfig],
+                                                             tuple[Candidate, ...], bool]:
+        """The upstreams a route considers for ``model``, in order (its tier's, then the other tier's when it
+        may fall back), all of them as candidates, and whether every one takes any request (no limits)."""
+        first = [u for u in self._by_tier[route.tier] if model in u.models]
+        if route.upstream:
+            first.sort(key=lambda u: u.name != route.upstream)
+        other_tier: Tier = "standard" if route.tier == "fast" else "fast"
+        allow_other = (route.fallback and self.config.fallback) or not first
+        other = [u for u in self._by_tier[other_tier] if model in u.models] if allow_other else []
+        every = tuple(Candidate(u, u.models[model]) for u in (*first, *other))
+        takes_anything = all(u.context_window is None and len(u.modalities) == 3 for u in (*first, *other))
+        return first, other, every, takes_anything
 
 
 def _cannot_take(u: UpstreamConfig, f: RequestFacts) -> str | None:
