@@ -1,0 +1,169 @@
+"""Where a streamed request's time to first token goes inside the gateway, phase by phase.
+
+    .venv/bin/python -m bench.trace [--requests 300]
+
+Starts the bench upstream on CPU 0 and the gateway on CPU 1 (as ``bench.run`` does), the gateway through
+``python -m bench.trace gateway ...``, which wraps a few of its functions with ``time.perf_counter()`` probes
+before serving; then sends ``--requests`` 4-token streams one at a time, first straight to the upstream, then
+through the gateway, and prints the medians (microseconds):
+
+* client TTFT, direct and through the gateway (request start to the first content chunk, as ``bench.run``);
+* inside the gateway: arrival -> body read -> routing start -> routing end -> upstream body built ->
+  ``UpstreamPool.send`` called -> upstream status line received -> first body bytes sent to the client.
+
+At concurrency 1 the process sleeps between requests, so every figure is a cold-cache figure: each phase takes
+longer than its CPU cost under load (``bench.layers``). The probes add about a microsecond each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench import procs
+
+ROOT = Path(__file__).resolve().parent.parent
+PHASES = (("t0", "body"), ("body", "d0"), ("d0", "d1"), ("d1", "u0"), ("u0", "t1"), ("t1", "t2"), ("t2", "t3"))
+NAMES = ("arrival -> body read", "body read -> routing start", "routing (Policy.decide)",
+         "routing end -> upstream body built", "upstream body -> UpstreamPool.send",
+         "send -> upstream status line (aiohttp + upstream)", "status line -> first bytes to the client")
+
+
+def gateway_role(argv: list[str]) -> int:
+    """``python -m bench.trace gateway OUT.json N serve ...``: the gateway with probes; writes the first N
+    requests' phase times to OUT.json, then keeps serving."""
+    out, limit, rest = Path(argv[0]), int(argv[1]), argv[2:]
+    import gateway.api as api
+    import gateway.policy as policy
+    import gateway.upstream as upstream
+
+    records: list[dict[str, float]] = []
+    cur: dict[str, float] = {}
+
+    def stamp(key: str) -> None:
+        cur[key] = time.perf_counter()
+
+    def wrap_async(owner: Any, name: str, before: str | None, after: str | None) -> None:
+        orig = getattr(owner, name)
+
+        async def probe(*a: Any, **k: Any) -> Any:
+            if before:
+                stamp(before)
+            result = await orig(*a, **k)
+            if after:
+                stamp(after)
+            return result
+        setattr(owner, name, probe)
+
+    def wrap(owner: Any, name: str, before: str, after: str | None) -> None:
+        orig = getattr(owner, name)
+
+        def probe(*a: Any, **k: Any) -> Any:
+            stamp(before)
+            result = orig(*a, **k)
+            if after:
+                stamp(after)
+            return result
+        setattr(owner, name, probe)
+
+    wrap_async(api, "_read_body", None, "body")
+    wrap(policy.Policy, "decide", "d0", "d1")
+    wrap(api, "upstream_body", "u0", None)
+    wrap_async(upstream.UpstreamPool, "send", "t1", "t2")
+    handle = api.Gateway.handle
+
+    async def traced(self: Any, scope: Any, receive: Any, send: Any, kind: str) -> None:
+        cur.clear()
+        stamp("t0")
+
+        async def first_body(message: Any) -> None:
+            if message["type"] == "http.response.body" and "t3" not in cur:
+                stamp("t3")
+            await send(message)
+        await handle(self, scope, receive, first_body, kind)
+        if all(k in cur for k, _ in PHASES) and "t3" in cur:
+            records.append(dict(cur))
+            if len(records) == limit:
+                out.write_text(json.dumps(records))
+    api.Gateway.handle = traced  # type: ignore[method-assign]
+    from gateway.cli import main as gateway_main
+    return gateway_main(rest)
+
+
+async def _streams(port: int, n: int) -> list[float]:
+    """TTFT in seconds of ``n`` sequential 4-token streams to ``port``."""
+    body = {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 4}
+    out = []
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            first = None
+            async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+                async for piece in r.content.iter_any():
+                    if first is None and b'"content":"t=' in piece:
+                        first = time.perf_counter()
+            if first is None:
+                raise RuntimeError("a stream had no content chunk")
+            out.append(first - t0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "gateway":
+        return gateway_role(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m bench.trace", description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=300, help="streams measured per target (after 50 warm-up)")
+    args = p.parse_args(argv)
+    n, warm = max(10, min(args.requests, 5000)), 50
+    py = sys.executable
+    with tempfile.TemporaryDirectory(prefix="tiergate-trace-") as tmp, procs.Children() as kids:
+        d = Path(tmp)
+        os.sched_setaffinity(0, {0})
+        up = kids.start("upstream", procs.pin_prefix(0) + [py, "-m", "bench.upstream", "--port", "0"],
+                        d / "upstream.log", cwd=ROOT)
+        up_port = procs.wait_upstream_ready(up)
+        cfg = d / "gateway.yaml"
+        cfg.write_text(procs.gateway_config(up_port))
+        gw_port = procs.free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+        gw = kids.start("tiergate", procs.pin_prefix(1) + [py, "-m", "bench.trace", "gateway", str(d / "trace.json"),
+                                                           str(warm + n), "serve", "--config", str(cfg), "--port",
+                                                           str(gw_port), "--log-level", "warning"],
+                        d / "gateway.log", cwd=ROOT, env=env)
+        procs.wait_http_ready(gw, f"http://127.0.0.1:{gw_port}/healthz")
+        asyncio.run(_streams(up_port, warm))
+        direct = asyncio.run(_streams(up_port, n))
+        asyncio.run(_streams(gw_port, warm))
+        via = asyncio.run(_streams(gw_port, n))
+        deadline = time.monotonic() + 10
+        while not (d / "trace.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        records = json.loads((d / "trace.json").read_text())[warm:]
+
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs) * 1e6
+
+    print(f"| phase ({n} sequential 4-token streams, medians) | us |\n|---|---:|")
+    print(f"| client TTFT, direct | {med(direct):.0f} |\n| client TTFT, through the gateway | {med(via):.0f} |")
+    print(f"| added | {med(via) - med(direct):.0f} |")
+    for (a, b), name in zip(PHASES, NAMES, strict=True):
+        print(f"| gateway: {name} | {med([r[b] - r[a] for r in records]):.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
