@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `tiergate check-config FILE | head`
         sys.stderr.close()
         return 0
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn re-raises SIGINT after its graceful shutdown; no traceback
+        return 130
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -141,6 +143,7 @@ def _demo(args: argparse.Namespace) -> int:
     procs: list[subprocess.Popen[bytes]] = []
     lines = []
     try:
+        _require_free(args.host, args.port, "the demo's gateway")  # before the banner that points at it
         for up in loaded.config.upstreams:
             url = urlsplit(up.base_url)
             host, port = url.hostname or "127.0.0.1", url.port or 80
