@@ -258,7 +258,7 @@ class Gateway:
                     raise FirstTokenTimeout() from err
                 ex.health_seen(ex.resp.status, ex.resp.headers)
                 if ex.resp.status != 200:
-                    raise await _status_failure(ex)
+                    raise await _status_failure(ex, first_token_by)
                 if ex.stream and not ex.resp.content_type.startswith("text/event-stream"):
                     raise UpstreamBadResponse("The upstream answered a stream request without an event stream.")
                 hdrs = _route_headers(decision, cand, ex.rid, reason)
@@ -544,13 +544,19 @@ def _route_headers(decision: Decision, cand: Candidate, rid: str, fallback: str 
     return out
 
 
-async def _status_failure(ex: Exchange) -> GatewayError:
+async def _status_failure(ex: Exchange, deadline: float | None) -> GatewayError:
+    """The upstream's non-200 answer as an error to relay or fail over on, with its status and headers even when
+    its body does not arrive (stalls, breaks, or outlasts the first-token ``deadline``, a loop time): the status
+    line already said what happened, and one failure counts once in the upstream's health."""
     assert ex.resp is not None
     resp = ex.resp
     try:
-        data = await resp.read()
-    except GatewayError as exc:
-        return exc
+        async with asyncio.timeout_at(deadline):
+            data = await resp.read_error()
+    except (GatewayError, TimeoutError):
+        resp.close()
+        ex.resp = None
+        return status_error(resp.status, b"", resp.headers)
     resp.release()
     ex.resp = None
     return status_error(resp.status, data, resp.headers)

@@ -27,6 +27,7 @@ from gateway.errors import GatewayError, UpstreamStatusError, UpstreamTimeout, U
 RESPONSE_HEADER_ALLOW = ("openai-processing-ms", "retry-after", "retry-after-ms", "x-should-retry")
 RESPONSE_HEADER_PREFIX_ALLOW = ("x-ratelimit-",)
 USER_AGENT = f"tiergate/{__version__}"
+ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error answer kept for its message; the rest is dropped
 
 
 class StreamInterrupted(Exception):
@@ -86,16 +87,36 @@ class UpstreamResponse:
                 watch.stop()
 
     async def read(self) -> bytes:
-        """Read the whole body (non-streaming answers and errors).
+        """Read the whole body (a non-streaming answer).
 
         Raises:
             UpstreamTimeout: the total or idle timeout passed; UpstreamUnavailable: the connection broke.
         """
         with map_errors():
-            if self._idle:  # a stream request's error body: no sock_read timeout on it (see UpstreamPool)
-                async with asyncio.timeout(self._idle):
-                    return await self._resp.read()
             return await self._resp.read()
+
+    async def read_error(self, limit: int = ERROR_BODY_LIMIT) -> bytes:
+        """Read an error answer's body, at most ``limit`` bytes; past it the rest is dropped and the connection
+        closed. Silence is bounded as for the request's body (``sock_read`` or :class:`IdleWatch`), never the
+        total time, so a slow but live error body still yields the upstream's status and message.
+
+        Raises:
+            UpstreamTimeout: silence for the idle timeout; UpstreamUnavailable: the connection broke.
+        """
+        parts: list[bytes] = []
+        size = 0
+        try:
+            async for data in self.chunks():
+                parts.append(data)
+                size += len(data)
+                if size >= limit:
+                    self.close()
+                    break
+        except StreamInterrupted as exc:
+            if exc.code == "upstream_idle_timeout":
+                raise UpstreamTimeout("The upstream stopped sending its error answer.") from exc
+            raise UpstreamUnavailable(exc.message) from exc
+        return b"".join(parts)[:limit]
 
     def release(self) -> None:
         """Return a fully read connection to the pool."""
@@ -164,11 +185,12 @@ class UpstreamPool:
     def __init__(self, upstreams: list[UpstreamConfig], keys: Mapping[str, SecretStr]) -> None:
         self._upstreams = {u.name: u for u in upstreams}
         self._auth = {name: f"Bearer {key.get_secret_value()}" for name, key in keys.items()}
-        # streams: no total; the wait for the status line is bounded in send() and the body's silences by
-        # IdleWatch, not by aiohttp's sock_read (which re-arms a timer on every read)
+        # streams: no total; sock_read bounds the wait for the status line, then send() turns it off and the
+        # body's silences are IdleWatch's (sock_read re-arms a timer on every read and counts a slow client's
+        # unread bytes as the upstream's silence)
         self._timeouts = {(u.name, stream): aiohttp.ClientTimeout(total=None if stream else u.timeouts.total,
                                                                   sock_connect=u.timeouts.connect,
-                                                                  sock_read=None if stream else u.timeouts.idle)
+                                                                  sock_read=u.timeouts.idle)
                           for u in upstreams for stream in (True, False)}
         self._session: aiohttp.ClientSession | None = None
 
@@ -214,14 +236,15 @@ class UpstreamPool:
         if auth:
             headers["Authorization"] = auth
         with map_errors():
-            if stream:
-                async with asyncio.timeout(upstream.timeouts.idle):
-                    resp = await self._session.post(upstream.base_url + path, data=body, headers=headers,
-                                                    timeout=timeout, allow_redirects=False)
-                return UpstreamResponse(resp, upstream.timeouts.idle)
             resp = await self._session.post(upstream.base_url + path, data=body, headers=headers,
                                             timeout=timeout, allow_redirects=False)
-        return UpstreamResponse(resp)
+        if not stream:
+            return UpstreamResponse(resp)
+        conn = resp.connection
+        if conn is not None and conn.protocol is not None:
+            conn.protocol.read_timeout = None  # aiohttp's ResponseHandler: no sock_read for the body...
+            conn.protocol.start_timeout()  # ...and the timer armed by the status line's read is cancelled
+        return UpstreamResponse(resp, upstream.timeouts.idle)
 
 
 class map_errors:  # noqa: N801 - used as a context manager, named like one

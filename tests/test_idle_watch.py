@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from gateway.config import UpstreamConfig
-from gateway.upstream import StreamInterrupted, UpstreamPool, UpstreamResponse
+from gateway.errors import UpstreamTimeout
+from gateway.upstream import ERROR_BODY_LIMIT, StreamInterrupted, UpstreamPool, UpstreamResponse
 
 from fake_upstream import FakeUpstream, Plan, Received
 
@@ -30,6 +31,16 @@ PLANS: dict[str, Plan] = {
     "two_then_silence": Plan(parts=[(0, b"data: a\n\n"), (0.01, b"data: b\n\n"), (5.0, b"data: c\n\n")]),
     # a complete body
     "done": Plan(parts=[(0, b"data: a\n\n"), (0.01, b"data: [DONE]\n\n")]),
+    # error answers to a stream request: a body that takes longer than idle but is never silent that long
+    "error_trickle": Plan(status=500, headers={"content-type": "application/json"},
+                          parts=[(0 if i == 0 else IDLE * 0.4, b" " * 8) for i in range(8)]
+                          + [(0, b'{"error": {"message": "overloaded"}}')]),
+    # ... one that stalls after its first bytes
+    "error_stall": Plan(status=500, headers={"content-type": "application/json"},
+                        parts=[(0, b'{"error": '), (5.0, b'{"message": "late"}}')]),
+    # ... and one far larger than anyone needs for a message
+    "error_huge": Plan(status=500, headers={"content-type": "application/json"},
+                       parts=[(0, b"x" * 65536) for _ in range(16)]),
 }
 
 
@@ -60,6 +71,13 @@ async def _open(pool: tuple[UpstreamPool, UpstreamConfig], plan: str) -> tuple[U
     resp = await p.send(cfg, b'{"model":"m","stream":true}', stream=True, request_id=plan)
     assert resp.status == 200
     return resp, resp.chunks()
+
+
+async def _error(pool: tuple[UpstreamPool, UpstreamConfig], plan: str) -> UpstreamResponse:
+    p, cfg = pool
+    resp = await p.send(cfg, b'{"model":"m","stream":true}', stream=True, request_id=plan)
+    assert resp.status == 500
+    return resp
 
 
 async def _next_event(chunks: AsyncIterator[bytes]) -> bytes:
@@ -104,3 +122,26 @@ async def test_a_finished_body_read_late_is_not_failed(pool: tuple[UpstreamPool,
     got += b"".join([c async for c in chunks])
     resp.release()
     assert got == b"data: a\n\ndata: [DONE]\n\n"
+
+
+async def test_a_slow_error_body_is_read_whole(pool: tuple[UpstreamPool, UpstreamConfig]) -> None:
+    resp = await _error(pool, "error_trickle")  # ~3 x idle in all, never idle long: the message survives
+    body = await resp.read_error()
+    resp.release()
+    assert body.endswith(b'{"error": {"message": "overloaded"}}')
+
+
+async def test_a_stalled_error_body_ends_after_the_idle_timeout(pool: tuple[UpstreamPool, UpstreamConfig]) -> None:
+    resp = await _error(pool, "error_stall")
+    t0 = time.monotonic()
+    with pytest.raises(UpstreamTimeout):
+        await asyncio.wait_for(resp.read_error(), 5)
+    resp.close()
+    assert IDLE * 0.9 <= time.monotonic() - t0 <= IDLE * 1.25 + 0.2
+
+
+async def test_an_error_body_is_cut_at_its_limit(pool: tuple[UpstreamPool, UpstreamConfig]) -> None:
+    resp = await _error(pool, "error_huge")  # 1 MiB sent; 64 KiB kept
+    body = await resp.read_error()
+    resp.close()
+    assert body == b"x" * ERROR_BODY_LIMIT
