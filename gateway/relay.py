@@ -49,7 +49,8 @@ class StreamStats:
         usage: the last ``usage`` object seen (OpenAI/Azure usage chunk, Cerebras finish chunk,
             ``x_groq.usage``, or llama.cpp ``timings`` mapped to prompt/completion tokens), or None.
         time_info: Cerebras' ``time_info`` (seconds), or None.
-        done: a ``[DONE]`` was sent to the client.
+        done: the stream's end was sent to the client: ``[DONE]``, or a Responses API terminal event
+            (``response.completed``, ``response.incomplete``, ``response.failed``).
         error: None on success; else ``upstream_error_event``, ``upstream_stream_interrupted``,
             ``upstream_idle_timeout`` or ``upstream_event_too_large``.
     """
@@ -87,7 +88,8 @@ class Relay:
                   first_token_by: float | None = None) -> StreamStats:
         """Read ``chunks`` to the end or to ``[DONE]``, writing each batch of complete events with ``write``.
 
-        It returns right after the batch holding ``[DONE]`` was written (``stats.done``), so that the
+        It returns right after the batch holding ``[DONE]`` (or a Responses API terminal event) was written
+        (``stats.done``), so that the
         client's body ends there (wire contract §3.3) even when the upstream keeps its response open; what
         follows ``[DONE]`` is read and dropped for at most :data:`DONE_GRACE` seconds first, so that an
         upstream whose body ends at once leaves a fully read, reusable connection.
@@ -226,6 +228,7 @@ class Relay:
             usage = response.get("usage") if isinstance(response, dict) else None
             if isinstance(usage, dict):
                 stats.usage = chat_usage(usage)
+            stats.done = True  # the Responses API's end of stream (no [DONE]): end here, as after [DONE]
         if etype in ("error", "response.failed"):
             stats.error = "upstream_error_event"
 

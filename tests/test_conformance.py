@@ -369,3 +369,25 @@ def test_a_thousand_disconnects_leave_no_connection_or_task_behind(fake: FakeUps
     assert len(list(fds.iterdir())) <= baseline + 2
     metrics = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=5).text
     assert sample(metrics, "tiergate_in_flight_requests", missing_ok=False) == 0
+
+
+# Responses API: the terminal event ends the client's stream even when the upstream keeps its response open
+def test_responses_stream_ends_at_its_terminal_event(fake: FakeUpstream, gw: Proc) -> None:
+    def ev(etype: str, **fields: Any) -> bytes:
+        return b"event: " + etype.encode() + b"\ndata: " + orjson.dumps({"type": etype, **fields}) + b"\n\n"
+
+    usage = {"input_tokens": 3, "output_tokens": 1, "total_tokens": 4}
+    CASES["resp_open"] = Plan(parts=[(0, ev("response.created", sequence_number=0,
+                                            response={"id": "resp_1", "status": "in_progress"})
+                                      + ev("response.output_text.delta", sequence_number=1, item_id="m1",
+                                           output_index=0, content_index=0, delta="hi")
+                                      + ev("response.completed", sequence_number=2,
+                                           response={"id": "resp_1", "status": "completed", "usage": usage}))],
+                              end="stall")  # the idle timeout is 0.5 s: the client must not wait for it
+    stream = _client(gw).responses.create(model="m", input="x", stream=True, extra_body={"x_case": "resp_open"})
+    types, ended_at = [], 0.0
+    for event in stream:  # an in-band error after the terminal event would raise APIError here
+        types.append(event.type)
+        ended_at = time.monotonic()
+    assert types == ["response.created", "response.output_text.delta", "response.completed"]
+    assert time.monotonic() - ended_at < 0.3  # the body ended right after the terminal event
