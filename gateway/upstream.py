@@ -13,6 +13,7 @@ allowlist (:data:`RESPONSE_HEADER_ALLOW`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -106,12 +107,13 @@ class UpstreamResponse:
         parts: list[bytes] = []
         size = 0
         try:
-            async for data in self.chunks():
-                parts.append(data)
-                size += len(data)
-                if size >= limit:
-                    self.close()
-                    break
+            async with contextlib.aclosing(self.chunks()) as chunks:  # stops its IdleWatch timer on the break too
+                async for data in chunks:
+                    parts.append(data)
+                    size += len(data)
+                    if size >= limit:
+                        self.close()
+                        break
         except StreamInterrupted as exc:
             if exc.code == "upstream_idle_timeout":
                 raise UpstreamTimeout("The upstream stopped sending its error answer.") from exc
