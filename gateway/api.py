@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -26,29 +27,39 @@ from starlette.types import Message, Receive, Scope, Send
 
 from gateway.config import GatewayConfig
 from gateway.errors import (
+    GatewayDraining,
     GatewayError,
     InvalidRequest,
     ModelNotFound,
     PayloadTooLarge,
+    RateLimited,
     UnsupportedMediaType,
     UpstreamBadResponse,
     UpstreamsResting,
     UpstreamStatusError,
     UpstreamTimeout,
     UpstreamUnavailable,
+    error_body,
+    event_error,
+    upstream_error,
 )
-from gateway.health import SOFT_REASONS, Health, UpstreamHealth
+from gateway.health import SOFT_REASONS, Health, UpstreamHealth, retry_wait
 from gateway.health import monotonic as health_clock
 from gateway.metrics import Metrics
 from gateway.policy import Candidate, Decision, Policy, RequestFacts
-from gateway.relay import FirstTokenTimeout, Relay
-from gateway.upstream import UpstreamPool, UpstreamResponse, status_error
+from gateway.relay import Relay
+from gateway.upstream import UpstreamPool, UpstreamResponse
 from gateway.wire import chat_usage, client_wants_usage, parse_chat_request, parse_responses_request, upstream_body
 
 log = logging.getLogger("tiergate")
 
 JSON = b"application/json"
+EVENT_STREAM = b"text/event-stream; charset=utf-8"
 STREAM_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+CLOSE = (b"connection", b"close")
+# a streamed answer labelled with one of these is not an event stream; any other label (text/plain, none, ...)
+# on a 200 to a stream request is relayed as one (issue 10 case 6: mislabelled streams)
+NOT_A_STREAM = ("application/json", "text/html")
 
 
 class ClientGone(Exception):
@@ -62,7 +73,7 @@ class Exchange:
     """
 
     __slots__ = ("t0", "rid", "kind", "tier", "upstream", "model", "stream", "recorded", "resp", "metrics",
-                 "in_flight", "health", "on_start", "answered", "relay")
+                 "in_flight", "health", "on_start", "answered", "relay", "task", "cut")
 
     def __init__(self, metrics: Metrics, rid: str, kind: str = "chat") -> None:
         self.t0 = time.perf_counter()
@@ -80,6 +91,8 @@ class Exchange:
         self.on_start: Callable[[], None] | None = None
         self.answered = False  # the status line went to the client
         self.relay: Relay | None = None
+        self.task: asyncio.Task[Any] | None = None
+        self.cut = False  # the gateway's drain time ran out: the request is being ended by the gateway
 
     def started(self) -> None:
         """The answer starts to reach the client: run the attempt's ``on_start`` hook once."""
@@ -88,15 +101,17 @@ class Exchange:
             self.on_start()
             self.on_start = None
 
-    def record(self, outcome: str, **kw: Any) -> None:
-        """Record the request once; later calls are ignored. ``kw`` as :meth:`Metrics.record`."""
+    def record(self, outcome: str, *, ended: float | None = None, **kw: Any) -> None:
+        """Record the request once; later calls are ignored. ``ended``: when it ended for the client
+        (``perf_counter`` seconds; default now); ``kw`` as :meth:`Metrics.record`."""
         if self.recorded:
             return
         self.recorded = True
         if self.in_flight is not None:
             self.in_flight.dec()
+        duration = (time.perf_counter() if ended is None else ended) - self.t0
         self.metrics.record(tier=self.tier, upstream=self.upstream, model=self.model, outcome=outcome,
-                            stream=self.stream, duration=time.perf_counter() - self.t0, **kw)
+                            stream=self.stream, duration=duration, **kw)
 
     def stream_figures(self) -> dict[str, Any]:
         """What the relay measured so far, as :meth:`Metrics.record` keywords (empty before any relay)."""
@@ -115,24 +130,30 @@ class Exchange:
         health.start(health_clock(), need_tokens)
         self.health = health
 
-    def health_seen(self, status: int, headers: dict[str, str]) -> None:
-        """The upstream answered with ``status``: update its quota estimate, cooldown and breaker."""
+    def health_headers(self, headers: dict[str, str]) -> None:
+        """The upstream answered: update its quota estimate from its rate-limit headers."""
+        if self.health is not None:
+            self.health.observe_headers(headers, health_clock())
+
+    def health_ok(self) -> None:
+        """The attempt's answer reached the client: the upstream works (closes its breaker)."""
+        if self.health is not None:
+            self.health.success()
+
+    def health_failed(self, exc: GatewayError) -> None:
+        """The attempt failed with ``exc``: a 429 starts a cooldown, a 5xx or a failure without a status (connect,
+        timeout, bad or broken answer) counts against the breaker; another 4xx is the request's fault (the
+        upstream is up)."""
         h = self.health
         if h is None:
             return
         now = health_clock()
-        h.observe_headers(headers, now)
-        if status == 429:
-            h.rate_limited(headers, now)
-        elif status >= 500:
+        if not isinstance(exc, UpstreamStatusError) or exc.status >= 500:
             h.failure(now)
+        elif exc.status == 429:
+            h.rate_limited(exc.headers, now, exhausted=exc.quota_exhausted)
         else:
-            h.success()  # 2xx, or a 4xx that is the request's fault: the upstream is up
-
-    def health_failed(self, exc: GatewayError) -> None:
-        """An attempt failed without a status from the upstream (connect, timeout, bad or broken answer)."""
-        if self.health is not None and not isinstance(exc, UpstreamStatusError):
-            self.health.failure(health_clock())
+            h.success()
 
     def release_health(self) -> None:
         """The attempt is over: free its concurrency slot."""
@@ -148,7 +169,11 @@ class Exchange:
 
 
 class Gateway:
-    """The request path of one app: config, policy, upstream pool and metrics, built by ``create_app``."""
+    """The request path of one app: config, policy, upstream pool and metrics, built by ``create_app``.
+
+    Attributes:
+        draining: the process is shutting down (``/readyz`` answers 503); see :meth:`begin_drain`.
+    """
 
     def __init__(self, config: GatewayConfig, policy: Policy, pool: UpstreamPool, metrics: Metrics,
                  health: Health) -> None:
@@ -157,6 +182,23 @@ class Gateway:
         self.pool = pool
         self.metrics = metrics
         self.health = health
+        self.draining = False
+        self._active: set[Exchange] = set()
+
+    def begin_drain(self, timeout: float) -> None:
+        """Shutting down: from now on ``/readyz`` fails; requests in flight run to their end for up to ``timeout``
+        seconds, then each one still running ends: a started stream with an in-band error event
+        (``gateway_draining``), anything else with a 503. Call from the event loop's thread."""
+        if self.draining:
+            return
+        self.draining = True
+        asyncio.get_running_loop().call_later(timeout, self._cut_all)
+
+    def _cut_all(self) -> None:
+        for ex in list(self._active):
+            if ex.task is not None and not ex.recorded:
+                ex.cut = True
+                ex.task.cancel()
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
         """Serve one ASGI request of ``kind`` ``chat`` (``POST /v1/chat/completions``, OpenAI API reference
@@ -169,9 +211,11 @@ class Gateway:
             return
         except GatewayError as exc:
             ex.record("client_error")
-            await _send_error(send, exc, [(b"x-request-id", ex.rid.encode())])
+            # the body was not read to its end: close the connection after the answer, so that its rest can
+            # never be read as the next request (issue 10 case 13: one request, one response)
+            await _send_error(send, exc, [(b"x-request-id", ex.rid.encode()), CLOSE])
             return
-        task = asyncio.current_task()
+        task = ex.task = asyncio.current_task()
         assert task is not None
         gone = False
 
@@ -183,13 +227,17 @@ class Gateway:
             task.cancel()
 
         watcher = asyncio.get_running_loop().create_task(watch())
+        self._active.add(ex)
         try:
             await self._handle(raw, headers, ex, send)
         except asyncio.CancelledError:
-            if not gone:
+            if not gone and not ex.cut:
                 raise
             task.uncancel()
-            ex.record("client_disconnect", **ex.stream_figures())
+            if gone:
+                await self._client_left(ex)
+            else:
+                await self._cut_off(ex, send)
         except Exception:  # a bug: answer like the rest of the app, never with a stack trace
             log.exception("unhandled error on %s %s", scope["method"], scope["path"])
             ex.record("upstream_error")
@@ -198,9 +246,37 @@ class Gateway:
                     await _send_error(send, GatewayError("The gateway had an internal error; it has been logged."),
                                       [(b"x-request-id", ex.rid.encode())])
         finally:
+            self._active.discard(ex)
             watcher.cancel()
             ex.close_upstream()
             ex.release_health()
+
+    async def _client_left(self, ex: Exchange) -> None:
+        """The client disconnected. When it had the whole answer (every choice finished: SDK loops often ``break``
+        on ``finish_reason``), read on briefly for the usage that follows so tokens and cost are counted, and
+        count a success; else a ``client_disconnect``. Either way the duration ends when the client left."""
+        relay = ex.relay
+        if relay is None or not relay.stats.finished or relay.stats.error:
+            ex.record("client_disconnect", **ex.stream_figures())
+            return
+        left = time.perf_counter()
+        if ex.resp is not None:
+            await relay.tail(ex.resp)
+        ex.record("success", ended=left, **ex.stream_figures())
+
+    async def _cut_off(self, ex: Exchange, send: Send) -> None:
+        """The drain time ran out while the request was in flight: end it (see :meth:`begin_drain`)."""
+        message = "The gateway is shutting down and its drain time ran out; retry the request."
+        with contextlib.suppress(Exception):  # the client may be gone too: nothing more to tell it
+            if ex.answered and ex.stream:
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": b"data: " + error_body(message, "server_error", None, "gateway_draining")
+                            + b"\n\n"})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            elif not ex.answered:
+                await _send_error(send, GatewayDraining(message, headers={"retry-after": "1"}),
+                                  [(b"x-request-id", ex.rid.encode()), CLOSE])
+        ex.record("gateway_draining", **ex.stream_figures())
 
     async def _handle(self, raw: bytes, headers: dict[str, str], ex: Exchange, send: Send) -> None:
         try:
@@ -222,7 +298,8 @@ class Gateway:
     async def _serve(self, raw: bytes, body: dict[str, Any], decision: Decision, facts: RequestFacts, ex: Exchange,
                      send: Send) -> None:
         """Try the available candidates in order (failover only before the first byte), then answer."""
-        ask_usage = ex.kind == "chat" and ex.stream and not client_wants_usage(body)
+        chat_stream = ex.kind == "chat" and ex.stream
+        strip_usage = chat_stream and not client_wants_usage(body)
         path = "/chat/completions" if ex.kind == "chat" else "/responses"
         need = facts.prompt_tokens + (facts.max_tokens or 0)
         attempts, reason, refusal, queued = self._available(decision, need)
@@ -243,8 +320,7 @@ class Gateway:
                 continue
             tried += 1
             ex.tier, ex.upstream = up.tier, up.name
-            gateway_asks = ask_usage and up.dialect == "openai"
-            payload = upstream_body(raw, body, cand.upstream_model, up.dialect, gateway_asks)
+            payload = upstream_body(raw, body, cand.upstream_model, up.dialect, strip_usage and up.dialect == "openai")
             self.metrics.child(self.metrics.overhead, up.tier).observe(time.perf_counter() - ex.t0)
             ex.take(h, need)
             ttft = up.timeouts.ttft if ex.stream else None
@@ -255,23 +331,25 @@ class Gateway:
                     async with asyncio.timeout_at(first_token_by):
                         ex.resp = await self.pool.send(up, payload, stream=ex.stream, request_id=ex.rid, path=path)
                 except TimeoutError as err:
-                    raise FirstTokenTimeout() from err
-                ex.health_seen(ex.resp.status, ex.resp.headers)
+                    raise UpstreamTimeout(f"No first token from the upstream within {ttft:g} s.",
+                                          code="upstream_ttft_timeout") from err
+                if ex.resp.stale_retried:
+                    self.metrics.upstream_errors.labels(up.tier, up.name, "stale_connection").inc()
+                ex.health_headers(ex.resp.headers)
                 if ex.resp.status != 200:
                     raise await _status_failure(ex, first_token_by)
-                if ex.stream and not ex.resp.content_type.startswith("text/event-stream"):
-                    raise UpstreamBadResponse("The upstream answered a stream request without an event stream.")
                 hdrs = _route_headers(decision, cand, ex.rid, reason)
                 hdrs += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in ex.resp.headers.items()]
                 if ex.stream:
-                    await self._relay(ex, hdrs, gateway_asks, send, first_token_by)
+                    if ex.resp.content_type.split(";", 1)[0].strip().lower() in NOT_A_STREAM:
+                        raise await _not_a_stream(ex, first_token_by)
+                    await self._relay(ex, hdrs, strip_usage, send, first_token_by, facts.n, up.timeouts.finish_grace)
                 else:
                     await self._whole(ex, hdrs, send)
                 return
-            except FirstTokenTimeout:
-                exc: GatewayError = UpstreamTimeout(f"No first token from the upstream within {ttft:g} s.",
-                                                    code="upstream_ttft_timeout")
             except GatewayError as err:
+                if ex.answered:
+                    raise  # pragma: no cover - nothing raises a GatewayError after the first byte
                 exc = err
             ex.close_upstream()
             ex.health_failed(exc)
@@ -290,8 +368,9 @@ class Gateway:
         final = next((c for c in reversed(attempts) if c.upstream.name == ex.upstream), None)
         extra = _route_headers(decision, final, ex.rid, reason) if final is not None else [
             (b"x-request-id", ex.rid.encode())]
-        if tried > 1:
-            extra.append((b"x-should-retry", b"false"))  # the gateway already retried; the SDK should not multiply
+        if tried > 1 or (isinstance(last, UpstreamStatusError) and last.quota_exhausted):
+            # the gateway already retried, or waiting will not help (an exhausted quota): the SDK should not retry
+            extra.append((b"x-should-retry", b"false"))
         await _send_error(send, last, extra)
 
     def _on_start(self, decision: Decision, tier: str, tried: int, reason: str | None) -> Callable[[], None]:
@@ -308,15 +387,17 @@ class Gateway:
         the upstreams among them to wait on for a concurrency slot (``health.queue_seconds``).
 
         When every candidate is unavailable only because of a quota estimate or its concurrency limit, the
-        first of them is tried anyway (the upstream is the judge); when all are in cooldown or have their
-        breaker open, the answer is 503 with ``retry-after``.
+        first of them is tried anyway (the upstream is the judge). When all are resting, the refusal is 429
+        ``rate_limit_exceeded`` with ``retry-after`` if every one of them is cooling down after a 429 of its
+        own (``insufficient_quota`` with ``x-should-retry: false`` if every one's quota is exhausted), else 503
+        ``upstreams_resting`` (a breaker is open) with ``retry-after``.
         """
         now = self.health.clock()
         usable: list[Candidate] = []
         soft: list[Candidate] = []
         queued: set[str] = set()
         spill: str | None = None
-        waits: list[float] = []
+        resting: list[UpstreamHealth] = []
         for cand in self.health.order(decision.candidates):
             h = self.health[cand.upstream.name]
             why = h.unavailable(now, need)
@@ -332,27 +413,26 @@ class Gateway:
             if why in SOFT_REASONS:
                 soft.append(cand)
             else:
-                waits.append(h.resting_until() - now)
+                resting.append(h)
         if not usable and soft:
             return soft[:1], decision.fallback, None, set()
         if not usable:
-            retry = max(1, int(min(waits) + 0.999)) if waits else 1
-            return [], None, UpstreamsResting(
-                "Every upstream for this model is resting (circuit breaker open or rate-limit cooldown); "
-                f"retry in {retry} s.", headers={"retry-after": str(retry)}), set()
+            return [], None, _resting_refusal(resting, now), set()
         return usable[: self.config.max_attempts], spill or decision.fallback, None, queued
 
     async def _relay(self, ex: Exchange, hdrs: list[tuple[bytes, bytes]], strip_usage: bool, send: Send,
-                     first_token_by: float | None) -> None:
+                     first_token_by: float | None, choices: int, finish_grace: float) -> None:
         """Relay an SSE answer; the status line and headers leave with the first relayed bytes.
 
         Raises:
-            FirstTokenTimeout: no token by ``first_token_by`` (loop time); nothing was sent, so the caller
-                may fail over.
+            GatewayError: the stream failed before its first token (see :meth:`Relay.run`); nothing was sent,
+                so the caller may fail over.
         """
         assert ex.resp is not None
         resp = ex.resp
         ctype = resp.content_type.encode("latin-1")
+        if not ctype.startswith(b"text/event-stream"):
+            ctype = EVENT_STREAM  # a stream mislabelled text/plain (or not at all): it is one (issue 10 case 6)
         start = {"type": "http.response.start", "status": 200,
                  "headers": [*hdrs, *STREAM_HEADERS, (b"content-type", ctype)]}
         started = False
@@ -368,20 +448,24 @@ class Gateway:
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
         relay = Relay(strip_usage_chunk=strip_usage, max_event_bytes=self.config.limits.max_event_bytes,
-                      responses=ex.kind == "responses")
+                      responses=ex.kind == "responses", choices=choices, finish_grace=finish_grace)
         ex.relay = relay
-        stats = await relay.run(resp.chunks(), write, first_token_by)
+        stats = await relay.run(resp, write, first_token_by)
         kw = ex.stream_figures()
         if stats.error:
             self.metrics.upstream_errors.labels(ex.tier, ex.upstream, stats.error).inc()
-            if ex.health is not None and stats.error != "upstream_error_event":
-                # a broken or stalled stream is the upstream's failure; an error event it sent may be the
-                # request's fault (Groq's tool_use_failed carries status_code 400), so it opens no breaker
+        if stats.error and stats.error != "upstream_error_event":
+            # a broken or stalled stream is the upstream's failure; an error event it sent may be the request's
+            # fault (Groq's tool_use_failed carries status_code 400), so it opens no breaker
+            if ex.health is not None:
                 ex.health.failure(health_clock())
-            ex.close_upstream()
         else:
+            ex.health_ok()
+        if stats.complete:
             resp.release()
             ex.resp = None
+        else:
+            ex.close_upstream()
         ex.record("stream_error" if stats.error else "success", **kw)
         if not started:
             ex.started()
@@ -408,6 +492,7 @@ class Gateway:
             raise UpstreamBadResponse("The upstream answered 200 with a body that is not a JSON object.")
         usage = parsed.get("usage")
         time_info = parsed.get("time_info")
+        ex.health_ok()
         ex.record("success", usage=chat_usage(usage) if isinstance(usage, dict) else None,
                   time_info=time_info if isinstance(time_info, dict) else None,
                   processing_ms=resp.headers.get("openai-processing-ms"))
@@ -547,7 +632,8 @@ def _route_headers(decision: Decision, cand: Candidate, rid: str, fallback: str 
 async def _status_failure(ex: Exchange, deadline: float | None) -> GatewayError:
     """The upstream's non-200 answer as an error to relay or fail over on, with its status and headers even when
     its body does not arrive (stalls, breaks, or outlasts the first-token ``deadline``, a loop time): the status
-    line already said what happened, and one failure counts once in the upstream's health."""
+    line already said what happened, and one failure counts once in the upstream's health. A 429 without a
+    retry hint gets ``retry-after`` from the reset of the window it exhausted (:func:`health.retry_wait`)."""
     assert ex.resp is not None
     resp = ex.resp
     try:
@@ -555,11 +641,50 @@ async def _status_failure(ex: Exchange, deadline: float | None) -> GatewayError:
             data = await resp.read_error()
     except (GatewayError, TimeoutError):
         resp.close()
-        ex.resp = None
-        return status_error(resp.status, b"", resp.headers)
-    resp.release()
+        data = b""
+    else:
+        resp.release()
     ex.resp = None
-    return status_error(resp.status, data, resp.headers)
+    err = upstream_error(resp.status, data, resp.headers)
+    if err.status == 429 and "retry-after" not in err.headers and "retry-after-ms" not in err.headers:
+        wait = retry_wait(resp.headers)
+        if wait is not None:
+            err.headers["retry-after"] = str(max(1, math.ceil(wait)))
+    return err
+
+
+async def _not_a_stream(ex: Exchange, deadline: float | None) -> GatewayError:
+    """A stream request answered 200 with a JSON (or HTML) body: the error it holds, with the status it names
+    (some upstreams answer an error this way), or :class:`UpstreamBadResponse`. Nothing was sent yet."""
+    assert ex.resp is not None
+    resp = ex.resp
+    try:
+        async with asyncio.timeout_at(deadline):
+            data = await resp.read_error()
+    except (GatewayError, TimeoutError):
+        data = b""
+    ex.close_upstream()
+    try:
+        parsed = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, dict) and parsed.get("error"):
+        return event_error(parsed)
+    return UpstreamBadResponse("The upstream answered a stream request without an event stream.")
+
+
+def _resting_refusal(resting: list[UpstreamHealth], now: float) -> GatewayError:
+    """The answer when every candidate rests (see :meth:`Gateway._available`)."""
+    retry = max(1, math.ceil(min((h.resting_until() - now for h in resting), default=1.0)))
+    headers = {"retry-after": str(retry)}
+    if resting and all(h.open_until <= now and h.cooldown_until > now for h in resting):
+        if all(h.exhausted for h in resting):
+            return RateLimited("Every upstream for this model reported its quota exhausted; check the upstream "
+                               "accounts' plans and billing.", code="insufficient_quota",
+                               headers={**headers, "x-should-retry": "false"})
+        return RateLimited(f"Every upstream for this model is rate-limited; retry in {retry} s.", headers=headers)
+    return UpstreamsResting("Every upstream for this model is resting (circuit breaker open or rate-limit "
+                            f"cooldown); retry in {retry} s.", headers=headers)
 
 
 def _retryable(exc: GatewayError, other_tier: bool) -> bool:
@@ -572,9 +697,7 @@ def _retryable(exc: GatewayError, other_tier: bool) -> bool:
 
 
 def _context_length(exc: UpstreamStatusError) -> bool:
-    text = f"{exc.code} {exc.message}".lower()
-    return exc.status == 400 and ("context_length" in text or "context length" in text
-                                  or "maximum context" in text or "too many tokens" in text)
+    return exc.context_overflow
 
 
 def _reason(exc: GatewayError) -> str:

@@ -31,6 +31,7 @@ from gateway.health import Health
 from gateway.metrics import Metrics
 from gateway.policy import Policy
 from gateway.server import configure as configure_client_limits
+from gateway.server import drain_on_exit
 from gateway.settings import Settings, environ, multiprocess_dir
 from gateway.upstream import UpstreamPool
 
@@ -46,10 +47,15 @@ class HotPath:
     per-request CPU; the endpoints handle their own errors (``Gateway.handle``).
     """
 
-    def __init__(self, app: FastAPI, routes: dict[str, Endpoint]) -> None:
+    def __init__(self, app: FastAPI, routes: dict[str, Endpoint], gateway: Gateway) -> None:
         self.app = app
         self.routes = routes
         self.state = app.state
+        self.gateway = gateway
+
+    def begin_drain(self, timeout: float) -> None:
+        """Shutdown began: see :meth:`Gateway.begin_drain`."""
+        self.gateway.begin_drain(timeout)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -134,6 +140,8 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
 
     @app.api_route("/readyz", methods=["GET", "HEAD"])
     async def readyz() -> Response:
+        if gateway.draining:
+            return Response(b'{"status":"draining"}', 503, media_type="application/json")
         if pool.ready:
             return Response(b'{"status":"ready"}', media_type="application/json")
         return Response(b'{"status":"starting"}', 503, media_type="application/json")
@@ -151,7 +159,16 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     _install_error_handlers(app)
-    return HotPath(app, hot)
+    return HotPath(app, hot, gateway)
+
+
+def serve_app(loaded: LoadedConfig, settings: Settings, multiprocess_dir: str | None = None) -> HotPath:
+    """The app as uvicorn's factory builds it in a serving process: :func:`create_app`, plus the client-side limits
+    and the drain on SIGTERM (``GATEWAY_DRAIN_TIMEOUT``) of ``settings``. Call it from the factory uvicorn runs."""
+    configure_client_limits(settings)
+    app = create_app(loaded, multiprocess_dir=multiprocess_dir)
+    drain_on_exit(app, settings.drain_timeout)
+    return app
 
 
 def create_app_from_env() -> HotPath:
@@ -162,8 +179,7 @@ def create_app_from_env() -> HotPath:
         ConfigError: the config is invalid (the supervisor validated it first, so only if it changed).
     """
     settings = Settings()
-    configure_client_limits(settings)
-    return create_app(load_config(settings.config, environ()), multiprocess_dir=multiprocess_dir())
+    return serve_app(load_config(settings.config, environ()), settings, multiprocess_dir())
 
 
 def _install_error_handlers(app: FastAPI) -> None:

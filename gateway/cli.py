@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     emulate.add_argument("--ttft", type=float, help="time to first token in seconds (fast 0.05, standard 0.4)")
     emulate.add_argument("--dialect", choices=("openai", "cerebras"), help="fast: cerebras, standard: openai")
     emulate.add_argument("--fixtures", type=Path, help="recorded transcripts (default ../shared/fixtures/upstream)")
+    emulate.add_argument("--exit-with-parent", action="store_true", help="stop when the process that started it ends")
 
     check = sub.add_parser("check-config", help="validate a config file and print the resolved routes")
     check.add_argument("file", type=Path)
@@ -100,19 +101,23 @@ def _listen_flags(p: argparse.ArgumentParser, settings: Settings) -> None:
 
 
 def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
+    import functools
+
     import uvicorn
 
-    from gateway.app import create_app
+    from gateway.app import serve_app
     from gateway.server import GuardedHttpToolsProtocol
-    from gateway.server import configure as configure_client_limits
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    configure_client_limits(Settings())
+    settings = Settings()
     common = {"host": args.host, "port": args.port, "loop": "uvloop", "http": GuardedHttpToolsProtocol,
               "log_level": args.log_level,
               "access_log": False, "lifespan": "on", "server_header": False, "date_header": False,
               "proxy_headers": False,  # the gateway reads no client address; saves a middleware per request
-              "timeout_graceful_shutdown": 5}
+              "timeout_keep_alive": settings.keepalive_timeout,
+              # the app ends what is left at drain_timeout itself (in-band error events); uvicorn's own cut-off
+              # comes later, for anything that still did not end
+              "timeout_graceful_shutdown": settings.drain_timeout + 5}
     if args.workers < 1:
         raise ConfigError("--workers: must be at least 1")
     if args.workers > 1:
@@ -122,7 +127,8 @@ def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
             set_worker_environment(loaded.path, Path(metrics_dir))
             uvicorn.run("gateway.app:create_app_from_env", factory=True, workers=args.workers, **common)
         return 0
-    server = uvicorn.Server(uvicorn.Config(create_app(loaded), **common))
+    # a factory, so that the app is built inside uvicorn's serve(), after it installed its signal handlers
+    server = uvicorn.Server(uvicorn.Config(functools.partial(serve_app, loaded, settings), factory=True, **common))
     server.run()
     return 0 if server.started else 1
 
@@ -134,7 +140,7 @@ def _emulate(args: argparse.Namespace) -> int:
                                   fixtures=args.fixtures)
     print(f"emulated {args.tier} tier on http://{args.host}:{args.port}/v1: {cfg.tps:g} tokens/s, "
           f"TTFT {cfg.ttft * 1000:g} ms, {cfg.dialect} dialect", flush=True)
-    run(cfg, args.host, args.port)
+    run(cfg, args.host, args.port, parent=os.getppid() if args.exit_with_parent else None)
     return 0
 
 
@@ -149,7 +155,7 @@ def _demo(args: argparse.Namespace) -> int:
             host, port = url.hostname or "127.0.0.1", url.port or 80
             _require_free(host, port, f"the demo's emulated {up.tier} tier")
             cmd = [sys.executable, "-m", "gateway", "emulate", "--tier", up.tier, "--host", host, "--port", str(port),
-                   "--dialect", up.dialect]
+                   "--dialect", up.dialect, "--exit-with-parent"]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
             _wait_port(host, port, procs[-1])
             lines.append(f"  {up.tier:<8} tier: upstream {up.name!r}, emulated on {host}:{port} ({up.dialect} dialect)")
@@ -163,8 +169,10 @@ def _demo(args: argparse.Namespace) -> int:
               sep="\n", flush=True)
         args.workers = 1
         # uvicorn re-raises SIGTERM after its shutdown, which would skip the finally below and orphan the
-        # emulators; turning SIGTERM into SystemExit lets it run
+        # emulators; turning SIGTERM (and SIGHUP: the terminal closed) into SystemExit lets it run. A SIGKILL
+        # skips it anyway: the emulators then notice that their parent is gone (--exit-with-parent)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        signal.signal(signal.SIGHUP, lambda *_: sys.exit(0))
         return _serve(args, loaded)
     finally:
         for proc in procs:
@@ -177,8 +185,13 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _require_free(host: str, port: int, what: str) -> None:
-    """Refuse to start when ``host:port`` is taken (else the readiness check would find the other process)."""
+    """Refuse to start when ``host:port`` is taken (else the readiness check would find the other process).
+
+    The probe binds with ``SO_REUSEADDR``, as uvicorn and the emulator do, so the ``TIME_WAIT`` sockets a
+    stopped demo leaves behind for ~60 s do not count as taken; a listening socket still does.
+    """
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as exc:

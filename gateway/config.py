@@ -45,17 +45,24 @@ class Timeouts(_Strict):
 
     connect: TCP connect (and TLS) to the upstream.
     ttft: streams only: longest wait from sending the request to the first token-bearing event (status line
-        included); past it, with nothing yet sent to the client, the next candidate is tried. None: no limit
-        (reasoning models can think for minutes before their first visible token).
-    idle: longest silence from the upstream, including the wait for the status line and the first event; a
-        stream that stalls longer ends with an in-band error (detected within ``1.25 * idle``; bytes the
-        upstream sent that wait for a slow client are not silence).
+        included); past it, with nothing yet sent to the client, the next candidate is tried. When set, it and
+        not ``idle`` bounds the silence before the first token (a model may think longer than ``idle`` allows
+        between tokens). None: ``idle`` bounds it (reasoning models can think for minutes before their first
+        visible token).
+    idle: longest silence from the upstream between events once tokens flow (and, without ``ttft``, while
+        waiting for the status line and the first token); a stream that stalls longer ends with an in-band
+        error (detected within ``1.25 * idle``; bytes the upstream sent that wait for a slow client are not
+        silence).
+    finish_grace: once every choice has its ``finish_reason``, how long to wait for the rest of the stream (the
+        usage chunk, ``[DONE]``) before ending the client's stream with ``[DONE]`` and closing the upstream;
+        also how long the gateway reads on for usage when the client leaves after the finish.
     total: whole non-streaming request; streams have no total timeout.
     """
 
     connect: float = Field(5.0, gt=0)
     ttft: float | None = Field(None, gt=0)
     idle: float = Field(120.0, gt=0)
+    finish_grace: float = Field(2.0, ge=0)
     total: float = Field(600.0, gt=0)
 
 
@@ -66,6 +73,7 @@ class HealthConfig(_Strict):
     one probe is let through; cooldown_default / cooldown_max: rest after a 429 without / with a retry hint
     (the hint is capped); max_concurrent: requests in flight before new ones spill over (None: no limit);
     quota_reserve: remaining ``requests`` / ``tokens`` to keep unused (spill over before going under);
+    exhausted_cooldown: rest after a 429 that says the quota or credit is exhausted (``insufficient_quota``);
     queue_seconds: with ``max_concurrent``, wait up to this long for a free slot before spilling over (None:
     spill over at once).
     """
@@ -74,6 +82,7 @@ class HealthConfig(_Strict):
     open_seconds: float = Field(30.0, gt=0)
     cooldown_default: float = Field(1.0, ge=0)
     cooldown_max: float = Field(60.0, ge=0)
+    exhausted_cooldown: float = Field(300.0, ge=0)
     max_concurrent: int | None = Field(None, ge=1)
     queue_seconds: float | None = Field(None, gt=0)
     quota_reserve: dict[Literal["requests", "tokens"], int] = {}
@@ -270,7 +279,7 @@ class GatewayConfig(_Strict):
         tiers = {u.name: u.tier for u in self.upstreams}
         seen: dict[str, str] = {}
         for i, rule in enumerate(self.rules or []):
-            where = f"rules[{i}] {rule.name!r}"
+            where = f"rule {i + 1} {rule.name!r} (rules.{i})"  # numbered from 1, as check-config lists them
             up = rule.route.upstream
             if up is not None and up not in tiers:
                 raise ValueError(f"{where}: route.upstream {up!r} is not a configured upstream")
@@ -338,23 +347,29 @@ def load_config(path: Path, environ: Mapping[str, str] | None = None, *, require
         raise ConfigError(f"{path}: invalid config:\n{_describe(exc)}") from exc
     keys: dict[str, SecretStr] = {}
     env = environ or {}
+    missing = []
     for upstream in config.upstreams:
         if upstream.api_key_env is None:
             continue
         value = env.get(upstream.api_key_env, "")
         if value:
             keys[upstream.name] = SecretStr(value)
-        elif require_keys:
-            raise ConfigError(
-                f"{path}: upstreams[{upstream.name}].api_key_env: environment variable "
-                f"{upstream.api_key_env} is not set (it holds the API key of upstream {upstream.name!r})"
-            )
+        else:
+            missing.append(f"  upstreams[{upstream.name}].api_key_env: environment variable {upstream.api_key_env} "
+                           f"is not set (it holds the API key of upstream {upstream.name!r})")
+    if missing and require_keys:
+        raise ConfigError(f"{path}: missing API keys:\n" + "\n".join(missing))
     return LoadedConfig(path, config, keys)
 
 
 def _describe(exc: ValidationError) -> str:
+    """One line per error: the field path (``rules.2.route.tier``; a rule also by its number from 1, as
+    ``tiergate check-config`` lists them) and the problem."""
     lines = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        loc = err["loc"]
+        where = ".".join(str(p) for p in loc) or "(top level)"
+        if len(loc) > 1 and loc[0] == "rules" and isinstance(loc[1], int):
+            where = f"rule {loc[1] + 1} ({where})"
         lines.append(f"  {where}: {err['msg']}")
     return "\n".join(lines)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import socket
 import struct
@@ -418,8 +419,9 @@ async def serve(config: EmulatorConfig, host: str, port: int) -> asyncio.Server:
     return await loop.create_server(lambda: EmulatorProtocol(config), host, port, reuse_address=True, backlog=2048)
 
 
-def run(config: EmulatorConfig, host: str, port: int) -> None:
-    """Run an emulator until interrupted (uses uvloop when installed)."""
+def run(config: EmulatorConfig, host: str, port: int, parent: int | None = None) -> None:
+    """Run an emulator until interrupted (uses uvloop when installed); with ``parent`` (a pid), also until that
+    process is gone (checked every 0.5 s), so a demo killed with SIGKILL leaves no emulator holding its port."""
     try:
         import uvloop
         runner = uvloop.run
@@ -429,7 +431,11 @@ def run(config: EmulatorConfig, host: str, port: int) -> None:
     async def main() -> None:
         server = await serve(config, host, port)
         async with server:
-            await server.serve_forever()
+            if parent is None:
+                await server.serve_forever()
+            else:
+                while os.getppid() == parent:
+                    await asyncio.sleep(0.5)
 
     with contextlib.suppress(KeyboardInterrupt):
         runner(main())

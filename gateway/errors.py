@@ -13,8 +13,15 @@
     ├── UpstreamUnavailable          502 upstream_unavailable (connect refused, reset before the status line)
     ├── UpstreamBadResponse          502 upstream_bad_response (a 200 that is not what the request asked for)
     ├── UpstreamTimeout              504 upstream_timeout
-    ├── UpstreamsResting             503 upstreams_resting (every candidate's breaker open or in 429 cooldown)
+    ├── UpstreamsResting             503 upstreams_resting (every candidate's breaker open)
+    ├── RateLimited                  429 rate_limit_exceeded (every candidate cooling down after its 429)
+    ├── GatewayDraining              503 gateway_draining (the process is shutting down)
     └── UpstreamStatusError          the upstream's own 4xx/5xx before the first byte, status kept
+
+    StreamInterrupted                not an answer: the upstream body broke or went silent after its status line
+
+:func:`upstream_error` and :func:`event_error` turn whatever an upstream sent as an error (an error body with
+its status, or an error event inside a 200 stream) into an :class:`UpstreamStatusError` in OpenAI's shape.
 
 Status codes and ``type``/``code`` strings follow OpenAI's error guide and the table in
 ``shared/design/wire-contract.md`` §4, so that the ``openai`` SDK raises the matching exception class.
@@ -22,7 +29,9 @@ Status codes and ``type``/``code`` strings follow OpenAI's error guide and the t
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
+from typing import Any
 
 import orjson
 
@@ -144,8 +153,41 @@ class UpstreamsResting(GatewayError):
     code = "upstreams_resting"
 
 
+class RateLimited(GatewayError):
+    """429: every candidate upstream is cooling down after a 429 of its own; ``retry-after`` says when."""
+
+    status = 429
+    error_type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+class GatewayDraining(GatewayError):
+    """503: the gateway is shutting down and its drain time ran out before this request was answered."""
+
+    status = 503
+    error_type = "server_error"
+    code = "gateway_draining"
+
+
+class StreamInterrupted(Exception):
+    """The upstream body ended abnormally after its status line (raised by the upstream client, read by the relay).
+
+    code: ``upstream_stream_interrupted`` (reset, EOF inside a chunk) or ``upstream_idle_timeout``.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 class UpstreamStatusError(GatewayError):
-    """The upstream's own error status, relayed before the first byte with its body in OpenAI's envelope."""
+    """The upstream's own error status, relayed before the first byte with its body in OpenAI's envelope.
+
+    Attributes beyond :class:`GatewayError`: ``quota_exhausted`` (a 429 that waiting does not fix: billing or
+    credit exhausted, OpenAI's ``insufficient_quota``) and ``context_overflow`` (the prompt does not fit the
+    model's window, whatever status the upstream chose for it).
+    """
 
     def __init__(
         self,
@@ -162,6 +204,15 @@ class UpstreamStatusError(GatewayError):
         self.error_type = error_type
         self.code = code
 
+    @property
+    def quota_exhausted(self) -> bool:
+        return self.status == 429 and (self.error_type in _EXHAUSTED_NAMES or self.code in _EXHAUSTED_NAMES
+                                       or _EXHAUSTED_TEXT.search(self.message) is not None)
+
+    @property
+    def context_overflow(self) -> bool:
+        return self.code == "context_length_exceeded"
+
 
 def error_body(message: str, error_type: str, param: str | None, code: str | None) -> bytes:
     """Render OpenAI's error envelope ``{"error": {"message", "type", "param", "code"}}`` as JSON bytes.
@@ -169,3 +220,99 @@ def error_body(message: str, error_type: str, param: str | None, code: str | Non
     All four keys are always present (OpenAPI ``Error`` requires them).
     """
     return orjson.dumps({"error": {"message": message, "type": error_type, "param": param, "code": code}})
+
+
+# OpenAI's error guide: a 429 "You exceeded your current quota, please check your plan and billing details" is
+# not fixed by waiting, unlike a rate limit; INSPECT-5340 and CODEX-6340 (wire contract §4) show the names.
+_EXHAUSTED_NAMES = frozenset({"insufficient_quota", "billing_hard_limit_reached", "billing_not_active",
+                              "credit_balance_exhausted", "quota_exhausted"})
+_EXHAUSTED_TEXT = re.compile(r"(?i)exceeded your current quota|billing|credit balance|insufficient[_ ]quota")
+# The prompt does not fit: OpenAI's code and wording, vLLM's, llama.cpp's ("exceeds the available context size",
+# sent as a 500), Anthropic-style ("prompt is too long"). Never matched on a 429, whose "too many tokens" is a rate.
+_OVERFLOW_TEXT = re.compile(r"(?i)context[_ ](?:length|size|window)|maximum context|prompt is too long|"
+                            r"too many (?:input|prompt) tokens")
+# An error event carries no HTTP status: read it from the error itself (vLLM and llama.cpp put the status in an
+# integer ``code``, Groq in ``status_code``), else from its type or code name.
+_STATUS_BY_NAME = {"invalid_request_error": 400, "context_length_exceeded": 400, "authentication_error": 401,
+                   "invalid_api_key": 401, "permission_error": 403, "not_found_error": 404, "model_not_found": 404,
+                   "rate_limit_error": 429, "rate_limit_exceeded": 429, "insufficient_quota": 429,
+                   "overloaded_error": 503, "server_error": 500, "api_error": 500, "internal_error": 500}
+
+
+def upstream_error(status: int, body: bytes, headers: Mapping[str, str]) -> UpstreamStatusError:
+    """An upstream's error answer (``status`` and up to 64 KiB of ``body``) in OpenAI's envelope, whatever its shape.
+
+    Handles OpenAI's ``{"error": {...}}``, flat bodies (Cerebras, older vLLM: ``{"message", "type", "code"}``),
+    an integer ``code`` (made a string), empty strings (Cerebras sends ``"param": ""``: made null), bodies with no
+    string ``message`` (``{"detail": "Not Found"}``: the upstream's own words are kept) and non-JSON text. A prompt
+    that overflows the context window becomes 400 ``context_length_exceeded`` (``param: messages``) whatever status
+    the upstream chose (llama.cpp answers 500).
+    """
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        parsed = None
+    data = parsed.get("error", parsed) if isinstance(parsed, dict) else None
+    if isinstance(data, str):
+        data = {"message": data}
+    text = body.decode("utf-8", "replace").strip()[:2000]
+    if not isinstance(data, dict):
+        data = {"message": text or f"Upstream answered HTTP {status}."}
+    elif not _text(data.get("message")):
+        detail = data.get("detail", parsed.get("detail") if isinstance(parsed, dict) else None)
+        data = {**data, "message": _text(detail) or (orjson.dumps(detail).decode() if detail else text)}
+    return _normalise(status, data, headers)
+
+
+def event_error(event: dict[str, Any]) -> UpstreamStatusError:
+    """The error an SSE error event carries, with the HTTP status it names (for an error before the first byte).
+
+    Shapes (wire contract §3.3, §5): chat ``{"error": {...}}`` (with ``event: error`` or not); Groq's
+    ``status_code`` inside it; the Responses API's ``{"type": "error", "code", "message"}`` and
+    ``response.failed`` with ``response.error``. Status: an integer ``code``/``status_code``/``status`` in
+    400-599, else by the type or code name (``rate_limit_exceeded`` -> 429, ``invalid_request_error`` -> 400, ...),
+    else 500.
+    """
+    data: Any = event.get("error")
+    if not isinstance(data, dict):
+        response = event.get("response")
+        failed = response.get("error") if isinstance(response, dict) else None
+        data = failed if isinstance(failed, dict) else (event if event.get("type") == "error" else {})
+    if isinstance(data, str):
+        data = {"message": data}
+    status = next((v for k in ("status_code", "status", "code") if _is_status(v := data.get(k))), None)
+    if status is None:
+        status = next((_STATUS_BY_NAME[n] for n in (data.get("code"), data.get("type")) if n in _STATUS_BY_NAME),
+                      500)
+    if not _text(data.get("message")):
+        data = {**data, "message": "The upstream sent an error event: " + orjson.dumps(data).decode()[:2000]}
+    return _normalise(status, data, {})
+
+
+def _normalise(status: int, data: dict[str, Any], headers: Mapping[str, str]) -> UpstreamStatusError:
+    message = data.get("message")
+    etype, code, param = _text(data.get("type")), data.get("code"), _text(data.get("param"))
+    code = str(code) if isinstance(code, int) and not isinstance(code, bool) else _text(code)
+    message = message if isinstance(message, str) else orjson.dumps(message).decode()
+    if status != 429 and _OVERFLOW_TEXT.search(f"{code} {message}"):
+        return UpstreamStatusError(400, message, error_type="invalid_request_error", param=param or "messages",
+                                   code="context_length_exceeded", headers=headers)
+    return UpstreamStatusError(status, message, error_type=etype or _type_for(status), param=param, code=code,
+                               headers=headers)
+
+
+def _text(value: object) -> str | None:
+    """``value`` when it is a non-empty string, else None (upstreams send ``""`` for "none")."""
+    return value if isinstance(value, str) and value else None
+
+
+def _is_status(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 400 <= value <= 599
+
+
+def _type_for(status: int) -> str:
+    if status == 429:
+        return "rate_limit_error"
+    if status in (401, 403):
+        return "authentication_error" if status == 401 else "permission_error"
+    return "server_error" if status >= 500 else "invalid_request_error"

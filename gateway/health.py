@@ -4,8 +4,10 @@ In-memory state per worker process, updated from every upstream answer; no I/O. 
 says why an upstream should not get a request *now*, so the request spills over to the next candidate before
 the upstream can refuse it:
 
-* ``cooldown``: it answered 429; it rests for its ``retry-after-ms`` / ``retry-after`` (capped by
-  ``health.cooldown_max``; ``health.cooldown_default`` when it gave none).
+* ``cooldown``: it answered 429; it rests for its ``retry-after-ms`` / ``retry-after``, else for the reset of the
+  rate-limit window it exhausted (``x-ratelimit-reset-*``), capped by ``health.cooldown_max``
+  (``health.cooldown_default`` when it gave neither). A 429 that says the quota or credit is exhausted rests for
+  ``health.exhausted_cooldown`` instead: waiting seconds does not fix it.
 * ``circuit_open``: ``health.failures`` consecutive failures (connect errors, timeouts, 5xx, broken streams)
   open the breaker for ``health.open_seconds``; then one probe request is let through (half-open) and its
   success closes the breaker, its failure re-opens it. Recovery always comes: an open breaker always
@@ -21,6 +23,7 @@ the upstream can refuse it:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from collections import deque
@@ -63,6 +66,36 @@ def parse_retry_after(headers: Mapping[str, str]) -> float | None:
     return None
 
 
+def retry_wait(headers: Mapping[str, str]) -> float | None:
+    """Seconds a 429 asks to wait: its retry hint, else the reset of the window it exhausted, else None.
+
+    Cerebras answers 429 with ``x-ratelimit-reset-requests-minute`` / ``-tokens-minute`` (float seconds) and no
+    ``retry-after`` (its rate-limit docs). The windows whose ``x-ratelimit-remaining-*`` is 0 decide (the longest
+    of them); with no remaining counts at all, the soonest reset (a daily window's reset is hours away and says
+    nothing about which window ran out).
+    """
+    wait = parse_retry_after(headers)
+    if wait is not None:
+        return wait
+    empty: list[float] = []
+    resets: list[float] = []
+    for name, value in headers.items():
+        if not name.startswith("x-ratelimit-reset-"):
+            continue
+        reset = parse_reset(value)
+        if reset is None:
+            continue
+        resets.append(reset)
+        remaining = headers.get("x-ratelimit-remaining-" + name[len("x-ratelimit-reset-"):])
+        with contextlib.suppress(ValueError):
+            if remaining is not None and float(remaining) <= 0:
+                empty.append(reset)
+    if empty:
+        return max(empty)
+    has_counts = any(n.startswith("x-ratelimit-remaining-") for n in headers)
+    return min(resets) if resets and not has_counts else None
+
+
 @dataclass
 class _Quota:
     remaining: float
@@ -81,6 +114,7 @@ class UpstreamHealth:
         self.half_open = False
         self.probe_started: float | None = None
         self.cooldown_until = 0.0
+        self.exhausted = False  # the current cooldown is for an exhausted quota, not a rate
         self.in_flight = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self.quota: dict[str, _Quota] = {}  # "requests" | "tokens" -> the tightest reported window
@@ -174,7 +208,9 @@ class UpstreamHealth:
                 remaining = float(value)
             except ValueError:
                 continue
-            reset = parse_reset(headers.get(f"x-ratelimit-reset-{suffix}", "")) or 60.0
+            reset = parse_reset(headers.get(f"x-ratelimit-reset-{suffix}", ""))
+            if reset is None:
+                reset = 60.0  # no (readable) reset: assume the per-minute window both OpenAI and Cerebras use
             q = _Quota(remaining, now + reset)
             if kind not in seen or q.remaining < seen[kind].remaining:
                 seen[kind] = q
@@ -199,12 +235,18 @@ class UpstreamHealth:
         """When the breaker or the cooldown ends (monotonic seconds)."""
         return max(self.open_until, self.cooldown_until)
 
-    def rate_limited(self, headers: Mapping[str, str], now: float) -> None:
-        """A 429: rest for the upstream's retry hint (capped), and count no breaker failure."""
-        wait = parse_retry_after(headers)
-        self.cooldown_until = now + min(wait if wait is not None else self.cfg.cooldown_default, self.cfg.cooldown_max)
+    def rate_limited(self, headers: Mapping[str, str], now: float, exhausted: bool = False) -> float:
+        """A 429: rest for :func:`retry_wait` (capped), or ``exhausted_cooldown`` when the quota is ``exhausted``;
+        count no breaker failure. Returns the rest in seconds."""
+        wait = retry_wait(headers)
+        rest = min(wait if wait is not None else self.cfg.cooldown_default, self.cfg.cooldown_max)
+        if exhausted:
+            rest = max(rest, self.cfg.exhausted_cooldown)
+        self.cooldown_until = now + rest
+        self.exhausted = exhausted
         if self.half_open:  # the probe got an answer: the upstream is up, only busy
             self.success()
+        return rest
 
 
 class Health:

@@ -11,6 +11,8 @@ Definitions (README "Metrics"; wire contract §6):
   with fewer than 2 token-bearing chunks.
 * request duration: arrival -> last byte written to the client.
 * overhead: arrival -> upstream request sent (routing, body preparation).
+* tokens: from the upstream's usage whenever it reported one, a failed or abandoned stream included (those
+  tokens were billed).
 * cost: from the upstream's usage and its configured prices (USD per million tokens):
   (prompt - cached) * input + cached * cached_input + completion * output, since OpenAI's ``prompt_tokens``
   includes the cached ones. A request answered by an upstream that reported no usage, or by an upstream
@@ -156,12 +158,13 @@ class Metrics:
         self.child(self.duration, *labels, "true" if stream else "false").observe(duration)
         if ttft is not None:
             self.child(self.ttft, *labels).observe(ttft)
-        if outcome == "success":
-            if usage is None:
-                self.child(self.usage_missing, *labels).inc()
-            else:
-                self._tokens(labels, usage, decode_time, token_chunks)
         if outcome in BILLABLE and upstream != "none":
+            # tokens the upstream reported were billed, however the stream ended (OpenRouter reports usage on
+            # its final error chunk); decode speed only from streams that ran to their end
+            if usage is not None:
+                self._tokens(labels, usage, decode_time if outcome == "success" else None, token_chunks)
+            elif outcome == "success":
+                self.child(self.usage_missing, *labels).inc()
             self._cost(labels, usage)
         self._reported(tier, upstream, time_info, processing_ms)
 

@@ -1,14 +1,25 @@
-"""Byte-exact SSE relay of chat-completions streams, observed once per event.
+"""Byte-exact SSE relay of chat-completions and Responses API streams, observed once per event.
 
 Every complete event is forwarded, byte for byte, the moment its terminating blank line arrives; all the
 events of one upstream read leave in one write. The relay edits only at event boundaries and only where
 the wire contract requires it:
 
-* exactly one ``data: [DONE]`` ends a successful stream (appended when the upstream sent none, the
+* exactly one ``data: [DONE]`` ends a successful chat stream (appended when the upstream sent none, the
   repeats dropped); none follows an error;
-* the usage-only chunk (``"choices": []``) is dropped when the gateway, not the client, asked for usage;
+* the usage-only chunk (``"choices": []``) is dropped when the client did not ask for usage (whoever asked
+  the upstream for it: the gateway, or a Cerebras-style upstream on its own);
 * an upstream failure after the first byte becomes one in-band error event in OpenAI's shape
-  (``{"error": {...}}``, which the ``openai`` SDK raises as ``APIError``), with no ``[DONE]``.
+  (``{"error": {...}}``, which the ``openai`` SDK raises as ``APIError``), with no ``[DONE]``, unless the
+  upstream already sent its own error event.
+
+**The commit point.** Nothing is written until the first token-bearing event: the events before it (the role
+chunk, ``response.created``, keep-alive comments) carry no token, so holding them costs the client nothing, and
+until then every failure can still be answered with a real HTTP status or failed over: an error event (its own
+status), a broken or silent body, an oversized event, or no first token by the ``ttft`` deadline.
+
+**The end.** A stream ends at ``[DONE]`` or a Responses API terminal event, at the upstream's EOF, or, once
+every choice has its ``finish_reason``, after ``finish_grace`` seconds of waiting for the usage tail (the
+client's stream then ends with ``[DONE]``; the upstream connection is closed).
 
 While relaying it fills a :class:`StreamStats`: arrival times of the first and last token-bearing chunk
 (content, refusal, reasoning or tool-call delta; not a role-only chunk), usage wherever the dialect puts
@@ -20,24 +31,41 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from orjson import JSONDecodeError, loads
 
-from gateway.errors import error_body
+from gateway.errors import (
+    GatewayError,
+    StreamInterrupted,
+    UpstreamBadResponse,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    error_body,
+    event_error,
+)
 from gateway.sse import EventTooLarge, SSEEvent, SSEScanner
-from gateway.upstream import StreamInterrupted
 from gateway.wire import chat_usage
 
 DONE = b"data: [DONE]\n\n"
-
-
-class FirstTokenTimeout(Exception):
-    """No token-bearing event arrived before the first-token deadline; nothing was written to the client."""
-
 DONE_GRACE = 0.02  # seconds to wait for the end of the upstream's body after its [DONE]
 _RESPONSE_TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 _TOKEN_KEYS = frozenset({"content", "refusal", "reasoning", "reasoning_content", "tool_calls", "function_call"})
+
+Write = Callable[[bytes], Awaitable[None]]
+
+
+class StreamBody(Protocol):
+    """What the relay reads: an upstream response body (``gateway.upstream.UpstreamResponse``, or a test fake)."""
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        """Body bytes as they arrive; raises :class:`StreamInterrupted` when the body breaks or goes silent.
+        Callable again after a cancelled iteration, going on where it stopped."""
+        ...
+
+    def watch_idle(self) -> None:
+        """From now on, bound the upstream's silence by its idle timeout."""
+        ...
 
 
 class StreamStats:
@@ -51,11 +79,14 @@ class StreamStats:
         time_info: Cerebras' ``time_info`` (seconds), or None.
         done: the stream's end was sent to the client: ``[DONE]``, or a Responses API terminal event
             (``response.completed``, ``response.incomplete``, ``response.failed``).
+        finished: every choice has its ``finish_reason`` (chat streams): the answer is complete.
+        complete: the upstream body was read to its end (its connection can be reused).
         error: None on success; else ``upstream_error_event``, ``upstream_stream_interrupted``,
             ``upstream_idle_timeout`` or ``upstream_event_too_large``.
     """
 
-    __slots__ = ("t_first_token", "t_last_token", "token_chunks", "usage", "time_info", "done", "error")
+    __slots__ = ("t_first_token", "t_last_token", "token_chunks", "usage", "time_info", "done", "finished",
+                 "complete", "error")
 
     def __init__(self) -> None:
         self.t_first_token: float | None = None
@@ -64,6 +95,8 @@ class StreamStats:
         self.usage: dict[str, Any] | None = None
         self.time_info: dict[str, Any] | None = None
         self.done = False
+        self.finished = False
+        self.complete = False
         self.error: str | None = None
 
 
@@ -71,103 +104,182 @@ class Relay:
     """Relay one upstream SSE body to one client.
 
     Args:
-        strip_usage_chunk: drop the ``choices: []`` usage chunk (the gateway asked for usage, the client did not).
-        append_done: end a clean stream with ``data: [DONE]`` (chat completions: yes).
+        strip_usage_chunk: drop the ``choices: []`` usage chunk (the client did not ask for usage).
         max_event_bytes: largest single upstream event; past it the stream ends with an in-band error.
+        responses: the body is a Responses API event stream (ends at its terminal event, no ``[DONE]``).
+        choices: how many choices the request asked for (``n``): the stream is finished when each has its
+            ``finish_reason``.
+        finish_grace: seconds to wait for the rest of a finished stream (see the module docstring).
     """
 
-    def __init__(self, *, strip_usage_chunk: bool, append_done: bool = True, max_event_bytes: int,
-                 responses: bool = False) -> None:
+    def __init__(self, *, strip_usage_chunk: bool, max_event_bytes: int, responses: bool = False, choices: int = 1,
+                 finish_grace: float = 2.0) -> None:
         self.stats = StreamStats()
         self._strip = strip_usage_chunk
         self._responses = responses
-        self._append_done = append_done and not responses  # Responses API streams end with their terminal event
         self._scanner = SSEScanner(max_event_bytes)
+        self._choices = max(1, choices)
+        self._finished: set[object] = set()
+        self._finish_grace = finish_grace
+        self._error_event: dict[str, Any] | None = None  # an error event that came before any token
 
-    async def run(self, chunks: AsyncIterator[bytes], write: Callable[[bytes], Awaitable[None]],
-                  first_token_by: float | None = None) -> StreamStats:
-        """Read ``chunks`` to the end or to ``[DONE]``, writing each batch of complete events with ``write``.
+    async def run(self, body: StreamBody, write: Write, first_token_by: float | None = None) -> StreamStats:
+        """Relay ``body`` to ``write`` until the stream ends (module docstring); returns the stats.
 
-        It returns right after the batch holding ``[DONE]`` (or a Responses API terminal event) was written
-        (``stats.done``), so that the
-        client's body ends there (wire contract §3.3) even when the upstream keeps its response open; what
-        follows ``[DONE]`` is read and dropped for at most :data:`DONE_GRACE` seconds first, so that an
-        upstream whose body ends at once leaves a fully read, reusable connection.
-
-        With ``first_token_by`` (an ``asyncio`` loop time), nothing is written until the first token-bearing
-        event (or the end of the stream): the events before it are held and leave together with it, so the
-        caller can still fail over when the deadline passes first.
+        Args:
+            first_token_by: an ``asyncio`` loop time by which the first token must arrive, or None (then the
+                upstream's idle timeout bounds the wait).
 
         Raises:
-            FirstTokenTimeout: ``first_token_by`` passed before the first token; nothing was written.
-            Exceptions from ``write`` and cancellation propagate; upstream trouble never raises (it becomes
-            an in-band error event).
+            Before anything was written, so that the caller can answer with a status or fail over:
+            UpstreamTimeout (``upstream_ttft_timeout``, ``upstream_idle_timeout``), UpstreamUnavailable
+            (``upstream_stream_interrupted``), UpstreamBadResponse (``upstream_event_too_large``), or the
+            :class:`UpstreamStatusError` that an error event carries. After the first write, upstream trouble
+            never raises (it becomes an in-band error event); exceptions from ``write`` and cancellation
+            propagate.
         """
         stats = self.stats
-        clock = time.perf_counter
-        if first_token_by is not None:
-            chunks = await self._hold(chunks, write, first_token_by)
+        if first_token_by is None:
+            body.watch_idle()
+        chunks = body.chunks()
+        held, ended = await self._hold(chunks, first_token_by)
+        body.watch_idle()
+        if held:
+            await write(held)
+        if stats.done:
+            await self._drain(chunks, DONE_GRACE)
+            return stats
+        if ended:
+            await self._end(write)
+            return stats
         try:
-            async for chunk in chunks:
-                now = clock()
-                out = self._process(self._scanner.feed(chunk), now)
-                if out:
-                    await write(out)
-                if stats.done:
-                    await _drain(chunks, DONE_GRACE)
+            if not stats.finished:
+                async for chunk in chunks:
+                    out = self._process(self._scanner.feed(chunk), time.perf_counter())
+                    if out:
+                        await write(out)
+                    if stats.done:
+                        await self._drain(chunks, DONE_GRACE)
+                        return stats
+                    if stats.finished:
+                        break
+                else:
+                    stats.complete = True
+                    await self._end(write)
                     return stats
+            await self._tail(chunks, write)
         except StreamInterrupted as exc:
-            await self._fail(write, exc.code, exc.message)
-            return stats
+            await self._broken(write, exc.code, exc.message)
         except EventTooLarge as exc:
-            await self._fail(write, "upstream_event_too_large", str(exc))
-            return stats
-        if stats.error or stats.done:
-            return stats
-        if self._scanner.pending:
-            await self._fail(write, "upstream_stream_interrupted", "The upstream stream ended inside an event.")
-        elif self._append_done:
-            stats.done = True
-            await write(DONE)
+            await self._broken(write, "upstream_event_too_large", str(exc))
         return stats
 
-    async def _hold(self, chunks: AsyncIterator[bytes], write: Callable[[bytes], Awaitable[None]],
-                    deadline: float) -> AsyncIterator[bytes]:
-        """Read until the first token (or the end, or an error), holding the output; write it all at once.
+    async def tail(self, body: StreamBody) -> None:
+        """The client left: when the answer was finished, read on for at most ``finish_grace`` seconds, writing
+        nothing, so that the usage that follows the finish chunk is still counted (SDK loops often ``break`` on
+        ``finish_reason``). Never raises for the upstream's trouble."""
+        stats = self.stats
+        if not stats.finished or stats.usage is not None or stats.done or stats.complete:
+            return
+        try:
+            async with asyncio.timeout(self._finish_grace):
+                async for chunk in body.chunks():
+                    self._process(self._scanner.feed(chunk), time.perf_counter())
+                    if stats.usage is not None or stats.done:
+                        return
+                stats.complete = True
+        except (TimeoutError, StreamInterrupted, EventTooLarge):
+            pass
 
-        Returns the rest of ``chunks`` for :meth:`run` to go on with; when the upstream failed while held
-        (broken stream, oversized event), an iterator that raises that failure at once, so that :meth:`run`
-        ends the stream the same way it would have after the first byte.
+    async def _hold(self, chunks: AsyncIterator[bytes], deadline: float | None) -> tuple[bytes, bool]:
+        """Read until the first token, the stream's end, or a failure, writing nothing.
+
+        Returns:
+            (the held output, whether the upstream's body ended while held).
+
+        Raises:
+            GatewayError: see :meth:`run` (nothing was written).
         """
         stats = self.stats
         held: list[bytes] = []
-        it = aiter(chunks)
         try:
-            while stats.t_first_token is None and not stats.done and not stats.error:
+            while stats.t_first_token is None and not stats.done and not stats.finished:
                 try:
-                    async with asyncio.timeout_at(deadline):
-                        chunk = await anext(it)
+                    if deadline is None:
+                        chunk = await anext(chunks)
+                    else:
+                        async with asyncio.timeout_at(deadline):
+                            chunk = await anext(chunks)
                 except StopAsyncIteration:
-                    break
-                except TimeoutError as exc:
-                    raise FirstTokenTimeout() from exc
+                    stats.complete = True
+                    if self._scanner.pending and not stats.finished:
+                        raise UpstreamUnavailable("The upstream stream ended inside an event before its first "
+                                                  "token.", code="upstream_stream_interrupted") from None
+                    return b"".join(held), True
                 out = self._process(self._scanner.feed(chunk), time.perf_counter())
+                if self._error_event is not None:
+                    raise event_error(self._error_event)
                 if out:
                     held.append(out)
-        except (StreamInterrupted, EventTooLarge) as exc:
-            await self._flush(held, write)
-            return _failing(exc)
-        await self._flush(held, write)
-        return it
+        except TimeoutError as exc:
+            raise UpstreamTimeout("No first token from the upstream in time.", code="upstream_ttft_timeout") from exc
+        except StreamInterrupted as exc:
+            cls: type[GatewayError] = UpstreamTimeout if exc.code == "upstream_idle_timeout" else UpstreamUnavailable
+            raise cls(exc.message + " (before its first token)", code=exc.code) from exc
+        except EventTooLarge as exc:
+            raise UpstreamBadResponse(str(exc), code="upstream_event_too_large") from exc
+        return b"".join(held), False
 
-    @staticmethod
-    async def _flush(held: list[bytes], write: Callable[[bytes], Awaitable[None]]) -> None:
-        if held:
-            await write(b"".join(held))
+    async def _tail(self, chunks: AsyncIterator[bytes], write: Write) -> None:
+        """Every choice has finished: relay what follows for at most ``finish_grace`` seconds, then end."""
+        stats = self.stats
+        try:
+            async with asyncio.timeout(self._finish_grace):
+                async for chunk in chunks:
+                    out = self._process(self._scanner.feed(chunk), time.perf_counter())
+                    if out:
+                        await write(out)
+                    if stats.done:
+                        await self._drain(chunks, DONE_GRACE)
+                        return
+        except TimeoutError:
+            pass  # the upstream went quiet after the finish: the answer is complete (stats.complete stays False)
+        else:
+            stats.complete = True
+        await self._end(write)
 
-    async def _fail(self, write: Callable[[bytes], Awaitable[None]], code: str, message: str) -> None:
-        self.stats.error = code
+    async def _end(self, write: Write) -> None:
+        """The upstream's body ended (or went quiet after the finish) without ``[DONE]``: end the client's."""
+        stats = self.stats
+        if stats.error or stats.done:
+            return  # the upstream's own error event ends it: nothing is added (never a second error)
+        if self._scanner.pending and not stats.finished:
+            await self._broken(write, "upstream_stream_interrupted", "The upstream stream ended inside an event.")
+        elif not self._responses:
+            stats.done = True  # also when a last partial event (a [DONE] without its blank line) is dropped
+            await write(DONE)
+
+    async def _broken(self, write: Write, code: str, message: str) -> None:
+        """The upstream failed after the first byte: one in-band error event, unless the answer was already
+        complete (every choice finished: end it as a success) or the upstream sent its own error event."""
+        stats = self.stats
+        if stats.finished and not stats.error:
+            await self._end(write)
+            return
+        if stats.error:
+            return
+        stats.error = code
         await write(b"data: " + error_body(message, "server_error", None, code) + b"\n\n")
+
+    async def _drain(self, chunks: AsyncIterator[bytes], grace: float) -> None:
+        """Read and drop ``chunks`` until they end (``stats.complete``), fail, or ``grace`` seconds pass."""
+        try:
+            async with asyncio.timeout(grace):
+                async for _ in chunks:
+                    pass
+            self.stats.complete = True
+        except (TimeoutError, StreamInterrupted):
+            pass
 
     def _process(self, events: list[SSEEvent], now: float) -> bytes:
         """Observe one read's events; return the bytes to forward (per event: its raw bytes, or nothing).
@@ -203,13 +315,40 @@ class Relay:
                   or "timings" in chunk or "time_info" in chunk):
                 if not self._observe(chunk, event, now):
                     continue
-            elif (choices := chunk.get("choices")) and _has_token(choices):
-                stats.token_chunks += 1
-                if stats.t_first_token is None:
-                    stats.t_first_token = now
-                stats.t_last_token = now
+            elif choices := chunk.get("choices"):
+                self._choices_seen(choices, now)
             out.append(raw)
         return b"".join(out)
+
+    def _choices_seen(self, choices: Any, now: float) -> None:
+        """Time a token-bearing chunk (non-empty content, refusal, reasoning or tool call in some choice's delta)
+        and note each choice's ``finish_reason``."""
+        if type(choices) is not list:
+            return
+        token = False
+        for choice in choices:
+            if type(choice) is not dict:
+                continue
+            if not token:
+                delta = choice.get("delta")
+                if type(delta) is dict:
+                    if delta.get("content"):
+                        token = True
+                    else:
+                        for key, value in delta.items():
+                            if value and key in _TOKEN_KEYS:
+                                token = True
+                                break
+            if choice.get("finish_reason") is not None:
+                self._finished.add(choice.get("index", 0))
+                if len(self._finished) >= self._choices:
+                    self.stats.finished = True
+        if token:
+            stats = self.stats
+            stats.token_chunks += 1
+            if stats.t_first_token is None:
+                stats.t_first_token = now
+            stats.t_last_token = now
 
     def _observe_response_event(self, chunk: dict[str, Any], now: float) -> None:
         """Responses API events (wire contract §5): a ``*.delta`` event carries output; the terminal event
@@ -231,12 +370,16 @@ class Relay:
             stats.done = True  # the Responses API's end of stream (no [DONE]): end here, as after [DONE]
         if etype in ("error", "response.failed"):
             stats.error = "upstream_error_event"
+            if stats.t_first_token is None:
+                self._error_event = chunk  # before any token: it can still be answered with its status
 
     def _observe(self, chunk: dict[str, Any], event: bytes | None, now: float) -> bool:
         """The complete look at a chat chunk; return False when the chunk must not be forwarded."""
         stats = self.stats
         if chunk.get("error") or event == b"error":  # the SDK raises only on a non-empty error
             stats.error = "upstream_error_event"
+            if stats.t_first_token is None:
+                self._error_event = chunk  # before any token: it can still be answered with its status
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             stats.usage = usage
@@ -253,40 +396,5 @@ class Relay:
         choices = chunk.get("choices")
         if not choices:
             return not (self._strip and isinstance(usage, dict) and choices == [])
-        if _has_token(choices):
-            stats.token_chunks += 1
-            if stats.t_first_token is None:
-                stats.t_first_token = now
-            stats.t_last_token = now
+        self._choices_seen(choices, now)
         return True
-
-
-async def _failing(exc: StreamInterrupted | EventTooLarge) -> AsyncIterator[bytes]:
-    """An iterator that raises ``exc`` at once (hands a failure seen while holding over to :meth:`Relay.run`)."""
-    raise exc
-    yield b""  # pragma: no cover - makes this an async generator
-
-
-async def _drain(chunks: AsyncIterator[bytes], grace: float) -> None:
-    """Read and drop ``chunks`` until they end, fail, or ``grace`` seconds pass (the caller then closes)."""
-    try:
-        async with asyncio.timeout(grace):
-            async for _ in chunks:
-                pass
-    except (TimeoutError, StreamInterrupted):
-        pass
-
-
-def _has_token(choices: Any) -> bool:
-    """True when some choice's delta carries a token: non-empty content, refusal, reasoning or tool call."""
-    if type(choices) is not list:
-        return False
-    for choice in choices:
-        delta = choice.get("delta") if type(choice) is dict else None
-        if type(delta) is dict:
-            if delta.get("content"):
-                return True
-            for key, value in delta.items():
-                if value and key in _TOKEN_KEYS:
-                    return True
-    return False

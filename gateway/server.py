@@ -8,17 +8,24 @@ half a head, or half a body) held its connection forever. This protocol:
 * answers ``431`` (OpenAI's error envelope) and closes when a request head grows past ``max_head_bytes``,
   before httptools sees the bytes;
 * closes a connection whose request head is not complete ``head_timeout`` seconds after the connection
-  opened or the previous response ended (uvicorn's keep-alive timeout covers idle time between requests;
-  this covers the first request and slow heads), and answers ``408`` when a request body takes longer than
-  ``body_timeout`` seconds.
+  opened or the head's first byte arrived (uvicorn's keep-alive timeout, ``GATEWAY_KEEPALIVE_TIMEOUT``, covers
+  idle time between requests), and answers ``408`` when a request body takes longer than ``body_timeout`` s;
+* answers ``400`` in OpenAI's envelope for a request httptools cannot parse, or whose body the client ended
+  early, and never writes an answer into a response already under way (one request, one response).
 
-The three limits come from the process settings (``GATEWAY_self.max_head_bytes``, ``GATEWAY_self.head_timeout``,
-``GATEWAY_self.body_timeout``) through :func:`configure`, called in every process that serves.
+The limits come from the process settings (``GATEWAY_MAX_HEAD_BYTES``, ``GATEWAY_HEAD_TIMEOUT``,
+``GATEWAY_BODY_TIMEOUT``, ``GATEWAY_DRAIN_TIMEOUT``) through :func:`configure`, called in every process that
+serves. :func:`drain_on_exit` tells the app when shutdown starts, so that streams drain instead of being cut.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -49,6 +56,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._in_head:
+            if self._head_bytes == 0 and self._deadline is None:
+                self._arm(self.head_timeout, None)  # a new head starts: the keep-alive idle time is over
             end = data.find(b"\r\n\r\n")
             self._head_bytes += len(data) if end < 0 else end + 4
             if self._head_bytes > self.max_head_bytes:
@@ -57,20 +66,29 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 return
         super().data_received(data)
 
+    def eof_received(self) -> bool | None:
+        if not self._in_head:  # the client ended its side inside a body: the body can never be complete
+            self._refuse(400, "incomplete_body", "The request body ended before its declared length.")
+        return super().eof_received()
+
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._arm(self.body_timeout, (408, "request_timeout", f"The request body took over {self.body_timeout:g} s."))
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
+        # the request is read: what follows is the next request's head (pipelined, or after this response), so
+        # it is counted against the head limit from here, never while the rest of a body is still arriving
+        # (an early answer to an unread body left those bytes to be counted as a head: issue 10 case 13)
         self._disarm()
-        super().on_message_complete()
-
-    def on_response_complete(self) -> None:
         self._in_head = True
         self._head_bytes = 0
-        self._arm(self.head_timeout, None)  # uvicorn's shorter keep-alive timeout closes an idle connection first
-        super().on_response_complete()
+        super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        """A request httptools cannot parse (conflicting ``Content-Length`` and ``Transfer-Encoding``, a bad
+        chunk size, ...): OpenAI's envelope instead of uvicorn's plain text, never inside another response."""
+        self._refuse(400, "invalid_http_request", f"{msg} The connection is closed.")
 
     def _arm(self, seconds: float, answer: tuple[int, str, str] | None) -> None:
         self._disarm()
@@ -85,20 +103,53 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._deadline = None
         if self.transport is None or self.transport.is_closing():
             return
-        if answer is None or (self.cycle is not None and self.cycle.response_started):
-            self.transport.close()  # a head that never came, or a response already under way
+        if answer is None:
+            self.transport.close()  # a head that never came
         else:
             self._refuse(*answer)
 
     def _refuse(self, status: int, code: str, message: str) -> None:
+        """Answer ``status`` and close: one request, one response. When a response is already under way on this
+        connection (an early answer, or a pipelined request behind a stream), nothing is written into it: the
+        connection closes once that response ends, and nothing more is read."""
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started:
+            cycle.keep_alive = False
+            if cycle.response_complete:
+                self.transport.close()
+            else:
+                self.flow.pause_reading()
+            return
         body = error_body(message, "invalid_request_error", None, code)
-        reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+        reason = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
         self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                              b"connection: close\r\n\r\n%s" % (status, reason, len(body), body))
         self.transport.close()
-        if self.cycle is not None:
-            self.cycle.disconnected = True
-            self.cycle.message_event.set()
+        if cycle is not None:
+            cycle.disconnected = True
+            cycle.message_event.set()
+
+
+def drain_on_exit(app: Any, timeout: float) -> None:
+    """On SIGTERM or SIGINT, call ``app.begin_drain(timeout)`` on this event loop, then uvicorn's own handler.
+
+    uvicorn stops accepting on those signals, waits up to ``timeout_graceful_shutdown`` for requests to end, then
+    cancels what is left; the app alone cannot tell that shutdown began. Call this from the app factory that
+    uvicorn runs (``factory=True``): uvicorn has installed its handlers by then, in the single process and in each
+    worker alike, and restores them itself when it stops. Outside the main thread (tests) it does nothing.
+    """
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        prev = signal.getsignal(sig)
+        if not callable(prev):
+            continue
+
+        def handler(signum: int, frame: FrameType | None, prev: Callable[[int, FrameType | None], Any] = prev) -> None:
+            loop.call_soon_threadsafe(app.begin_drain, timeout)
+            prev(signum, frame)
+
+        with contextlib.suppress(ValueError):  # signal.signal works only in the main thread
+            signal.signal(sig, handler)
 
 
 def configure(settings: Settings) -> None:

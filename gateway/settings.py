@@ -13,6 +13,8 @@ GATEWAY_WORKERS        1                         worker processes (``tiergate se
 GATEWAY_MAX_HEAD_BYTES 65536                     largest request line plus headers; larger -> 431
 GATEWAY_HEAD_TIMEOUT   30                        seconds to send a request head; then the connection closes
 GATEWAY_BODY_TIMEOUT   120                       seconds to send a request body; then 408
+GATEWAY_KEEPALIVE_TIMEOUT 75                     seconds an idle client connection stays open
+GATEWAY_DRAIN_TIMEOUT  60                        on SIGTERM, seconds in-flight requests may run on
 =====================  ========================  ==============================================
 
 Upstream API keys are not settings: the YAML names the variable that holds each key
@@ -42,6 +44,10 @@ class Settings(BaseSettings):
     max_head_bytes: int = Field(64 * 1024, ge=1024)
     head_timeout: float = Field(30.0, gt=0)
     body_timeout: float = Field(120.0, gt=0)
+    # above common client pools (httpx expires idle connections after 5 s) and load balancers (60 s), as
+    # nginx's 75 s: a client that reuses a connection the server has just closed gets a connection error
+    keepalive_timeout: float = Field(75.0, gt=0)
+    drain_timeout: float = Field(60.0, ge=0)
 
 
 MULTIPROC_VAR = "PROMETHEUS_MULTIPROC_DIR"

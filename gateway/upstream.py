@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import errno
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -23,7 +25,7 @@ from pydantic import SecretStr
 
 from gateway import __version__
 from gateway.config import UpstreamConfig
-from gateway.errors import GatewayError, UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
+from gateway.errors import GatewayError, StreamInterrupted, UpstreamTimeout, UpstreamUnavailable
 
 RESPONSE_HEADER_ALLOW = ("openai-processing-ms", "retry-after", "retry-after-ms", "x-should-retry")
 RESPONSE_HEADER_PREFIX_ALLOW = ("x-ratelimit-",)
@@ -31,61 +33,60 @@ USER_AGENT = f"tiergate/{__version__}"
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error answer kept for its message; the rest is dropped
 
 
-class StreamInterrupted(Exception):
-    """The upstream stream ended abnormally after its status line.
-
-    code: ``upstream_stream_interrupted`` (reset, EOF inside a chunk) or ``upstream_idle_timeout``.
-    """
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
 class UpstreamResponse:
     """An open upstream response: status, filtered headers, and the body as reads.
 
     Always end it with :meth:`release` (fully read: the connection returns to the pool) or
     :meth:`close` (anything else: the connection is closed, never pooled half-read).
+
+    Attributes:
+        consumed: body bytes the reader has taken so far.
+        stale_retried: the first attempt went out on a pooled connection the upstream had closed, and was sent
+            again on a new one (:meth:`UpstreamPool.send`).
     """
 
-    __slots__ = ("_resp", "_idle", "status", "headers", "content_type", "upstream_request_id")
+    __slots__ = ("_resp", "_idle", "_watch", "status", "headers", "content_type", "consumed", "stale_retried")
 
-    def __init__(self, resp: aiohttp.ClientResponse, idle: float | None = None) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, idle: float | None = None, stale_retried: bool = False) -> None:
         self._resp = resp
         self._idle = idle
+        self._watch: IdleWatch | None = None
         self.status = resp.status
         self.headers = pass_headers(resp.headers)
         self.content_type = resp.headers.get("content-type", "")
-        self.upstream_request_id = resp.headers.get("x-request-id")
+        self.consumed = 0
+        self.stale_retried = stale_retried
+
+    def watch_idle(self) -> None:
+        """From now on, fail the body after the upstream's idle timeout of silence (:class:`IdleWatch`; streams).
+
+        Not armed by itself: before a stream's first token its ``ttft`` deadline may be what bounds the wait.
+        Calling it again does nothing.
+        """
+        if self._idle and self._watch is None:
+            self._watch = IdleWatch(self._resp.content, self._idle, self)
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """Yield body bytes as they arrive (one item per socket read, never re-chunked).
+        """Yield body bytes as they arrive (one item per socket read, never re-chunked). It may be called again
+        after an iteration was cancelled: it goes on where the last one stopped.
 
         Raises:
-            StreamInterrupted: reset, truncated chunked body, or no new bytes for the idle timeout
-                (:class:`IdleWatch`; streamed answers only).
+            StreamInterrupted: reset, truncated chunked body, or no new bytes for the idle timeout once
+                :meth:`watch_idle` was called.
         """
-        content = self._resp.content
-        read = content.readany
-        watch = IdleWatch(content, self._idle) if self._idle else None
+        read = self._resp.content.readany
         try:
             while True:
                 data = await read()
                 if not data:
                     return
-                if watch is not None:
-                    watch.consumed += len(data)
+                self.consumed += len(data)
                 yield data
         except TimeoutError as exc:
             raise StreamInterrupted("upstream_idle_timeout", "The upstream stopped sending before the end.") from exc
         except (aiohttp.ClientError, OSError) as exc:
             raise StreamInterrupted("upstream_stream_interrupted",
                                     f"The upstream connection ended mid-stream ({type(exc).__name__}).") from exc
-        finally:
-            if watch is not None:
-                watch.stop()
 
     async def read(self) -> bytes:
         """Read the whole body (a non-streaming answer).
@@ -106,8 +107,9 @@ class UpstreamResponse:
         """
         parts: list[bytes] = []
         size = 0
+        self.watch_idle()
         try:
-            async with contextlib.aclosing(self.chunks()) as chunks:  # stops its IdleWatch timer on the break too
+            async with contextlib.aclosing(self.chunks()) as chunks:
                 async for data in chunks:
                     parts.append(data)
                     size += len(data)
@@ -121,12 +123,19 @@ class UpstreamResponse:
         return b"".join(parts)[:limit]
 
     def release(self) -> None:
-        """Return a fully read connection to the pool."""
+        """Return a fully read connection to the pool (aiohttp closes it instead when the body is not complete)."""
+        self._stop_watch()
         self._resp.release()
 
     def close(self) -> None:
         """Close the connection now (client gone, error, or body not fully read)."""
+        self._stop_watch()
         self._resp.close()
+
+    def _stop_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
 
 
 class IdleWatch:
@@ -141,18 +150,19 @@ class IdleWatch:
     Args:
         content: the response's ``aiohttp.StreamReader`` (``total_bytes``: bytes received so far).
         idle: seconds of silence allowed.
+        reader: what reads ``content``; its ``consumed`` counts the bytes taken.
     """
 
-    __slots__ = ("content", "idle", "step", "seen", "quiet_since", "consumed", "handle", "loop")
+    __slots__ = ("content", "idle", "step", "seen", "quiet_since", "reader", "handle", "loop")
 
-    def __init__(self, content: aiohttp.StreamReader, idle: float) -> None:
+    def __init__(self, content: aiohttp.StreamReader, idle: float, reader: UpstreamResponse) -> None:
         self.loop = asyncio.get_running_loop()
         self.content = content
         self.idle = idle
         self.step = idle / 4
         self.seen = content.total_bytes
         self.quiet_since = self.loop.time()
-        self.consumed = 0  # bytes the reader has taken (chunks() adds to it)
+        self.reader = reader
         self.handle: asyncio.TimerHandle | None = self.loop.call_at(self.quiet_since + self.step, self._check)
 
     def _check(self) -> None:
@@ -162,7 +172,7 @@ class IdleWatch:
             return  # the body is complete; the reader ends on its own
         now = self.loop.time()
         total = content.total_bytes
-        if total != self.seen or self.consumed < total:
+        if total != self.seen or self.reader.consumed < total:
             self.seen = total
             self.quiet_since = now
         elif now - self.quiet_since >= self.idle:
@@ -177,6 +187,34 @@ class IdleWatch:
             self.handle = None
 
 
+_REUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("tiergate_connection_reused", default=False)
+_STALE_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
+
+
+class _Connector(aiohttp.TCPConnector):
+    """aiohttp's connector, noting for the request being sent whether its connection came from the pool.
+
+    The note is a context variable: ``connect`` runs inside the caller's ``session.post`` in the caller's task,
+    so :meth:`UpstreamPool.send` reads it right after a failure. Cost: one attribute test per request.
+    """
+
+    async def connect(self, req: Any, traces: Any, timeout: aiohttp.ClientTimeout) -> Any:
+        conn = await super().connect(req, traces, timeout)
+        proto = conn.protocol
+        _REUSED.set(getattr(proto, "tiergate_used", False))
+        if proto is not None:
+            proto.tiergate_used = True
+        return conn
+
+
+def _stale(exc: BaseException) -> bool:
+    """The failure of a request sent on a pooled connection that the upstream had closed while it sat idle: the
+    upstream disconnected, or reset, before any response byte (RFC 9112 §9.3.1: such a request was not processed)."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return True
+    return isinstance(exc, aiohttp.ClientOSError) and exc.errno in _STALE_ERRNOS
+
+
 class UpstreamPool:
     """Every upstream's client state over one shared aiohttp session (keep-alive pool, created in lifespan).
 
@@ -185,21 +223,22 @@ class UpstreamPool:
     """
 
     def __init__(self, upstreams: list[UpstreamConfig], keys: Mapping[str, SecretStr]) -> None:
-        self._upstreams = {u.name: u for u in upstreams}
         self._auth = {name: f"Bearer {key.get_secret_value()}" for name, key in keys.items()}
-        # streams: no total; sock_read bounds the wait for the status line, then send() turns it off and the
-        # body's silences are IdleWatch's (sock_read re-arms a timer on every read and counts a slow client's
+        # non-streaming: total and sock_read (silence) bound the answer. Streams: no total; the status line's
+        # wait is bounded by sock_read = idle, or, with a ttft, by the caller's first-token deadline alone (ttft
+        # governs until the first token, issue 10 case 4); after the status line send() turns sock_read off and
+        # the body's silences are IdleWatch's (sock_read re-arms a timer on every read and counts a slow client's
         # unread bytes as the upstream's silence)
-        self._timeouts = {(u.name, stream): aiohttp.ClientTimeout(total=None if stream else u.timeouts.total,
-                                                                  sock_connect=u.timeouts.connect,
-                                                                  sock_read=u.timeouts.idle)
-                          for u in upstreams for stream in (True, False)}
+        self._timeouts = {(u.name, stream): aiohttp.ClientTimeout(
+            total=None if stream else u.timeouts.total, sock_connect=u.timeouts.connect,
+            sock_read=None if stream and u.timeouts.ttft else u.timeouts.idle)
+            for u in upstreams for stream in (True, False)}
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
         """Open the shared session; call once from the app's lifespan."""
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=300,
-                                         enable_cleanup_closed=False)
+        connector = _Connector(limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=300,
+                               enable_cleanup_closed=False)
         self._session = aiohttp.ClientSession(connector=connector, auto_decompress=True, skip_auto_headers=(
             "User-Agent",), json_serialize=lambda o: orjson.dumps(o).decode())
 
@@ -217,6 +256,10 @@ class UpstreamPool:
     async def send(self, upstream: UpstreamConfig, body: bytes, *, stream: bool, request_id: str,
                    path: str = "/chat/completions") -> UpstreamResponse:
         """POST ``body`` to the upstream's ``path`` (under its base URL) and wait for the status line.
+
+        A request that went out on a pooled connection the upstream had already closed (it fails with a
+        disconnect or reset before any response byte) is sent once more on a new connection, as HTTP clients do
+        for this race (RFC 9112 §9.3.1); ``stale_retried`` on the response says so.
 
         Returns:
             The open response (any status).
@@ -237,16 +280,25 @@ class UpstreamPool:
         auth = self._auth.get(upstream.name)
         if auth:
             headers["Authorization"] = auth
+        url = upstream.base_url + path
+        retried = False
         with map_errors():
-            resp = await self._session.post(upstream.base_url + path, data=body, headers=headers,
-                                            timeout=timeout, allow_redirects=False)
+            try:
+                resp = await self._session.post(url, data=body, headers=headers, timeout=timeout,
+                                                allow_redirects=False)
+            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+                if not (_REUSED.get() and _stale(exc)):
+                    raise
+                retried = True
+                resp = await self._session.post(url, data=body, headers=headers, timeout=timeout,
+                                                allow_redirects=False)
         if not stream:
-            return UpstreamResponse(resp)
+            return UpstreamResponse(resp, stale_retried=retried)
         conn = resp.connection
         if conn is not None and conn.protocol is not None:
             conn.protocol.read_timeout = None  # aiohttp's ResponseHandler: no sock_read for the body...
             conn.protocol.start_timeout()  # ...and the timer armed by the status line's read is cancelled
-        return UpstreamResponse(resp, upstream.timeouts.idle)
+        return UpstreamResponse(resp, upstream.timeouts.idle, stale_retried=retried)
 
 
 class map_errors:  # noqa: N801 - used as a context manager, named like one
@@ -273,41 +325,3 @@ def pass_headers(headers: Mapping[str, str]) -> dict[str, str]:
         if low in RESPONSE_HEADER_ALLOW or low.startswith(RESPONSE_HEADER_PREFIX_ALLOW):
             out[low] = value
     return out
-
-
-def status_error(status: int, body: bytes, headers: Mapping[str, str]) -> UpstreamStatusError:
-    """Wrap an upstream error answer in OpenAI's envelope, whatever shape the upstream used.
-
-    Handles OpenAI's ``{"error": {...}}``, Cerebras/vLLM flat bodies (``{"message", "type", "code"}``,
-    ``status_code``), an integer ``code`` (made a string), and non-JSON text.
-    """
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        parsed = None
-    data = parsed.get("error", parsed) if isinstance(parsed, dict) else None
-    if isinstance(data, str):
-        data = {"message": data}
-    if not isinstance(data, dict):
-        text = body.decode("utf-8", "replace").strip()[:2000]
-        data = {"message": text or f"Upstream answered HTTP {status}."}
-    message = data.get("message")
-    etype = data.get("type")
-    code = data.get("code")
-    param = data.get("param")
-    return UpstreamStatusError(
-        status,
-        message if isinstance(message, str) else orjson.dumps(message).decode(),
-        error_type=etype if isinstance(etype, str) else _type_for(status),
-        param=param if isinstance(param, str) else None,
-        code=str(code) if isinstance(code, str | int) and not isinstance(code, bool) else None,
-        headers=headers,
-    )
-
-
-def _type_for(status: int) -> str:
-    if status == 429:
-        return "rate_limit_error"
-    if status in (401, 403):
-        return "authentication_error" if status == 401 else "permission_error"
-    return "server_error" if status >= 500 else "invalid_request_error"

@@ -9,10 +9,17 @@ Request body rules (wire contract §1):
 * ``cerebras`` dialect: Cerebras answers unknown properties with 422, so the fields it rejects are
   dropped (``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``, ``prompt_cache_key``,
   ``safety_identifier``, ``stream_options.include_obfuscation``) and the body is re-serialised.
+* both: ``stream_options`` on a request that does not stream means nothing, and strict upstreams answer it
+  with 400 (OpenAPI: "Only set this when you set ``stream: true``"), so it is dropped.
+
+Bodies are JSON as RFC 8259 defines it: a lone surrogate escape such as ``"\\ud83d"`` is valid JSON text
+(§8.2: its behaviour is unpredictable, not forbidden) that orjson refuses; the standard library's parser then
+reads it, and the client's bytes are forwarded as they came.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -60,11 +67,40 @@ def parse_responses_request(raw: bytes) -> dict[str, Any]:
     return _routable(raw)
 
 
+def loads(raw: bytes) -> Any:
+    """Parse JSON: orjson, or, only when orjson refuses, the standard library (which reads lone surrogate
+    escapes; ``NaN`` and ``Infinity`` stay refused: they are not JSON).
+
+    Raises:
+        orjson.JSONDecodeError (a ``ValueError``): not JSON.
+    """
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        try:
+            return json.loads(raw, parse_constant=_no_constant)
+        except ValueError:
+            raise exc from None
+
+
+def dumps(value: Any) -> bytes:
+    """Compact JSON bytes: orjson, or, for strings holding a lone surrogate (which UTF-8 cannot encode), the
+    standard library with those characters escaped as ``\\uXXXX``, as the client sent them."""
+    try:
+        return orjson.dumps(value)
+    except TypeError:
+        return json.dumps(value, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _routable(raw: bytes) -> dict[str, Any]:
     """A JSON object with a non-empty string ``model`` and, if present, a boolean ``stream``."""
     try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
+        body = loads(raw)
+    except ValueError as exc:
         raise InvalidRequest(f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from exc
     if not isinstance(body, dict):
         raise InvalidRequest(f"The request body must be a JSON object, got {_json_type(body)}.", code="invalid_json")
@@ -107,13 +143,18 @@ def upstream_body(raw: bytes, body: dict[str, Any], upstream_model: str, dialect
         raw: the client's body bytes; body: the same, parsed; upstream_model: model id for this upstream;
         dialect: ``openai`` or ``cerebras``; ask_usage: add ``stream_options.include_usage: true``.
     """
+    streams = body.get("stream") is True
     if dialect == "cerebras":
         out = {k: v for k, v in body.items() if k not in CEREBRAS_DROP}
         out["model"] = upstream_model
         options = out.get("stream_options")
-        if isinstance(options, dict) and "include_obfuscation" in options:
+        if not streams:
+            out.pop("stream_options", None)
+        elif isinstance(options, dict) and "include_obfuscation" in options:
             out["stream_options"] = {k: v for k, v in options.items() if k != "include_obfuscation"}
-        return orjson.dumps(out)
+        return dumps(out)
+    if not streams and "stream_options" in body:
+        raw = remove_top_level(raw, b"stream_options")
     if upstream_model != body["model"]:
         raw = replace_top_level(raw, b"model", orjson.dumps(upstream_model))
     if ask_usage:
@@ -135,32 +176,55 @@ def replace_top_level(raw: bytes, key: bytes, value: bytes) -> bytes:
     """
     spans = _value_spans(raw, key)
     if not spans:
-        body = orjson.loads(raw)
+        body = loads(raw)
         body[key.decode()] = orjson.loads(value)
-        return orjson.dumps(body)
-    for start, end in reversed(spans):
+        return dumps(body)
+    for _, start, end in reversed(spans):
         raw = raw[:start] + value + raw[end:]
     return raw
 
 
-def _value_spans(raw: bytes, key: bytes) -> list[tuple[int, int]]:
-    """Byte spans of the values of top-level ``key``, in order (more than one only for a repeated key)."""
+def remove_top_level(raw: bytes, key: bytes) -> bytes:
+    """Remove every ``"key": value`` member at the top level of the JSON object ``raw``, with one comma beside it;
+    every other byte is kept. Falls back to parsing and re-serialising when the scanner cannot locate it."""
+    spans = _value_spans(raw, key)
+    if not spans:
+        body = loads(raw)
+        body.pop(key.decode(), None)
+        return dumps(body)
+    for key_start, _, end in reversed(spans):
+        after = _skip_ws(raw, end)
+        if after < len(raw) and raw[after] == 0x2C:  # "key": value, next  ->  next
+            raw = raw[:key_start] + raw[_skip_ws(raw, after + 1):]
+            continue
+        before = key_start  # last member: drop the comma in front of it instead
+        while before > 0 and raw[before - 1] in _WS:
+            before -= 1
+        if before > 0 and raw[before - 1] == 0x2C:
+            before -= 1
+        raw = raw[:before] + raw[end:]
+    return raw
+
+
+def _value_spans(raw: bytes, key: bytes) -> list[tuple[int, int, int]]:
+    """(key start, value start, value end) byte offsets of each top-level ``key``, in order (more than one only
+    for a repeated key)."""
     quoted = b'"' + key + b'"'
-    spans: list[tuple[int, int]] = []
+    spans: list[tuple[int, int, int]] = []
     depth = 0
     tokens = _TOKEN.finditer(raw)
     for m in tokens:
         tok = m.group()
         first = tok[0]
         if first == 0x22:
-            if depth != 1 or not (tok == quoted or (b"\\" in tok and orjson.loads(tok) == key.decode())):
+            if depth != 1 or not (tok == quoted or (b"\\" in tok and loads(tok) == key.decode())):
                 continue
             colon = _skip_ws(raw, m.end())
             if colon >= len(raw) or raw[colon] != 0x3A:
                 continue
             start = _skip_ws(raw, colon + 1)
             end = _value_end(raw, start, tokens)  # consumes the value's tokens: depth is still 1
-            spans.append((start, end))
+            spans.append((m.start(), start, end))
             if raw.find(quoted, end) < 0 and raw.find(b"\\u", end) < 0:
                 return spans  # no second copy of the key can follow (spelt plainly or with escapes)
             continue

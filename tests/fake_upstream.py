@@ -24,7 +24,9 @@ class Plan:
 
     head_delay: seconds before the status line; parts: (delay in seconds before the write, bytes);
     end: ``ok`` (chunked terminator), ``eof`` (close without terminator), ``reset`` (TCP RST) or ``stall``
-    (keep silent); chunked: use chunked transfer encoding (else Content-Length over the joined parts).
+    (keep silent); chunked: use chunked transfer encoding (else Content-Length over the joined parts);
+    drop: close the connection at once without answering (what a server does to a keep-alive connection it
+    timed out just as a request arrived).
     """
 
     status: int = 200
@@ -34,17 +36,20 @@ class Plan:
     end: str = "ok"
     chunked: bool = True
     head_delay: float = 0.0
+    drop: bool = False
 
 
 @dataclass
 class Received:
-    """One request as the fake upstream saw it."""
+    """One request as the fake upstream saw it; ``connection``: which connection (1, 2, ... in the order opened)
+    it came on."""
 
     method: str
     path: str
     headers: dict[str, str]
     body: bytes
     at: float
+    connection: int = 0
 
 
 class FakeUpstream:
@@ -96,6 +101,7 @@ class _Proto(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.owner.opened += 1
+        self.number = self.owner.opened
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.owner.closed_at.append(time.monotonic())
@@ -117,12 +123,16 @@ class _Proto(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         req = Received(self.parser.get_method().decode(), self._url.decode(), self._headers, b"".join(self._body),
-                       time.monotonic())
+                       time.monotonic(), self.number)
         self._url, self._headers, self._body = b"", {}, []
         self.owner.requests.append(req)
         self.task = asyncio.get_running_loop().create_task(self._answer(self.owner.handler(req)))
 
     async def _answer(self, plan: Plan) -> None:
+        if plan.drop:
+            if self.transport is not None:
+                self.transport.close()
+            return
         if plan.head_delay:
             await asyncio.sleep(plan.head_delay)
         head = [f"HTTP/1.1 {plan.status} X"] + [f"{k}: {v}" for k, v in plan.headers.items()]

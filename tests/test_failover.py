@@ -291,17 +291,23 @@ async def test_concurrency_limit_waits_for_a_slot_or_spills_over(ups: dict[str, 
         proc.stop()
 
 
-def test_oversized_event_while_holding_for_the_first_token_ends_in_band(
+def test_oversized_event_before_the_first_token_fails_over(
         ups: dict[str, FakeUpstream], tmp_path_factory: pytest.TempPathFactory) -> None:
     cfg = _config(ups)
     cfg["limits"] = {"max_event_bytes": 2048}
     proc, _ = start_gateway(cfg, tmp_path_factory.mktemp("bigevent"))
     try:
         PLANS[("fast", "big")] = Plan(parts=[(0, b"data: " + b"x" * 4096)])  # no token yet, no blank line
-        resp = _post(proc, "big", True)
-        assert resp.status_code == 200 and resp.headers["x-tiergate-tier"] == "fast"
-        last = orjson.loads(resp.content.split(b"\n\n")[-2][6:])
-        assert last["error"]["code"] == "upstream_event_too_large"
+        resp = _post(proc, "big", True)  # nothing was sent before the first token: the other tier can serve it
+        assert resp.status_code == 200 and resp.headers["x-tiergate-tier"] == "standard"
+        assert resp.headers["x-tiergate-fallback"] == "upstream_event_too_large"
+        cfg["fallback"] = False
+        alone, _ = start_gateway(cfg, tmp_path_factory.mktemp("bigevent-alone"))
+        try:
+            resp = _post(alone, "big", True)
+            assert resp.status_code == 502 and resp.json()["error"]["code"] == "upstream_event_too_large"
+        finally:
+            alone.stop()
         assert _post(proc, "", True).status_code == 200  # and the gateway goes on serving
     finally:
         PLANS.pop(("fast", "big"), None)

@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from gateway.config import UpstreamConfig
-from gateway.errors import UpstreamTimeout
-from gateway.upstream import ERROR_BODY_LIMIT, StreamInterrupted, UpstreamPool, UpstreamResponse
+from gateway.errors import StreamInterrupted, UpstreamTimeout
+from gateway.upstream import ERROR_BODY_LIMIT, UpstreamPool, UpstreamResponse
 
 from fake_upstream import FakeUpstream, Plan, Received
 
@@ -70,6 +70,7 @@ async def _open(pool: tuple[UpstreamPool, UpstreamConfig], plan: str) -> tuple[U
     p, cfg = pool
     resp = await p.send(cfg, b'{"model":"m","stream":true}', stream=True, request_id=plan)
     assert resp.status == 200
+    resp.watch_idle()  # as the relay does (at once, or after the first token when a ttft deadline bounds it)
     return resp, resp.chunks()
 
 

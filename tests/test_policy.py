@@ -208,15 +208,15 @@ def test_inputs_the_fast_tier_cannot_take_skip_its_upstreams() -> None:
 @pytest.mark.parametrize(
     ("rules", "needle"),
     [
-        ([{"name": "r", "route": {"tier": "fast", "upstream": "nope"}}], "rules[0] 'r': route.upstream 'nope'"),
+        ([{"name": "r", "route": {"tier": "fast", "upstream": "nope"}}], "rule 1 'r' (rules.0): route.upstream 'nope'"),
         ([{"name": "r", "route": {"tier": "standard", "upstream": "fast-a"}}], "is on the fast tier"),
         ([{"name": "r", "match": {"user_agent": {"regex": "("}}, "route": {"tier": "fast"}}], "bad regex"),
         ([{"name": "all", "route": {"tier": "fast"}}, {"name": "later", "match": {"n": {"gt": 1}},
                                                       "route": {"tier": "standard"}}],
-         "rules[1] 'later': unreachable: rules[0] 'all' matches every request"),
+         "rule 2 'later' (rules.1): unreachable: rule 1 'all' (rules.0) matches every request"),
         ([{"name": "a", "match": {"stream": True}, "route": {"tier": "fast"}},
           {"name": "b", "match": {"stream": True}, "route": {"tier": "standard"}}],
-         "rules[1] 'b': unreachable: rules[0] 'a' has the same conditions"),
+         "rule 2 'b' (rules.1): unreachable: rule 1 'a' (rules.0) has the same conditions"),
         ([{"name": "r", "match": {"tier": "fast"}, "route": {"tier": "fast"}}], "rules.0.match.tier"),
         ([{"name": "r", "match": {"n": {}}, "route": {"tier": "fast"}}], "at least one of gt"),
         ([{"name": "r", "match": {"headers": {"x": {"exact": "a", "prefix": "b"}}}, "route": {"tier": "fast"}}],
