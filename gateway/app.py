@@ -6,6 +6,7 @@ is OpenAI's envelope (never FastAPI's ``{"detail": ...}`` or a 422, never a stac
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import os
@@ -16,7 +17,7 @@ from contextlib import asynccontextmanager
 import orjson
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest, multiprocess
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -91,7 +92,10 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
             ``/metrics`` then merges every worker's samples, so each request is counted exactly once.
     """
     config = loaded.config
-    registry = registry if registry is not None else CollectorRegistry()
+    if registry is None:
+        registry = CollectorRegistry()
+        if not multiprocess_dir:  # process_* (RSS, open fds, CPU): prometheus-client's standard collector
+            ProcessCollector(registry=registry)
     metrics = Metrics(registry, config.model_names(), [(u.tier, u.name, u.models) for u in config.upstreams],
                       prices={u.name: u.prices.per_token() for u in config.upstreams if u.prices is not None})
     pool = UpstreamPool(config.upstreams, loaded.keys)
@@ -148,6 +152,7 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics_endpoint() -> Response:
+        metrics.tasks.set(len(asyncio.all_tasks()))
         now = health.clock()
         for name, h in health.by_name.items():
             metrics.set_upstream_state(name, h.state(now), {k: q.remaining for k, q in h.quota.items()

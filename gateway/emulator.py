@@ -22,6 +22,7 @@ done          ``0``/``1``: end with ``data: [DONE]`` (default: openai 1, cerebra
 transcript    replay NAME.body from the fixtures folder (status and content-type from NAME.json)
 status        answer this HTTP status with an OpenAI error body (``retry_after_ms`` adds the header)
 drop_after    after N events, reset the connection; stall_after: after N events, go silent
+fault         one of :data:`FAULTS`: a fault from issue 10's bug reports, played on this request
 ============  ==========================================================================
 """
 
@@ -44,6 +45,37 @@ import orjson
 WORDS = [w.encode() for w in (" Every", " token", " leaves", " the", " gateway", " the", " moment", " it",
                               " arrives", ",", " unbuffered", ",", " and", " is", " counted", " once", ".")]
 _DIRECTIVE = re.compile(rb"\[\[emulate ([^\]]*)\]\]")
+SSE = b"text/event-stream; charset=utf-8"
+_ERR_400 = (b'event: error\ndata: {"error":{"message":"invalid request","type":"invalid_request_error",'
+            b'"code":400}}\n\n')
+_ERR_500 = b'data: {"error":{"message":"overloaded","type":"server_error","param":null,"code":null}}\n\n'
+_QUOTA = (b'{"error":{"message":"You exceeded your current quota, please check your plan and billing details.",'
+          b'"type":"insufficient_quota","param":null,"code":"insufficient_quota"}}')
+_OVERFLOW = (b'{"error":{"code":500,"message":"request (9120 tokens) exceeds the available context size (8192 '
+             b'tokens)","type":"server_error"}}')
+_EMPTY = (b'{"status_code":500,"error":{"message":"server error, please retry","type":"server_error","param":"",'
+          b'"code":"","id":""}}')
+_TPM = (b'{"message":"Tokens per minute limit exceeded","type":"too_many_tokens_error","param":"quota",'
+        b'"code":"token_quota_exceeded"}')
+# fault=NAME (issue 10's cases, for the soak and for tests): what the upstream does wrong
+FAULTS = {
+    "error_first": "200 stream whose first event after the role chunk is an error event (code 400), then [DONE]",
+    "error_first_500": "200 stream whose first event after the role chunk is an overloaded error (server_error)",
+    "done_held": "the role chunk and [DONE], no token, then silence on the open connection",
+    "silent_after_finish": "the answer through its finish chunk, then silence (no usage, no [DONE], no end)",
+    "error_fin": "a few tokens, an error event, then the connection closes inside the chunked body",
+    "mislabelled": "a normal stream labelled text/plain",
+    "usage_late": "the answer; its usage chunk (OpenAI dialect, when asked) 0.4 s after the finish chunk",
+    "usage_on_error": "a few tokens, then a final chunk with error, finish_reason error and usage; then [DONE]",
+    "quota_429": "429 insufficient_quota (the quota is exhausted)",
+    "overflow_500": "500 from llama.cpp: the prompt exceeds the context size",
+    "empty_envelope": "500 in Cerebras' envelope with empty param and code",
+    "reset_zero": "a normal answer with x-ratelimit-remaining-requests 0 and x-ratelimit-reset-requests 0s",
+    "reset_only_429": "429 with Cerebras' reset headers (float seconds) and no retry-after",
+    "stale": "on a connection that already served a request: close it without answering (keep-alive race)",
+    "done_no_blank": "the answer, ending with data: [DONE] without its blank line",
+    "usage_chunk": "a separate choices: [] usage chunk whether or not the client asked for one",
+}
 REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found", 422: b"Unprocessable Entity",
            429: b"Too Many Requests", 500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable"}
 
@@ -85,6 +117,7 @@ class EmulatorProtocol(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.req = _Request()
         self.timer: asyncio.TimerHandle | None = None
+        self.served = 0  # requests received on this connection
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -113,6 +146,7 @@ class EmulatorProtocol(asyncio.Protocol):
         self.req.body.append(body)
 
     def on_message_complete(self) -> None:
+        self.served += 1
         req, self.req = self.req, _Request()
         req.method = self.parser.get_method()
         try:
@@ -141,7 +175,62 @@ class EmulatorProtocol(asyncio.Protocol):
         if "transcript" in d:
             self._replay(d["transcript"], d, stream=body.get("stream") is True)
             return
+        if "fault" in d:
+            self._fault(d["fault"], body, d)
+            return
         Generation(self, body, d, responses=path.endswith(b"/responses")).start()
+
+    def _fault(self, name: str, body: dict[str, Any], d: dict[str, str]) -> None:
+        """Play one of :data:`FAULTS` (chat completions, either dialect)."""
+        if name not in FAULTS:
+            raise ValueError(f"unknown fault {name!r}")
+        answers = {"quota_429": (429, _QUOTA, []), "overflow_500": (500, _OVERFLOW, []),
+                   "empty_envelope": (500, _EMPTY, []),
+                   "reset_only_429": (429, _TPM, [(b"x-ratelimit-remaining-tokens-minute", b"0"),
+                                                  (b"x-ratelimit-reset-tokens-minute", b"1.5")])}
+        if name in answers:
+            status, data, extra = answers[name]
+            self._reply(status, data, extra=extra)
+            return
+        if name == "stale" and self.served > 1:
+            self._close()
+            return
+        gen = Generation(self, body, d)
+        t0 = gen.t0 = self.loop.time()
+        if body.get("stream") is not True:
+            gen.start()
+            return
+        items = gen._events(t0)
+        role, t_first, t_end = items[0], t0 + gen.ttft, items[-1][0]
+        answer = [e for e in items if e[1] != b"data: [DONE]\n\n"]
+        end, ctype, extra = "ok", SSE, []
+        if name == "error_first":
+            items = [role, (t_first, _ERR_400 + b"data: [DONE]\n\n")]
+        elif name == "error_first_500":
+            items = [role, (t_first, _ERR_500)]
+        elif name == "done_held":
+            items, end = [role, (t_first, b"data: [DONE]\n\n")], "stall"
+        elif name == "silent_after_finish":
+            items, end = [e for e in answer if b'"choices":[]' not in e[1]], "stall"
+        elif name == "error_fin":
+            items, end = [*items[:3], (items[2][0], _ERR_500)], "eof"
+        elif name == "mislabelled":
+            ctype = b"text/plain; charset=utf-8"
+        elif name == "usage_late":
+            items = [(t + 0.4, e) if b'"choices":[]' in e or e == b"data: [DONE]\n\n" else (t, e) for t, e in items]
+        elif name == "usage_on_error":
+            last = gen._chunk(b'{"index":0,"delta":{},"finish_reason":"error"}', b',"error":{"code":502,"message":'
+                              b'"Provider disconnected"},"usage":' + orjson.dumps(gen._usage()))
+            items = [*items[:3], (items[2][0], last + b"data: [DONE]\n\n")]
+        elif name == "reset_zero":
+            extra = [(b"x-ratelimit-remaining-requests", b"0"), (b"x-ratelimit-reset-requests", b"0s")]
+        elif name == "done_no_blank":
+            items = [*answer, (t_end, b"data: [DONE]")]
+        elif name == "usage_chunk":
+            items = [*(e for e in answer if b'"choices":[]' not in e[1]),
+                     (t_end, gen._chunk(b"", b',"usage":' + orjson.dumps(gen._usage())))]
+        self._start_chunked(200, ctype, extra)
+        Schedule(self, items, d, end=end).start()
 
     def _error(self, status: int, d: dict[str, str]) -> None:
         extra = [(b"retry-after-ms", d["retry_after_ms"].encode())] if "retry_after_ms" in d else []
@@ -177,11 +266,12 @@ class EmulatorProtocol(asyncio.Protocol):
         head += [k + b": " + v for k, v in extra]
         self.transport.write(b"\r\n".join(head) + b"\r\n\r\n" + body)
 
-    def _start_chunked(self, status: int, ctype: bytes) -> None:
+    def _start_chunked(self, status: int, ctype: bytes, extra: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
         if self.transport is not None:
             reason = REASONS.get(status, b"OK")
+            more = b"".join(k + b": " + v + b"\r\n" for k, v in extra)
             self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n"
-                                 b"x-request-id: emu_%x\r\n\r\n" % (status, reason, ctype, id(self)))
+                                 b"x-request-id: emu_%x\r\n%s\r\n" % (status, reason, ctype, id(self), more))
 
     def write_chunk(self, payload: bytes) -> None:
         """Write one HTTP chunk (chunked transfer encoding)."""
@@ -207,10 +297,14 @@ class EmulatorProtocol(asyncio.Protocol):
 
 
 class Schedule:
-    """Writes timed SSE payloads on one connection with loop timers; all payloads due at a tick go in one write."""
+    """Writes timed SSE payloads on one connection with loop timers; all payloads due at a tick go in one write.
+
+    end: after the last payload, ``ok`` (the chunked terminator; the connection stays open), ``eof`` (close the
+    connection inside the chunked body) or ``stall`` (write nothing more, keep the connection open).
+    """
 
     def __init__(self, proto: EmulatorProtocol, items: list[tuple[float, bytes]], d: dict[str, str],
-                 end: bool = True) -> None:
+                 end: str = "ok") -> None:
         self.proto = proto
         self.items = items
         self.i = 0
@@ -242,8 +336,10 @@ class Schedule:
         self.proto.write_chunk(b"".join(parts))
         if self.i < len(self.items):
             self._arm()
-        elif self.end:
+        elif self.end == "ok":
             self.proto.end_chunked()
+        elif self.end == "eof":
+            self.proto._close()
 
 
 class Generation:

@@ -109,6 +109,9 @@ class Metrics:
             ("tier", "upstream", "phase"), buckets=TTFT_BUCKETS, registry=registry)
         self.cost = Counter(f"{p}_cost_usd", "Cost in USD from upstream usage and the configured prices.", _T,
                             registry=registry)
+        self.tasks = Gauge(f"{p}_event_loop_tasks", "asyncio tasks alive in the process at scrape time (requests in "
+                           "flight and their watchers, plus the server's own); flat when nothing leaks.", (),
+                           registry=registry, multiprocess_mode="livesum")
         self.unpriced = Counter(f"{p}_unpriced_requests",
                                 "Requests answered by an upstream that added no cost: no usage reported, or no "
                                 "prices configured for the upstream.", _T, registry=registry)

@@ -234,19 +234,22 @@ class UpstreamPool:
             sock_read=None if stream and u.timeouts.ttft else u.timeouts.idle)
             for u in upstreams for stream in (True, False)}
         self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None  # never pools: the retry of a stale connection's request
 
     async def start(self) -> None:
         """Open the shared session; call once from the app's lifespan."""
         connector = _Connector(limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=300,
                                enable_cleanup_closed=False)
-        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=True, skip_auto_headers=(
-            "User-Agent",), json_serialize=lambda o: orjson.dumps(o).decode())
+        common: dict[str, Any] = {"auto_decompress": True, "skip_auto_headers": ("User-Agent",)}
+        self._session = aiohttp.ClientSession(connector=connector, **common)
+        self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0), **common)
 
     async def stop(self) -> None:
-        """Close the session and every pooled connection."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        """Close the sessions and every pooled connection."""
+        for session in (self._session, self._fresh):
+            if session is not None:
+                await session.close()
+        self._session = self._fresh = None
 
     @property
     def ready(self) -> bool:
@@ -258,8 +261,9 @@ class UpstreamPool:
         """POST ``body`` to the upstream's ``path`` (under its base URL) and wait for the status line.
 
         A request that went out on a pooled connection the upstream had already closed (it fails with a
-        disconnect or reset before any response byte) is sent once more on a new connection, as HTTP clients do
-        for this race (RFC 9112 §9.3.1); ``stale_retried`` on the response says so.
+        disconnect or reset before any response byte) is sent once more, on a connection opened for it (another
+        pooled one may be just as stale), as HTTP clients do for this race (RFC 9112 §9.3.1);
+        ``stale_retried`` on the response says so.
 
         Returns:
             The open response (any status).
@@ -290,8 +294,9 @@ class UpstreamPool:
                 if not (_REUSED.get() and _stale(exc)):
                     raise
                 retried = True
-                resp = await self._session.post(url, data=body, headers=headers, timeout=timeout,
-                                                allow_redirects=False)
+                assert self._fresh is not None
+                resp = await self._fresh.post(url, data=body, headers=headers, timeout=timeout,
+                                              allow_redirects=False)
         if not stream:
             return UpstreamResponse(resp, stale_retried=retried)
         conn = resp.connection
