@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     emulate.add_argument("--dialect", choices=("openai", "cerebras"), help="fast: cerebras, standard: openai")
     emulate.add_argument("--fixtures", type=Path, help="recorded transcripts (default ../shared/fixtures/upstream)")
     emulate.add_argument("--exit-with-parent", action="store_true", help="stop when the process that started it ends")
+    emulate.add_argument("--timing-log", type=Path,
+                         help="append when each streamed answer's request came and its first and last token left")
 
     check = sub.add_parser("check-config", help="validate a config file and print the resolved routes")
     check.add_argument("file", type=Path)
@@ -85,7 +87,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "emulate":
             return _emulate(args)
         if args.command == "bench":
-            from gateway.loadtest import main as bench_main
+            from gateway.tools.loadtest import main as bench_main
 
             return bench_main(args)
         return _check(args.file)
@@ -134,13 +136,13 @@ def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
 
 
 def _emulate(args: argparse.Namespace) -> int:
-    from gateway.emulator import EmulatorConfig, run
+    from gateway.tools.emulator import EmulatorConfig, run
 
     cfg = EmulatorConfig.for_tier(args.tier, tps=args.tps, ttft=args.ttft, dialect=args.dialect,
                                   fixtures=args.fixtures)
     print(f"emulated {args.tier} tier on http://{args.host}:{args.port}/v1: {cfg.tps:g} tokens/s, "
           f"TTFT {cfg.ttft * 1000:g} ms, {cfg.dialect} dialect", flush=True)
-    run(cfg, args.host, args.port, parent=os.getppid() if args.exit_with_parent else None)
+    run(cfg, args.host, args.port, parent=os.getppid() if args.exit_with_parent else None, timing_log=args.timing_log)
     return 0
 
 

@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
-import orjson
 from pydantic import SecretStr
 
 from gateway import __version__

@@ -9,6 +9,7 @@ Nothing here talks to anything but 127.0.0.1; every process is killed at the end
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import yaml
 
@@ -184,6 +186,47 @@ def sample(metrics_text: str, name: str, *, missing_ok: bool = True, **labels: s
     if not found and not missing_ok:
         raise KeyError(f"no sample {name} with {labels}")
     return total
+
+
+class TimedEmulator(Proc):
+    """``tiergate emulate --timing-log``: the emulator, logging when each streamed answer's request came and its first
+    and last token left (``gateway.tools.emulator``), for ground-truth tests; :meth:`record` reads one line."""
+
+    def __init__(self, tier: str, tmp: Path, port: int) -> None:
+        self.records = tmp / f"timing-{tier}-{port}.jsonl"
+        super().__init__(["emulate", "--tier", tier, "--port", str(port), "--fixtures", str(FIXTURES),
+                          "--timing-log", str(self.records)], port, tmp / f"emulator-{tier}-{port}.log")
+
+    def record(self, rid: str, timeout: float = 5.0) -> dict[str, Any]:
+        """The timing line of the request whose ``X-Client-Request-Id`` was ``rid``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.records.exists():
+                for line in self.records.read_text().splitlines():
+                    rec = json.loads(line)
+                    if rec["rid"] == rid:
+                        return rec  # type: ignore[no-any-return]
+            if time.monotonic() > deadline:
+                raise KeyError(f"the emulator logged no request {rid!r}")
+            time.sleep(0.01)
+
+
+def sse(*chunks: bytes | str, done: bool = True) -> bytes:
+    """``data: <chunk>\\n\\n`` for each chunk, plus ``data: [DONE]\\n\\n``."""
+    out = b"".join(b"data: " + (c.encode() if isinstance(c, str) else c) + b"\n\n" for c in chunks)
+    return out + (b"data: [DONE]\n\n" if done else b"")
+
+
+def chunk(content: str | None = None, *, role: bool = False, finish: str | None = None, usage: bool = False) -> str:
+    """A compact OpenAI chat-completions chunk as JSON text."""
+    if usage:
+        return orjson.dumps({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
+                             "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}).decode()
+    delta: dict[str, object] = {"role": "assistant", "content": ""} if role else {}
+    if content is not None:
+        delta["content"] = content
+    return orjson.dumps({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                         "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}).decode()
 
 
 def fast_directive(**kw: Any) -> str:

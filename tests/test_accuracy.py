@@ -2,7 +2,7 @@
 
 A grid of stream shapes (TTFT 20 ms -> 2 s, 20 -> 2,000 tokens/s, 1 -> 4,000 tokens, 1-5 tokens per chunk, with
 and without usage, both dialects) is sent one request at a time through the gateway to emulators wrapped in
-``emulator_probe``, which logs when each request arrived and when its first and last token left, on the
+``tiergate emulate --timing-log``, which logs when each request arrived and when its first and last token left, on the
 machine-wide monotonic clock that the gateway and this test also read. Per single-request run:
 
 * TTFT, hard bounds: the gateway's TTFT is at least the emulator's (arrival at the emulator -> first token
@@ -36,8 +36,7 @@ import httpx
 import orjson
 import pytest
 
-from conftest import FIXTURES, Proc, default_config, fast_directive, free_port, sample, start_gateway
-from emulator_probe import ProbedEmulator, start_probed_emulator
+from conftest import Proc, TimedEmulator, default_config, fast_directive, free_port, sample, start_gateway
 
 TTFT = "tiergate_time_to_first_token_seconds"
 TPOT = "tiergate_time_per_output_token_seconds"
@@ -99,7 +98,7 @@ class Rig:
     """The gateway in front of one probed emulator per tier."""
 
     gateway: Proc
-    emulators: dict[str, ProbedEmulator]
+    emulators: dict[str, TimedEmulator]
 
     @property
     def root(self) -> str:
@@ -112,7 +111,7 @@ class Rig:
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     tmp = tmp_path_factory.mktemp("accuracy")
-    emus = {tier: start_probed_emulator(tier, tmp, free_port(), FIXTURES) for tier in ("fast", "standard")}
+    emus = {tier: TimedEmulator(tier, tmp, free_port()) for tier in ("fast", "standard")}
     cfg = default_config(f"http://127.0.0.1:{emus['fast'].port}/v1", f"http://127.0.0.1:{emus['standard'].port}/v1")
     for up in cfg["upstreams"]:
         up["prices"] = PRICES[up["tier"]]

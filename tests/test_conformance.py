@@ -1,6 +1,6 @@
 """The wire contract's conformance checks (shared/design/wire-contract.md §7) over real sockets.
 
-One scripted fake upstream serves both tiers (fast: Cerebras dialect, standard: OpenAI dialect); each test
+One emulator playing scripted plans serves both tiers (fast: Cerebras dialect, standard: OpenAI dialect); each test
 picks its scripted answer with a top-level ``x_case`` field, which the OpenAI dialect forwards untouched.
 """
 
@@ -17,8 +17,9 @@ import openai
 import orjson
 import pytest
 
-from conftest import Proc, sample, start_gateway
-from fake_upstream import FakeUpstream, Plan, Received, chunk, sse
+from gateway.tools.emulator import EmulatorThread, Plan, Received
+
+from conftest import Proc, chunk, sample, sse, start_gateway
 
 CASES: dict[str, Plan] = {}
 SECRET = "sk-SECRET-4f1c9"
@@ -33,14 +34,14 @@ def _handler(req: Received) -> Plan:
 
 
 @pytest.fixture(scope="module")
-def fake() -> Iterator[FakeUpstream]:
-    up = FakeUpstream(_handler)
+def fake() -> Iterator[EmulatorThread]:
+    up = EmulatorThread(_handler)
     yield up
     up.stop()
 
 
 @pytest.fixture(scope="module")
-def gw(fake: FakeUpstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+def gw(fake: EmulatorThread, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     cfg = {
         "max_attempts": 1,
         "upstreams": [
@@ -78,7 +79,7 @@ def _events(raw: bytes) -> list[bytes]:
 
 
 # 1. pass-through and 2. usage injected for metering
-def test_plain_stream_passes_through_and_usage_is_metered_not_shown(fake: FakeUpstream, gw: Proc) -> None:
+def test_plain_stream_passes_through_and_usage_is_metered_not_shown(fake: EmulatorThread, gw: Proc) -> None:
     body = sse(chunk(role=True), chunk("Hel"), chunk("lo"), chunk(finish="stop"), chunk(usage=True))
     CASES["pass"] = Plan(parts=[(0, body)])
     before = httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text
@@ -96,7 +97,7 @@ def test_plain_stream_passes_through_and_usage_is_metered_not_shown(fake: FakeUp
 
 
 # 3. usage requested by the client from a Cerebras-style upstream (usage on the finish chunk, no [DONE])
-def test_client_usage_from_cerebras_style_upstream(fake: FakeUpstream, gw: Proc) -> None:
+def test_client_usage_from_cerebras_style_upstream(fake: EmulatorThread, gw: Proc) -> None:
     finish = orjson.loads(chunk(finish="stop"))
     finish["usage"] = {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
     finish["time_info"] = {"queue_time": 0.001, "prompt_time": 0.002, "completion_time": 0.003, "total_time": 0.006}
@@ -113,7 +114,7 @@ def test_client_usage_from_cerebras_style_upstream(fake: FakeUpstream, gw: Proc)
 
 # 4. line endings, split CR/LF, multi-line data
 @pytest.mark.parametrize("framing", ["crlf", "cr", "mixed", "split_crlf", "multiline"])
-def test_line_endings_give_identical_chunks(fake: FakeUpstream, gw: Proc, framing: str) -> None:
+def test_line_endings_give_identical_chunks(fake: EmulatorThread, gw: Proc, framing: str) -> None:
     events = [chunk(role=True), chunk("one"), chunk("two\u2028three"), chunk(finish="stop")]
     lf = sse(*events)
     if framing == "crlf":
@@ -144,7 +145,7 @@ def test_line_endings_give_identical_chunks(fake: FakeUpstream, gw: Proc, framin
 
 
 # 5. BOM, comments and U+2028; 6. never emit data-less events
-def test_bom_comments_u2028_and_dataless_events(fake: FakeUpstream, gw: Proc) -> None:
+def test_bom_comments_u2028_and_dataless_events(fake: EmulatorThread, gw: Proc) -> None:
     body = (b"\xef\xbb\xbf: ping\n\n" + sse(chunk(role=True), done=False) + b"event: ping\n\nid: 7\n\n\nretry: 10\n\n"
             + sse(chunk("a\u2028b"), chunk(finish="stop")))
     CASES["bom"] = Plan(parts=[(0, body)])
@@ -159,7 +160,7 @@ def test_bom_comments_u2028_and_dataless_events(fake: FakeUpstream, gw: Proc) ->
 
 
 # 7. an error event after the 200
-def test_error_mid_stream_raises_api_error_in_the_sdk(fake: FakeUpstream, gw: Proc) -> None:
+def test_error_mid_stream_raises_api_error_in_the_sdk(fake: EmulatorThread, gw: Proc) -> None:
     err = b'{"error":{"message":"overloaded","type":"server_error","param":null,"code":null}}'
     CASES["err"] = Plan(parts=[(0, sse(chunk(role=True), chunk("a"), err, done=False))], end="eof")
     with pytest.raises(openai.APIError) as info:
@@ -173,7 +174,7 @@ def test_error_mid_stream_raises_api_error_in_the_sdk(fake: FakeUpstream, gw: Pr
 
 # 8. upstream EOF or reset mid-stream
 @pytest.mark.parametrize("end", ["eof", "reset", "stall"])
-def test_upstream_dies_mid_stream_gives_one_inband_error(fake: FakeUpstream, gw: Proc, end: str) -> None:
+def test_upstream_dies_mid_stream_gives_one_inband_error(fake: EmulatorThread, gw: Proc, end: str) -> None:
     CASES["die"] = Plan(parts=[(0, sse(chunk(role=True), chunk("a"), done=False))], end=end)
     before = httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text
     resp = _stream_bytes(gw, {"x_case": "die"})
@@ -196,7 +197,7 @@ def test_upstream_dies_mid_stream_gives_one_inband_error(fake: FakeUpstream, gw:
 
 
 # 9. an error before the first byte: status, envelope (flat Cerebras body wrapped), retry headers kept
-def test_429_flat_body_before_first_byte(fake: FakeUpstream, gw: Proc) -> None:
+def test_429_flat_body_before_first_byte(fake: EmulatorThread, gw: Proc) -> None:
     flat = b'{"message":"Requests per minute limit exceeded","type":"too_many_requests_error","param":"quota",' \
            b'"code":"request_quota_exceeded"}'
     CASES["429"] = Plan(status=429, headers={"content-type": "application/json", "retry-after-ms": "200",
@@ -221,7 +222,7 @@ def test_429_flat_body_before_first_byte(fake: FakeUpstream, gw: Proc) -> None:
 
 # 11. timeouts: no status line within the idle timeout -> 504 in the envelope
 @pytest.mark.parametrize("stream", [True, False])
-def test_upstream_hangs_before_headers_gives_504(fake: FakeUpstream, gw: Proc, stream: bool) -> None:
+def test_upstream_hangs_before_headers_gives_504(fake: EmulatorThread, gw: Proc, stream: bool) -> None:
     CASES["hang"] = Plan(head_delay=2.0, parts=[(0, sse(chunk("late")))])  # idle timeout is 0.5 s
     t0 = time.monotonic()
     resp = httpx.post(_url(gw) + "/chat/completions", timeout=5, json={
@@ -232,7 +233,7 @@ def test_upstream_hangs_before_headers_gives_504(fake: FakeUpstream, gw: Proc, s
 
 
 # 12. field filtering for Cerebras; the same request to OpenAI is byte-identical apart from the model
-def test_cerebras_fields_dropped_openai_body_byte_identical(fake: FakeUpstream, gw: Proc) -> None:
+def test_cerebras_fields_dropped_openai_body_byte_identical(fake: EmulatorThread, gw: Proc) -> None:
     body = (b'{"messages": [{"role": "user", "content": "x"}], "model": "m", "metadata": {"k": "v"}, "store": true, '
             b'"service_tier": "priority", "parallel_tool_calls": true, "prompt_cache_key": "p", '
             b'"stream_options": {"include_obfuscation": false}, "temperature": 1.2, "max_tokens": 256, '
@@ -252,7 +253,7 @@ def test_cerebras_fields_dropped_openai_body_byte_identical(fake: FakeUpstream, 
 
 
 # 14. service_tier echo: the upstream's answer is relayed untouched
-def test_nonstream_body_relayed_untouched(fake: FakeUpstream, gw: Proc) -> None:
+def test_nonstream_body_relayed_untouched(fake: EmulatorThread, gw: Proc) -> None:
     answer = (b'{"id":"x","object":"chat.completion","created":1,"model":"gpt-5.6-2026-10-01",'
               b'"service_tier":"default","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},'
               b'"logprobs":null,"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,'
@@ -268,7 +269,7 @@ def test_nonstream_body_relayed_untouched(fake: FakeUpstream, gw: Proc) -> None:
 
 
 def test_no_client_credential_reaches_an_upstream_and_no_upstream_secret_reaches_the_client(
-        fake: FakeUpstream, gw: Proc) -> None:
+        fake: EmulatorThread, gw: Proc) -> None:
     CASES["hdr"] = Plan(headers={
         "content-type": "text/event-stream", "set-cookie": f"s={SECRET}", "x-internal-token": SECRET,
         "authorization": SECRET, "openai-organization": SECRET, "x-ratelimit-remaining-tokens": "99",
@@ -290,7 +291,7 @@ def test_no_client_credential_reaches_an_upstream_and_no_upstream_secret_reaches
 
 
 @pytest.mark.parametrize("phase", ["headers", "first_token", "mid_stream", "nonstream"])
-def test_client_disconnect_closes_the_upstream_quickly(fake: FakeUpstream, gw: Proc, phase: str) -> None:
+def test_client_disconnect_closes_the_upstream_quickly(fake: EmulatorThread, gw: Proc, phase: str) -> None:
     """In each of the four disconnect phases the upstream sees its connection closed within 100 ms."""
     ticks = [(0.05, sse(chunk("b"), done=False)) for _ in range(60)]
     CASES["cancel"] = {
@@ -340,7 +341,7 @@ def test_client_disconnect_closes_the_upstream_quickly(fake: FakeUpstream, gw: P
     assert ttft_grew == (1 if phase == "mid_stream" else 0)
 
 
-def test_a_thousand_disconnects_leave_no_connection_or_task_behind(fake: FakeUpstream, gw: Proc) -> None:
+def test_a_thousand_disconnects_leave_no_connection_or_task_behind(fake: EmulatorThread, gw: Proc) -> None:
     """250 client disconnects in each of the four phases, 25 at a time: afterwards the gateway holds no more
     file descriptors than before and every upstream connection it opened is closed."""
     CASES["leak"] = Plan(parts=[(0, sse(chunk("a"), done=False)), (5.0, sse(chunk("b")))])
@@ -381,7 +382,7 @@ def test_a_thousand_disconnects_leave_no_connection_or_task_behind(fake: FakeUps
 
 
 # Responses API: the terminal event ends the client's stream even when the upstream keeps its response open
-def test_responses_stream_ends_at_its_terminal_event(fake: FakeUpstream, gw: Proc) -> None:
+def test_responses_stream_ends_at_its_terminal_event(fake: EmulatorThread, gw: Proc) -> None:
     def ev(etype: str, **fields: Any) -> bytes:
         return b"event: " + etype.encode() + b"\ndata: " + orjson.dumps({"type": etype, **fields}) + b"\n\n"
 

@@ -1,7 +1,8 @@
 """Fault injection over real sockets: each upstream fault, streaming and not, and what the client and the metrics
 see; quota spillover before any 429; the circuit breaker opening and closing; the SDK's retries.
 
-Two fake upstreams, one per tier; each answers by the scripted plan for its tier and the request's ``x_case``.
+Two emulators playing scripted plans, one per tier; each answers by the plan for its tier and the request's
+``x_case``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import openai
 import orjson
 import pytest
 
-from conftest import Proc, free_port, sample, start_gateway
-from fake_upstream import FakeUpstream, Plan, Received, chunk, sse
+from gateway.tools.emulator import EmulatorThread, Plan, Received
+
+from conftest import Proc, chunk, free_port, sample, sse, start_gateway
 
 PLANS: dict[tuple[str, str], Plan] = {}
 OK_STREAM = sse(chunk(role=True), chunk("ok"), chunk(finish="stop"), chunk(usage=True))
@@ -40,14 +42,14 @@ def handler(tier: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def ups() -> Iterator[dict[str, FakeUpstream]]:
-    up = {"fast": FakeUpstream(handler("fast")), "standard": FakeUpstream(handler("standard"))}
+def ups() -> Iterator[dict[str, EmulatorThread]]:
+    up = {"fast": EmulatorThread(handler("fast")), "standard": EmulatorThread(handler("standard"))}
     yield up
     for u in up.values():
         u.stop()
 
 
-def _config(ups: dict[str, FakeUpstream], fast_url: str | None = None, **health: Any) -> dict[str, Any]:
+def _config(ups: dict[str, EmulatorThread], fast_url: str | None = None, **health: Any) -> dict[str, Any]:
     timeouts = {"connect": 0.5, "idle": 0.6, "total": 5}
     return {
         "max_attempts": 3,
@@ -63,7 +65,7 @@ def _config(ups: dict[str, FakeUpstream], fast_url: str | None = None, **health:
 
 
 @pytest.fixture(scope="module")
-def gw(ups: dict[str, FakeUpstream], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+def gw(ups: dict[str, EmulatorThread], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     proc, _ = start_gateway(_config(ups), tmp_path_factory.mktemp("failover"))
     yield proc
     proc.stop()
@@ -105,7 +107,7 @@ FAULTS = {
 # a first-token deadline applies to streams only, so slow_first_token has no non-streaming case
 @pytest.mark.parametrize(("case", "stream"), [(c, s) for c in FAULTS for s in (True, False)
                                               if s or c != "slow_first_token"])
-def test_fast_tier_fault_before_first_byte_fails_over_to_standard(ups: dict[str, FakeUpstream], gw: Proc,
+def test_fast_tier_fault_before_first_byte_fails_over_to_standard(ups: dict[str, EmulatorThread], gw: Proc,
                                                                    case: str, stream: bool) -> None:
     plan, reason = FAULTS[case]
     if case == "slow_headers" and stream:
@@ -128,7 +130,7 @@ def test_fast_tier_fault_before_first_byte_fails_over_to_standard(ups: dict[str,
     assert _grew(before, after, "tiergate_upstream_attempts_bucket", le="2.0") == 1
 
 
-def test_other_400_is_never_retried(ups: dict[str, FakeUpstream], gw: Proc) -> None:
+def test_other_400_is_never_retried(ups: dict[str, EmulatorThread], gw: Proc) -> None:
     PLANS[("fast", "bad")] = Plan(status=400, headers={"content-type": "application/json"}, parts=[(
         0, b'{"error":{"message":"temperature too high","type":"invalid_request_error","param":"temperature",'
            b'"code":"invalid_value"}}')], chunked=False)
@@ -140,7 +142,7 @@ def test_other_400_is_never_retried(ups: dict[str, FakeUpstream], gw: Proc) -> N
 
 
 @pytest.mark.parametrize("end", ["reset", "stall"])
-def test_fault_after_first_byte_is_never_retried(ups: dict[str, FakeUpstream], gw: Proc, end: str) -> None:
+def test_fault_after_first_byte_is_never_retried(ups: dict[str, EmulatorThread], gw: Proc, end: str) -> None:
     time.sleep(1.0)
     PLANS[("fast", end)] = Plan(parts=[(0, sse(chunk(role=True), chunk("a"), done=False))], end=end)
     n = len(ups["standard"].requests)
@@ -153,7 +155,7 @@ def test_fault_after_first_byte_is_never_retried(ups: dict[str, FakeUpstream], g
     assert _grew(before, _metrics(gw), "tiergate_requests_total", tier="fast", outcome="stream_error") == 1
 
 
-def test_breaker_opens_then_a_probe_closes_it(ups: dict[str, FakeUpstream], gw: Proc) -> None:
+def test_breaker_opens_then_a_probe_closes_it(ups: dict[str, EmulatorThread], gw: Proc) -> None:
     time.sleep(1.0)
     assert _post(gw, "", False).headers["x-tiergate-tier"] == "fast"  # a success closes any earlier breaker
     PLANS[("fast", "flaky")] = FAULTS["503"][0]
@@ -172,7 +174,7 @@ def test_breaker_opens_then_a_probe_closes_it(ups: dict[str, FakeUpstream], gw: 
     assert sample(_metrics(gw), "tiergate_upstream_state", upstream="fast-1", state="closed") == 1
 
 
-def test_all_down_answers_the_last_error_and_tells_the_sdk_not_to_retry(ups: dict[str, FakeUpstream],
+def test_all_down_answers_the_last_error_and_tells_the_sdk_not_to_retry(ups: dict[str, EmulatorThread],
                                                                        gw: Proc) -> None:
     time.sleep(1.0)
     for tier in ("fast", "standard"):
@@ -190,7 +192,7 @@ def test_all_down_answers_the_last_error_and_tells_the_sdk_not_to_retry(ups: dic
         PLANS.pop(("standard", "down"))
 
 
-def test_sdk_retries_when_the_gateway_did_not(ups: dict[str, FakeUpstream], tmp_path_factory: pytest.TempPathFactory,
+def test_sdk_retries_when_the_gateway_did_not(ups: dict[str, EmulatorThread], tmp_path_factory: pytest.TempPathFactory,
                                               ) -> None:
     cfg = _config(ups)
     cfg["fallback"] = False
@@ -209,7 +211,8 @@ def test_sdk_retries_when_the_gateway_did_not(ups: dict[str, FakeUpstream], tmp_
         proc.stop()
 
 
-def test_refused_connection_fails_over(ups: dict[str, FakeUpstream], tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_refused_connection_fails_over(ups: dict[str, EmulatorThread],
+                                       tmp_path_factory: pytest.TempPathFactory) -> None:
     proc, _ = start_gateway(_config(ups, fast_url=f"http://127.0.0.1:{free_port()}/v1"),
                             tmp_path_factory.mktemp("refused"))
     try:
@@ -221,7 +224,7 @@ def test_refused_connection_fails_over(ups: dict[str, FakeUpstream], tmp_path_fa
         proc.stop()
 
 
-def test_quota_headers_counting_down_spill_to_standard_before_any_429(ups: dict[str, FakeUpstream],
+def test_quota_headers_counting_down_spill_to_standard_before_any_429(ups: dict[str, EmulatorThread],
                                                                     tmp_path_factory: pytest.TempPathFactory) -> None:
     proc, _ = start_gateway(_config(ups), tmp_path_factory.mktemp("quota"))
     try:
@@ -249,7 +252,7 @@ def test_quota_headers_counting_down_spill_to_standard_before_any_429(ups: dict[
         proc.stop()
 
 
-def test_max_tokens_reserved_against_the_token_quota(ups: dict[str, FakeUpstream],
+def test_max_tokens_reserved_against_the_token_quota(ups: dict[str, EmulatorThread],
                                                      tmp_path_factory: pytest.TempPathFactory) -> None:
     proc, _ = start_gateway(_config(ups, quota_reserve={"tokens": 500}), tmp_path_factory.mktemp("tokens"))
     try:
@@ -266,7 +269,7 @@ def test_max_tokens_reserved_against_the_token_quota(ups: dict[str, FakeUpstream
 
 
 @pytest.mark.parametrize(("queue_seconds", "second_tier"), [(1.0, "fast"), (0.05, "standard")])
-async def test_concurrency_limit_waits_for_a_slot_or_spills_over(ups: dict[str, FakeUpstream],
+async def test_concurrency_limit_waits_for_a_slot_or_spills_over(ups: dict[str, EmulatorThread],
                                                                  tmp_path_factory: pytest.TempPathFactory,
                                                                  queue_seconds: float, second_tier: str) -> None:
     proc, _ = start_gateway(_config(ups, max_concurrent=1, queue_seconds=queue_seconds),
@@ -292,7 +295,7 @@ async def test_concurrency_limit_waits_for_a_slot_or_spills_over(ups: dict[str, 
 
 
 def test_oversized_event_before_the_first_token_fails_over(
-        ups: dict[str, FakeUpstream], tmp_path_factory: pytest.TempPathFactory) -> None:
+        ups: dict[str, EmulatorThread], tmp_path_factory: pytest.TempPathFactory) -> None:
     cfg = _config(ups)
     cfg["limits"] = {"max_event_bytes": 2048}
     proc, _ = start_gateway(cfg, tmp_path_factory.mktemp("bigevent"))

@@ -1,7 +1,7 @@
 """Every fault of issue 10 (faults that other gateways' and SDKs' bug reports describe), ended cleanly.
 
 Each test is written as the input that triggers the fault and what a correct gateway does, over real loopback
-sockets against the byte-exact scripted fake upstream (which answers each request by its top-level ``x_case``;
+sockets against the emulator playing byte-exact scripted plans (it answers each request by its top-level ``x_case``;
 both dialects forward that field untouched). The HTTP-surface cases use raw sockets and a strict HTTP/1.1
 client (``h11``); the lifecycle cases run ``tiergate`` processes and signal them.
 """
@@ -27,8 +27,9 @@ import openai
 import orjson
 import pytest
 
-from conftest import ROOT, Proc, emulator, free_port, sample, start_gateway
-from fake_upstream import FakeUpstream, Plan, Received, chunk, sse
+from gateway.tools.emulator import EmulatorThread, Plan, Received
+
+from conftest import ROOT, Proc, chunk, emulator, free_port, sample, sse, start_gateway
 
 CASES: dict[str, Plan | list[Plan]] = {}
 SEEN: dict[str, int] = {}
@@ -53,7 +54,7 @@ def _handler(req: Received) -> Plan:
     return plan
 
 
-def _config(fake: FakeUpstream, **top: Any) -> dict[str, Any]:
+def _config(fake: EmulatorThread, **top: Any) -> dict[str, Any]:
     timeouts = {"connect": 1, "idle": 0.5, "total": 5, "finish_grace": 0.3}
     cfg: dict[str, Any] = {
         "max_attempts": 2,
@@ -70,21 +71,21 @@ def _config(fake: FakeUpstream, **top: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def fake() -> Iterator[FakeUpstream]:
-    up = FakeUpstream(_handler)
+def fake() -> Iterator[EmulatorThread]:
+    up = EmulatorThread(_handler)
     yield up
     up.stop()
 
 
 @pytest.fixture(scope="module")
-def gw(fake: FakeUpstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+def gw(fake: EmulatorThread, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     proc, _ = start_gateway(_config(fake), tmp_path_factory.mktemp("faults"))
     yield proc
     proc.stop()
 
 
 @pytest.fixture(scope="module")
-def gw_ttft(fake: FakeUpstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+def gw_ttft(fake: EmulatorThread, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     """The same gateway with first-token deadlines (as the shipped configs have) and no fallback."""
     cfg = _config(fake, fallback=False)
     for up in cfg["upstreams"]:
@@ -148,7 +149,7 @@ ERROR_FIRST = {
 
 @pytest.mark.parametrize("ttft", [False, True])
 @pytest.mark.parametrize("shape", sorted(ERROR_FIRST))
-def test_error_as_the_first_event_is_a_real_http_error(fake: FakeUpstream, gw: Proc, gw_ttft: Proc, shape: str,
+def test_error_as_the_first_event_is_a_real_http_error(fake: EmulatorThread, gw: Proc, gw_ttft: Proc, shape: str,
                                                         ttft: bool) -> None:
     """Case 1: nothing reached the client yet, so the error event becomes a status, with or without a ttft."""
     body, status, etype, sdk_error = ERROR_FIRST[shape]
@@ -163,7 +164,7 @@ def test_error_as_the_first_event_is_a_real_http_error(fake: FakeUpstream, gw: P
                                                     extra_body={"x_case": "err_first_" + shape}))
 
 
-def test_error_event_with_a_server_status_fails_over(fake: FakeUpstream, gw: Proc) -> None:
+def test_error_event_with_a_server_status_fails_over(fake: EmulatorThread, gw: Proc) -> None:
     """Case 1, failover: an error event that carries a 5xx before any token is a failure of that upstream."""
     CASES["err_first_500"] = [
         Plan(parts=[(0, sse('{"error":{"message":"overloaded","type":"server_error","param":null,"code":null}}'))]),
@@ -174,7 +175,7 @@ def test_error_event_with_a_server_status_fails_over(fake: FakeUpstream, gw: Pro
     assert resp.headers["x-tiergate-fallback"] == "upstream_5xx"
 
 
-def test_responses_error_event_first_is_a_real_http_error(fake: FakeUpstream, gw: Proc) -> None:
+def test_responses_error_event_first_is_a_real_http_error(fake: EmulatorThread, gw: Proc) -> None:
     """Case 1, the Responses API's own error shape (``{"type": "error", "code", "message"}``)."""
     CASES["resp_err_first"] = Plan(parts=[(0, b'event: response.created\ndata: {"type":"response.created",'
                                               b'"sequence_number":0,"response":{"id":"r","status":"in_progress"}}\n\n'
@@ -185,7 +186,7 @@ def test_responses_error_event_first_is_a_real_http_error(fake: FakeUpstream, gw
     assert resp.json()["error"]["message"] == "Rate limit reached"
 
 
-def test_done_while_the_first_token_is_held_ends_the_stream(fake: FakeUpstream, gw_ttft: Proc) -> None:
+def test_done_while_the_first_token_is_held_ends_the_stream(fake: EmulatorThread, gw_ttft: Proc) -> None:
     """Case 2: a stream with no token that sends [DONE] and keeps its connection open ends at [DONE]."""
     CASES["done_held"] = Plan(parts=[(0, sse(chunk(role=True), chunk(finish="stop")))], end="stall")
     before = _metrics(gw_ttft)
@@ -198,7 +199,7 @@ def test_done_while_the_first_token_is_held_ends_the_stream(fake: FakeUpstream, 
     assert _grew(before, after, "tiergate_requests_total", outcome="stream_error") == 0
 
 
-def test_silence_after_every_finish_reason_ends_with_done(fake: FakeUpstream, gw: Proc) -> None:
+def test_silence_after_every_finish_reason_ends_with_done(fake: EmulatorThread, gw: Proc) -> None:
     """Case 3: every choice finished, then nothing on an open connection: [DONE] after ``finish_grace``."""
     CASES["silent_finish"] = Plan(parts=[(0, sse(chunk(role=True), chunk("a"), chunk(finish="stop"), done=False))],
                                   end="stall")
@@ -216,7 +217,7 @@ def test_silence_after_every_finish_reason_ends_with_done(fake: FakeUpstream, gw
     assert len(fake.closed_at) > closed  # the upstream's open connection was closed, not pooled
 
 
-def test_ttft_above_idle_governs_until_the_first_token(fake: FakeUpstream, tmp_path: Path) -> None:
+def test_ttft_above_idle_governs_until_the_first_token(fake: EmulatorThread, tmp_path: Path) -> None:
     """Case 4: with idle 0.4 and ttft 3, an upstream that thinks 1 s (headers late, then the first token late)
     succeeds; afterwards idle applies between events."""
     cfg = _config(fake, fallback=False)
@@ -239,7 +240,7 @@ def test_ttft_above_idle_governs_until_the_first_token(fake: FakeUpstream, tmp_p
         proc.stop()
 
 
-def test_partial_output_then_the_upstreams_error_then_fin_gives_one_error(fake: FakeUpstream, gw: Proc) -> None:
+def test_partial_output_then_the_upstreams_error_then_fin_gives_one_error(fake: EmulatorThread, gw: Proc) -> None:
     """Case 5: the upstream's own error event, then its connection closes mid-body: one error, no [DONE]."""
     err = '{"error":{"message":"overloaded","type":"server_error","param":null,"code":null}}'
     CASES["err_fin"] = Plan(parts=[(0, sse(chunk(role=True), chunk("a"), err, done=False))], end="eof")
@@ -249,7 +250,7 @@ def test_partial_output_then_the_upstreams_error_then_fin_gives_one_error(fake: 
     assert b"[DONE]" not in resp.content
 
 
-def test_a_mislabelled_stream_is_relayed_as_an_event_stream(fake: FakeUpstream, gw: Proc) -> None:
+def test_a_mislabelled_stream_is_relayed_as_an_event_stream(fake: EmulatorThread, gw: Proc) -> None:
     """Case 6: ``200 text/plain`` with an SSE body, to a stream request."""
     events = sse(chunk(role=True), chunk("pl"), chunk("ain"), chunk(finish="stop"))
     CASES["text_plain"] = Plan(headers={"content-type": "text/plain; charset=utf-8"}, parts=[(0, events)])
@@ -264,7 +265,7 @@ def test_a_mislabelled_stream_is_relayed_as_an_event_stream(fake: FakeUpstream, 
 # ---- accounting ---------------------------------------------------------------------------------------------
 
 
-def test_client_leaving_after_the_finish_chunk_still_counts_the_usage(fake: FakeUpstream, gw: Proc) -> None:
+def test_client_leaving_after_the_finish_chunk_still_counts_the_usage(fake: EmulatorThread, gw: Proc) -> None:
     """Case 7: the client breaks on ``finish_reason``; the usage chunk comes 200 ms later and is counted."""
     CASES["leave_after_finish"] = Plan(parts=[(0, sse(chunk(role=True), chunk("a"), chunk(finish="stop"),
                                                       done=False)),
@@ -285,7 +286,7 @@ def test_client_leaving_after_the_finish_chunk_still_counts_the_usage(fake: Fake
     assert _grew(before, after, "tiergate_requests_total", outcome="client_disconnect") == 0
 
 
-def test_usage_on_an_error_chunk_is_counted(fake: FakeUpstream, gw: Proc) -> None:
+def test_usage_on_an_error_chunk_is_counted(fake: EmulatorThread, gw: Proc) -> None:
     """Case 8: OpenRouter's final chunk carries ``error``, ``finish_reason: "error"`` and ``usage``."""
     last = orjson.loads(chunk(finish="error"))
     last["error"] = {"code": 502, "message": "Provider disconnected"}
@@ -307,7 +308,7 @@ QUOTA = b'{"error":{"message":"You exceeded your current quota, please check you
         b'"type":"insufficient_quota","param":null,"code":"insufficient_quota"}}'
 
 
-def test_exhausted_quota_goes_to_the_other_tier_and_rests_long(fake: FakeUpstream, tmp_path: Path) -> None:
+def test_exhausted_quota_goes_to_the_other_tier_and_rests_long(fake: EmulatorThread, tmp_path: Path) -> None:
     """Case 9: a 429 that says the quota is exhausted is not a rate limit: the other tier serves, and the
     upstream is not asked again for ``exhausted_cooldown`` (not the retry hint's 0.1 s)."""
     proc, _ = start_gateway(_config(fake), tmp_path)
@@ -327,7 +328,7 @@ def test_exhausted_quota_goes_to_the_other_tier_and_rests_long(fake: FakeUpstrea
         proc.stop()
 
 
-def test_exhausted_quota_tells_the_sdk_not_to_retry(fake: FakeUpstream, tmp_path: Path) -> None:
+def test_exhausted_quota_tells_the_sdk_not_to_retry(fake: EmulatorThread, tmp_path: Path) -> None:
     """Case 9: with no other candidate, the client gets the 429 with ``x-should-retry: false``; later requests
     get 429 ``insufficient_quota`` from the gateway itself, not a 503."""
     cfg = _config(fake, fallback=False)
@@ -354,7 +355,7 @@ LLAMACPP_OVERFLOW = (b'{"error":{"code":500,"message":"request (9120 tokens) exc
                      b'(8192 tokens)","type":"server_error"}}')
 
 
-def test_context_overflow_reported_as_500_is_a_400_and_goes_to_the_other_tier(fake: FakeUpstream,
+def test_context_overflow_reported_as_500_is_a_400_and_goes_to_the_other_tier(fake: EmulatorThread,
                                                                               tmp_path: Path) -> None:
     """Case 10: llama.cpp's 500 for a prompt over the window is the request's fault: 400 context_length_exceeded,
     no breaker failure (``failures: 1`` here), and the other tier, whose window may be larger, may serve it."""
@@ -389,7 +390,7 @@ def test_context_overflow_reported_as_500_is_a_400_and_goes_to_the_other_tier(fa
     (404, b'{"detail":"Not Found"}', "Not Found", "invalid_request_error"),  # FastAPI-style servers
     (503, b'{"error":{"type":"server_error"}}', '{"error":{"type":"server_error"}}', "server_error"),
 ])
-def test_upstream_error_envelopes_keep_their_words_and_null_empty_fields(fake: FakeUpstream, tmp_path: Path,
+def test_upstream_error_envelopes_keep_their_words_and_null_empty_fields(fake: EmulatorThread, tmp_path: Path,
                                                                          status: int, body: bytes, message: str,
                                                                          etype: str) -> None:
     """Case 11: empty ``param``/``code`` become null; a body without a string ``message`` keeps its own words."""
@@ -403,7 +404,7 @@ def test_upstream_error_envelopes_keep_their_words_and_null_empty_fields(fake: F
         proc.stop()
 
 
-def test_a_reset_of_zero_does_not_spill_over_for_a_minute(fake: FakeUpstream, tmp_path: Path) -> None:
+def test_a_reset_of_zero_does_not_spill_over_for_a_minute(fake: EmulatorThread, tmp_path: Path) -> None:
     """Case 12: ``x-ratelimit-reset-requests: 0s`` means the window is already new, not "60 s"."""
     proc, _ = start_gateway(_config(fake), tmp_path)
     try:
@@ -418,7 +419,7 @@ def test_a_reset_of_zero_does_not_spill_over_for_a_minute(fake: FakeUpstream, tm
         proc.stop()
 
 
-def test_a_429_with_only_reset_headers_cools_down_and_says_when(fake: FakeUpstream, tmp_path: Path) -> None:
+def test_a_429_with_only_reset_headers_cools_down_and_says_when(fake: EmulatorThread, tmp_path: Path) -> None:
     """Case 21: Cerebras' 429 with ``x-ratelimit-reset-tokens-minute`` (float seconds) and no retry-after."""
     cfg = _config(fake, fallback=False)
     for up in cfg["upstreams"]:
@@ -473,7 +474,7 @@ def _responses(raw: bytes) -> list[h11.Response]:
             return out
 
 
-def test_an_early_answer_to_an_unread_body_is_the_only_answer(tmp_path: Path, fake: FakeUpstream) -> None:
+def test_an_early_answer_to_an_unread_body_is_the_only_answer(tmp_path: Path, fake: EmulatorThread) -> None:
     """Case 13: a 2 MB body over the 1 MiB limit gets one 413, and the connection closes; the rest of the body is
     never read as a second request (which used to get a 431 on the same connection)."""
     proc, _ = start_gateway(_config(fake, limits={"max_request_bytes": 1048576}), tmp_path)
@@ -548,7 +549,7 @@ def test_conflicting_length_headers_and_a_body_that_ends_early(gw: Proc) -> None
     assert orjson.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "incomplete_body"
 
 
-def test_a_lone_surrogate_escape_is_forwarded_as_sent(fake: FakeUpstream, gw: Proc) -> None:
+def test_a_lone_surrogate_escape_is_forwarded_as_sent(fake: EmulatorThread, gw: Proc) -> None:
     """Case 14: ``"\\ud83d"`` alone is valid JSON text; it reaches both dialects (OpenAI: the client's bytes)."""
     raw = (b'{"model": "m", "x_case": "", "messages": [{"role": "user", "content": "Emoji \xf0\x9f\x98\x8a and '
            b'escaped \\ud83d"}]}')
@@ -627,7 +628,7 @@ def test_drain_timeout_ends_what_is_left_in_band(tmp_path: Path) -> None:
     assert 0.9 < took < 3.0 and b"[DONE]" not in out["body"]
 
 
-async def test_readyz_fails_once_draining(fake: FakeUpstream, tmp_path: Path) -> None:
+async def test_readyz_fails_once_draining(fake: EmulatorThread, tmp_path: Path) -> None:
     """Case 15: readiness fails at the drain's first step (in-process: with the signal the listener closes too)."""
     from gateway.app import create_app
     from gateway.config import load_config
@@ -733,7 +734,7 @@ def test_an_idle_client_connection_outlives_common_client_pools(gw: Proc) -> Non
             assert answer.startswith(b"HTTP/1.1 200 "), (i, answer)
 
 
-def test_keepalive_timeout_is_configurable(fake: FakeUpstream, tmp_path: Path) -> None:
+def test_keepalive_timeout_is_configurable(fake: EmulatorThread, tmp_path: Path) -> None:
     """Case 17: ``GATEWAY_KEEPALIVE_TIMEOUT`` closes an idle client connection after that long."""
     proc, _ = start_gateway(_config(fake), tmp_path, env={"GATEWAY_KEEPALIVE_TIMEOUT": "0.3"})
     try:
@@ -746,7 +747,7 @@ def test_keepalive_timeout_is_configurable(fake: FakeUpstream, tmp_path: Path) -
         proc.stop()
 
 
-def test_a_stale_pooled_upstream_connection_is_retried_once_on_a_new_one(fake: FakeUpstream, gw: Proc) -> None:
+def test_a_stale_pooled_upstream_connection_is_retried_once_on_a_new_one(fake: EmulatorThread, gw: Proc) -> None:
     """Case 18: the upstream closed a pooled keep-alive connection just as the next request went out on it: that
     request is sent again on a new connection (and counted), never a 502. A fresh connection failing the same
     way is not retried: the upstream may have processed it."""
@@ -772,7 +773,7 @@ def test_a_stale_pooled_upstream_connection_is_retried_once_on_a_new_one(fake: F
         proc.stop()
 
 
-def test_unrequested_usage_chunk_is_dropped_for_every_dialect(fake: FakeUpstream, gw: Proc) -> None:
+def test_unrequested_usage_chunk_is_dropped_for_every_dialect(fake: EmulatorThread, gw: Proc) -> None:
     """Case 19: a Cerebras-dialect upstream that sends its own ``choices: []`` usage chunk: the client, which did
     not ask for usage, never sees it (clients index ``choices[0]``), and its usage is still counted."""
     events = [chunk(role=True), chunk("a"), chunk(finish="stop"), chunk(usage=True)]
@@ -785,7 +786,7 @@ def test_unrequested_usage_chunk_is_dropped_for_every_dialect(fake: FakeUpstream
 
 
 @pytest.mark.parametrize("model", ["m", "m-fast"])
-def test_stream_options_on_a_request_that_does_not_stream_are_dropped(fake: FakeUpstream, gw: Proc,
+def test_stream_options_on_a_request_that_does_not_stream_are_dropped(fake: EmulatorThread, gw: Proc,
                                                                       model: str) -> None:
     """Case 19: ``stream_options`` with ``stream: false`` means nothing; strict upstreams answer it with 400."""
     CASES["so"] = JSON_OK
@@ -794,7 +795,7 @@ def test_stream_options_on_a_request_that_does_not_stream_are_dropped(fake: Fake
     assert "stream_options" not in orjson.loads(fake.requests[-1].body)
 
 
-def test_done_without_its_blank_line_at_eof_ends_well_formed(fake: FakeUpstream, gw: Proc) -> None:
+def test_done_without_its_blank_line_at_eof_ends_well_formed(fake: EmulatorThread, gw: Proc) -> None:
     """Case 20: ``data: [DONE]`` with no blank line, then EOF, after every choice finished."""
     CASES["done_eof"] = Plan(parts=[(0, sse(chunk(role=True), chunk("a"), chunk(finish="stop"), done=False)
                                      + b"data: [DONE]")])

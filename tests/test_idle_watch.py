@@ -2,7 +2,7 @@
 after between ``idle`` and ``1.25 * idle`` seconds; bytes that keep coming, or that arrived and wait to be read
 (a slow client), never do; a body that ended is never failed afterwards.
 
-Real HTTP over loopback: the gateway's ``UpstreamPool`` (aiohttp) against the scripted fake upstream, reading
+Real HTTP over loopback: the gateway's ``UpstreamPool`` (aiohttp) against the emulator playing scripted plans, reading
 with ``UpstreamResponse.chunks()`` the way the relay does. The end-to-end cases (a stalled upstream gives the
 client an in-band ``upstream_idle_timeout``) are in test_conformance.py and test_failover.py.
 """
@@ -17,9 +17,8 @@ import pytest
 
 from gateway.config import UpstreamConfig
 from gateway.errors import StreamInterrupted, UpstreamTimeout
+from gateway.tools.emulator import EmulatorThread, Plan, Received
 from gateway.upstream import ERROR_BODY_LIMIT, UpstreamPool, UpstreamResponse
-
-from fake_upstream import FakeUpstream, Plan, Received
 
 IDLE = 0.3
 PLANS: dict[str, Plan] = {
@@ -49,14 +48,14 @@ def _handler(req: Received) -> Plan:
 
 
 @pytest.fixture(scope="module")
-def fake() -> Iterator[FakeUpstream]:
-    up = FakeUpstream(_handler)
+def fake() -> Iterator[EmulatorThread]:
+    up = EmulatorThread(_handler)
     yield up
     up.stop()
 
 
 @pytest.fixture
-async def pool(fake: FakeUpstream) -> AsyncIterator[tuple[UpstreamPool, UpstreamConfig]]:
+async def pool(fake: EmulatorThread) -> AsyncIterator[tuple[UpstreamPool, UpstreamConfig]]:
     cfg = UpstreamConfig.model_validate({"name": "fake", "tier": "fast", "base_url": fake.base_url,
                                          "api_key_env": None, "models": {"m": "m"},
                                          "timeouts": {"connect": 1, "idle": IDLE, "total": 10}})

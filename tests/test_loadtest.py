@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.loadtest import parse_mix, percentile, plan
+from gateway.tools.loadtest import parse_mix, percentile, plan
 
 from conftest import ROOT, Stack, default_config, emulator, free_port, sample, start_gateway
 

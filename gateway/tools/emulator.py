@@ -1,14 +1,22 @@
-"""An emulated OpenAI-compatible upstream for demos, tests and benchmarks (``tiergate emulate``).
+"""The emulated OpenAI-compatible upstream: one engine for the demo, the tests and the soak (``tiergate emulate``).
 
-It streams ``/v1/chat/completions`` with one SSE event per token (or ``per_chunk`` tokens per event) at a
-set rate after a set time to first token, in the OpenAI dialect (role chunk, content chunks, finish chunk,
-a ``choices: []`` usage chunk only with ``stream_options.include_usage``, ``[DONE]``) or the Cerebras
-dialect (usage and ``time_info`` on the finish chunk, no ``[DONE]``). It answers non-streaming requests
-after the same simulated generation time (OpenAI dialect: with an ``openai-processing-ms`` header), and
-replays a recorded transcript from ``shared/fixtures/upstream`` at the configured pace.
+It answers in two ways:
 
-It is a bare asyncio protocol over httptools' C parser, with timer callbacks instead of a task per stream,
-so that it costs a few microseconds per event and is not the bottleneck of the gateway's benchmark.
+* **like a model** (the default): it streams ``/v1/chat/completions`` with one SSE event per token (or
+  ``per_chunk`` tokens per event) at a set rate after a set time to first token, in the OpenAI dialect (role
+  chunk, content chunks, finish chunk, a ``choices: []`` usage chunk only with ``stream_options.include_usage``,
+  ``[DONE]``) or the Cerebras dialect (usage and ``time_info`` on the finish chunk, no ``[DONE]``); answers
+  non-streaming requests after the same simulated generation time (OpenAI dialect: with an
+  ``openai-processing-ms`` header); serves ``/v1/responses`` the same way; and replays a recorded transcript from
+  ``shared/fixtures/upstream`` at the configured pace;
+* **by script**: a ``handler(Received) -> Plan | None`` given in Python (tests: :class:`EmulatorThread`) plays
+  a :class:`Plan` byte for byte: status, headers, body parts each written after its delay, then a clean end, a
+  close inside the body, a TCP reset, silence, or a connection closed without an answer.
+
+It is a bare asyncio protocol over httptools' C parser, with loop timers instead of a task per answer, so that it
+costs a few microseconds per event and is not the bottleneck of what it serves. The benchmark's own upstream
+(``bench/upstream.py``) is kept apart on purpose: it stamps every chunk with the clock at the moment of its write,
+and the instrument must not change when the gateway's tools do.
 
 Per-request directives ride in the request body (so they cross the gateway untouched), anywhere in it,
 as ``[[emulate key=value ...]]``:
@@ -24,20 +32,28 @@ status        answer this HTTP status with an OpenAI error body (``retry_after_m
 drop_after    after N events, reset the connection; stall_after: after N events, go silent
 fault         one of :data:`FAULTS`: a fault from issue 10's bug reports, played on this request
 ============  ==========================================================================
+
+With ``timing_log`` (``tiergate emulate --timing-log FILE``) every streamed answer appends one JSON line when it
+ends: ``{"rid", "received", "first_token", "last_token", "token_chunks"}``, times from ``time.perf_counter()``
+(``CLOCK_MONOTONIC``, shared by every process of the machine): when the request was complete and when the write
+holding the first / last token-bearing chunk was handed to the socket (ground truth for the metrics tests).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import socket
 import struct
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import httptools
 import orjson
@@ -96,32 +112,109 @@ class EmulatorConfig:
         base = cls() if tier == "fast" else cls(tps=50.0, ttft=0.4, dialect="openai")
         return cls(**{**base.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
 
+@dataclass
+class Plan:
+    """A scripted answer.
+
+    status and headers: the status line and headers (``transfer-encoding: chunked`` or ``content-length`` is
+    added); head_delay: seconds before the status line; parts: (delay in seconds before the write, bytes), each
+    its own write (its own HTTP chunk when ``chunked``); end: after the last part, ``ok`` (a clean end), ``eof``
+    (close the connection, inside the chunked body), ``reset`` (TCP RST) or ``stall`` (silence, the connection
+    kept open); chunked: chunked transfer encoding, else ``content-length`` over the joined parts; drop: close
+    the connection at once without answering (what a server does to a keep-alive connection it timed out just as
+    a request arrived).
+    """
+
+    status: int = 200
+    headers: dict[str, str] = field(default_factory=lambda: {"content-type": "text/event-stream; charset=utf-8"})
+    parts: list[tuple[float, bytes]] = field(default_factory=list)
+    end: str = "ok"
+    chunked: bool = True
+    head_delay: float = 0.0
+    drop: bool = False
+
+
+@dataclass
+class Received:
+    """One request as the emulator saw it: header names lower-case; ``at``: ``time.monotonic()`` when it was
+    complete; ``connection``: which connection (1, 2, ... in the order opened) it came on."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    at: float
+    connection: int = 0
+
+
+Handler = Callable[[Received], "Plan | None"]
+
+
+class Emulator:
+    """What the connections of one emulator share: its defaults, an optional script, and what it records.
+
+    Args:
+        config: the model-like defaults.
+        handler: answers each request with a :class:`Plan`, or None to answer like a model; None: always a model.
+        record: keep every :class:`Received` in ``requests`` (tests), and the close time of every connection in
+            ``closed_at`` (``time.monotonic()``).
+        timing_log: a file to append one timing line per streamed answer to (module docstring).
+    """
+
+    def __init__(self, config: EmulatorConfig, handler: Handler | None = None, *, record: bool = False,
+                 timing_log: Path | None = None) -> None:
+        self.config = config
+        self.handler = handler
+        self.record = record
+        self.requests: list[Received] = []
+        self.opened = 0
+        self.closed_at: list[float] = []
+        self._log: TextIO | None = timing_log.open("a", buffering=1) if timing_log else None
+
+    def protocol(self) -> EmulatorProtocol:
+        """A protocol for one new connection (``loop.create_server(emulator.protocol, ...)``)."""
+        return EmulatorProtocol(self)
+
+    def log_timing(self, line: dict[str, Any]) -> None:
+        if self._log is not None:
+            self._log.write(json.dumps(line) + "\n")
+
 
 class _Request:
-    __slots__ = ("method", "url", "body", "headers")
+    __slots__ = ("method", "url", "body", "headers", "received", "timing")
 
     def __init__(self) -> None:
         self.method = b""
         self.url = b""
         self.body: list[bytes] = []
         self.headers: dict[bytes, bytes] = {}
+        self.received = 0.0
+        self.timing: dict[str, Any] | None = None
+
+
+_TOKEN = b'"delta":{"content":"'  # a content delta with text (the role chunk's delta starts with "role")
 
 
 class EmulatorProtocol(asyncio.Protocol):
     """One client connection: HTTP/1.1 keep-alive, one request at a time."""
 
-    def __init__(self, config: EmulatorConfig) -> None:
-        self.cfg = config
+    def __init__(self, emulator: Emulator) -> None:
+        self.emulator = emulator
+        self.cfg = emulator.config
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.req = _Request()
+        self.current: _Request | None = None  # the request being answered
         self.timer: asyncio.TimerHandle | None = None
         self.served = 0  # requests received on this connection
+        self.number = 0
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.emulator.opened += 1
+        self.number = self.emulator.opened
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -134,6 +227,8 @@ class EmulatorProtocol(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
         self.transport = None
+        if self.emulator.record:
+            self.emulator.closed_at.append(time.monotonic())
 
     # httptools callbacks
     def on_url(self, url: bytes) -> None:
@@ -149,11 +244,42 @@ class EmulatorProtocol(asyncio.Protocol):
         self.served += 1
         req, self.req = self.req, _Request()
         req.method = self.parser.get_method()
+        req.received = time.perf_counter()
+        self.current = req
+        emu = self.emulator
         try:
+            if emu.handler is not None or emu.record:
+                got = Received(req.method.decode(), req.url.decode(), {k.decode("latin-1"): v.decode("latin-1")
+                                                                       for k, v in req.headers.items()},
+                               b"".join(req.body), time.monotonic(), self.number)
+                if emu.record:
+                    emu.requests.append(got)
+                plan = emu.handler(got) if emu.handler is not None else None
+                if plan is not None:
+                    self.play(plan)
+                    return
             self._handle(req)
         except Exception as exc:  # a bad directive must not kill the emulator
             self._reply(500, orjson.dumps({"error": {"message": f"emulator: {exc}", "type": "server_error",
                                                      "param": None, "code": None}}))
+
+    def play(self, plan: Plan) -> None:
+        """Answer with a scripted :class:`Plan`."""
+        if plan.drop:
+            self._close()
+            return
+        size = sum(len(p) for _, p in plan.parts)
+        head = [f"HTTP/1.1 {plan.status} {REASONS.get(plan.status, b'Status').decode()}",
+                *(f"{k}: {v}" for k, v in plan.headers.items()),
+                "transfer-encoding: chunked" if plan.chunked else f"content-length: {size}"]
+        t = self.loop.time() + plan.head_delay
+        items = []
+        for delay, part in plan.parts:
+            t += delay
+            items.append((t, part))
+        Schedule(self, items, {}, end=plan.end, head=(self.loop.time() + plan.head_delay,
+                                                       ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")),
+                 chunked=plan.chunked, coalesce=False).start()
 
     # request handling
     def _handle(self, req: _Request) -> None:
@@ -258,30 +384,46 @@ class EmulatorProtocol(asyncio.Protocol):
 
     # wire helpers
     def _reply(self, status: int, body: bytes, *, ctype: bytes = b"application/json",
-               extra: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
+               extra: list[tuple[bytes, bytes]] | None = None) -> None:
         if self.transport is None:
             return
         head = [b"HTTP/1.1 %d %s" % (status, REASONS.get(status, b"Status")), b"content-type: " + ctype,
                 b"content-length: %d" % len(body), b"x-request-id: emu_%x" % id(body)]
-        head += [k + b": " + v for k, v in extra]
+        head += [k + b": " + v for k, v in extra or ()]
         self.transport.write(b"\r\n".join(head) + b"\r\n\r\n" + body)
 
-    def _start_chunked(self, status: int, ctype: bytes, extra: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
+    def _start_chunked(self, status: int, ctype: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
         if self.transport is not None:
             reason = REASONS.get(status, b"OK")
-            more = b"".join(k + b": " + v + b"\r\n" for k, v in extra)
+            more = b"".join(k + b": " + v + b"\r\n" for k, v in extra or ())
             self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n"
                                  b"x-request-id: emu_%x\r\n%s\r\n" % (status, reason, ctype, id(self), more))
+            req = self.current
+            if req is not None and self.emulator._log is not None and ctype.startswith(b"text/event-stream"):
+                rid = req.headers.get(b"x-client-request-id", b"").decode()
+                req.timing = {"rid": rid, "received": req.received, "first_token": None, "last_token": None,
+                              "token_chunks": 0}
 
-    def write_chunk(self, payload: bytes) -> None:
-        """Write one HTTP chunk (chunked transfer encoding)."""
-        if self.transport is not None and payload:
-            self.transport.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+    def write(self, payload: bytes, chunked: bool = True) -> None:
+        """Write ``payload`` (as one HTTP chunk when ``chunked``), noting token writes for the timing log."""
+        if self.transport is None or not payload:
+            return
+        req = self.current
+        if req is not None and req.timing is not None and (n := payload.count(_TOKEN)):
+            now = time.perf_counter()
+            req.timing["token_chunks"] += n
+            req.timing["first_token"] = req.timing["first_token"] or now
+            req.timing["last_token"] = now
+        self.transport.write(b"%x\r\n%s\r\n" % (len(payload), payload) if chunked else payload)
 
     def end_chunked(self) -> None:
         """Write the last chunk; the connection stays open for the next request."""
         if self.transport is not None:
             self.transport.write(b"0\r\n\r\n")
+        req = self.current
+        if req is not None and req.timing is not None:
+            self.emulator.log_timing(req.timing)
+            req.timing = None
 
     def reset(self) -> None:
         """Close the connection with a TCP RST (SO_LINGER 0)."""
@@ -297,49 +439,74 @@ class EmulatorProtocol(asyncio.Protocol):
 
 
 class Schedule:
-    """Writes timed SSE payloads on one connection with loop timers; all payloads due at a tick go in one write.
+    """Writes timed payloads on one connection with loop timers.
 
-    end: after the last payload, ``ok`` (the chunked terminator; the connection stays open), ``eof`` (close the
-    connection inside the chunked body) or ``stall`` (write nothing more, keep the connection open).
+    Args:
+        items: (loop time, bytes) in time order.
+        d: the request's directives (``drop_after`` / ``stall_after``: after that many items, reset / go silent).
+        end: after the last payload, ``ok`` (the chunked terminator; the connection stays open), ``eof`` (close the
+            connection inside the body), ``reset`` (TCP RST) or ``stall`` (write nothing more, keep it open).
+        head: (loop time, bytes) of a status line and headers to write first (scripted plans), or None.
+        chunked: frame payloads as HTTP chunks (else raw, for a ``content-length`` body).
+        coalesce: all payloads due at one tick go in one write (generated streams); else each is its own write.
     """
 
     def __init__(self, proto: EmulatorProtocol, items: list[tuple[float, bytes]], d: dict[str, str],
-                 end: str = "ok") -> None:
+                 end: str = "ok", head: tuple[float, bytes] | None = None, chunked: bool = True,
+                 coalesce: bool = True) -> None:
         self.proto = proto
         self.items = items
         self.i = 0
         self.end = end
+        self.head = head
+        self.chunked = chunked
+        self.coalesce = coalesce
         self.drop_after = int(d["drop_after"]) if "drop_after" in d else None
         self.stall_after = int(d["stall_after"]) if "stall_after" in d else None
 
     def start(self) -> None:
         """Schedule the first write."""
-        self._arm()
+        if self.head is not None:
+            self.proto.timer = self.proto.loop.call_at(self.head[0], self._write_head)
+        else:
+            self._next()
 
-    def _arm(self) -> None:
+    def _write_head(self) -> None:
+        assert self.head is not None
+        if self.proto.transport is not None:
+            self.proto.transport.write(self.head[1])
+        self._next()
+
+    def _next(self) -> None:
         if self.i < len(self.items):
             self.proto.timer = self.proto.loop.call_at(self.items[self.i][0], self._tick)
+        else:
+            self._finish()
 
     def _tick(self) -> None:
         now = self.proto.loop.time()
         parts = []
         while self.i < len(self.items) and self.items[self.i][0] <= now + 0.0002:
-            if self.i == self.drop_after:
-                self.proto.write_chunk(b"".join(parts))
-                self.proto.reset()
-                return
-            if self.i == self.stall_after:
-                self.proto.write_chunk(b"".join(parts))
+            if self.i in (self.drop_after, self.stall_after):
+                self.proto.write(b"".join(parts))
+                if self.i == self.drop_after:
+                    self.proto.reset()
                 return
             parts.append(self.items[self.i][1])
             self.i += 1
-        self.proto.write_chunk(b"".join(parts))
-        if self.i < len(self.items):
-            self._arm()
-        elif self.end == "ok":
-            self.proto.end_chunked()
+            if not self.coalesce:
+                break
+        self.proto.write(b"".join(parts), self.chunked)
+        self._next()
+
+    def _finish(self) -> None:
+        if self.end == "ok":
+            if self.chunked:
+                self.proto.end_chunked()
         elif self.end == "eof":
             self.proto._close()
+        elif self.end == "reset":
+            self.proto.reset()
 
 
 class Generation:
@@ -509,23 +676,19 @@ def _header(headers: dict[str, Any], name: str) -> str | None:
     return None
 
 
-async def serve(config: EmulatorConfig, host: str, port: int) -> asyncio.Server:
-    """Start listening; returns the server (``port=0`` picks a free port: see ``server.sockets``)."""
+async def serve(config: EmulatorConfig, host: str, port: int, **kw: Any) -> asyncio.Server:
+    """Start listening; returns the server (``port=0`` picks a free port: see ``server.sockets``). ``kw`` as
+    :class:`Emulator`."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: EmulatorProtocol(config), host, port, reuse_address=True, backlog=2048)
+    return await loop.create_server(Emulator(config, **kw).protocol, host, port, reuse_address=True, backlog=2048)
 
 
-def run(config: EmulatorConfig, host: str, port: int, parent: int | None = None) -> None:
+def run(config: EmulatorConfig, host: str, port: int, parent: int | None = None,
+        timing_log: Path | None = None) -> None:
     """Run an emulator until interrupted (uses uvloop when installed); with ``parent`` (a pid), also until that
     process is gone (checked every 0.5 s), so a demo killed with SIGKILL leaves no emulator holding its port."""
-    try:
-        import uvloop
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover
-        runner = asyncio.run
-
     async def main() -> None:
-        server = await serve(config, host, port)
+        server = await serve(config, host, port, timing_log=timing_log)
         async with server:
             if parent is None:
                 await server.serve_forever()
@@ -534,4 +697,46 @@ def run(config: EmulatorConfig, host: str, port: int, parent: int | None = None)
                     await asyncio.sleep(0.5)
 
     with contextlib.suppress(KeyboardInterrupt):
-        runner(main())
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover
+            asyncio.run(main())
+        else:
+            uvloop.run(main())
+
+
+class EmulatorThread(Emulator):
+    """An emulator on a free loopback port, served from a background thread with its own event loop (tests).
+
+    It records every request (``requests``, ``opened``, ``closed_at``); ``handler`` may be replaced at any time;
+    ``stop()`` when done. ``base_url`` is its OpenAI base URL (``http://127.0.0.1:PORT/v1``).
+    """
+
+    def __init__(self, handler: Handler | None = None, config: EmulatorConfig | None = None) -> None:
+        super().__init__(config or EmulatorConfig(), handler, record=True)
+        self.loop = asyncio.new_event_loop()
+        self.port = 0
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(5):
+            raise RuntimeError("the emulator thread did not start")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(self.loop.create_server(self.protocol, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self.loop.run_forever()
+        server.close()
+        self.loop.run_until_complete(server.wait_closed())
+        self.loop.close()
+
+    def stop(self) -> None:
+        """Stop serving and end the thread."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)

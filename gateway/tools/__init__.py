@@ -1,0 +1,1 @@
+"""Tools beside the gateway, never on its request path: the emulated upstream and ``tiergate bench``."""
