@@ -25,7 +25,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway import __version__
-from gateway.api import Endpoint, Gateway, error_response
+from gateway.api import KINDS, Gateway, error_response
 from gateway.config import LoadedConfig, load_config
 from gateway.errors import GatewayError, InvalidRequest, MethodNotAllowed, ModelNotFound, UnknownURL
 from gateway.health import Health
@@ -34,7 +34,7 @@ from gateway.policy import Policy
 from gateway.server import configure as configure_client_limits
 from gateway.server import drain_on_exit
 from gateway.settings import Settings, environ, multiprocess_dir
-from gateway.upstream import UpstreamPool
+from gateway.upstream import Transport, UpstreamPool
 
 log = logging.getLogger("tiergate")
 
@@ -48,11 +48,11 @@ class HotPath:
     per-request CPU; the endpoints handle their own errors (``Gateway.handle``).
     """
 
-    def __init__(self, app: FastAPI, routes: dict[str, Endpoint], gateway: Gateway) -> None:
+    def __init__(self, app: FastAPI, gateway: Gateway) -> None:
         self.app = app
-        self.routes = routes
         self.state = app.state
         self.gateway = gateway
+        self.routes = {path: gateway.endpoint(kind) for path, kind in KINDS.items()}
 
     def begin_drain(self, timeout: float) -> None:
         """Shutdown began: see :meth:`Gateway.begin_drain`."""
@@ -82,7 +82,7 @@ def freeze_startup_objects() -> None:
 
 
 def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
-               multiprocess_dir: str | None = None) -> HotPath:
+               multiprocess_dir: str | None = None, transport: Transport | None = None) -> HotPath:
     """Build the ASGI app for one validated config.
 
     Args:
@@ -90,6 +90,8 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
         registry: Prometheus registry to use; a fresh one when None.
         multiprocess_dir: prometheus-client's multiprocess directory when several workers share the port;
             ``/metrics`` then merges every worker's samples, so each request is counted exactly once.
+        transport: what reaches the upstreams; an :class:`UpstreamPool` (aiohttp) when None. Tests pass one that
+            plays scripted bytes (``gateway.tools.scripted``).
     """
     config = loaded.config
     if registry is None:
@@ -98,7 +100,7 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
             ProcessCollector(registry=registry)
     metrics = Metrics(registry, config.model_names(), [(u.tier, u.name, u.models) for u in config.upstreams],
                       prices={u.name: u.prices.per_token() for u in config.upstreams if u.prices is not None})
-    pool = UpstreamPool(config.upstreams, loaded.keys)
+    pool = transport if transport is not None else UpstreamPool(config.upstreams, loaded.keys)
     health = Health(config.upstreams)
     gateway = Gateway(config, Policy(config), pool, metrics, health)
 
@@ -117,9 +119,8 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
     app = FastAPI(title="Tiergate", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None, redirect_slashes=False)
     app.state.gateway = gateway
-    hot = {"/v1/chat/completions": Endpoint(gateway, "chat"), "/v1/responses": Endpoint(gateway, "responses")}
-    for path, endpoint in hot.items():  # reached only through HotPath's fallback: wrong methods get a 405
-        app.router.routes.append(Route(path, endpoint=endpoint, methods=["POST"]))
+    for path, kind in KINDS.items():  # reached only through HotPath's fallback: wrong methods get a 405
+        app.router.routes.append(Route(path, endpoint=gateway.endpoint(kind), methods=["POST"]))
     app.add_route("/v1/tiergate/route", gateway.route, methods=["POST"])
     created = int(time.time())
 
@@ -164,7 +165,7 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     _install_error_handlers(app)
-    return HotPath(app, hot, gateway)
+    return HotPath(app, gateway)
 
 
 def serve_app(loaded: LoadedConfig, settings: Settings, multiprocess_dir: str | None = None) -> HotPath:

@@ -33,11 +33,11 @@ from random import random
 from typing import Any, TypeVar
 
 from gateway.config import UpstreamConfig
+from gateway.errors import GatewayError, UpstreamStatusError
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 SOFT_REASONS = frozenset({"quota_requests", "quota_tokens", "concurrency"})  # estimates: try anyway if nothing else
-monotonic = time.monotonic
 T = TypeVar("T")
 
 
@@ -231,6 +231,20 @@ class UpstreamHealth:
             self.half_open = False
             self.probe_started = None
 
+    def settle(self, exc: GatewayError | None, now: float) -> None:
+        """One attempt's verdict, told once when it ends: None (it worked) or what it failed with. A 429 starts a
+        cooldown; a 5xx or a failure without a status (connect, timeout, a broken, silent or bad answer) counts
+        against the breaker; any other 4xx is the request's fault, so the upstream is up (a context overflow
+        included, whatever status the upstream chose: ``errors.upstream_error`` made it a 400)."""
+        if exc is None:
+            self.success()
+        elif not isinstance(exc, UpstreamStatusError) or exc.status >= 500:
+            self.failure(now)
+        elif exc.status == 429:
+            self.rate_limited(exc.headers, now, exhausted=exc.quota_exhausted)
+        else:
+            self.success()
+
     def resting_until(self) -> float:
         """When the breaker or the cooldown ends (monotonic seconds)."""
         return max(self.open_until, self.cooldown_until)
@@ -250,7 +264,8 @@ class UpstreamHealth:
 
 
 class Health:
-    """Every upstream's :class:`UpstreamHealth`, by name. ``clock`` is injectable for tests."""
+    """Every upstream's :class:`UpstreamHealth`, by name, and the one clock all of them are read and told with
+    (``time.monotonic`` seconds; injectable for tests)."""
 
     def __init__(self, upstreams: list[UpstreamConfig], clock: Callable[[], float] = time.monotonic) -> None:
         self.by_name = {u.name: UpstreamHealth(u) for u in upstreams}

@@ -25,6 +25,7 @@ business (``gateway.health``), not the policy's.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
 from collections.abc import Callable, Mapping
@@ -438,6 +439,25 @@ class Policy:
         every = tuple(Candidate(u, u.models[model]) for u in (*first, *other))
         takes_anything = all(u.context_window is None and len(u.modalities) == 3 for u in (*first, *other))
         return first, other, every, takes_anything
+
+
+def responses_only(decision: Decision) -> Decision:
+    """Keep the candidates that speak the Responses API (OpenAI dialect; Cerebras has no ``/v1/responses``); the
+    others are reported as skipped with ``no_responses_api``.
+
+    Raises:
+        ModelNotFound: none of the model's upstreams does.
+    """
+    kept = tuple(c for c in decision.candidates if c.upstream.dialect == "openai")
+    if not kept:
+        raise ModelNotFound(f"No upstream serves the Responses API for `{decision.model}`; use /v1/chat/completions.",
+                            param="model")
+    fallback = decision.fallback
+    if kept[0].upstream.tier != decision.tier and fallback is None:
+        fallback = "no_responses_api"
+    skipped = (*decision.skipped, *((c.upstream.name, "no_responses_api") for c in decision.candidates
+                                    if c not in kept))
+    return dataclasses.replace(decision, candidates=kept, fallback=fallback, skipped=skipped)
 
 
 def _cannot_take(u: UpstreamConfig, f: RequestFacts) -> str | None:

@@ -1,4 +1,11 @@
-"""Upstream HTTP client: one pooled aiohttp session per process, outbound header rules, error mapping.
+"""Upstream attempts and the HTTP client under them: one pooled aiohttp session per process, outbound header rules,
+error mapping.
+
+An :class:`Attempt` is one try of one upstream, from sending the request to the end of its answer, with one owner
+(``async with``): it holds the upstream's concurrency slot, the open answer and the first-token deadline, and its
+exit is the only place the answer is released (read to its end) or closed (anything else), the slot given back and
+the upstream's health told the verdict. The client under it is a :class:`Transport`: :class:`UpstreamPool`
+(aiohttp) in production, or a fake that plays scripted bytes in tests (``gateway.tools.scripted``).
 
 aiohttp is used for upstream I/O on the hot path instead of httpx: measured on this machine it costs a
 third of the CPU per relayed chunk and serves ~15x the non-streaming requests/s (issue 2's table;
@@ -16,20 +23,189 @@ import asyncio
 import contextlib
 import contextvars
 import errno
-from collections.abc import AsyncIterator, Mapping
-from typing import Any
+import math
+from collections.abc import AsyncIterator, Callable, Mapping
+from types import TracebackType
+from typing import Any, Protocol
 
 import aiohttp
+import orjson
 from pydantic import SecretStr
 
 from gateway import __version__
 from gateway.config import UpstreamConfig
-from gateway.errors import GatewayError, StreamInterrupted, UpstreamTimeout, UpstreamUnavailable
+from gateway.errors import (
+    GatewayError,
+    StreamInterrupted,
+    UpstreamBadResponse,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    event_error,
+    upstream_error,
+)
+from gateway.health import UpstreamHealth, retry_wait
 
 RESPONSE_HEADER_ALLOW = ("openai-processing-ms", "retry-after", "retry-after-ms", "x-should-retry")
 RESPONSE_HEADER_PREFIX_ALLOW = ("x-ratelimit-",)
 USER_AGENT = f"tiergate/{__version__}"
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error answer kept for its message; the rest is dropped
+
+
+# a streamed answer labelled with one of these is not an event stream; any other label (text/plain, none, ...) on a
+# 200 to a stream request is relayed as one (issue 10 case 6: mislabelled streams)
+NOT_A_STREAM = ("application/json", "text/html")
+
+
+class Answer(Protocol):
+    """An open upstream answer, as :class:`UpstreamResponse` gives it (``headers``: the ones a client may see)."""
+
+    status: int
+    headers: dict[str, str]
+    content_type: str
+    stale_retried: bool
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+    def watch_idle(self) -> None: ...
+    async def read(self) -> bytes: ...
+    async def read_error(self, limit: int = ...) -> bytes: ...
+    def release(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Transport(Protocol):
+    """What sends a request upstream and waits for its status line (:meth:`UpstreamPool.send`)."""
+
+    @property
+    def ready(self) -> bool: ...
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    async def send(self, upstream: UpstreamConfig, body: bytes, *, stream: bool, request_id: str,
+                   path: str = "/chat/completions") -> Answer: ...
+
+
+class Attempt:
+    """One try of one upstream (module docstring); use it as ``async with Attempt(...) as attempt``.
+
+    Args:
+        transport: the client; upstream: the upstream to try; health: its health, told the verdict on exit;
+        clock: the health clock (``Health.clock``, seconds); need_tokens: the request's estimated prompt plus
+        ``max_tokens`` (charged to the quota estimate); stream: the request streams (a first-token deadline
+        of ``upstream.timeouts.ttft`` then applies, status line included); request_id: sent as
+        ``X-Client-Request-Id``; path: under the upstream's base URL.
+
+    Attributes:
+        answer: the open answer after :meth:`send`, else None.
+        first_token_by: the first-token deadline (an ``asyncio`` loop time), or None.
+    """
+
+    def __init__(self, transport: Transport, upstream: UpstreamConfig, health: UpstreamHealth,
+                 clock: Callable[[], float], *, need_tokens: int, stream: bool, request_id: str,
+                 path: str) -> None:
+        self.upstream = upstream
+        self.health = health
+        self.answer: Answer | None = None
+        self.first_token_by: float | None = None
+        self._transport = transport
+        self._clock = clock
+        self._need = need_tokens
+        self._stream = stream
+        self._rid = request_id
+        self._path = path
+        self._complete = False
+        self._verdict = False
+
+    async def __aenter__(self) -> Attempt:
+        self.health.start(self._clock(), self._need)
+        ttft = self.upstream.timeouts.ttft if self._stream else None
+        if ttft:
+            self.first_token_by = asyncio.get_running_loop().time() + ttft
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if isinstance(exc, GatewayError):
+            self.failed(exc)
+        answer, self.answer = self.answer, None
+        if answer is not None:
+            if self._complete:
+                answer.release()
+            else:
+                answer.close()  # never pooled half-read
+        self.health.finish()
+
+    async def send(self, body: bytes) -> Answer:
+        """Send the request and wait for a 200 (bounded by the first-token deadline when there is one).
+
+        Raises:
+            UpstreamTimeout (``upstream_ttft_timeout``), UpstreamUnavailable: no status line; UpstreamStatusError:
+                the upstream answered another status (its error body read and normalised); the stream checks of
+                :meth:`stream_answer` do not apply yet.
+        """
+        try:
+            async with asyncio.timeout_at(self.first_token_by):
+                answer = self.answer = await self._transport.send(self.upstream, body, stream=self._stream,
+                                                                  request_id=self._rid, path=self._path)
+        except TimeoutError as err:
+            raise UpstreamTimeout(f"No first token from the upstream within {self.upstream.timeouts.ttft:g} s.",
+                                  code="upstream_ttft_timeout") from err
+        self.health.observe_headers(answer.headers, self._clock())
+        if answer.status != 200:
+            raise await self._status_error(answer)
+        if self._stream and answer.content_type.split(";", 1)[0].strip().lower() in NOT_A_STREAM:
+            raise await self._not_a_stream(answer)
+        return answer
+
+    def ok(self) -> None:
+        """The attempt worked (its answer reached the client whole, or its stream ran to its end)."""
+        if not self._verdict:
+            self._verdict = True
+            self.health.settle(None, self._clock())
+
+    def failed(self, exc: GatewayError) -> GatewayError:
+        """The attempt failed with ``exc`` (told to the upstream's health once); returns ``exc``."""
+        if not self._verdict:
+            self._verdict = True
+            self.health.settle(exc, self._clock())
+        return exc
+
+    def done(self) -> None:
+        """The answer was read to its end: on exit its connection goes back to the pool."""
+        self._complete = True
+
+    async def _read_error(self, answer: Answer) -> tuple[bytes, bool]:
+        """Up to 64 KiB of an error body, bounded by the first-token deadline; (bytes, whether read to the end)."""
+        try:
+            async with asyncio.timeout_at(self.first_token_by):
+                return await answer.read_error(), True
+        except (GatewayError, TimeoutError):
+            return b"", False
+
+    async def _status_error(self, answer: Answer) -> UpstreamStatusError:
+        """The upstream's non-200 answer as an error to relay or fail over on, with its status and headers even when
+        its body does not arrive (stalls, breaks, or outlasts the first-token deadline): the status line already
+        said what happened. A 429 without a retry hint gets ``retry-after`` from the reset of the window it
+        exhausted (``health.retry_wait``)."""
+        data, whole = await self._read_error(answer)
+        self._complete = whole
+        err = upstream_error(answer.status, data, answer.headers)
+        if err.status == 429 and "retry-after" not in err.headers and "retry-after-ms" not in err.headers:
+            wait = retry_wait(answer.headers)
+            if wait is not None:
+                err.headers["retry-after"] = str(max(1, math.ceil(wait)))
+        return err
+
+    async def _not_a_stream(self, answer: Answer) -> GatewayError:
+        """A stream request answered 200 with a JSON (or HTML) body: the error it holds, with the status it names
+        (some upstreams answer an error this way), or :class:`UpstreamBadResponse`."""
+        data, _ = await self._read_error(answer)
+        try:
+            parsed = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict) and parsed.get("error"):
+            return event_error(parsed)
+        return UpstreamBadResponse("The upstream answered a stream request without an event stream.")
 
 
 class UpstreamResponse:

@@ -96,6 +96,11 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def parse_request(kind: str, raw: bytes) -> dict[str, Any]:
+    """:func:`parse_chat_request` for ``kind`` ``chat``, :func:`parse_responses_request` for ``responses``."""
+    return parse_chat_request(raw) if kind == "chat" else parse_responses_request(raw)
+
+
 def _routable(raw: bytes) -> dict[str, Any]:
     """A JSON object with a non-empty string ``model`` and, if present, a boolean ``stream``."""
     try:

@@ -636,7 +636,7 @@ async def test_readyz_fails_once_draining(fake: EmulatorThread, tmp_path: Path) 
     path = tmp_path / "ready.yaml"
     path.write_text(orjson.dumps(_config(fake)).decode())
     app = create_app(load_config(path, {}))
-    await app.gateway.pool.start()
+    await app.gateway.transport.start()
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
             assert (await client.get("/readyz")).status_code == 200
@@ -645,7 +645,7 @@ async def test_readyz_fails_once_draining(fake: EmulatorThread, tmp_path: Path) 
             assert resp.status_code == 503 and resp.json() == {"status": "draining"}
             assert (await client.get("/healthz")).status_code == 200  # the process is still up
     finally:
-        await app.gateway.pool.stop()
+        await app.gateway.transport.stop()
 
 
 def test_demo_port_check_ignores_time_wait_sockets() -> None:
