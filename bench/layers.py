@@ -18,10 +18,10 @@ microseconds per request, each next to a lower bound (or, for the gateway's code
    (``send`` + ``read`` + ``release``: the same session plus its headers, timeouts and response wrapper),
    shown with its extra over the plain session in the same run. CPU: ``time.process_time()``.
 3. the gateway's own code: the ASGI app ``create_app`` builds from ``bench.procs.gateway_config``, called in a
-   loop on CPU 1 with fake receive/send and ``UpstreamPool.send`` stubbed to a canned answer (a completion, or
-   a 4-token SSE stream in five reads). No sockets, but the loop turns a real request takes (the stub yields
-   once, each read once, and once after the request), so the disconnect watcher task starts and ends inside
-   the measurement. CPU: ``time.process_time()``.
+   loop on CPU 1 with fake receive/send and its upstream played by ``gateway.tools.scripted`` (a completion, or
+   a 4-token SSE stream in five reads). No sockets, but the loop turns a real request takes (the status line
+   after one, each read after one, and one after the request), so the disconnect watcher task starts and ends
+   inside the measurement. CPU: ``time.process_time()``.
 
 Warm-up is excluded; every answer is checked and any failure fails the run. A cell is the median over
 ``--repeat`` runs [min, max]. The bare variants are measurement prototypes, not something the gateway uses.
@@ -182,14 +182,13 @@ async def client_us(kind: str, loaded: Any, port: int, n: int) -> float:
     """This process's CPU microseconds per non-streaming request to the bench upstream; ``kind`` aiohttp|pool|bare."""
     import aiohttp
 
-    from gateway.upstream import UpstreamPool
+    from gateway.upstream import CONNECTOR_OPTIONS, SESSION_OPTIONS, UpstreamPool
 
     body, up, url = loadgen.chat_body(stream=False), loaded.config.upstreams[0], f"http://127.0.0.1:{port}/v1"
     pool, conns = UpstreamPool(loaded.config.upstreams, loaded.keys), []
     # UpstreamPool.start's connector and session, without its per-request headers and timeouts
-    sess = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
-        limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=300, enable_cleanup_closed=False),
-        auto_decompress=True, skip_auto_headers=("User-Agent",), timeout=aiohttp.ClientTimeout(total=None))
+    sess = aiohttp.ClientSession(connector=aiohttp.TCPConnector(**CONNECTOR_OPTIONS), **SESSION_OPTIONS,
+                                 timeout=aiohttp.ClientTimeout(total=None))
     wire = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
             b"Accept: application/json\r\nAccept-Encoding: identity\r\nUser-Agent: tiergate\r\n"
             b"X-Client-Request-Id: bench\r\nContent-Length: %d\r\n\r\n%s" % (port, len(body), body))
@@ -231,40 +230,22 @@ async def client_us(kind: str, loaded: Any, port: int, n: int) -> float:
             c.transport.close()
 
 
-class Canned:
-    """What the stubbed ``UpstreamPool.send`` returns: a 200 answer with ``UpstreamResponse``'s interface, no I/O."""
-
-    status, headers, upstream_request_id = 200, {}, None  # headers: read only
-
-    def __init__(self, stream: bool) -> None:
-        self.content_type = "text/event-stream; charset=utf-8" if stream else "application/json"
-
-    async def read(self) -> bytes:
-        return REPLY
-
-    async def chunks(self) -> Any:
-        for piece in SSE:
-            await asyncio.sleep(0)  # one loop turn per piece, as if each came in its own socket read
-            yield piece
-
-    def release(self) -> None:
-        pass
-
-    close = release
-
-
 async def own_us(cfg: Path, sizes: dict[str, int]) -> tuple[float, float]:
     """The gateway's own CPU microseconds per (non-streaming, 4-token streamed) request, with fake I/O."""
     from gateway.app import create_app
     from gateway.config import load_config
+    from gateway.tools.emulator import Plan, Received
+    from gateway.tools.scripted import ScriptedTransport
 
-    app = create_app(load_config(cfg, {}, require_keys=False))
+    # no I/O: the status line after one loop turn (the disconnect watcher starts meanwhile), then one loop turn per
+    # piece, as if each came in its own socket read
+    streamed = Plan(headers={"content-type": "text/event-stream; charset=utf-8"}, parts=[(0, p) for p in SSE])
+    whole = Plan(headers={"content-type": "application/json"}, parts=[(0, REPLY)], chunked=False)
 
-    async def canned_send(up: Any, payload: bytes, *, stream: bool, request_id: str, path: str = "") -> Canned:
-        await asyncio.sleep(0)  # one loop turn, as for the status line: the disconnect watcher starts meanwhile
-        return Canned(stream)
+    def answer(req: Received) -> Plan:
+        return streamed if b'"stream":true' in req.body else whole
 
-    app.state.gateway.pool.send = canned_send
+    app = create_app(load_config(cfg, {}, require_keys=False), transport=ScriptedTransport(answer, record=False))
     loop, sent = asyncio.get_running_loop(), []
 
     async def send(message: dict[str, Any]) -> None:
@@ -366,9 +347,9 @@ def markdown(meta: dict[str, Any], cells: dict[str, list[float]]) -> str:
               "httptools' response parser; the next row is the same through the gateway's UpstreamPool (that "
               "session plus its request headers, timeouts and response wrapper) and its extra over the plain "
               "session, run by run. **gateway's own code**: the app create_app builds, called directly with "
-              "fake ASGI receive/send and the pool's send stubbed to a canned answer, no sockets (the stub and each "
-              "read take one loop turn, so the disconnect watcher runs as in a real request); the stream is 4 "
-              "tokens in five reads. The bare variants are prototypes for measurement only: they handle no "
+              "fake ASGI receive/send and its upstream played by the scripted transport, no sockets (the status "
+              "line and each read take one loop turn, so the disconnect watcher runs as in a real request); the "
+              "stream is 4 tokens in five reads. The bare variants are prototypes for measurement only: they handle no "
               "chunked request bodies, no errors and no pipelining, and the gateway does not use them. Each layer "
               "runs under its own load, so the rows only approximately add up to bench.run's figure.", ""]
     return "\n".join(lines)

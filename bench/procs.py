@@ -176,7 +176,6 @@ upstreams:
     api_key_env: null
     dialect: openai
     timeouts: {{connect: 5, idle: 120, total: 120}}
-    max_connections: 4096
     models: {{bench: bench}}
 """
 

@@ -152,7 +152,7 @@ async def _one(session: aiohttp.ClientSession, url: str, fault: str, rng: random
             why = _check(fault, resp.status, resp.headers.get("content-type", ""), raw)
             if why is not None:
                 tally.miss(fault, why)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         tally.transport_errors += 1
         tally.miss(fault, f"{type(exc).__name__}: {exc}")
 

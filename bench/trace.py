@@ -3,13 +3,14 @@
     .venv/bin/python -m bench.trace [--requests 300]
 
 Starts the bench upstream on CPU 0 and the gateway on CPU 1 (as ``bench.run`` does), the gateway through
-``python -m bench.trace gateway ...``, which wraps a few of its functions with ``time.perf_counter()`` probes
-before serving; then sends ``--requests`` 4-token streams one at a time, first straight to the upstream, then
-through the gateway, and prints the medians (microseconds):
+``python -m bench.trace gateway ...``, which builds the app with ``time.perf_counter()`` probes at its seams (a
+policy and an upstream pool that time themselves, passed to ``create_app``, and an ASGI wrapper) and serves it
+with the gateway's own uvicorn settings; then sends ``--requests`` 4-token streams one at a time, first straight to
+the upstream, then through the gateway, and prints the medians (microseconds):
 
 * client TTFT, direct and through the gateway (request start to the first content chunk, as ``bench.run``);
-* inside the gateway: arrival -> body read -> routing start -> routing end -> upstream body built ->
-  ``UpstreamPool.send`` called -> upstream status line received -> first body bytes sent to the client.
+* inside the gateway: arrival -> body read -> routing start -> routing end -> ``UpstreamPool.send`` called ->
+  upstream status line received -> first body bytes sent to the client.
 
 At concurrency 1 the process sleeps between requests, so every figure is a cold-cache figure: each phase takes
 longer than its CPU cost under load (``bench.layers``). The probes add about a microsecond each.
@@ -33,71 +34,73 @@ import aiohttp
 from bench import procs
 
 ROOT = Path(__file__).resolve().parent.parent
-PHASES = (("t0", "body"), ("body", "d0"), ("d0", "d1"), ("d1", "u0"), ("u0", "t1"), ("t1", "t2"), ("t2", "t3"))
-NAMES = ("arrival -> body read", "body read -> routing start", "routing (Policy.decide)",
-         "routing end -> upstream body built", "upstream body -> UpstreamPool.send",
+PHASES = (("t0", "body"), ("body", "d0"), ("d0", "d1"), ("d1", "t1"), ("t1", "t2"), ("t2", "t3"))
+NAMES = ("arrival -> body read", "body read -> routing start (parse, facts)", "routing (Policy.decide)",
+         "routing end -> upstream request sent (plan, upstream body, attempt)",
          "send -> upstream status line (aiohttp + upstream)", "status line -> first bytes to the client")
 
 
 def gateway_role(argv: list[str]) -> int:
-    """``python -m bench.trace gateway OUT.json N serve ...``: the gateway with probes; writes the first N
-    requests' phase times to OUT.json, then keeps serving."""
-    out, limit, rest = Path(argv[0]), int(argv[1]), argv[2:]
-    import gateway.api as api
-    import gateway.policy as policy
-    import gateway.upstream as upstream
+    """``python -m bench.trace gateway OUT.json N CONFIG PORT``: the gateway with probes at its seams (a policy and an
+    upstream pool that time themselves, given to ``create_app``, and an ASGI wrapper); writes the first N requests'
+    phase times to OUT.json, then keeps serving."""
+    out, limit, cfg, port = Path(argv[0]), int(argv[1]), Path(argv[2]), int(argv[3])
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.config import load_config
+    from gateway.policy import Decision, Policy, RequestFacts
+    from gateway.server import uvicorn_options
+    from gateway.settings import Settings
+    from gateway.upstream import Answer, UpstreamPool
 
     records: list[dict[str, float]] = []
     cur: dict[str, float] = {}
+    clock = time.perf_counter
 
-    def stamp(key: str) -> None:
-        cur[key] = time.perf_counter()
+    class TimedPolicy(Policy):
+        def decide(self, facts: RequestFacts, explain: bool = False) -> Decision:
+            cur["d0"] = clock()
+            decision = super().decide(facts, explain)
+            cur["d1"] = clock()
+            return decision
 
-    def wrap_async(owner: Any, name: str, before: str | None, after: str | None) -> None:
-        orig = getattr(owner, name)
+    class TimedPool(UpstreamPool):
+        async def send(self, *a: Any, **k: Any) -> Answer:
+            cur["t1"] = clock()
+            answer = await super().send(*a, **k)
+            cur["t2"] = clock()
+            return answer
 
-        async def probe(*a: Any, **k: Any) -> Any:
-            if before:
-                stamp(before)
-            result = await orig(*a, **k)
-            if after:
-                stamp(after)
-            return result
-        setattr(owner, name, probe)
+    loaded = load_config(cfg, {}, require_keys=False)
+    app = create_app(loaded, transport=TimedPool(loaded.config.upstreams, loaded.keys),
+                     policy=TimedPolicy(loaded.config))
 
-    def wrap(owner: Any, name: str, before: str, after: str | None) -> None:
-        orig = getattr(owner, name)
-
-        def probe(*a: Any, **k: Any) -> Any:
-            stamp(before)
-            result = orig(*a, **k)
-            if after:
-                stamp(after)
-            return result
-        setattr(owner, name, probe)
-
-    wrap_async(api, "_read_body", None, "body")
-    wrap(policy.Policy, "decide", "d0", "d1")
-    wrap(api, "upstream_body", "u0", None)
-    wrap_async(upstream.UpstreamPool, "send", "t1", "t2")
-    handle = api.Gateway.handle
-
-    async def traced(self: Any, scope: Any, receive: Any, send: Any, kind: str) -> None:
+    async def traced(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
         cur.clear()
-        stamp("t0")
+        cur["t0"] = clock()
+
+        async def timed_receive() -> Any:
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body"):
+                cur.setdefault("body", clock())
+            return message
 
         async def first_body(message: Any) -> None:
             if message["type"] == "http.response.body" and "t3" not in cur:
-                stamp("t3")
+                cur["t3"] = clock()
             await send(message)
-        await handle(self, scope, receive, first_body, kind)
-        if all(k in cur for k, _ in PHASES) and "t3" in cur:
+        await app(scope, timed_receive, first_body)
+        if all(a in cur and b in cur for a, b in PHASES):
             records.append(dict(cur))
             if len(records) == limit:
                 out.write_text(json.dumps(records))
-    api.Gateway.handle = traced  # type: ignore[method-assign]
-    from gateway.cli import main as gateway_main
-    return gateway_main(rest)
+
+    uvicorn.Server(uvicorn.Config(traced, **uvicorn_options("127.0.0.1", port, "warning", Settings()))).run()
+    return 0
 
 
 async def _streams(port: int, n: int) -> list[float]:
@@ -141,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         gw_port = procs.free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
         gw = kids.start("tiergate", procs.pin_prefix(1) + [py, "-m", "bench.trace", "gateway", str(d / "trace.json"),
-                                                           str(warm + n), "serve", "--config", str(cfg), "--port",
-                                                           str(gw_port), "--log-level", "warning"],
+                                                           str(warm + n), str(cfg), str(gw_port)],
                         d / "gateway.log", cwd=ROOT, env=env)
         procs.wait_http_ready(gw, f"http://127.0.0.1:{gw_port}/healthz")
         asyncio.run(_streams(up_port, warm))

@@ -82,7 +82,8 @@ def freeze_startup_objects() -> None:
 
 
 def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
-               multiprocess_dir: str | None = None, transport: Transport | None = None) -> HotPath:
+               multiprocess_dir: str | None = None, transport: Transport | None = None,
+               policy: Policy | None = None) -> HotPath:
     """Build the ASGI app for one validated config.
 
     Args:
@@ -92,6 +93,7 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
             ``/metrics`` then merges every worker's samples, so each request is counted exactly once.
         transport: what reaches the upstreams; an :class:`UpstreamPool` (aiohttp) when None. Tests pass one that
             plays scripted bytes (``gateway.tools.scripted``).
+        policy: the routing policy; ``Policy(config)`` when None (``bench.trace`` passes one that times itself).
     """
     config = loaded.config
     if registry is None:
@@ -102,7 +104,7 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
                       prices={u.name: u.prices.per_token() for u in config.upstreams if u.prices is not None})
     pool = transport if transport is not None else UpstreamPool(config.upstreams, loaded.keys)
     health = Health(config.upstreams)
-    gateway = Gateway(config, Policy(config), pool, metrics, health)
+    gateway = Gateway(config, policy if policy is not None else Policy(config), pool, metrics, health)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -113,7 +115,7 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
         finally:
             await pool.stop()
             if multiprocess_dir:
-                multiprocess.mark_process_dead(os.getpid(), multiprocess_dir)
+                multiprocess.mark_process_dead(os.getpid(), multiprocess_dir)  # type: ignore[no-untyped-call]
 
     # redirect_slashes=False: a trailing slash is an unknown URL (404), never a redirect built from the Host header
     app = FastAPI(title="Tiergate", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -122,9 +124,18 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
     for path, kind in KINDS.items():  # reached only through HotPath's fallback: wrong methods get a 405
         app.router.routes.append(Route(path, endpoint=gateway.endpoint(kind), methods=["POST"]))
     app.add_route("/v1/tiergate/route", gateway.route, methods=["POST"])
+    _install_info_routes(app, gateway, registry, multiprocess_dir)
+    _install_error_handlers(app)
+    return HotPath(app, gateway)
+
+
+def _install_info_routes(app: FastAPI, gateway: Gateway, registry: CollectorRegistry,
+                         multiprocess_dir: str | None) -> None:
+    """``/v1/models`` (OpenAPI ``Model``), ``/healthz``, ``/readyz`` and ``/metrics``: off the hot path."""
+    config, metrics, health = gateway.config, gateway.metrics, gateway.health
     created = int(time.time())
 
-    def model_object(name: str) -> dict[str, object]:  # OpenAPI ``Model``
+    def model_object(name: str) -> dict[str, object]:
         return {"id": name, "object": "model", "created": created, "owned_by": "tiergate"}
 
     @app.get("/v1/models")
@@ -147,7 +158,7 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
     async def readyz() -> Response:
         if gateway.draining:
             return Response(b'{"status":"draining"}', 503, media_type="application/json")
-        if pool.ready:
+        if gateway.transport.ready:
             return Response(b'{"status":"ready"}', media_type="application/json")
         return Response(b'{"status":"starting"}', 503, media_type="application/json")
 
@@ -160,12 +171,9 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
                                                             if q.resets_at > now})
         if multiprocess_dir:
             merged = CollectorRegistry()
-            multiprocess.MultiProcessCollector(merged, multiprocess_dir)
+            multiprocess.MultiProcessCollector(merged, multiprocess_dir)  # type: ignore[no-untyped-call]
             return Response(generate_latest(merged), media_type=CONTENT_TYPE_LATEST)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    _install_error_handlers(app)
-    return HotPath(app, gateway)
 
 
 def serve_app(loaded: LoadedConfig, settings: Settings, multiprocess_dir: str | None = None) -> HotPath:

@@ -108,18 +108,11 @@ def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
     import uvicorn
 
     from gateway.app import serve_app
-    from gateway.server import GuardedHttpToolsProtocol
+    from gateway.server import uvicorn_options
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings()
-    common = {"host": args.host, "port": args.port, "loop": "uvloop", "http": GuardedHttpToolsProtocol,
-              "log_level": args.log_level,
-              "access_log": False, "lifespan": "on", "server_header": False, "date_header": False,
-              "proxy_headers": False,  # the gateway reads no client address; saves a middleware per request
-              "timeout_keep_alive": settings.keepalive_timeout,
-              # the app ends what is left at drain_timeout itself (in-band error events); uvicorn's own cut-off
-              # comes later, for anything that still did not end
-              "timeout_graceful_shutdown": settings.drain_timeout + 5}
+    common = uvicorn_options(args.host, args.port, args.log_level, settings)
     if args.workers < 1:
         raise ConfigError("--workers: must be at least 1")
     if args.workers > 1:

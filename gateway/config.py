@@ -114,12 +114,19 @@ class UpstreamConfig(_Strict):
     dialect: Literal["openai", "cerebras"] = "openai"
     timeouts: Timeouts = Timeouts()
     models: dict[str, str] = Field(min_length=1)
-    max_connections: int = Field(256, ge=1)
     context_window: int | None = Field(None, ge=1)
     modalities: list[Literal["text", "image", "audio"]] = ["text", "image", "audio"]
     weight: int = Field(1, ge=1)
     health: HealthConfig = HealthConfig()
     prices: Prices | None = None  # USD per million tokens; None: unpriced (no cost is recorded)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_max_connections(cls, value: object) -> object:
+        if isinstance(value, dict) and "max_connections" in value:
+            raise ValueError("max_connections is no longer a setting (it was never applied: each request in flight "
+                             "has its own upstream connection); limit requests with health.max_concurrent")
+        return value
 
     @field_validator("base_url")
     @classmethod

@@ -140,9 +140,11 @@ class UpstreamHealth:
             return "cooldown"
         if self.cfg.max_concurrent is not None and self.in_flight >= self.cfg.max_concurrent:
             return "concurrency"
-        for kind, need in (("requests", 1), ("tokens", need_tokens)):
+        reserve = self.cfg.quota_reserve
+        for kind, need, keep in (("requests", 1, reserve.get("requests", 0)), ("tokens", need_tokens,
+                                                                              reserve.get("tokens", 0))):
             q = self.quota.get(kind)
-            if q is not None and q.resets_at > now and q.remaining - need < self.cfg.quota_reserve.get(kind, 0):
+            if q is not None and q.resets_at > now and q.remaining - need < keep:
                 return f"quota_{kind}"
         return None
 

@@ -96,11 +96,6 @@ class RequestFacts:
         return value if isinstance(value, dict) else {}
 
     @_lazy
-    def workload(self) -> str | None:
-        value = self.metadata.get("workload")
-        return value if isinstance(value, str) else None
-
-    @_lazy
     def tier_header(self) -> str | None:
         value = self.headers.get(TIER_HEADER)
         return value.strip().lower() if value else None
@@ -130,7 +125,7 @@ class RequestFacts:
         for message in messages if isinstance(messages, list) else ():
             content = message.get("content") if isinstance(message, dict) else None
             if isinstance(content, list):
-                kinds.update(p.get("type") for p in content if isinstance(p, dict) and isinstance(p.get("type"), str))
+                kinds.update(str(p["type"]) for p in content if isinstance(p, dict) and isinstance(p.get("type"), str))
         return frozenset(kinds)
 
     @_lazy
@@ -203,7 +198,7 @@ class _StrTest:
     __slots__ = ("kind", "value", "_re")
 
     def __init__(self, m: StrMatch) -> None:
-        self.kind, self.value = next((k, v) for k, v in m.model_dump().items() if v is not None)
+        self.kind, self.value = next((k, str(v)) for k, v in m.model_dump().items() if v is not None)
         self._re = re.compile(self.value) if self.kind == "regex" else None
 
     def __call__(self, text: str) -> bool:
@@ -248,8 +243,57 @@ def _range_text(r: Range) -> str:
     return " and ".join(f"{ops[k]} {v:g}" for k, v in r.model_dump().items() if v is not None)
 
 
+Check = Callable[[RequestFacts], "tuple[Any, ...] | None"]  # None when the condition holds, else why not
+
+
+def _header_check(name: str, test: _StrTest) -> Check:
+    def check(f: RequestFacts) -> tuple[Any, ...] | None:
+        value = f.headers.get(name)
+        if value is None or not test(value):
+            return ("header", name, "absent" if value is None else repr(value), test)
+        return None
+    return check
+
+
+def _service_tier_check(tiers: list[str]) -> Check:
+    return lambda f: None if f.service_tier in tiers else ("in", "service_tier", f.service_tier, tiers)
+
+
+def _tool_choice_check(choices: list[str]) -> Check:
+    return lambda f: None if f.tool_choice in choices else ("in", "tool_choice", f.tool_choice, choices)
+
+
+def _model_check(globs: list[str]) -> Check:
+    return lambda f: None if any(fnmatch.fnmatchcase(f.model, g) for g in globs) else ("model", f.model, globs)
+
+
+def _metadata_check(key: str, allowed: list[str]) -> Check:
+    def check(f: RequestFacts) -> tuple[Any, ...] | None:
+        value = f.metadata.get(key)
+        return None if isinstance(value, str) and value in allowed else ("in", f"metadata.{key}", value, allowed)
+    return check
+
+
+def _flag_check(fact: str, want: bool) -> Check:
+    def check(f: RequestFacts) -> tuple[Any, ...] | None:
+        got = getattr(f, fact)
+        return None if got == want else ("flag", fact, got, want)
+    return check
+
+
+def _range_check(fact: str, r: Range) -> Check:
+    def check(f: RequestFacts) -> tuple[Any, ...] | None:
+        value = getattr(f, fact)
+        return None if value is not None and _in_range(value, r) else ("range", fact, value, r)
+    return check
+
+
+def _ua_check(ua: _StrTest) -> Check:
+    return lambda f: None if ua(f.user_agent) else ("ua", repr(f.user_agent), ua)
+
+
 class Rule:
-    """A compiled :class:`RuleConfig`; :meth:`why_not` explains a non-match."""
+    """A compiled :class:`RuleConfig`: its checks (:meth:`failure`) and its description."""
 
     def __init__(self, cfg: RuleConfig) -> None:
         self.name = cfg.name
@@ -259,16 +303,11 @@ class Rule:
         self._ua = _StrTest(cfg.match.user_agent) if cfg.match.user_agent else None
         self._checks = self._compile()
 
-    def why_not(self, f: RequestFacts) -> str | None:
-        """None when every condition holds, else the first failing condition in words."""
-        failed = self.failure(f)
-        return None if failed is None else _say(failed)
-
     def failure(self, f: RequestFacts) -> tuple[Any, ...] | None:
         """None when every condition holds, else (kind, details...) of the first failing one.
 
         The hot path calls this: it runs only the checks of the conditions the rule has, and only
-        explanations format the details into words (:meth:`why_not`).
+        explanations format the details into words (``_say``).
         """
         for check in self._checks:
             failed = check(f)
@@ -276,51 +315,23 @@ class Rule:
                 return failed
         return None
 
-    def _compile(self) -> list[Callable[[RequestFacts], tuple[Any, ...] | None]]:
+    def _compile(self) -> list[Check]:
         """One small function per condition the rule has, in a fixed order (headers first: the cheapest)."""
         m = self.match
-        checks: list[Callable[[RequestFacts], tuple[Any, ...] | None]] = []
-        for name, test in self._headers.items():
-            def header(f: RequestFacts, name: str = name, test: _StrTest = test) -> tuple[Any, ...] | None:
-                value = f.headers.get(name)
-                if value is None or not test(value):
-                    return ("header", name, "absent" if value is None else repr(value), test)
-                return None
-            checks.append(header)
+        checks = [_header_check(name, test) for name, test in self._headers.items()]
         if m.service_tier is not None:
-            tiers = m.service_tier
-            checks.append(lambda f: None if f.service_tier in tiers else ("in", "service_tier", f.service_tier, tiers))
+            checks.append(_service_tier_check(m.service_tier))
         if m.model is not None:
-            globs = m.model
-            checks.append(lambda f: None if any(fnmatch.fnmatchcase(f.model, g) for g in globs)
-                          else ("model", f.model, globs))
-        for key, allowed in (m.metadata or {}).items():
-            def metadata(f: RequestFacts, key: str = key, allowed: list[str] = allowed) -> tuple[Any, ...] | None:
-                value = f.metadata.get(key)
-                if isinstance(value, str) and value in allowed:
-                    return None
-                return ("in", f"metadata.{key}", value, allowed)
-            checks.append(metadata)
-        for fact in ("stream", "tools", "images", "audio"):
-            want = getattr(m, fact)
-            if want is not None:
-                def flag(f: RequestFacts, fact: str = fact, want: bool = want) -> tuple[Any, ...] | None:
-                    got = getattr(f, fact)
-                    return None if got == want else ("flag", fact, got, want)
-                checks.append(flag)
+            checks.append(_model_check(m.model))
+        checks += [_metadata_check(key, allowed) for key, allowed in (m.metadata or {}).items()]
+        checks += [_flag_check(fact, want) for fact in ("stream", "tools", "images", "audio")
+                   if (want := getattr(m, fact)) is not None]
         if m.tool_choice is not None:
-            choices = m.tool_choice
-            checks.append(lambda f: None if f.tool_choice in choices
-                          else ("in", "tool_choice", f.tool_choice, choices))
-        for fact, r in (("prompt_tokens", m.prompt_tokens), ("max_tokens", m.max_tokens), ("n", m.n)):
-            if r is not None:
-                def in_range(f: RequestFacts, fact: str = fact, r: Range = r) -> tuple[Any, ...] | None:
-                    value = getattr(f, fact)
-                    return None if value is not None and _in_range(value, r) else ("range", fact, value, r)
-                checks.append(in_range)
+            checks.append(_tool_choice_check(m.tool_choice))
+        checks += [_range_check(fact, r) for fact, r in (("prompt_tokens", m.prompt_tokens),
+                                                         ("max_tokens", m.max_tokens), ("n", m.n)) if r is not None]
         if self._ua is not None:
-            ua = self._ua
-            checks.append(lambda f: None if ua(f.user_agent) else ("ua", repr(f.user_agent), ua))
+            checks.append(_ua_check(self._ua))
         return checks
 
     def describe(self) -> str:

@@ -55,6 +55,21 @@ _TOKEN_KEYS = frozenset({"content", "refusal", "reasoning", "reasoning_content",
 Write = Callable[[bytes], Awaitable[None]]
 
 
+def delta_has_token(delta: Any) -> bool:
+    """Whether a chat-completions chunk's ``delta`` carries a token: non-empty content, refusal, reasoning
+    (``reasoning`` or ``reasoning_content``) or a tool call; a role-only delta does not (wire contract §6)."""
+    if type(delta) is not dict:
+        return False
+    if delta.get("content"):
+        return True
+    return any(value and key in _TOKEN_KEYS for key, value in delta.items())
+
+
+def has_token(choices: Any) -> bool:
+    """Whether some choice of a chunk's ``choices`` carries a token (:func:`delta_has_token`)."""
+    return type(choices) is list and any(type(c) is dict and delta_has_token(c.get("delta")) for c in choices)
+
+
 class StreamBody(Protocol):
     """What the relay reads: an upstream response body (``gateway.upstream.UpstreamResponse``, or a test fake)."""
 
@@ -321,8 +336,8 @@ class Relay:
         return b"".join(out)
 
     def _choices_seen(self, choices: Any, now: float) -> None:
-        """Time a token-bearing chunk (non-empty content, refusal, reasoning or tool call in some choice's delta)
-        and note each choice's ``finish_reason``."""
+        """Time a token-bearing chunk (:func:`delta_has_token` for some choice) and note each choice's
+        ``finish_reason``."""
         if type(choices) is not list:
             return
         token = False
@@ -330,15 +345,7 @@ class Relay:
             if type(choice) is not dict:
                 continue
             if not token:
-                delta = choice.get("delta")
-                if type(delta) is dict:
-                    if delta.get("content"):
-                        token = True
-                    else:
-                        for key, value in delta.items():
-                            if value and key in _TOKEN_KEYS:
-                                token = True
-                                break
+                token = delta_has_token(choice.get("delta"))
             if choice.get("finish_reason") is not None:
                 self._finished.add(choice.get("index", 0))
                 if len(self._finished) >= self._choices:

@@ -66,10 +66,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 return
         super().data_received(data)
 
-    def eof_received(self) -> bool | None:
+    def eof_received(self) -> None:
         if not self._in_head:  # the client ended its side inside a body: the body can never be complete
             self._refuse(400, "incomplete_body", "The request body ended before its declared length.")
-        return super().eof_received()
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -150,6 +149,18 @@ def drain_on_exit(app: Any, timeout: float) -> None:
 
         with contextlib.suppress(ValueError):  # signal.signal works only in the main thread
             signal.signal(sig, handler)
+
+
+def uvicorn_options(host: str, port: int, log_level: str, settings: Settings) -> dict[str, Any]:
+    """uvicorn's settings for serving the gateway (``uvicorn.Config`` keywords): uvloop, the guarded protocol, no
+    access log or proxy-header middleware on the hot path, the keep-alive and drain of ``settings``."""
+    return {"host": host, "port": port, "loop": "uvloop", "http": GuardedHttpToolsProtocol, "log_level": log_level,
+            "access_log": False, "lifespan": "on", "server_header": False, "date_header": False,
+            "proxy_headers": False,  # the gateway reads no client address; saves a middleware per request
+            "timeout_keep_alive": settings.keepalive_timeout,
+            # the app ends what is left at drain_timeout itself (in-band error events); uvicorn's own cut-off
+            # comes later, for anything that still did not end
+            "timeout_graceful_shutdown": settings.drain_timeout + 5}
 
 
 def configure(settings: Settings) -> None:

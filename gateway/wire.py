@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -237,7 +238,7 @@ def _value_spans(raw: bytes, key: bytes) -> list[tuple[int, int, int]]:
     return spans
 
 
-def _value_end(raw: bytes, start: int, tokens: Any) -> int:
+def _value_end(raw: bytes, start: int, tokens: Iterator[re.Match[bytes]]) -> int:
     if raw[start] not in b'"{[':  # number, true, false, null
         end = start
         while end < len(raw) and raw[end] not in b",}" and raw[end] not in _WS:

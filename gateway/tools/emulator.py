@@ -322,41 +322,14 @@ class EmulatorProtocol(asyncio.Protocol):
             self._close()
             return
         gen = Generation(self, body, d)
-        t0 = gen.t0 = self.loop.time()
+        gen.t0 = self.loop.time()
         if body.get("stream") is not True:
             gen.start()
             return
-        items = gen._events(t0)
-        role, t_first, t_end = items[0], t0 + gen.ttft, items[-1][0]
-        answer = [e for e in items if e[1] != b"data: [DONE]\n\n"]
-        end, ctype, extra = "ok", SSE, []
-        if name == "error_first":
-            items = [role, (t_first, _ERR_400 + b"data: [DONE]\n\n")]
-        elif name == "error_first_500":
-            items = [role, (t_first, _ERR_500)]
-        elif name == "done_held":
-            items, end = [role, (t_first, b"data: [DONE]\n\n")], "stall"
-        elif name == "silent_after_finish":
-            items, end = [e for e in answer if b'"choices":[]' not in e[1]], "stall"
-        elif name == "error_fin":
-            items, end = [*items[:3], (items[2][0], _ERR_500)], "eof"
-        elif name == "mislabelled":
-            ctype = b"text/plain; charset=utf-8"
-        elif name == "usage_late":
-            items = [(t + 0.4, e) if b'"choices":[]' in e or e == b"data: [DONE]\n\n" else (t, e) for t, e in items]
-        elif name == "usage_on_error":
-            last = gen._chunk(b'{"index":0,"delta":{},"finish_reason":"error"}', b',"error":{"code":502,"message":'
-                              b'"Provider disconnected"},"usage":' + orjson.dumps(gen._usage()))
-            items = [*items[:3], (items[2][0], last + b"data: [DONE]\n\n")]
-        elif name == "reset_zero":
-            extra = [(b"x-ratelimit-remaining-requests", b"0"), (b"x-ratelimit-reset-requests", b"0s")]
-        elif name == "done_no_blank":
-            items = [*answer, (t_end, b"data: [DONE]")]
-        elif name == "usage_chunk":
-            items = [*(e for e in answer if b'"choices":[]' not in e[1]),
-                     (t_end, gen._chunk(b"", b',"usage":' + orjson.dumps(gen._usage())))]
-        self._start_chunked(200, ctype, extra)
-        Schedule(self, items, d, end=end).start()
+        played = _Played(gen)
+        _STREAM_FAULTS[name](played)
+        self._start_chunked(200, played.ctype, played.extra)
+        Schedule(self, played.items, d, end=played.end).start()
 
     def _error(self, status: int, d: dict[str, str]) -> None:
         extra = [(b"retry-after-ms", d["retry_after_ms"].encode())] if "retry_after_ms" in d else []
@@ -438,6 +411,56 @@ class EmulatorProtocol(asyncio.Protocol):
             self.transport.close()
 
 
+class _Played:
+    """A generated stream being bent into a fault: its timed events, and how its answer ends and is labelled."""
+
+    def __init__(self, gen: Generation) -> None:
+        self.gen = gen
+        self.items: list[tuple[float, bytes]] = gen._events(gen.t0)
+        self.role: tuple[float, bytes] = self.items[0]
+        self.t_first: float = gen.t0 + gen.ttft
+        self.t_end: float = self.items[-1][0]
+        self.answer: list[tuple[float, bytes]] = [e for e in self.items if e[1] != _DONE]  # everything but [DONE]
+        self.end = "ok"
+        self.ctype = SSE
+        self.extra: list[tuple[bytes, bytes]] = []
+
+    def without_usage_chunk(self) -> list[tuple[float, bytes]]:
+        return [e for e in self.answer if b'"choices":[]' not in e[1]]
+
+
+def _usage_on_error(p: _Played) -> None:
+    last = p.gen._chunk(b'{"index":0,"delta":{},"finish_reason":"error"}', b',"error":{"code":502,"message":'
+                        b'"Provider disconnected"},"usage":' + orjson.dumps(p.gen._usage()))
+    p.items = [*p.items[:3], (p.items[2][0], last + _DONE)]
+
+
+def _set(p: _Played, **kw: Any) -> None:
+    for key, value in kw.items():
+        setattr(p, key, value)
+
+
+_DONE = b"data: [DONE]\n\n"
+# the FAULTS played on a stream, as edits of the generated answer
+_STREAM_FAULTS: dict[str, Callable[[_Played], None]] = {
+    "error_first": lambda p: _set(p, items=[p.role, (p.t_first, _ERR_400 + _DONE)]),
+    "error_first_500": lambda p: _set(p, items=[p.role, (p.t_first, _ERR_500)]),
+    "done_held": lambda p: _set(p, items=[p.role, (p.t_first, _DONE)], end="stall"),
+    "silent_after_finish": lambda p: _set(p, items=p.without_usage_chunk(), end="stall"),
+    "error_fin": lambda p: _set(p, items=[*p.items[:3], (p.items[2][0], _ERR_500)], end="eof"),
+    "mislabelled": lambda p: _set(p, ctype=b"text/plain; charset=utf-8"),
+    "usage_late": lambda p: _set(p, items=[(t + 0.4, e) if b'"choices":[]' in e or e == _DONE else (t, e)
+                                           for t, e in p.items]),
+    "usage_on_error": _usage_on_error,
+    "reset_zero": lambda p: _set(p, extra=[(b"x-ratelimit-remaining-requests", b"0"),
+                                           (b"x-ratelimit-reset-requests", b"0s")]),
+    "stale": lambda p: None,  # the first request of a connection is answered normally
+    "done_no_blank": lambda p: _set(p, items=[*p.answer, (p.t_end, b"data: [DONE]")]),
+    "usage_chunk": lambda p: _set(p, items=[*p.without_usage_chunk(), (p.t_end, p.gen._chunk(
+        b"", b',"usage":' + orjson.dumps(p.gen._usage())))]),
+}
+
+
 class Schedule:
     """Writes timed payloads on one connection with loop timers.
 
@@ -485,7 +508,7 @@ class Schedule:
 
     def _tick(self) -> None:
         now = self.proto.loop.time()
-        parts = []
+        parts: list[bytes] = []
         while self.i < len(self.items) and self.items[self.i][0] <= now + 0.0002:
             if self.i in (self.drop_after, self.stall_after):
                 self.proto.write(b"".join(parts))

@@ -30,7 +30,8 @@ from typing import Any, TextIO
 import aiohttp
 import orjson
 
-DEFAULT_MIX = "gpt-5.6-sol-fast:0.5,gpt-5.6:0.5"
+from gateway.relay import has_token
+
 TIER_COLOURS = {"fast": "#e4572e", "standard": "#3a7ca5"}
 OTHER_COLOURS = ("#6a994e", "#8e6c8a", "#bc6c25", "#577590")
 
@@ -152,7 +153,8 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: str,
             "max_completion_tokens": max_tokens,
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]}
     t0 = time.perf_counter()
-    first = last = None
+    first: float | None = None
+    last: float | None = None
     try:
         async with asyncio.timeout(timeout), session.post(url, data=orjson.dumps(body)) as resp:
             res.status = resp.status
@@ -161,29 +163,7 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: str,
                 res.error = f"HTTP {resp.status}"
                 await resp.read()
                 return res
-            buf = b""
-            async for data in resp.content.iter_any():
-                now = time.perf_counter()
-                buf += data
-                *events, buf = buf.split(b"\n\n")
-                for event in events:
-                    for line in event.split(b"\n"):
-                        if not line.startswith(b"data:"):
-                            continue
-                        payload = line[5:].strip()
-                        if payload == b"[DONE]":
-                            continue
-                        chunk = orjson.loads(payload)
-                        if "error" in chunk:
-                            res.error = "stream error: " + str((chunk["error"] or {}).get("code") or "unknown")
-                            continue
-                        usage = chunk.get("usage")
-                        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-                            res.completion_tokens = usage["completion_tokens"]
-                        if _has_token(chunk.get("choices")):
-                            res.chunks += 1
-                            first = first if first is not None else now
-                            last = now
+            first, last = await _read_events(resp, res)
     except TimeoutError:
         res.error = "timeout"
     except (aiohttp.ClientError, OSError, orjson.JSONDecodeError) as exc:
@@ -201,15 +181,32 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: str,
     return res
 
 
-def _has_token(choices: object) -> bool:
-    if not isinstance(choices, list):
-        return False
-    for choice in choices:
-        delta = choice.get("delta") if isinstance(choice, dict) else None
-        if isinstance(delta, dict) and any(delta.get(k) for k in ("content", "refusal", "reasoning",
-                                                                   "reasoning_content", "tool_calls")):
-            return True
-    return False
+async def _read_events(resp: aiohttp.ClientResponse, res: Result) -> tuple[float | None, float | None]:
+    """Read a stream's events into ``res`` (completion tokens from usage, token-bearing chunks, an in-band error);
+    returns the arrival times of the first and last token-bearing chunk, with the gateway's token test."""
+    first = last = None
+    buf = b""
+    async for data in resp.content.iter_any():
+        now = time.perf_counter()
+        buf += data
+        *events, buf = buf.split(b"\n\n")
+        for event in events:
+            for line in event.split(b"\n"):
+                payload = line[5:].strip() if line.startswith(b"data:") else b"[DONE]"
+                if payload == b"[DONE]":
+                    continue
+                chunk = orjson.loads(payload)
+                if "error" in chunk:
+                    res.error = "stream error: " + str((chunk["error"] or {}).get("code") or "unknown")
+                    continue
+                usage = chunk.get("usage")
+                if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                    res.completion_tokens = usage["completion_tokens"]
+                if has_token(chunk.get("choices")):
+                    res.chunks += 1
+                    first = first if first is not None else now
+                    last = now
+    return first, last
 
 
 async def fetch_costs(session: aiohttp.ClientSession, metrics_url: str) -> dict[str, float] | None:
@@ -350,7 +347,7 @@ def _nice(v: float, *, down: bool) -> float:
     """The nearest 1-2-5 value below (``down``) or above ``v``."""
     e = math.floor(math.log10(v))
     steps = [m * 10 ** k for k in (e - 1, e, e + 1) for m in (1, 2, 5)]
-    return max(t for t in steps if t <= v) if down else min(t for t in steps if t >= v)
+    return float(max(t for t in steps if t <= v) if down else min(t for t in steps if t >= v))
 
 
 def _strip_svg(title: str, unit: str, series: list[tuple[str, str, list[float]]], better: str) -> str:

@@ -1,0 +1,129 @@
+"""A :class:`gateway.upstream.Transport` that plays the emulator's scripted :class:`Plan` objects in-process, without
+sockets: for tests that drive the gateway's ASGI app by hand (Starlette's own tests do the same) and for
+``bench.layers``, which measures the gateway's own CPU with the I/O taken away.
+
+It keeps the upstream client's contract (``gateway.upstream.UpstreamResponse``): the headers a client may see, the
+status line bounded by ``timeouts.idle`` (streams with a ``ttft``: by the caller's deadline), body reads that raise
+``StreamInterrupted`` when the plan ends in a cut (``eof``, ``reset``) or in a silence longer than ``idle`` once
+:meth:`ScriptedAnswer.watch_idle` was called, and a ``drop`` that fails as an unreachable upstream does. The socket
+level (framing, keep-alive, stale connections) is what the emulator over real sockets is for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+from gateway.config import UpstreamConfig
+from gateway.errors import StreamInterrupted, UpstreamTimeout, UpstreamUnavailable
+from gateway.tools.emulator import Plan, Received
+from gateway.upstream import ERROR_BODY_LIMIT, pass_headers
+
+
+class ScriptedAnswer:
+    """One upstream answer played from a :class:`Plan` (``gateway.upstream.Answer``'s interface)."""
+
+    stale_retried = False
+
+    def __init__(self, plan: Plan, idle: float) -> None:
+        self.plan = plan
+        self.status = plan.status
+        self.headers = pass_headers(plan.headers)
+        self.content_type = plan.headers.get("content-type", "")
+        self.released = False
+        self.closed = False
+        self._idle = idle
+        self._watching = False
+        self._next = 0  # the next part to play
+
+    def watch_idle(self) -> None:
+        self._watching = True
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The plan's parts, each after its delay; resumable after a cancelled iteration.
+
+        Raises:
+            StreamInterrupted: the plan ends in ``eof`` or ``reset``, or is silent past ``idle`` (when watched).
+        """
+        parts = self.plan.parts
+        while self._next < len(parts):
+            delay, part = parts[self._next]
+            await self._wait(delay)
+            self._next += 1
+            yield part
+        if self.plan.end in ("eof", "reset"):
+            raise StreamInterrupted("upstream_stream_interrupted", "The upstream connection ended mid-stream.")
+        if self.plan.end == "stall":
+            await self._wait(float("inf"))
+
+    async def _wait(self, delay: float) -> None:
+        if not self._watching or delay < self._idle:
+            await asyncio.sleep(delay if delay != float("inf") else 3600)
+            return
+        await asyncio.sleep(self._idle)
+        raise StreamInterrupted("upstream_idle_timeout", "The upstream stopped sending before the end.")
+
+    async def read(self) -> bytes:
+        """The whole body. Raises UpstreamUnavailable when the plan ends in a cut."""
+        try:
+            return b"".join([part async for part in self.chunks()])
+        except StreamInterrupted as exc:
+            raise UpstreamUnavailable(exc.message) from exc
+
+    async def read_error(self, limit: int = ERROR_BODY_LIMIT) -> bytes:
+        """An error body, at most ``limit`` bytes."""
+        return (await self.read())[:limit]
+
+    def release(self) -> None:
+        self.released = True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class ScriptedTransport:
+    """Answers every request with ``handler(received)``'s :class:`Plan`; with ``record`` (the default), ``requests``
+    and ``answers`` keep what was sent and played (the benchmark turns it off: it measures the gateway, not this)."""
+
+    def __init__(self, handler: Callable[[Received], Plan], record: bool = True) -> None:
+        self.handler = handler
+        self.record = record
+        self.requests: list[Received] = []
+        self.answers: list[ScriptedAnswer] = []
+        self._open = False
+
+    @property
+    def ready(self) -> bool:
+        return self._open
+
+    async def start(self) -> None:
+        self._open = True
+
+    async def stop(self) -> None:
+        self._open = False
+
+    async def send(self, upstream: UpstreamConfig, body: bytes, *, stream: bool, request_id: str,
+                   path: str = "/chat/completions") -> ScriptedAnswer:
+        """Play the handler's plan for this request up to its status line.
+
+        Raises:
+            UpstreamUnavailable: the plan drops the connection; UpstreamTimeout: its status line comes later than
+                ``idle`` (not for streams with a ``ttft``, whose deadline the caller holds).
+        """
+        received = Received("POST", upstream.base_url + path, {"x-client-request-id": request_id}, body,
+                            time.monotonic())
+        if self.record:
+            self.requests.append(received)
+        plan = self.handler(received)
+        if plan.drop:
+            raise UpstreamUnavailable("The upstream could not be reached (ServerDisconnectedError).")
+        bounded = not (stream and upstream.timeouts.ttft)
+        if bounded and plan.head_delay > upstream.timeouts.idle:
+            await asyncio.sleep(upstream.timeouts.idle)
+            raise UpstreamTimeout("The upstream did not answer in time.")
+        await asyncio.sleep(plan.head_delay)
+        answer = ScriptedAnswer(plan, upstream.timeouts.idle)
+        if self.record:
+            self.answers.append(answer)
+        return answer
