@@ -41,6 +41,7 @@ from gateway.errors import (
     UpstreamBadResponse,
     UpstreamsResting,
     UpstreamUnavailable,
+    event_error,
 )
 from gateway.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of, read_body
 from gateway.health import Health
@@ -48,7 +49,7 @@ from gateway.metrics import Metrics
 from gateway.policy import Decision, Policy, RequestFacts, responses_only
 from gateway.relay import Relay
 from gateway.upstream import Answer, Attempt, Transport
-from gateway.wire import chat_usage, client_wants_usage, parse_chat_request, parse_request, upstream_body
+from gateway.wire import chat_usage, client_wants_usage, dumps, parse_chat_request, parse_request, upstream_body
 
 log = logging.getLogger("tiergate")
 KINDS = {"/v1/chat/completions": "chat", "/v1/responses": "responses"}  # the hot path's endpoints, by path
@@ -69,6 +70,7 @@ class Gateway:
         self.metrics = metrics
         self.health = health
         self.draining = False
+        self._drain_deadline = float("inf")  # loop time
         self._active: set[Exchange] = set()
 
     def endpoint(self, kind: str) -> Callable[[Scope, Receive, Send], Any]:
@@ -84,11 +86,18 @@ class Gateway:
         try:
             raw = await read_body(ex.headers, receive, self.config.limits.max_request_bytes)
         except ClientGone:
+            ex.record("client_disconnect")  # gone while sending its body: counted, nothing to answer
             return
         except GatewayError as exc:
             # the body was not read to its end: close the connection after the answer, so that its rest can
             # never be read as the next request (one request, one response)
             await ex.error(exc, "client_error", [(b"x-request-id", ex.rid.encode()), CLOSE])
+            return
+        if self.draining and asyncio.get_running_loop().time() >= self._drain_deadline:
+            # its body completed after the drain ran out: nothing in flight is waited for any more
+            await ex.error(GatewayDraining("The gateway is shutting down; retry the request.",
+                                           headers={"retry-after": "1"}), "gateway_draining",
+                           [(b"x-request-id", ex.rid.encode()), CLOSE])
             return
         task = ex.task = asyncio.current_task()
         assert task is not None
@@ -206,9 +215,11 @@ class Gateway:
         Raises:
             GatewayError: the stream failed before its first token (:meth:`Relay.run`): nothing was sent.
         """
+        up = attempt.upstream
+        hold = None if attempt.first_token_by is not None else up.timeouts.idle  # no ttft: idle bounds the hold
         relay = ex.relay = Relay(strip_usage_chunk=strip_usage, max_event_bytes=self.config.limits.max_event_bytes,
                                  responses=ex.kind == "responses", choices=choices,
-                                 finish_grace=attempt.upstream.timeouts.finish_grace)
+                                 finish_grace=up.timeouts.finish_grace, hold_seconds=hold)
         ex.open_stream(headers, answer.content_type)
         try:
             stats = await relay.run(answer, ex.write, attempt.first_token_by)
@@ -218,9 +229,11 @@ class Gateway:
             raise
         if stats.error:
             self.metrics.upstream_errors.labels(ex.tier, ex.upstream, stats.error).inc()
-        if stats.error and stats.error != "upstream_error_event":
-            # a broken or stalled stream is the upstream's failure; an error event it sent may be the request's
-            # fault (Groq's tool_use_failed carries status_code 400), so it opens no breaker
+        if stats.error_event is not None:
+            # the upstream's own error event: its status says whose fault it is (Groq's tool_use_failed carries
+            # status_code 400: the request's, the upstream is up; an overloaded server_error counts against it)
+            attempt.failed(event_error(stats.error_event))
+        elif stats.error:
             attempt.failed(UpstreamUnavailable("The upstream stream broke after its first token.", code=stats.error))
         else:
             attempt.ok()
@@ -280,7 +293,9 @@ class Gateway:
         if self.draining:
             return
         self.draining = True
-        asyncio.get_running_loop().call_later(timeout, self._cut_all)
+        loop = asyncio.get_running_loop()
+        self._drain_deadline = loop.time() + timeout
+        loop.call_later(timeout, self._cut_all)
 
     def _cut_all(self) -> None:
         for ex in list(self._active):
@@ -325,7 +340,7 @@ class Gateway:
             "facts": facts.as_dict(),
             "trace": list(decision.trace),
         }
-        return Response(orjson.dumps(out), 200, media_type="application/json")
+        return Response(dumps(out), 200, media_type="application/json")
 
 
 def error_response(exc: GatewayError, headers: dict[str, str]) -> Response:

@@ -29,6 +29,7 @@ Status codes and ``type``/``code`` strings follow OpenAI's error guide and the t
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -217,9 +218,14 @@ class UpstreamStatusError(GatewayError):
 def error_body(message: str, error_type: str, param: str | None, code: str | None) -> bytes:
     """Render OpenAI's error envelope ``{"error": {"message", "type", "param", "code"}}`` as JSON bytes.
 
-    All four keys are always present (OpenAPI ``Error`` requires them).
+    All four keys are always present (OpenAPI ``Error`` requires them). A message that quotes the client's own text
+    may hold a lone surrogate (valid in JSON text, not encodable as UTF-8): it is escaped as ``\\uXXXX`` then.
     """
-    return orjson.dumps({"error": {"message": message, "type": error_type, "param": param, "code": code}})
+    envelope = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    try:
+        return orjson.dumps(envelope)
+    except TypeError:
+        return json.dumps(envelope, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 # OpenAI's error guide: a 429 "You exceeded your current quota, please check your plan and billing details" is

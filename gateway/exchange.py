@@ -10,6 +10,7 @@ Also here: reading the request body with its limits (:func:`read_body`) and the 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -25,6 +26,7 @@ EVENT_STREAM = b"text/event-stream; charset=utf-8"
 STREAM_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 CLOSE = (b"connection", b"close")
 Headers = list[tuple[bytes, bytes]]
+log = logging.getLogger("tiergate")
 
 
 class ClientGone(Exception):
@@ -70,8 +72,10 @@ class Exchange:
     # answering
 
     async def error(self, exc: GatewayError, outcome: str, headers: Headers | None = None) -> None:
-        """Record ``outcome`` and answer ``exc`` in OpenAI's envelope with its status and headers."""
+        """Record ``outcome`` and answer ``exc`` in OpenAI's envelope with its status and headers (no upstream's
+        answer reached the client: ``on_start`` is not run)."""
         self.record(outcome)
+        self.on_start = None
         extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
         await self.whole(exc.status, exc.body(), [*(headers or [(b"x-request-id", self.rid.encode())]), *extra])
 
@@ -112,8 +116,9 @@ class Exchange:
         start, self._start = self._start, None
         assert start is not None
         self._started()
-        self._in_flight = self._metrics.child(self._metrics.in_flight, self.tier, self.upstream)
-        self._in_flight.inc()
+        if not self.recorded:  # a stream that ends with nothing in it is recorded before its status line goes
+            self._in_flight = self._metrics.child(self._metrics.in_flight, self.tier, self.upstream)
+            self._in_flight.inc()
         await self._send(start)
 
     def _started(self) -> None:
@@ -133,8 +138,11 @@ class Exchange:
         if self._in_flight is not None:
             self._in_flight.dec()
         duration = (time.perf_counter() if ended is None else ended) - self.t0
-        self._metrics.record(tier=self.tier, upstream=self.upstream, model=self.model, outcome=outcome,
-                             stream=self.stream, duration=duration, **kw)
+        try:
+            self._metrics.record(tier=self.tier, upstream=self.upstream, model=self.model, outcome=outcome,
+                                 stream=self.stream, duration=duration, **kw)
+        except Exception:  # bookkeeping never breaks an answer: what an upstream reported is logged instead
+            log.exception("recording request %s failed (usage %r)", self.rid, kw.get("usage"))
 
     def stream_figures(self) -> dict[str, Any]:
         """What the relay measured so far, as :meth:`Metrics.record` keywords (empty before any relay)."""

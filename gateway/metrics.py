@@ -210,7 +210,8 @@ class Metrics:
 
 
 def _int(value: object) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+    """A token count an upstream reported: a non-negative int, else 0 (a counter only goes up)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def _detail(usage: dict[str, Any], key: str, name: str) -> int:

@@ -15,11 +15,15 @@ the wire contract requires it:
 **The commit point.** Nothing is written until the first token-bearing event: the events before it (the role
 chunk, ``response.created``, keep-alive comments) carry no token, so holding them costs the client nothing, and
 until then every failure can still be answered with a real HTTP status or failed over: an error event (its own
-status), a broken or silent body, an oversized event, or no first token by the ``ttft`` deadline.
+status), a broken or silent body, an oversized event, a body with no event at all, or no first token by the
+``ttft`` deadline. Without a ``ttft`` the hold is bounded by the idle timeout and by :data:`HOLD_BYTES`: past
+either, what is held is sent and the stream goes on committed (an upstream that keeps a client waiting with
+keep-alive comments for longer gets them through).
 
 **The end.** A stream ends at ``[DONE]`` or a Responses API terminal event, at the upstream's EOF, or, once
 every choice has its ``finish_reason``, after ``finish_grace`` seconds of waiting for the usage tail (the
-client's stream then ends with ``[DONE]``; the upstream connection is closed).
+client's stream then ends with ``[DONE]``; the upstream connection is closed). An EOF before every choice
+finished (or before a Responses terminal event) is an interrupted stream, never a silent truncation.
 
 While relaying it fills a :class:`StreamStats`: arrival times of the first and last token-bearing chunk
 (content, refusal, reasoning or tool-call delta; not a role-only chunk), usage wherever the dialect puts
@@ -49,6 +53,7 @@ from gateway.wire import chat_usage
 
 DONE = b"data: [DONE]\n\n"
 DONE_GRACE = 0.02  # seconds to wait for the end of the upstream's body after its [DONE]
+HOLD_BYTES = 256 * 1024  # bytes of output held before the first token at most; past it the stream commits
 _RESPONSE_TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 _TOKEN_KEYS = frozenset({"content", "refusal", "reasoning", "reasoning_content", "tool_calls", "function_call"})
 
@@ -98,10 +103,11 @@ class StreamStats:
         complete: the upstream body was read to its end (its connection can be reused).
         error: None on success; else ``upstream_error_event``, ``upstream_stream_interrupted``,
             ``upstream_idle_timeout`` or ``upstream_event_too_large``.
+        error_event: the last in-band error event the upstream sent (its parsed data), or None.
     """
 
     __slots__ = ("t_first_token", "t_last_token", "token_chunks", "usage", "time_info", "done", "finished",
-                 "complete", "error")
+                 "complete", "error", "error_event")
 
     def __init__(self) -> None:
         self.t_first_token: float | None = None
@@ -113,6 +119,7 @@ class StreamStats:
         self.finished = False
         self.complete = False
         self.error: str | None = None
+        self.error_event: dict[str, Any] | None = None
 
 
 class Relay:
@@ -128,22 +135,23 @@ class Relay:
     """
 
     def __init__(self, *, strip_usage_chunk: bool, max_event_bytes: int, responses: bool = False, choices: int = 1,
-                 finish_grace: float = 2.0) -> None:
+                 finish_grace: float = 2.0, hold_seconds: float | None = None) -> None:
         self.stats = StreamStats()
         self._strip = strip_usage_chunk
         self._responses = responses
         self._scanner = SSEScanner(max_event_bytes)
-        self._choices = max(1, choices)
-        self._finished: set[object] = set()
+        self._unfinished = set(range(max(1, choices)))  # choice indexes still without a finish_reason
         self._finish_grace = finish_grace
+        self._hold_seconds = hold_seconds  # without a ttft deadline: the longest hold (the idle timeout)
         self._error_event: dict[str, Any] | None = None  # an error event that came before any token
+        self._events = 0  # data events seen
 
     async def run(self, body: StreamBody, write: Write, first_token_by: float | None = None) -> StreamStats:
         """Relay ``body`` to ``write`` until the stream ends (module docstring); returns the stats.
 
         Args:
-            first_token_by: an ``asyncio`` loop time by which the first token must arrive, or None (then the
-                upstream's idle timeout bounds the wait).
+            first_token_by: an ``asyncio`` loop time by which the first token must arrive, or None (then the hold
+                ends, committing the stream, after ``hold_seconds`` or :data:`HOLD_BYTES`).
 
         Raises:
             Before anything was written, so that the caller can answer with a status or fail over:
@@ -157,7 +165,7 @@ class Relay:
         if first_token_by is None:
             body.watch_idle()
         chunks = body.chunks()
-        held, ended = await self._hold(chunks, first_token_by)
+        held, ended, chunks = await self._hold(body, chunks, first_token_by)
         body.watch_idle()
         if held:
             await write(held)
@@ -206,36 +214,48 @@ class Relay:
         except (TimeoutError, StreamInterrupted, EventTooLarge):
             pass
 
-    async def _hold(self, chunks: AsyncIterator[bytes], deadline: float | None) -> tuple[bytes, bool]:
-        """Read until the first token, the stream's end, or a failure, writing nothing.
+    async def _hold(self, body: StreamBody, chunks: AsyncIterator[bytes],
+                    deadline: float | None) -> tuple[bytes, bool, AsyncIterator[bytes]]:
+        """Read until the first token, the stream's end, a failure, or (without a ``deadline``) the hold's bound,
+        writing nothing.
 
         Returns:
-            (the held output, whether the upstream's body ended while held).
+            (the held output, whether the upstream's body ended while held, the body's reads to go on with).
 
         Raises:
             GatewayError: see :meth:`run` (nothing was written).
         """
         stats = self.stats
         held: list[bytes] = []
+        size = 0
+        loop = asyncio.get_running_loop()
+        last = loop.time()  # when the upstream last sent something
+        commit_at = None if deadline is not None or self._hold_seconds is None else last + self._hold_seconds
         try:
-            while stats.t_first_token is None and not stats.done and not stats.finished:
+            while stats.t_first_token is None and not stats.done and not stats.finished and size <= HOLD_BYTES:
                 try:
-                    if deadline is None:
+                    async with asyncio.timeout_at(deadline if deadline is not None else commit_at):
                         chunk = await anext(chunks)
-                    else:
-                        async with asyncio.timeout_at(deadline):
-                            chunk = await anext(chunks)
                 except StopAsyncIteration:
                     stats.complete = True
-                    if self._scanner.pending and not stats.finished:
-                        raise UpstreamUnavailable("The upstream stream ended inside an event before its first "
-                                                  "token.", code="upstream_stream_interrupted") from None
-                    return b"".join(held), True
+                    self._check_held_end()
+                    return b"".join(held), True, chunks
+                except TimeoutError:
+                    if deadline is not None:
+                        raise
+                    chunks = body.chunks()  # the cancelled read closed the iterator: a new one goes on from there
+                    assert self._hold_seconds is not None and commit_at is not None
+                    if held and loop.time() - last < self._hold_seconds:
+                        break  # alive (keep-alives, role chunks) but no token for the idle timeout: commit
+                    commit_at += self._hold_seconds  # silent: the idle watch ends it before the first byte
+                    continue
+                last = loop.time()
                 out = self._process(self._scanner.feed(chunk), time.perf_counter())
                 if self._error_event is not None:
                     raise event_error(self._error_event)
                 if out:
                     held.append(out)
+                    size += len(out)
         except TimeoutError as exc:
             raise UpstreamTimeout("No first token from the upstream in time.", code="upstream_ttft_timeout") from exc
         except StreamInterrupted as exc:
@@ -243,7 +263,21 @@ class Relay:
             raise cls(exc.message + " (before its first token)", code=exc.code) from exc
         except EventTooLarge as exc:
             raise UpstreamBadResponse(str(exc), code="upstream_event_too_large") from exc
-        return b"".join(held), False
+        return b"".join(held), False, chunks
+
+    def _check_held_end(self) -> None:
+        """The body ended before its first token: a failure (nothing was sent), unless the answer was complete.
+
+        Raises:
+            UpstreamBadResponse: it held no event at all; UpstreamUnavailable: it ended before every choice finished
+                (inside an event, or between events).
+        """
+        if not self._events:
+            raise UpstreamBadResponse("The upstream answered 200 with an empty event stream.")
+        if not self.stats.finished:
+            where = "inside an event" if self._scanner.pending else "before its answer was finished"
+            raise UpstreamUnavailable(f"The upstream stream ended {where}, before its first token.",
+                                      code="upstream_stream_interrupted")
 
     async def _tail(self, chunks: AsyncIterator[bytes], write: Write) -> None:
         """Every choice has finished: relay what follows for at most ``finish_grace`` seconds, then end."""
@@ -268,9 +302,12 @@ class Relay:
         stats = self.stats
         if stats.error or stats.done:
             return  # the upstream's own error event ends it: nothing is added (never a second error)
-        if self._scanner.pending and not stats.finished:
-            await self._broken(write, "upstream_stream_interrupted", "The upstream stream ended inside an event.")
-        elif not self._responses:
+        if not stats.finished or self._responses:
+            # an end before every choice finished (or a Responses stream before its terminal event) truncates the
+            # answer: say so (wire contract §4, "never end silently")
+            message = "inside an event" if self._scanner.pending else "before the answer was finished"
+            await self._broken(write, "upstream_stream_interrupted", f"The upstream stream ended {message}.")
+        else:
             stats.done = True  # also when a last partial event (a [DONE] without its blank line) is dropped
             await write(DONE)
 
@@ -312,6 +349,7 @@ class Relay:
             if data is None:
                 out.append(raw)  # keep-alive comment
                 continue
+            self._events += 1
             if data.startswith(b"[DONE]"):
                 stats.done = True
                 out.append(raw)
@@ -346,9 +384,10 @@ class Relay:
                 continue
             if not token:
                 token = delta_has_token(choice.get("delta"))
-            if choice.get("finish_reason") is not None:
-                self._finished.add(choice.get("index", 0))
-                if len(self._finished) >= self._choices:
+            if choice.get("finish_reason"):  # null or "" (some upstreams) is not a finish
+                index = choice.get("index", 0)
+                self._unfinished.discard(index if type(index) is int else 0)
+                if not self._unfinished:
                     self.stats.finished = True
         if token:
             stats = self.stats
@@ -377,6 +416,7 @@ class Relay:
             stats.done = True  # the Responses API's end of stream (no [DONE]): end here, as after [DONE]
         if etype in ("error", "response.failed"):
             stats.error = "upstream_error_event"
+            stats.error_event = chunk
             if stats.t_first_token is None:
                 self._error_event = chunk  # before any token: it can still be answered with its status
 
@@ -385,6 +425,7 @@ class Relay:
         stats = self.stats
         if chunk.get("error") or event == b"error":  # the SDK raises only on a non-empty error
             stats.error = "upstream_error_event"
+            stats.error_event = chunk
             if stats.t_first_token is None:
                 self._error_event = chunk  # before any token: it can still be answered with its status
         usage = chunk.get("usage")

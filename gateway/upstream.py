@@ -367,6 +367,10 @@ class IdleWatch:
 CONNECTOR_OPTIONS: dict[str, Any] = {"limit": 0, "limit_per_host": 0, "keepalive_timeout": 30, "ttl_dns_cache": 300,
                                      "enable_cleanup_closed": False}
 SESSION_OPTIONS: dict[str, Any] = {"auto_decompress": True, "skip_auto_headers": ("User-Agent",)}
+# the keep-alive race (the upstream closed a pooled connection just as a request went out on it) shows within a round
+# trip: the closed socket's EOF or reset. A failure later than this means the upstream read the request and may have
+# acted on it: a POST is then never sent again (RFC 9112 §9.3.1: retry only what is known not to have been processed)
+STALE_RACE = 0.1  # seconds
 _REUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("tiergate_connection_reused", default=False)
 _STALE_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
 
@@ -439,9 +443,9 @@ class UpstreamPool:
         """POST ``body`` to the upstream's ``path`` (under its base URL) and wait for the status line.
 
         A request that went out on a pooled connection the upstream had already closed (it fails with a
-        disconnect or reset before any response byte) is sent once more, on a connection opened for it (another
-        pooled one may be just as stale), as HTTP clients do for this race (RFC 9112 §9.3.1);
-        ``stale_retried`` on the response says so.
+        disconnect or reset before any response byte, within :data:`STALE_RACE` of being sent) is sent once more, on
+        a connection opened for it (another pooled one may be just as stale), as HTTP clients do for this race (RFC
+        9112 §9.3.1); ``stale_retried`` on the response says so.
 
         Returns:
             The open response (any status).
@@ -464,12 +468,14 @@ class UpstreamPool:
             headers["Authorization"] = auth
         url = upstream.base_url + path
         retried = False
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
         with map_errors():
             try:
                 resp = await self._session.post(url, data=body, headers=headers, timeout=timeout,
                                                 allow_redirects=False)
             except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
-                if not (_REUSED.get() and _stale(exc)):
+                if not (_REUSED.get() and _stale(exc) and loop.time() - sent < STALE_RACE):
                     raise
                 retried = True
                 assert self._fresh is not None

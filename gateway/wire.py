@@ -32,6 +32,7 @@ CEREBRAS_DROP = ("metadata", "store", "service_tier", "parallel_tool_calls", "pr
 
 # A JSON string (unrolled loop) or one structural bracket; everything else is skipped by finditer.
 _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[{}\[\]]')
+_LONG_NUMBER = re.compile(rb"\d{19}")
 _WS = b" \t\r\n"
 
 
@@ -79,9 +80,24 @@ def loads(raw: bytes) -> Any:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         try:
-            return json.loads(raw, parse_constant=_no_constant)
+            return json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
         except ValueError:
             raise exc from None
+
+
+def loads_exact(raw: bytes) -> Any:
+    """:func:`loads`, but integers past 64 bits stay exact (orjson reads them as floats): for a body the gateway
+    re-serialises. Only a body with a run of 19 digits pays for the standard library's parser."""
+    if _LONG_NUMBER.search(raw) is None:
+        return loads(raw)
+    return json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"the number {text} is out of range")
+    return value
 
 
 def dumps(value: Any) -> bytes:
@@ -129,8 +145,10 @@ def chat_usage(usage: dict[str, Any]) -> dict[str, Any]:
     returned as is (OpenAPI ``CompletionUsage`` vs ``ResponseUsage``)."""
     if "input_tokens" not in usage and "output_tokens" not in usage:
         return usage
-    inp = usage.get("input_tokens_details") or {}
-    out = usage.get("output_tokens_details") or {}
+    inp = usage.get("input_tokens_details")
+    out = usage.get("output_tokens_details")
+    inp = inp if isinstance(inp, dict) else {}
+    out = out if isinstance(out, dict) else {}
     return {"prompt_tokens": usage.get("input_tokens", 0), "completion_tokens": usage.get("output_tokens", 0),
             "prompt_tokens_details": {"cached_tokens": inp.get("cached_tokens", 0)},
             "completion_tokens_details": {"reasoning_tokens": out.get("reasoning_tokens", 0)}}
@@ -151,6 +169,8 @@ def upstream_body(raw: bytes, body: dict[str, Any], upstream_model: str, dialect
     """
     streams = body.get("stream") is True
     if dialect == "cerebras":
+        if _LONG_NUMBER.search(raw) is not None:
+            body = loads_exact(raw)  # re-serialised below: an integer past 64 bits must stay exact
         out = {k: v for k, v in body.items() if k not in CEREBRAS_DROP}
         out["model"] = upstream_model
         options = out.get("stream_options")

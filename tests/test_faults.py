@@ -763,12 +763,22 @@ def test_a_stale_pooled_upstream_connection_is_retried_once_on_a_new_one(fake: E
     assert len(stale) == 3 and stale[1].connection == stale[0].connection != stale[2].connection
     assert _grew(before, _metrics(gw), "tiergate_upstream_errors_total", reason="stale_connection") == 1
     CASES["fresh_drop"] = Plan(drop=True)
+    # a pooled connection the upstream drops only after holding the request 0.3 s (the idle timeout is 0.5 s): it
+    # may have acted on it
+    CASES["late_drop"] = [JSON_OK, Plan(drop=True, head_delay=0.3)]
+    SEEN.pop("late_drop", None)
     cfg_alone = _config(fake, fallback=False)
     proc, _ = start_gateway(cfg_alone, Path(gw.log).parent)
     try:
         n = len(fake.requests)
         resp = _post(proc, "fresh_drop", stream=False)
         assert resp.status_code == 502 and len(fake.requests) == n + 1
+        with httpx.Client(timeout=5) as client:
+            statuses = [client.post(_url(proc) + "/chat/completions", json={"model": "m", "x_case": "late_drop",
+                                                                          "messages": MESSAGES}).status_code
+                        for _ in range(2)]
+        assert statuses == [200, 502]
+        assert len([r for r in fake.requests if b'"x_case":"late_drop"' in r.body]) == 2  # never sent twice
     finally:
         proc.stop()
 
@@ -803,3 +813,191 @@ def test_done_without_its_blank_line_at_eof_ends_well_formed(fake: EmulatorThrea
     resp = _post(gw, "done_eof")
     assert resp.content == sse(chunk(role=True), chunk("a"), chunk(finish="stop"))
     assert _grew(before, _metrics(gw), "tiergate_requests_total", outcome="success") == 1
+
+
+# ---- found by review: each failed before its fix -------------------------------------------------------------
+
+
+def test_keep_alives_without_a_token_commit_the_stream_after_the_idle_timeout(fake: EmulatorThread, gw: Proc) -> None:
+    """The hold before the first token is bounded: an upstream that sends only keep-alive comments (and its role
+    chunk) for longer than ``idle`` has them relayed from then on; one that sends far more than the hold's byte
+    bound is committed at once (the gateway held 325 MB for one such stream)."""
+    comments = [(0.1, b": keep-alive\n\n") for _ in range(12)]
+    CASES["keepalive"] = Plan(parts=[(0, sse(chunk(role=True), done=False)), *comments,
+                                     (0, sse(chunk("late"), chunk(finish="stop")))])
+    t0 = time.monotonic()
+    with httpx.stream("POST", _url(gw) + "/chat/completions", timeout=10, json={
+            "model": "m", "stream": True, "x_case": "keepalive", "messages": MESSAGES}) as resp:
+        reads = resp.iter_raw()
+        first = next(reads)
+        t_first = time.monotonic() - t0
+        rest = b"".join(reads)
+    assert resp.status_code == 200 and 0.45 < t_first < 1.0, t_first  # idle is 0.5 s; the token came at 1.2 s
+    assert b"keep-alive" in first + rest and (first + rest).endswith(b"data: [DONE]\n\n")
+    big = [(0, b": " + b"x" * 4096 + b"\n\n") for _ in range(100)]  # 400 KiB before the first token
+    CASES["bulky"] = Plan(parts=[*big, (0.3, sse(chunk("late"), chunk(finish="stop")))])
+    t0 = time.monotonic()
+    with httpx.stream("POST", _url(gw) + "/chat/completions", timeout=10, json={
+            "model": "m", "stream": True, "x_case": "bulky", "messages": MESSAGES}) as resp:
+        reads = resp.iter_raw()
+        next(reads)
+        assert time.monotonic() - t0 < 0.25  # committed at the byte bound, before the token
+        assert b"".join(reads).endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_nonsense_usage_numbers_never_break_the_answer(fake: EmulatorThread, gw: Proc, stream: bool) -> None:
+    """A negative token count (prometheus counters refuse them) or a usage detail of the wrong type is not the
+    client's problem: the answer arrives whole, and nothing negative is counted."""
+    usage = {"prompt_tokens": -5, "completion_tokens": 2, "total_tokens": -3,
+             "prompt_tokens_details": [1], "completion_tokens_details": {"reasoning_tokens": -1}}
+    if stream:
+        last = orjson.loads(chunk(finish="stop"))
+        last["usage"] = usage
+        CASES["bad_usage"] = Plan(parts=[(0, sse(chunk(role=True), chunk("a"), orjson.dumps(last)))])
+    else:
+        CASES["bad_usage"] = Plan(headers=JSON, parts=[(0, orjson.dumps(
+            {"id": "x", "object": "chat.completion", "choices": [], "usage": usage}))], chunked=False)
+    before = _metrics(gw)
+    with httpx.Client(timeout=10) as client:
+        resp = client.post(_url(gw) + "/chat/completions", json={
+            "model": "m", "stream": stream, "x_case": "bad_usage", "messages": MESSAGES})
+    assert resp.status_code == 200
+    if stream:
+        assert resp.content.endswith(b"data: [DONE]\n\n")
+    after = _metrics(gw)
+    assert _grew(before, after, "tiergate_requests_total", outcome="success") == 1
+    assert _grew(before, after, "tiergate_tokens_total", token_type="output") == 2
+    assert _grew(before, after, "tiergate_tokens_total", token_type="input") == 0
+
+
+def test_choices_with_odd_indexes_or_empty_finish_reasons(fake: EmulatorThread, gw: Proc) -> None:
+    """``"finish_reason": ""`` is no finish, and a choice index the request did not ask for does not finish it (both
+    ended streams early, as successes); an unhashable index is not a 500."""
+    odd = [orjson.loads(chunk("a")) for _ in range(2)]
+    odd[0]["choices"][0]["finish_reason"] = ""
+    odd[1]["choices"][0]["index"] = 1
+    odd[1]["choices"][0]["finish_reason"] = "stop"
+    parts = [(0, sse(chunk(role=True), done=False))] + [(0.35, sse(orjson.dumps(c), done=False)) for c in odd]
+    CASES["odd_finish"] = Plan(parts=[*parts, (0.35, sse(chunk("end"), chunk(finish="stop")))])
+    resp = _post(gw, "odd_finish")
+    assert b'"end"' in resp.content and resp.content.endswith(b"data: [DONE]\n\n")  # not cut at finish_grace
+    weird = orjson.loads(chunk(finish="stop"))
+    weird["choices"][0]["index"] = [1]
+    CASES["weird_index"] = Plan(parts=[(0, sse(chunk(role=True), chunk("a"), orjson.dumps(weird)))])
+    assert _post(gw, "weird_index").status_code == 200
+
+
+def test_a_clean_end_before_the_finish_is_an_interrupted_stream(fake: EmulatorThread, gw: Proc) -> None:
+    """A body that ends cleanly (chunked terminator) after some tokens but before any ``finish_reason`` truncated the
+    answer: the client is told so in band (it used to get ``[DONE]`` and a success)."""
+    CASES["cut_clean"] = Plan(parts=[(0, sse(chunk(role=True), chunk("The answer is"), done=False))])
+    before = _metrics(gw)
+    resp = _post(gw, "cut_clean")
+    assert [e["error"]["code"] for e in _errors(resp.content)] == ["upstream_stream_interrupted"]
+    assert b"[DONE]" not in resp.content
+    assert _grew(before, _metrics(gw), "tiergate_requests_total", outcome="stream_error") == 1
+
+
+def test_an_empty_event_stream_fails_over_and_leaves_nothing_in_flight(fake: EmulatorThread, gw: Proc) -> None:
+    """A 200 event stream with no event in it is no answer: the other tier serves it (it used to be an empty
+    success that left ``tiergate_in_flight_requests`` above zero)."""
+    CASES["empty_sse"] = [Plan(parts=[(0, b"event: ping\n\n")]), Plan(parts=[(0, sse(chunk(role=True), chunk("ok"),
+                                                                                     chunk(finish="stop")))])]
+    SEEN.pop("empty_sse", None)
+    resp = _post(gw, "empty_sse", model="m-fast")
+    assert resp.status_code == 200 and resp.headers["x-tiergate-fallback"] == "upstream_bad_response"
+    assert sample(_metrics(gw), "tiergate_in_flight_requests") == 0
+
+
+def test_giving_up_counts_the_attempts_once_and_no_fallback(fake: EmulatorThread, gw: Proc) -> None:
+    CASES["both_500"] = Plan(status=500, headers=JSON, parts=[(0, b'{"error":{"message":"down"}}')], chunked=False)
+    before = _metrics(gw)
+    assert _post(gw, "both_500", model="m-fast").status_code == 500
+    after = _metrics(gw)
+    assert _grew(before, after, "tiergate_upstream_attempts_count") == 1
+    assert _grew(before, after, "tiergate_upstream_attempts_sum") == 2
+    assert _grew(before, after, "tiergate_fallbacks_total") == 0  # nothing was served by the fallback
+
+
+def test_an_error_event_after_the_first_token_tells_health_its_status(fake: EmulatorThread, tmp_path: Path) -> None:
+    """An upstream's ``server_error`` event mid-stream counts against its breaker (``failures: 1`` here); a 400-ish
+    one (Groq's ``tool_use_failed``) is the request's fault and does not."""
+    cfg = _config(fake, fallback=False)
+    cfg["upstreams"][1]["health"] = {"failures": 1}
+    proc, _ = start_gateway(cfg, tmp_path)
+    try:
+        CASES["bad_tool"] = Plan(parts=[(0, sse(chunk(role=True), chunk("a"), '{"error":{"message":"bad","type":'
+                                                '"invalid_request_error","code":"tool_use_failed","status_code":400}}',
+                                                done=False))])
+        CASES["overloaded"] = Plan(parts=[(0, sse(chunk(role=True), chunk("a"), '{"error":{"message":"overloaded",'
+                                                  '"type":"server_error"}}', done=False))])
+        _post(proc, "bad_tool")
+        assert sample(_metrics(proc), "tiergate_upstream_state", upstream="f-std", state="closed") == 1
+        _post(proc, "overloaded")
+        assert sample(_metrics(proc), "tiergate_upstream_state", upstream="f-std", state="open") == 1
+    finally:
+        proc.stop()
+
+
+def test_a_client_gone_during_its_upload_is_counted(gw: Proc) -> None:
+    before = _metrics(gw)
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 1000\r\n\r\n{\"model\":")
+        time.sleep(0.1)
+    time.sleep(0.2)
+    assert _grew(before, _metrics(gw), "tiergate_requests_total", outcome="client_disconnect") == 1
+
+
+def test_lone_surrogates_the_gateway_quotes_back(gw: Proc) -> None:
+    """An unknown model named with a lone surrogate is a 404 (the error message quotes it), and the route endpoint
+    explains a request whose metadata holds one (both were 500s)."""
+    raw = b'{"model": "gpt-\\ud83d", "messages": [{"role": "user", "content": "x"}]}'
+    resp = httpx.post(_url(gw) + "/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+    raw = b'{"model": "m", "metadata": {"workload": "\\ud83d"}, "messages": [{"role": "user", "content": "x"}]}'
+    resp = httpx.post(f"http://127.0.0.1:{gw.port}/v1/tiergate/route", content=raw,
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 200 and resp.json()["tier"] == "standard"
+
+
+def test_numbers_the_cerebras_dialect_reserialises_stay_exact(fake: EmulatorThread, gw: Proc) -> None:
+    """A seed past 64 bits reaches Cerebras exact (orjson reads it as a float), and a number beyond a double's
+    range is refused with 400 (it used to be sent as null)."""
+    CASES["json_ok"] = JSON_OK
+    raw = (b'{"model": "m", "x_case": "json_ok", "seed": 18446744073709551617, '
+           b'"messages": [{"role": "user", "content": "x"}]}')
+    resp = httpx.post(_url(gw) + "/chat/completions", content=raw,
+                      headers={"content-type": "application/json", "x-tiergate-tier": "fast"})
+    assert resp.status_code == 200 and b'"seed":18446744073709551617' in fake.requests[-1].body
+    resp = httpx.post(_url(gw) + "/chat/completions", content=b'{"model": "m", "temperature": 1e400, "messages": '
+                      b'[{"role": "user", "content": "x"}]}', headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_json"
+
+
+def test_a_request_whose_body_completes_after_the_drain_is_refused(tmp_path: Path) -> None:
+    """The drain ends everything still running at ``GATEWAY_DRAIN_TIMEOUT``; a request whose body arrives after that
+    gets 503 ``gateway_draining`` (it used to be served until uvicorn cut it, unrecorded)."""
+    up = emulator("standard", tmp_path, tps=50, ttft=0.05)
+    port = free_port()
+    cfg = {"upstreams": [{"name": "std", "tier": "standard", "base_url": f"http://127.0.0.1:{up.port}/v1",
+                          "models": {"m": "m"}}]}
+    path = tmp_path / "late.yaml"
+    path.write_text(orjson.dumps(cfg).decode())
+    proc = Proc(["serve", "--config", str(path), "--port", str(port), "--log-level", "warning"], port,
+                tmp_path / "late.log", env={"GATEWAY_DRAIN_TIMEOUT": "0.5"})
+    try:
+        body = orjson.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body[:10]))
+            time.sleep(0.2)
+            proc.popen.send_signal(signal.SIGTERM)
+            time.sleep(1.0)  # past the drain
+            sock.sendall(body[10:])
+            answer = _read_until_closed(sock)
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"gateway_draining" in answer
+    finally:
+        proc.stop()
+        up.stop()

@@ -5,7 +5,8 @@ Two emulators, both speaking the OpenAI dialect, replay a transcript when the re
 real socket. A relayed stream must equal the recorded ``.body`` byte for byte, except where the wire
 contract requires an edit; every such edit is listed in :data:`STREAM_EDITS` and asserted on its own:
 
-* ``append_done``: the recording ends without ``data: [DONE]`` and carries no error, so the gateway appends one;
+* ``append_done``: a chat recording ends without ``data: [DONE]`` and carries no error, so the gateway appends one
+  (a Responses API recording ends at its terminal event, on ``/v1/responses``: nothing is appended);
 * ``strip_usage`` (only when the client did not ask for usage): the gateway asked upstream for usage and
   drops the ``"choices": []`` usage chunk.
 
@@ -62,8 +63,8 @@ STREAM_EDITS: dict[str, set[str]] = {
     "openai_chat_stream_refusal": set(),
     "openai_chat_stream_text": set(),
     "openai_chat_stream_tool_call": set(),
-    "openai_responses_stream_text": {"append_done"},  # Responses API: ends at response.completed
-    "openai_responses_stream_tool_call": {"append_done"},
+    "openai_responses_stream_text": set(),  # Responses API: ends at response.completed, no [DONE]
+    "openai_responses_stream_tool_call": set(),
     "openrouter_stream_comments_and_error_chunk": set(),  # error chunk, then the upstream's own [DONE]: kept
     "vllm_chat_stream": set(),
 }
@@ -121,8 +122,8 @@ def replay_request(name: str, *, client_usage: bool | None = None) -> dict[str, 
     req["model"] = "gpt-5.6"
     directive = f" [[emulate transcript={name} tps=5000 ttft_ms=1]]"
     messages = req.get("messages")
-    if not messages:  # Responses API requests carry `input`, not `messages`
-        req["messages"] = [{"role": "user", "content": directive.strip()}]
+    if "input" in req:  # a Responses API request
+        req["input"] = [{"role": "user", "content": directive.strip()}]
     else:
         content = messages[-1].get("content")
         texts = [p for p in content if isinstance(p, dict) and p.get("type") == "text"] if isinstance(
@@ -169,9 +170,10 @@ def has_error(event: bytes) -> bool:
 
 
 def stream_raw(stack: Stack, body: dict[str, Any]) -> tuple[httpx.Response, bytes, list[bytes]]:
-    """POST ``body`` and read the raw response bytes (no decoding) as they come off the socket."""
-    with httpx.Client(timeout=TIMEOUT) as client, client.stream("POST", stack.base_url + "/chat/completions",
-                                                                 json=body) as resp:
+    """POST ``body`` (to ``/v1/responses`` when it has ``input``, else ``/v1/chat/completions``) and read the raw
+    response bytes (no decoding) as they come off the socket."""
+    path = "/responses" if "input" in body else "/chat/completions"
+    with httpx.Client(timeout=TIMEOUT) as client, client.stream("POST", stack.base_url + path, json=body) as resp:
         reads = list(resp.iter_raw())
     return resp, b"".join(reads), reads
 
@@ -186,7 +188,8 @@ def test_stream_edit_table_matches_the_recordings() -> None:
         evs = events(_body(name))
         done = any(e == DONE for e in evs)
         errored = any(has_error(e) for e in evs)
-        assert ("append_done" in STREAM_EDITS[name]) == (not done and not errored), name
+        chat = name in CHAT_STREAMING
+        assert ("append_done" in STREAM_EDITS[name]) == (chat and not done and not errored), name
         assert (name in STREAM_ERRORS) == errored, name
 
 

@@ -30,6 +30,11 @@ def chunk_event(i: int) -> bytes:
             b'"choices":[{"index":0,"delta":{"content":"t%d"},"finish_reason":null}]}\n\n' % i)
 
 
+# the finish chunk every upstream ends an answer with (a stream that ends without one was cut short)
+FINISH = (b'data: {"id":"chatcmpl-unbuf","object":"chat.completion.chunk","created":1,"model":"m",'
+          b'"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n')
+
+
 @dataclass
 class Upstream:
     """An OpenAI-compatible upstream that answers every request with ``writes``, ``interval`` s apart.
@@ -148,12 +153,12 @@ async def test_each_event_arrives_before_the_upstream_writes_the_next(gateway: t
     n = 25
     sent = [chunk_event(i) for i in range(n)]
     for _attempt in range(2):  # one retry absorbs a scheduler hiccup on a loaded machine; buffering is late each time
-        upstream = Upstream(sent, interval=0.02)
+        upstream = Upstream([*sent, FINISH], interval=0.02)
         got = await relay_through(gateway, upstream)
         assert got.response.status_code == 200
         assert got.response.headers["x-tiergate-upstream"] == "emu-standard"
-        assert got.body == b"".join(sent) + DONE  # the upstream sent no [DONE]; the gateway adds one at the end
-        assert len(upstream.emits) == n
+        assert got.body == b"".join(sent) + FINISH + DONE  # no [DONE] from the upstream; the gateway adds one
+        assert len(upstream.emits) == n + 1
         assert [e for _, _, e in got.events[:n]] == sent
         arrivals = [t for t, _, _ in got.events[:n]]
         assert all(upstream.emits[i] <= arrivals[i] for i in range(n))
@@ -169,7 +174,7 @@ async def test_each_event_arrives_before_the_upstream_writes_the_next(gateway: t
 
 
 async def test_stream_response_is_chunked_without_content_length(gateway: tuple[Proc, int]) -> None:
-    got = await relay_through(gateway, Upstream([chunk_event(0), chunk_event(1)], interval=0.005))
+    got = await relay_through(gateway, Upstream([chunk_event(0), chunk_event(1), FINISH], interval=0.005))
     headers = got.response.headers
     assert "content-length" not in headers
     assert headers["transfer-encoding"] == "chunked"
@@ -181,10 +186,10 @@ async def test_stream_response_is_chunked_without_content_length(gateway: tuple[
 async def test_events_of_one_upstream_write_reach_the_client_in_one_read(gateway: tuple[Proc, int]) -> None:
     pairs = 6
     sent = [chunk_event(2 * k) + chunk_event(2 * k + 1) for k in range(pairs)]
-    upstream = Upstream(sent, interval=0.03)
+    upstream = Upstream([*sent, FINISH], interval=0.03)
     got = await relay_through(gateway, upstream)
 
-    assert got.body == b"".join(sent) + DONE
+    assert got.body == b"".join(sent) + FINISH + DONE
     events = got.events[: 2 * pairs]
     for k in range(pairs):
         (_, read_a, _), (t_b, read_b, _) = events[2 * k], events[2 * k + 1]

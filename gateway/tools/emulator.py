@@ -121,8 +121,8 @@ class Plan:
     its own write (its own HTTP chunk when ``chunked``); end: after the last part, ``ok`` (a clean end), ``eof``
     (close the connection, inside the chunked body), ``reset`` (TCP RST) or ``stall`` (silence, the connection
     kept open); chunked: chunked transfer encoding, else ``content-length`` over the joined parts; drop: close
-    the connection at once without answering (what a server does to a keep-alive connection it timed out just as
-    a request arrived).
+    the connection without answering (at once: what a server does to a keep-alive connection it timed out just as a
+    request arrived; after ``head_delay``: a server that read the request and then failed).
     """
 
     status: int = 200
@@ -266,7 +266,10 @@ class EmulatorProtocol(asyncio.Protocol):
     def play(self, plan: Plan) -> None:
         """Answer with a scripted :class:`Plan`."""
         if plan.drop:
-            self._close()
+            if plan.head_delay:
+                self.timer = self.loop.call_later(plan.head_delay, self._close)
+            else:
+                self._close()
             return
         size = sum(len(p) for _, p in plan.parts)
         head = [f"HTTP/1.1 {plan.status} {REASONS.get(plan.status, b'Status').decode()}",

@@ -36,32 +36,43 @@ class ScriptedAnswer:
         self._idle = idle
         self._watching = False
         self._next = 0  # the next part to play
+        loop = asyncio.get_running_loop()
+        self._last = loop.time()  # when the last part arrived (or the status line)
+        self._due: list[float] = []  # when each part arrives, as on a wire: on a schedule from the status line
+        at = self._last
+        for delay, _ in plan.parts:
+            at += delay
+            self._due.append(at)
 
     def watch_idle(self) -> None:
         self._watching = True
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """The plan's parts, each after its delay; resumable after a cancelled iteration.
+        """The plan's parts, each at its time; resumable after a cancelled iteration (it goes on where it stopped).
 
         Raises:
-            StreamInterrupted: the plan ends in ``eof`` or ``reset``, or is silent past ``idle`` (when watched).
+            StreamInterrupted: the plan ends in ``eof`` or ``reset``, or is silent past ``idle`` since the last part
+                (when watched), as :class:`gateway.upstream.IdleWatch` would end it.
         """
         parts = self.plan.parts
         while self._next < len(parts):
-            delay, part = parts[self._next]
-            await self._wait(delay)
+            await self._until(self._due[self._next])
+            self._last = asyncio.get_running_loop().time()
+            part = parts[self._next][1]
             self._next += 1
             yield part
         if self.plan.end in ("eof", "reset"):
             raise StreamInterrupted("upstream_stream_interrupted", "The upstream connection ended mid-stream.")
         if self.plan.end == "stall":
-            await self._wait(float("inf"))
+            await self._until(float("inf"))
 
-    async def _wait(self, delay: float) -> None:
-        if not self._watching or delay < self._idle:
-            await asyncio.sleep(delay if delay != float("inf") else 3600)
+    async def _until(self, due: float) -> None:
+        loop = asyncio.get_running_loop()
+        silent_until = self._last + self._idle if self._watching else float("inf")
+        if due <= silent_until:
+            await asyncio.sleep(max(0.0, min(due, loop.time() + 3600) - loop.time()))
             return
-        await asyncio.sleep(self._idle)
+        await asyncio.sleep(max(0.0, silent_until - loop.time()))
         raise StreamInterrupted("upstream_idle_timeout", "The upstream stopped sending before the end.")
 
     async def read(self) -> bytes:
