@@ -18,8 +18,8 @@ costs a few microseconds per event and is not the bottleneck of what it serves. 
 (``bench/upstream.py``) is kept apart on purpose: it stamps every chunk with the clock at the moment of its write,
 and the instrument must not change when the gateway's tools do.
 
-Per-request directives ride in the request body (so they cross the gateway untouched), anywhere in it,
-as ``[[emulate key=value ...]]``:
+Per-request directives ride in the request body (so they cross the gateway untouched), anywhere in it, as
+``[[emulate key=value ...]]`` (the last one counts: a conversation's latest turn):
 
 ============  ==========================================================================
 tokens        completion tokens to generate (default: max_tokens / max_completion_tokens, capped, else 48)
@@ -298,6 +298,10 @@ class EmulatorProtocol(asyncio.Protocol):
         raw = b"".join(req.body)
         body = orjson.loads(raw)
         d = _directives(raw)
+        if path.endswith(b"/responses") and d.get("dialect", self.cfg.dialect) == "cerebras":
+            # Cerebras' API serves chat completions only (the gateway bridges the Responses API to it)
+            self._reply(404, b'{"message":"Not Found","type":"not_found_error","param":"","code":"not_found"}')
+            return
         if "status" in d:
             self._error(int(d["status"]), d)
             return
@@ -535,8 +539,79 @@ class Schedule:
             self.proto.reset()
 
 
+def schema_instance(schema: Any, root: Any = None, depth: int = 0) -> Any:
+    """A JSON value that satisfies ``schema``, deterministically: the subset of JSON Schema that function tools and
+    structured outputs use (OpenAI's strict mode): ``type`` (or a list of them), ``properties`` (every one is given,
+    as strict mode requires), ``items`` with ``minItems``, ``enum``, ``const``, ``anyOf`` / ``oneOf`` (the first
+    branch that is not null), ``allOf``, ``$ref`` into ``$defs`` / ``definitions``, string ``format`` and
+    ``minLength``, numeric ``minimum`` / ``maximum``. The emulator answers with it, so an agent's tool call parses and
+    validates (tests check it with the ``jsonschema`` library)."""
+    root = schema if root is None else root
+    if not isinstance(schema, dict) or depth > 20:
+        return None
+    if "$ref" in schema:
+        target: Any = root
+        for key in str(schema["$ref"]).lstrip("#/").split("/"):
+            target = target.get(key, {}) if isinstance(target, dict) else {}
+        return schema_instance(target, root, depth + 1)
+    if "const" in schema:
+        return schema["const"]
+    if schema.get("enum"):
+        return schema["enum"][0]
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            options = [o for o in schema[key] if not (isinstance(o, dict) and o.get("type") == "null")]
+            return schema_instance((options or schema[key])[0], root, depth + 1)
+    if isinstance(schema.get("allOf"), list):
+        merged: dict[str, Any] = {}
+        for part in schema["allOf"]:
+            value = schema_instance(part, root, depth + 1)
+            if isinstance(value, dict):
+                merged.update(value)
+        return merged
+    return _typed_instance(schema, root, depth)
+
+
+def _typed_instance(schema: dict[str, Any], root: Any, depth: int) -> Any:
+    kind = schema.get("type", "object" if "properties" in schema else "string")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind == "object":
+        return {name: schema_instance(sub, root, depth + 1) for name, sub in (schema.get("properties") or {}).items()}
+    if kind == "array":
+        return [schema_instance(schema.get("items", {}), root, depth + 1)
+                for _ in range(max(1, schema.get("minItems", 1)))]
+    if kind in ("integer", "number"):
+        low = schema.get("minimum", schema.get("exclusiveMinimum", 0))
+        value = max(low, min(schema.get("maximum", 7), 7))
+        return int(value) + (1 if "exclusiveMinimum" in schema else 0) if kind == "integer" else float(value) + 0.5
+    if kind == "boolean":
+        return True
+    if kind == "null":
+        return None
+    formats = {"date-time": "2026-12-01T00:00:00Z", "date": "2026-12-01", "email": "agent@example.com",
+               "uri": "https://example.com/", "uuid": "00000000-0000-4000-8000-000000000000"}
+    text = formats.get(schema.get("format", ""), "example")
+    return text + "x" * max(0, schema.get("minLength", 0) - len(text))
+
+
+def _pieces(text: str, size: int = 4) -> list[str]:
+    """``text`` in pieces of about ``size`` characters: one emulated token each."""
+    return [text[i:i + size] for i in range(0, len(text), size)] or [""]
+
+
 class Generation:
-    """One synthetic chat completion (or Responses API response): builds the events and schedules them."""
+    """One synthetic chat completion or Responses API response: plans the answer, builds its events, schedules them.
+
+    The answer acts enough like a model for agents to run: when the request has ``tools`` and the conversation no
+    tool result yet (and ``tool_choice`` is not ``none``), it is one call of the named tool, or the first, with
+    arguments that satisfy its JSON schema (:func:`schema_instance`); after a tool result, or without tools, text.
+    A ``json_schema`` answer format (``response_format`` / ``text.format``) makes the text a JSON instance of the
+    schema (``json_object``: ``{"answer": ...}``). The answer's length is the ``tokens`` directive, else that of the
+    JSON or tool call, else the request's token limit (``max_completion_tokens`` / ``max_tokens`` /
+    ``max_output_tokens``), else 48; past the limit it is cut there with ``finish_reason: "length"`` (Responses:
+    ``incomplete``, ``max_output_tokens``). ``n`` choices (chat) each carry the same answer.
+    """
 
     def __init__(self, proto: EmulatorProtocol, body: dict[str, Any], d: dict[str, str],
                  responses: bool = False) -> None:
@@ -546,9 +621,6 @@ class Generation:
         self.body = body
         self.d = d
         self.dialect = d.get("dialect", cfg.dialect)
-        limit = body.get("max_completion_tokens") or body.get("max_tokens")
-        default = min(int(limit), cfg.max_tokens) if isinstance(limit, int) and limit > 0 else 48
-        self.tokens = max(1, int(d.get("tokens", default)))
         self.tps = float(d.get("tps", cfg.tps))
         self.ttft = float(d.get("ttft_ms", cfg.ttft * 1000)) / 1000
         self.per_chunk = max(1, int(d.get("per_chunk", 1)))
@@ -557,7 +629,57 @@ class Generation:
         self.id = b"chatcmpl-emu%x" % id(self)
         self.created = int(time.time())
         self.prompt_tokens = max(1, len(orjson.dumps(body.get("messages", body.get("input", [])))) // 4)
+        n = body.get("n")
+        self.n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 16 and not responses else 1
         self.t0 = 0.0
+        self.tool: tuple[str, str] | None = None  # (name, call id) when the answer is a tool call
+        self.pieces, self.finish = self._plan(cfg.max_tokens)
+        self.tokens = len(self.pieces)
+
+    def _plan(self, cap: int) -> tuple[list[str], str]:
+        body = self.body
+        limit = next((v for k in ("max_completion_tokens", "max_tokens", "max_output_tokens")
+                      if isinstance(v := body.get(k), int) and not isinstance(v, bool) and v > 0), None)
+        tool = self._tool_to_call()
+        schema = self._answer_schema()
+        if tool is not None:
+            name, params = tool
+            self.tool = (name, f"call_emu{id(self):x}")
+            natural = _pieces(orjson.dumps(schema_instance(params)).decode())
+        elif schema is not None:
+            natural = _pieces(orjson.dumps(schema_instance(schema) if schema else {"answer": "example"}).decode())
+        else:
+            want = int(self.d["tokens"]) if "tokens" in self.d else min(limit or 48, cap)
+            natural = [WORDS[i % len(WORDS)].decode() for i in range(max(1, want))]
+        if "tokens" in self.d and (tool is not None or schema is not None):
+            natural = natural[: max(1, int(self.d["tokens"]))]
+        if limit is not None and len(natural) > limit:
+            return natural[:limit], "length"
+        return natural, "tool_calls" if tool is not None else "stop"
+
+    def _tool_to_call(self) -> tuple[str, Any] | None:
+        body = self.body
+        tools = [t for t in body.get("tools") or [] if isinstance(t, dict) and t.get("type") == "function"]
+        if not tools or body.get("tool_choice") == "none":
+            return None
+        history = body.get("messages") if not self.responses else body.get("input")
+        if isinstance(history, list) and any(isinstance(m, dict) and (m.get("role") == "tool" or m.get("type") ==
+                                                                      "function_call_output") for m in history):
+            return None  # the tool already answered: now the model answers in text
+        fns = [t.get("function", t) for t in tools]
+        choice = body.get("tool_choice")
+        wanted = (choice.get("function") or choice).get("name") if isinstance(choice, dict) else None
+        fn = next((f for f in fns if f.get("name") == wanted), fns[0])
+        return str(fn.get("name", "tool")), fn.get("parameters") or {"type": "object", "properties": {}}
+
+    def _answer_schema(self) -> Any:
+        """The JSON schema the answer must follow, ``{}`` for any JSON object, or None for text."""
+        fmt = self.body.get("response_format") if not self.responses else (self.body.get("text") or {}).get("format")
+        if not isinstance(fmt, dict):
+            return None
+        if fmt.get("type") == "json_schema":
+            return (fmt.get("json_schema") or {}).get("schema") if not self.responses else fmt.get("schema") or {}
+        return {} if fmt.get("type") == "json_object" else None
 
     def start(self) -> None:
         """Answer the request: a timed event stream, or one JSON body after the generation time."""
@@ -570,12 +692,13 @@ class Generation:
             delay = self.ttft + (self.tokens - 1) / self.tps
             self.proto.timer = self.proto.loop.call_at(t0 + delay, self._whole)
 
-    def _text(self, start: int, n: int) -> bytes:
-        return b"".join(WORDS[i % len(WORDS)] for i in range(start, start + n))
+    def _text(self, start: int, n: int) -> str:
+        return "".join(self.pieces[start:start + n])
 
     def _usage(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
-                "total_tokens": self.prompt_tokens + self.tokens,
+        completion = self.tokens * self.n
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens_details": {"reasoning_tokens": 0}}
 
     def _time_info(self) -> dict[str, Any]:
@@ -587,91 +710,141 @@ class Generation:
         return (b'data: {"id":"' + self.id + b'","object":"chat.completion.chunk","created":%d,"model":"' % self.created
                 + self.model + b'","choices":[' + choices + b"]" + tail + b"}\n\n")
 
+    def _choice(self, index: int, delta: bytes, finish: bytes = b"null") -> bytes:
+        if self.dialect == "openai":
+            return b'{"index":%d,"delta":%s,"finish_reason":%s}' % (index, delta, finish)
+        if finish == b"null":  # Cerebras omits finish_reason until the last chunk
+            return b'{"delta":%s,"index":%d}' % (delta, index)
+        return b'{"delta":%s,"finish_reason":%s,"index":%d}' % (delta, finish, index)
+
+    def _delta(self, start: int, n: int) -> bytes:
+        piece = orjson.dumps(self._text(start, n))
+        if self.tool is None:
+            return b'{"content":' + piece + b"}"
+        name, call_id = self.tool
+        head = b'"id":%s,"type":"function","function":{"name":%s,"arguments":%s}' % (
+            orjson.dumps(call_id), orjson.dumps(name), piece) if start == 0 else \
+            b'"function":{"arguments":%s}' % piece
+        return b'{"tool_calls":[{"index":0,' + head + b"}]}"
+
     def _events(self, t0: float) -> list[tuple[float, bytes]]:
         openai = self.dialect == "openai"
         so = self.body.get("stream_options")
         include_usage = openai and self.with_usage and isinstance(so, dict) and so.get("include_usage") is True
         null_usage = b',"usage":null' if include_usage else b""
-        role = (b'{"index":0,"delta":{"role":"assistant","content":"","refusal":null},"finish_reason":null}' if openai
-                else b'{"delta":{"role":"assistant"},"index":0}')
-        items = [(t0, self._chunk(role, null_usage))]
+        role = b'{"role":"assistant","content":"","refusal":null}' if openai else b'{"role":"assistant"}'
+        if self.tool is not None and openai:
+            role = b'{"role":"assistant","content":null,"refusal":null}'
+        items = [(t0, self._chunk(self._choice(c, role), null_usage)) for c in range(self.n)]
         t_first = t0 + self.ttft
         sent = 0
         while sent < self.tokens:  # chunk k leaves at ttft + k * per_chunk / tps: decode runs at exactly tps
             n = min(self.per_chunk, self.tokens - sent)
-            text = self._text(sent, n)
-            delta = (b'{"index":0,"delta":{"content":"' + text + b'"},"finish_reason":null}' if openai
-                     else b'{"delta":{"content":"' + text + b'"},"index":0}')
-            items.append((t_first + sent / self.tps, self._chunk(delta, null_usage)))
+            at = t_first + sent / self.tps
+            items += [(at, self._chunk(self._choice(c, self._delta(sent, n)), null_usage)) for c in range(self.n)]
             sent += n
         t_end = items[-1][0]
-        finish = (b'{"index":0,"delta":{},"finish_reason":"stop"}' if openai
-                  else b'{"delta":{},"finish_reason":"stop","index":0}')
+        finish = orjson.dumps(self.finish)
         if openai:
-            items.append((t_end, self._chunk(finish, null_usage)))
+            items += [(t_end, self._chunk(self._choice(c, b"{}", finish), null_usage)) for c in range(self.n)]
             if include_usage:
                 items.append((t_end, self._chunk(b"", b',"usage":' + orjson.dumps(self._usage()))))
         else:
             tail = b',"usage":' + orjson.dumps(self._usage()) + b',"time_info":' + orjson.dumps(self._time_info())
-            items.append((t_end, self._chunk(finish, tail if self.with_usage else b"")))
+            items += [(t_end, self._chunk(self._choice(c, b"{}", finish), tail if self.with_usage and c == self.n - 1
+                                          else b"")) for c in range(self.n)]
         if self.d.get("done", "1" if openai else "0") == "1":
             items.append((t_end, b"data: [DONE]\n\n"))
         return items
 
-    def _response(self, status: str, text: bytes) -> dict[str, Any]:
+    def _output_item(self, status: str) -> dict[str, Any]:
+        """The Responses output item: a message with its text, or a function call."""
+        text = self._text(0, self.tokens) if status == "completed" else ""
+        if self.tool is not None:
+            name, call_id = self.tool
+            return {"id": "fc_emu", "type": "function_call", "status": status, "call_id": call_id, "name": name,
+                    "arguments": text}
+        content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+        return {"id": "msg_emu", "type": "message", "status": status, "role": "assistant", "content": content}
+
+    def _response(self, status: str) -> dict[str, Any]:
         """A Responses API ``response`` object (OpenAPI ``Response``), minimal."""
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         out: dict[str, Any] = {"id": f"resp_emu{id(self):x}", "object": "response", "created_at": self.created,
-                               "status": status, "model": self.model.decode(), "output": [], "usage": None}
-        if status == "completed":
-            out["output"] = [{"id": "msg_emu", "type": "message", "status": "completed", "role": "assistant",
-                              "content": [{"type": "output_text", "text": text.decode(), "annotations": []}]}]
+                               "status": status, "model": self.model.decode(), "output": [], "usage": None,
+                               "incomplete_details": incomplete, "parallel_tool_calls": True,
+                               "tool_choice": self.body.get("tool_choice", "auto"),
+                               "tools": self.body.get("tools") or []}
+        if status in ("completed", "incomplete"):
+            out["output"] = [self._output_item("completed")]
             if self.with_usage:
-                out["usage"] = {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                out["usage"] = {"input_tokens": self.prompt_tokens,
+                                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                                 "output_tokens": self.tokens, "output_tokens_details": {"reasoning_tokens": 0},
                                 "total_tokens": self.prompt_tokens + self.tokens}
         return out
 
     def _response_events(self, t0: float) -> list[tuple[float, bytes]]:
-        """Responses API stream (wire contract §5): created, in_progress, one output_text.delta per chunk,
-        completed with usage; every event named by an ``event:`` line and numbered; no ``[DONE]``."""
+        """Responses API stream (wire contract §5): created, in_progress, one delta per chunk (output text or function
+        call arguments), the ``.done`` events, then completed (incomplete at the token limit) with usage; every event
+        named by an ``event:`` line and numbered; no ``[DONE]``."""
         seq = iter(range(1 << 30))
 
         def event(kind: str, **fields: Any) -> bytes:
             data = orjson.dumps({"type": kind, **fields, "sequence_number": next(seq)})
             return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
 
-        item = {"id": "msg_emu", "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+        item = self._output_item("in_progress")
         part = {"type": "output_text", "text": "", "annotations": []}
-        items = [(t0, event("response.created", response=self._response("in_progress", b"")) +
-                  event("response.in_progress", response=self._response("in_progress", b"")) +
-                  event("response.output_item.added", output_index=0, item=item) +
-                  event("response.content_part.added", item_id="msg_emu", output_index=0, content_index=0,
-                        part=part))]
+        head = (event("response.created", response=self._response("in_progress"))
+                + event("response.in_progress", response=self._response("in_progress"))
+                + event("response.output_item.added", output_index=0, item=item))
+        if self.tool is None:
+            head += event("response.content_part.added", item_id="msg_emu", output_index=0, content_index=0, part=part)
+        items = [(t0, head)]
         sent = 0
         while sent < self.tokens:
             n = min(self.per_chunk, self.tokens - sent)
-            delta = self._text(sent, n).decode()
-            items.append((t0 + self.ttft + sent / self.tps, event(
-                "response.output_text.delta", item_id="msg_emu", output_index=0, content_index=0, delta=delta)))
+            delta = self._text(sent, n)
+            at = t0 + self.ttft + sent / self.tps
+            if self.tool is None:
+                items.append((at, event("response.output_text.delta", item_id="msg_emu", output_index=0,
+                                        content_index=0, delta=delta, logprobs=[])))
+            else:
+                items.append((at, event("response.function_call_arguments.delta", item_id="fc_emu", output_index=0,
+                                        delta=delta)))
             sent += n
         text = self._text(0, self.tokens)
-        done = self._response("completed", text)
-        items.append((items[-1][0], event("response.output_text.done", item_id="msg_emu", output_index=0,
-                                          content_index=0, text=text.decode())
-                      + event("response.content_part.done", item_id="msg_emu", output_index=0, content_index=0,
-                              part={**part, "text": text.decode()})
-                      + event("response.output_item.done", output_index=0, item=done["output"][0])
-                      + event("response.completed", response=done)))
+        status = "incomplete" if self.finish == "length" else "completed"
+        done = self._response(status)
+        if self.tool is None:
+            tail = (event("response.output_text.done", item_id="msg_emu", output_index=0, content_index=0, text=text,
+                          logprobs=[])
+                    + event("response.content_part.done", item_id="msg_emu", output_index=0, content_index=0,
+                            part={**part, "text": text}))
+        else:
+            tail = event("response.function_call_arguments.done", item_id="fc_emu", output_index=0, arguments=text)
+        tail += (event("response.output_item.done", output_index=0, item=done["output"][0])
+                 + event(f"response.{status}", response=done))
+        items.append((items[-1][0], tail))
         return items
 
     def _whole(self) -> None:
         if self.responses:
-            self.proto._reply(200, orjson.dumps(self._response("completed", self._text(0, self.tokens))))
+            self.proto._reply(200, orjson.dumps(self._response("incomplete" if self.finish == "length" else
+                                                                "completed")))
             return
+        text = self._text(0, self.tokens)
+        if self.tool is not None:
+            name, call_id = self.tool
+            message: dict[str, Any] = {"role": "assistant", "content": None, "refusal": None, "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": text}}]}
+        else:
+            message = {"role": "assistant", "content": text, "refusal": None}
         out: dict[str, Any] = {
             "id": self.id.decode(), "object": "chat.completion", "created": self.created, "model": self.model.decode(),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": self._text(0, self.tokens).decode(),
-                                                 "refusal": None}, "logprobs": None, "finish_reason": "stop"}],
+            "choices": [{"index": c, "message": message, "logprobs": None, "finish_reason": self.finish}
+                        for c in range(self.n)],
         }
         if self.with_usage:
             out["usage"] = self._usage()
@@ -685,11 +858,14 @@ class Generation:
 
 
 def _directives(raw: bytes) -> dict[str, str]:
-    m = _DIRECTIVE.search(raw)
-    if not m:
+    """The request's directives: the last ``[[emulate ...]]`` in the body (a conversation's latest turn)."""
+    found = None
+    for found in _DIRECTIVE.finditer(raw):  # noqa: B007 - the last match is the one that counts
+        pass
+    if found is None:
         return {}
     out = {}
-    for part in m.group(1).decode().split():
+    for part in found.group(1).decode().split():
         key, _, value = part.partition("=")
         out[key] = value
     return out
