@@ -28,7 +28,8 @@ import orjson
 
 from gateway.errors import InvalidRequest
 
-CEREBRAS_DROP = ("metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier")
+CEREBRAS_DROP = ("metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier",
+                 "verbosity")
 
 # A JSON string (unrolled loop) or one structural bracket; everything else is skipped by finditer.
 _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[{}\[\]]')

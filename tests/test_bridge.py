@@ -1,0 +1,342 @@
+"""The Responses <-> chat-completions bridge (``gateway.bridge``), in-process: golden translations both ways, and every
+bridged event stream checked against the ``openai`` SDK's own types and its ``responses.stream()`` accumulation.
+
+The streams come from hand-built chat chunks and from every recorded chat stream in ``shared/fixtures/upstream/``
+(text, tool calls, parallel tool calls, a refusal, reasoning, ``finish_reason: length``, n=2, Groq's error event,
+OpenRouter's error chunk), played through :class:`gateway.bridge.BridgeRelay` as the upstream's reads.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from gateway import bridge
+from gateway.errors import GatewayError
+
+from conftest import FIXTURES, chunk, sse
+
+EVENT = TypeAdapter(ResponseStreamEvent)
+CHAT_STREAMS = sorted(p.stem for p in FIXTURES.glob("*.json")
+                      if orjson.loads(p.read_bytes())["streaming"] and "/chat/" in orjson.loads(p.read_bytes())[
+                          "request"]["path"])
+
+
+# ---- request side --------------------------------------------------------------------------------------------
+
+TOOL = {"type": "function", "name": "get_weather", "description": "Weather now",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        "strict": True}
+
+
+def test_a_string_input_with_instructions_and_every_mapped_option() -> None:
+    body = {"model": "m", "instructions": "Be brief.", "input": "hi", "tools": [TOOL], "tool_choice": "required",
+            "parallel_tool_calls": False, "max_output_tokens": 64, "temperature": 0.2, "top_p": 0.9, "user": "u",
+            "safety_identifier": "s", "service_tier": "priority", "prompt_cache_key": "k", "stream": True,
+            "text": {"format": {"type": "json_schema", "name": "W", "schema": {"type": "object"}, "strict": True},
+                     "verbosity": "low"},
+            "reasoning": {"effort": "high", "summary": "auto"}, "top_logprobs": 2,
+            "store": True, "metadata": {"workload": "agent"}, "truncation": "disabled",
+            "include": ["message.output_text.logprobs"], "prompt_cache_retention": "24h"}
+    assert bridge.unbridgeable(body) is None
+    assert bridge.chat_request(body, []) == {
+        "model": "m",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
+            {"type": "text", "text": "hi"}]}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                                    "parameters": TOOL["parameters"], "strict": True}}],
+        "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0.2, "top_p": 0.9, "user": "u",
+        "safety_identifier": "s", "service_tier": "priority", "prompt_cache_key": "k", "stream": True,
+        "max_completion_tokens": 64,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "W", "schema": {"type": "object"},
+                                                                   "strict": True}},
+        "verbosity": "low", "reasoning_effort": "high", "logprobs": True, "top_logprobs": 2,
+    }
+
+
+def test_every_input_item_type_and_the_history_before_it() -> None:
+    history = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "weather in Oslo and Rome?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "think"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "call_a", "name": "get_weather", "arguments": '{"city":"Oslo"}'},
+        {"type": "function_call", "call_id": "call_b", "name": "get_weather", "arguments": '{"city":"Rome"}'},
+    ]
+    body = {"model": "m", "input": [
+        {"type": "function_call_output", "call_id": "call_a", "output": "rain"},
+        {"type": "function_call_output", "call_id": "call_b", "output": [{"type": "input_text", "text": "sun"}]},
+        {"role": "developer", "content": "Answer in French."},
+        {"role": "user", "content": [
+            {"type": "input_text", "text": "and this?"},
+            {"type": "input_image", "image_url": "https://example.com/a.png", "detail": "low"},
+            {"type": "input_file", "file_id": "file_1", "filename": "a.pdf"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
+    ]}
+    assert bridge.unbridgeable(body) is None
+    assert bridge.chat_request(body, history)["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "weather in Oslo and Rome?"}]},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [  # parallel calls join the message before them
+            {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}},
+            {"id": "call_b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_a", "content": "rain"},
+        {"role": "tool", "tool_call_id": "call_b", "content": "sun"},
+        {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": [
+            {"type": "text", "text": "and this?"},
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png", "detail": "low"}},
+            {"type": "file", "file": {"file_id": "file_1", "filename": "a.pdf"}}]},
+        {"role": "assistant", "content": None, "refusal": "I can't."},
+    ]
+
+
+def test_a_named_tool_choice_and_json_object() -> None:
+    chat = bridge.chat_request({"model": "m", "input": "x", "tools": [TOOL], "tool_choice": {
+        "type": "function", "name": "get_weather"}, "text": {"format": {"type": "json_object"}}}, [])
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert chat["response_format"] == {"type": "json_object"}
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [TOOL, {"type": "file_search", "vector_store_ids": ["vs"]}]}, "tools"),
+    ({"tools": [{"type": "computer_use_preview", "display_width": 1, "display_height": 1}]}, "tools"),
+    ({"tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]}, "tools"),
+    ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+    ({"background": True}, "background"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"include": ["file_search_call.results"]}, "include"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"max_tool_calls": 3}, "max_tool_calls"),
+    ({"text": {"format": {"type": "grammar"}}}, "text.format"),
+    ({"input": [{"type": "computer_call_output", "call_id": "c", "output": {}}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, "input"),
+])
+def test_what_the_bridge_cannot_serve_is_named(extra: dict[str, Any], param: str) -> None:
+    found = bridge.unbridgeable({"model": "m", "input": "x", **extra})
+    assert found is not None and found[0] == param
+
+
+def test_a_conversation_moved_to_a_native_upstream_loses_only_what_it_cannot_read() -> None:
+    items = [{"type": "message", "id": "msg_tg1", "role": "user", "content": "a"},
+             {"type": "reasoning", "id": "rs_tg1", "summary": []},
+             {"type": "message", "id": "msg_tg2", "status": "completed", "role": "assistant", "content": [
+                 {"type": "output_text", "text": "b", "annotations": []}]}]
+    assert bridge.as_input(items) == [{"type": "message", "role": "user", "content": "a"},
+                                      {"type": "message", "role": "assistant", "content": [
+                                          {"type": "output_text", "text": "b", "annotations": []}]}]
+
+
+# ---- response side: whole ------------------------------------------------------------------------------------
+
+def _draft(**body: Any) -> bridge.Draft:
+    return bridge.Draft({"model": "m", "input": "x", **body}, bridge.new_id(bridge.ID_PREFIX))
+
+
+def test_a_whole_completion_with_reasoning_text_refusal_and_tool_calls() -> None:
+    completion = {"id": "chatcmpl-1", "object": "chat.completion", "model": "m-2026", "choices": [{
+        "index": 0, "finish_reason": "tool_calls", "message": {
+            "role": "assistant", "content": "Let me look.", "refusal": "Not that part.", "reasoning_content": "hmm",
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                           {"id": "call_2", "type": "function",
+                            "function": {"name": "g", "arguments": "{\"a\":1}"}}]}}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 7, "total_tokens": 17,
+                  "prompt_tokens_details": {"cached_tokens": 4}, "completion_tokens_details": {"reasoning_tokens": 2}}}
+    response = bridge.whole_response(completion, _draft(tools=[TOOL]))
+    parsed = Response.model_validate(response)
+    assert parsed.status == "completed" and parsed.model == "m-2026" and parsed.id.startswith("resp_tg")
+    assert [o.type for o in parsed.output] == ["reasoning", "message", "function_call", "function_call"]
+    assert parsed.output_text == "Let me look."
+    message = parsed.output[1]
+    assert [c.type for c in message.content] == ["output_text", "refusal"]  # type: ignore[union-attr]
+    assert [(o.call_id, o.name, o.arguments) for o in parsed.output[2:]] == [  # type: ignore[union-attr]
+        ("call_1", "f", "{}"), ("call_2", "g", '{"a":1}')]
+    assert parsed.usage is not None and (parsed.usage.input_tokens, parsed.usage.output_tokens) == (10, 7)
+    assert parsed.usage.input_tokens_details.cached_tokens == 4
+    assert parsed.usage.output_tokens_details.reasoning_tokens == 2
+
+
+def test_a_whole_completion_cut_at_the_token_limit_is_incomplete() -> None:
+    completion = {"choices": [{"index": 0, "finish_reason": "length", "message": {"role": "assistant",
+                                                                                  "content": "Once upon"}}]}
+    parsed = Response.model_validate(bridge.whole_response(completion, _draft(max_output_tokens=2)))
+    assert parsed.status == "incomplete" and parsed.incomplete_details is not None
+    assert parsed.incomplete_details.reason == "max_output_tokens" and parsed.max_output_tokens == 2
+
+
+# ---- response side: streams ----------------------------------------------------------------------------------
+
+class Reads:
+    """An upstream body played from ``reads`` (``gateway.relay.StreamBody``)."""
+
+    def __init__(self, reads: list[bytes]) -> None:
+        self.reads = reads
+        self.i = 0
+
+    def watch_idle(self) -> None:
+        pass
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        while self.i < len(self.reads):
+            self.i += 1
+            yield self.reads[self.i - 1]
+
+
+async def _bridge(reads: list[bytes], **body: Any) -> tuple[list[dict[str, Any]], bridge.BridgeRelay]:
+    relay = bridge.BridgeRelay(_draft(**body), max_event_bytes=1 << 20, finish_grace=0.05)
+    written: list[bytes] = []
+
+    async def write(data: bytes) -> None:
+        written.append(data)
+
+    await relay.run(Reads(reads), write)
+    out = b"".join(written)
+    events = []
+    for raw in out.split(b"\n\n")[:-1]:
+        head, data = raw.split(b"\n", 1)
+        assert head.startswith(b"event: ") and data.startswith(b"data: ")
+        event = orjson.loads(data[6:])
+        assert event["type"] == head[7:].decode()  # the event: line names its type
+        events.append(event)
+    assert out.endswith(b"\n\n") and b"[DONE]" not in out
+    return events, relay
+
+
+def _check(events: list[dict[str, Any]]) -> Any:
+    """The stream is well formed (every event of the SDK's types, numbered, created first, one terminal event last)
+    and the SDK's stream helper accumulates it; returns the helper's final response (None when it failed)."""
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    terminal = [e for e in events if e["type"] in ("response.completed", "response.incomplete", "response.failed")]
+    assert len(terminal) == 1 and terminal[0] is events[-1]
+    state = ResponseStreamState(input_tools=[], text_format=openai_omit())
+    for e in events:
+        state.handle_event(EVENT.validate_python(e))
+    if events[-1]["type"] != "response.completed":
+        return None
+    return state._completed_response
+
+
+def openai_omit() -> Any:
+    from openai import omit
+
+    return omit
+
+
+async def test_a_text_stream_becomes_the_typed_event_stream() -> None:
+    events, relay = await _bridge([sse(chunk(role=True), done=False), sse(chunk("Hel"), done=False),
+                                   sse(chunk("lo"), chunk(finish="stop"), chunk(usage=True))])
+    final = _check(events)
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert final.output_text == "Hello" and final.usage.output_tokens == 3
+    assert relay.response is not None and relay.response["output"][0]["content"][0]["text"] == "Hello"
+
+
+async def test_a_stream_cut_mid_tool_call_fails_and_never_completes() -> None:
+    tool = orjson.loads(chunk())
+    tool["choices"][0]["delta"] = {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                                   "function": {"name": "get_weather", "arguments": '{"ci'}}]}
+    events, _ = await _bridge([sse(chunk(role=True), orjson.dumps(tool), done=False)])
+    assert _check(events) is None
+    assert events[-1]["type"] == "response.failed"
+    assert events[-1]["response"]["error"]["code"] == "server_error"
+    assert "upstream_stream_interrupted" in events[-1]["response"]["error"]["message"]
+    added = [e for e in events if e["type"] == "response.output_item.added"]
+    assert added[0]["item"]["call_id"] == "call_1" and added[0]["item"]["name"] == "get_weather"
+
+
+async def test_the_token_limit_is_an_incomplete_response() -> None:
+    events, _ = await _bridge([sse(chunk(role=True), chunk("Once"), chunk(finish="length"))], max_output_tokens=1)
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    _check(events)
+
+
+async def test_an_upstream_error_event_after_the_first_token_is_a_failed_response() -> None:
+    err = '{"error":{"message":"overloaded","type":"server_error","code":"overloaded"}}'
+    events, relay = await _bridge([sse(chunk(role=True), chunk("par"), err, done=False)])
+    assert events[-1]["type"] == "response.failed" and relay.stats.error == "upstream_error_event"
+    # the Responses API's own error codes: the upstream's rides in the message
+    assert events[-1]["response"]["error"] == {"code": "server_error", "message": "overloaded (overloaded)"}
+    assert not [e for e in events if e["type"] == "response.completed"]
+
+
+async def test_an_error_event_before_the_first_token_is_an_http_error() -> None:
+    err = '{"error":{"message":"bad","type":"invalid_request_error","status_code":400}}'
+    with pytest.raises(GatewayError) as info:
+        await _bridge([sse(chunk(role=True), err, done=False)])
+    assert info.value.status == 400
+
+
+def _fixture_reads(name: str) -> list[bytes]:
+    body = (FIXTURES / f"{name}.body").read_bytes()
+    return [e + b"\n\n" for e in body.split(b"\n\n") if e.strip()]
+
+
+EXPECTED = {  # fixture -> output item types of the bridged response, and its terminal event
+    "openai_chat_stream_parallel_tool_calls": (["function_call", "function_call"], "response.completed"),
+    "openai_chat_stream_tool_call": (["function_call"], "response.completed"),
+    "cerebras_chat_stream_tool_call": (["reasoning", "function_call"], "response.completed"),
+    "cerebras_chat_stream_text": (["reasoning", "message"], "response.completed"),
+    "openai_chat_stream_refusal": (["message"], "response.completed"),
+    "llamacpp_chat_stream_reasoning": (["reasoning", "message"], "response.completed"),
+    "openai_chat_stream_include_usage_length": ([], "response.incomplete"),
+    "vllm_chat_stream": (["message"], "response.incomplete"),
+    "groq_stream_error_event_tool_use_failed": (["reasoning"], "response.failed"),
+    "openrouter_stream_comments_and_error_chunk": (["reasoning"], "response.failed"),
+}
+
+
+@pytest.mark.parametrize("name", CHAT_STREAMS)
+async def test_every_recorded_chat_stream_bridges_to_a_valid_event_stream(name: str) -> None:
+    events, relay = await _bridge(_fixture_reads(name))
+    final = _check(events)
+    types = [i["type"] for i in events[-1]["response"]["output"]]
+    want = EXPECTED.get(name, (["message"], "response.completed"))
+    assert (types, events[-1]["type"]) == want, name
+    if final is not None:
+        # the stream helper's ``parsed`` fields are the SDK's own additions, not on the wire
+        assert _unparsed(final.model_dump()["output"]) == Response.model_validate(relay.response).model_dump()["output"]
+
+
+def _unparsed(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _unparsed(v) for k, v in value.items() if k not in ("parsed", "parsed_arguments")}
+    if isinstance(value, list):
+        return [_unparsed(v) for v in value]
+    return value
+
+
+async def test_the_recorded_refusal_and_parallel_calls_keep_their_content() -> None:
+    events, _ = await _bridge(_fixture_reads("openai_chat_stream_refusal"))
+    assert events[-1]["response"]["output"][0]["content"][0]["type"] == "refusal"
+    events, _ = await _bridge(_fixture_reads("openai_chat_stream_parallel_tool_calls"))
+    calls = events[-1]["response"]["output"]
+    assert len({c["call_id"] for c in calls}) == 2 and all(orjson.loads(c["arguments"]) for c in calls)
+
+
+def test_usage_maps_with_its_details() -> None:
+    assert bridge.response_usage({"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                                  "prompt_tokens_details": {"cached_tokens": 1},
+                                  "completion_tokens_details": {"reasoning_tokens": 2}}) == {
+        "input_tokens": 5, "input_tokens_details": {"cached_tokens": 1, "cache_write_tokens": 0}, "output_tokens": 3,
+        "output_tokens_details": {"reasoning_tokens": 2}, "total_tokens": 8}
+    assert bridge.response_usage(None) is None
+
+
+def test_input_items_get_ids_and_keep_what_they_hold() -> None:
+    items = bridge.input_items({"input": [{"role": "user", "content": "a"}, copy.deepcopy(TOOL | {"type": "x"})]})
+    assert items[0]["type"] == "message" and items[0]["id"].startswith("msg_tg") and items[0]["content"] == "a"
+    assert bridge.input_items({"input": "hi"})[0]["content"] == [{"type": "input_text", "text": "hi"}]
