@@ -33,11 +33,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway import failover
+from gateway import bridge, failover
 from gateway.config import GatewayConfig, UpstreamConfig
+from gateway.conversations import Bridged, Native, ResponseStore
 from gateway.errors import (
     GatewayDraining,
     GatewayError,
+    InvalidRequest,
     UpstreamBadResponse,
     UpstreamsResting,
     UpstreamUnavailable,
@@ -46,10 +48,18 @@ from gateway.errors import (
 from gateway.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of, read_body
 from gateway.health import Health
 from gateway.metrics import Metrics
-from gateway.policy import Decision, Policy, RequestFacts, responses_only
+from gateway.policy import Candidate, Continuation, Decision, Policy, RequestFacts
 from gateway.relay import Relay
 from gateway.upstream import Answer, Attempt, Transport
-from gateway.wire import chat_usage, client_wants_usage, dumps, parse_chat_request, parse_request, upstream_body
+from gateway.wire import (
+    chat_usage,
+    client_wants_usage,
+    dumps,
+    parse_chat_request,
+    parse_request,
+    parse_responses_request,
+    upstream_body,
+)
 
 log = logging.getLogger("tiergate")
 KINDS = {"/v1/chat/completions": "chat", "/v1/responses": "responses"}  # the hot path's endpoints, by path
@@ -63,12 +73,13 @@ class Gateway:
     """
 
     def __init__(self, config: GatewayConfig, policy: Policy, transport: Transport, metrics: Metrics,
-                 health: Health) -> None:
+                 health: Health, store: ResponseStore) -> None:
         self.config = config
         self.policy = policy
         self.transport = transport
         self.metrics = metrics
         self.health = health
+        self.store = store
         self.draining = False
         self._drain_deadline = float("inf")  # loop time
         self._active: set[Exchange] = set()
@@ -135,10 +146,8 @@ class Gateway:
         """
         try:
             body = parse_request(ex.kind, raw)
-            facts = RequestFacts(body, ex.headers, len(raw))
+            facts = await self._facts(ex, body, len(raw))  # a Responses continuation: what the store knows of it
             decision = self.policy.decide(facts)
-            if ex.kind == "responses":
-                decision = responses_only(decision)
         except GatewayError as exc:
             return await ex.error(exc, "client_error")
         ex.model, ex.stream = decision.model, body.get("stream") is True
@@ -158,16 +167,16 @@ class Gateway:
                 last = self._stayed_busy(plan, up)
                 continue
             tried += 1
-            payload = upstream_body(raw, body, cand.upstream_model, up.dialect, strip_usage and up.dialect == "openai")
+            payload, path = self._payload(ex, cand, raw, facts, strip_usage)
             self._attempting(ex, decision, up, tried, plan.reason)
-            async with self._attempt(ex, up, need) as attempt:
+            async with self._attempt(ex, up, need, path) as attempt:
                 try:
                     answer = await attempt.send(payload)
                     headers = self._answer_headers(ex, decision, up, plan.reason, answer)
                     if ex.stream:
-                        await self._stream(ex, attempt, answer, headers, strip_usage, facts.n)
+                        await self._stream(ex, attempt, answer, headers, strip_usage, facts)
                     else:
-                        await self._whole(ex, attempt, answer, headers)
+                        await self._whole(ex, attempt, answer, headers, facts)
                     return
                 except GatewayError as exc:
                     last = attempt.failed(exc)
@@ -176,9 +185,56 @@ class Gateway:
                 break
         await self._give_up(ex, decision, plan.reason, last, tried)
 
-    def _attempt(self, ex: Exchange, up: UpstreamConfig, need: int) -> Attempt:
+    def _attempt(self, ex: Exchange, up: UpstreamConfig, need: int, path: str) -> Attempt:
         return Attempt(self.transport, up, self.health[up.name], self.health.clock, need_tokens=need, stream=ex.stream,
-                       request_id=ex.rid, path="/chat/completions" if ex.kind == "chat" else "/responses")
+                       request_id=ex.rid, path=path)
+
+    async def _facts(self, ex: Exchange, body: dict[str, Any], size: int) -> RequestFacts:
+        """The request's facts; for a Responses request, with what the store knows of the response it continues.
+
+        Raises:
+            InvalidRequest: ``previous_response_id`` names a response the gateway made that expired or was deleted
+                (400 ``previous_response_not_found``, as OpenAI answers; never a silent fresh start).
+        """
+        if ex.kind != "responses":
+            return RequestFacts(body, ex.headers, size)
+        return RequestFacts(body, ex.headers, size, responses=True, continuation=await self._continuation(body))
+
+    async def _continuation(self, body: dict[str, Any]) -> Continuation | None:
+        previous = body.get("previous_response_id")
+        if not isinstance(previous, str):
+            return None
+        record = await self.store.get(previous)
+        if isinstance(record, Native):
+            return Continuation(previous, upstream=record.upstream)
+        history = await self.store.history(previous) if isinstance(record, Bridged) else None
+        if history is not None:
+            return Continuation(previous, held=True, history=tuple(history))
+        if record is not None or previous.startswith(bridge.ID_PREFIX):
+            raise InvalidRequest(f"Previous response with id '{previous}' not found.", param="previous_response_id",
+                                 code="previous_response_not_found")
+        return Continuation(previous)  # made elsewhere: a native upstream may know it
+
+    def _payload(self, ex: Exchange, cand: Candidate, raw: bytes, facts: RequestFacts,
+                 strip_usage: bool) -> tuple[bytes, str]:
+        """The bytes to send ``cand`` and the path under its base URL: chat completions as the client sent them; a
+        Responses request as it came (native), translated (bridge: ``gateway.bridge``), or, when it continues a
+        conversation only the gateway holds, with that conversation inline (native)."""
+        up, body = cand.upstream, dict(facts.body)
+        if ex.kind == "chat":
+            return upstream_body(raw, body, cand.upstream_model, up.dialect,
+                                 strip_usage and up.dialect == "openai"), "/chat/completions"
+        cont = facts.continuation
+        history = list(cont.history) if cont is not None and cont.held else []
+        if up.responses_mode == "bridge":
+            chat = bridge.chat_request(body, history)
+            return upstream_body(dumps(chat), chat, cand.upstream_model, up.dialect,
+                                 ex.stream and up.dialect == "openai"), "/chat/completions"
+        if history:
+            body = {**{k: v for k, v in body.items() if k != "previous_response_id"},
+                    "input": bridge.as_input([*history, *bridge.input_items(body)])}
+            raw = dumps(body)
+        return upstream_body(raw, body, cand.upstream_model, up.dialect, False), "/responses"
 
     def _attempting(self, ex: Exchange, decision: Decision, up: UpstreamConfig, tried: int,
                     reason: str | None) -> None:
@@ -209,18 +265,21 @@ class Gateway:
                 *((k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items())]
 
     async def _stream(self, ex: Exchange, attempt: Attempt, answer: Answer, headers: Headers, strip_usage: bool,
-                      choices: int) -> None:
-        """Relay an event stream; its status line and headers leave with the first token.
+                      facts: RequestFacts) -> None:
+        """Relay an event stream, or, for a bridged Responses request, translate it; its status line and headers
+        leave with the first token.
 
         Raises:
             GatewayError: the stream failed before its first token (:meth:`Relay.run`): nothing was sent.
         """
-        up = attempt.upstream
+        up, limit = attempt.upstream, self.config.limits.max_event_bytes
+        draft = self._draft(ex, up, facts)
         hold = None if attempt.first_token_by is not None else up.timeouts.idle  # no ttft: idle bounds the hold
-        relay = ex.relay = Relay(strip_usage_chunk=strip_usage, max_event_bytes=self.config.limits.max_event_bytes,
-                                 responses=ex.kind == "responses", choices=choices,
-                                 finish_grace=up.timeouts.finish_grace, hold_seconds=hold)
-        ex.open_stream(headers, answer.content_type)
+        relay = ex.relay = (
+            bridge.BridgeRelay(draft, max_event_bytes=limit, finish_grace=up.timeouts.finish_grace, hold_seconds=hold)
+            if draft else Relay(strip_usage_chunk=strip_usage, max_event_bytes=limit, responses=ex.kind == "responses",
+                                choices=facts.n, finish_grace=up.timeouts.finish_grace, hold_seconds=hold))
+        ex.open_stream(headers, "text/event-stream; charset=utf-8" if draft else answer.content_type)
         try:
             stats = await relay.run(answer, ex.write, attempt.first_token_by)
         except asyncio.CancelledError:
@@ -241,9 +300,14 @@ class Gateway:
             attempt.done()
         ex.record("stream_error" if stats.error else "success", **ex.stream_figures())
         await ex.end_stream()
+        if ex.kind == "responses":
+            response = relay.response if isinstance(relay, bridge.BridgeRelay) else None
+            await self._remember(facts, up, response, stats.response_id)
 
-    async def _whole(self, ex: Exchange, attempt: Attempt, answer: Answer, headers: Headers) -> None:
-        """Relay a non-streaming answer untouched after checking it is a JSON object and reading its usage.
+    async def _whole(self, ex: Exchange, attempt: Attempt, answer: Answer, headers: Headers,
+                     facts: RequestFacts) -> None:
+        """Relay a non-streaming answer untouched after checking it is a JSON object and reading its usage (a bridged
+        Responses request: the chat completion as a Response object).
 
         Raises:
             UpstreamTimeout, UpstreamUnavailable: the body did not arrive; UpstreamBadResponse: it is not a JSON
@@ -259,10 +323,38 @@ class Gateway:
             raise UpstreamBadResponse("The upstream answered 200 with a body that is not a JSON object.")
         attempt.ok()
         usage, time_info = parsed.get("usage"), parsed.get("time_info")
+        draft = self._draft(ex, attempt.upstream, facts)
+        response = bridge.whole_response(parsed, draft) if draft else None
         ex.record("success", usage=chat_usage(usage) if isinstance(usage, dict) else None,
                   time_info=time_info if isinstance(time_info, dict) else None,
                   processing_ms=answer.headers.get("openai-processing-ms"))
-        await ex.whole(200, data, headers)
+        await ex.whole(200, data if response is None else dumps(response), headers)
+        if ex.kind == "responses":
+            native_id = parsed.get("id") if response is None else None
+            await self._remember(facts, attempt.upstream, response, native_id if isinstance(native_id, str) else None)
+
+    @staticmethod
+    def _draft(ex: Exchange, up: UpstreamConfig, facts: RequestFacts) -> bridge.Draft | None:
+        """The Response object a bridged Responses request answers with, or None (not bridged)."""
+        if ex.kind != "responses" or up.responses_mode != "bridge":
+            return None
+        return bridge.Draft(dict(facts.body), bridge.new_id(bridge.ID_PREFIX))
+
+    async def _remember(self, facts: RequestFacts, up: UpstreamConfig, response: dict[str, Any] | None,
+                        native_id: str | None) -> None:
+        """A Responses request was answered: count it by mode, and keep what a follow-up needs (unless ``store`` is
+        false): a bridged response whole, with this turn's input; a native one's upstream (affinity)."""
+        self.metrics.responses.labels(up.tier, up.name, "native" if response is None else "bridge").inc()
+        body = facts.body
+        if body.get("store") is False:
+            return
+        if response is not None:
+            cont = facts.continuation
+            items = bridge.input_items(dict(body))
+            await self.store.put(response["id"], Bridged(response, items, cont.response_id if cont and cont.held
+                                                         else None, len(dumps(response)) + len(dumps(items))))
+        elif native_id is not None:
+            await self.store.put(native_id, Native(up.name))
 
     async def _give_up(self, ex: Exchange, decision: Decision, reason: str | None, last: GatewayError | None,
                        tried: int) -> None:
@@ -321,20 +413,24 @@ class Gateway:
         try:
             headers = {k.lower(): v for k, v in request.headers.items()}
             raw = await read_body(headers, request.receive, self.config.limits.max_request_bytes)
-            body = parse_chat_request(raw)
-            facts = RequestFacts(body, headers, len(raw))
+            responses = b'"messages"' not in raw and b'"input"' in raw  # a Responses API body
+            body = parse_responses_request(raw) if responses else parse_chat_request(raw)
+            facts = (RequestFacts(body, headers, len(raw), responses=True, continuation=await self._continuation(body))
+                     if responses else RequestFacts(body, headers, len(raw)))
             decision = self.policy.decide(facts, explain=True)
         except GatewayError as exc:
             return error_response(exc, {})
         except ClientGone:
             return Response(b"", 400)
         out = {
+            "api": "responses" if facts.responses else "chat",
             "tier": decision.tier,
             "rule": decision.rule,
             "reason": decision.reason,
             "model": decision.model,
             "fallback": decision.fallback,
-            "candidates": [{"upstream": c.upstream.name, "tier": c.upstream.tier, "model": c.upstream_model}
+            "candidates": [{"upstream": c.upstream.name, "tier": c.upstream.tier, "model": c.upstream_model,
+                            **({"responses": c.upstream.responses_mode} if facts.responses else {})}
                            for c in decision.candidates],
             "skipped": [{"upstream": name, "reason": why} for name, why in decision.skipped],
             "facts": facts.as_dict(),

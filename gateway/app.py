@@ -27,7 +27,15 @@ from starlette.types import Receive, Scope, Send
 from gateway import __version__
 from gateway.api import KINDS, Gateway, error_response
 from gateway.config import LoadedConfig, load_config
-from gateway.errors import GatewayError, InvalidRequest, MethodNotAllowed, ModelNotFound, UnknownURL
+from gateway.conversations import Bridged, MemoryResponseStore
+from gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    MethodNotAllowed,
+    ModelNotFound,
+    ResponseNotFound,
+    UnknownURL,
+)
 from gateway.health import Health
 from gateway.metrics import Metrics
 from gateway.policy import Policy
@@ -104,7 +112,9 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
                       prices={u.name: u.prices.per_token() for u in config.upstreams if u.prices is not None})
     pool = transport if transport is not None else UpstreamPool(config.upstreams, loaded.keys)
     health = Health(config.upstreams)
-    gateway = Gateway(config, policy if policy is not None else Policy(config), pool, metrics, health)
+    bounds = config.response_store
+    store = MemoryResponseStore(bounds.max_items, bounds.max_bytes, bounds.ttl)
+    gateway = Gateway(config, policy if policy is not None else Policy(config), pool, metrics, health, store)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -125,6 +135,7 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
         app.router.routes.append(Route(path, endpoint=gateway.endpoint(kind), methods=["POST"]))
     app.add_route("/v1/tiergate/route", gateway.route, methods=["POST"])
     _install_info_routes(app, gateway, registry, multiprocess_dir)
+    _install_response_routes(app, gateway)
     _install_error_handlers(app)
     return HotPath(app, gateway)
 
@@ -174,6 +185,49 @@ def _install_info_routes(app: FastAPI, gateway: Gateway, registry: CollectorRegi
             multiprocess.MultiProcessCollector(merged, multiprocess_dir)  # type: ignore[no-untyped-call]
             return Response(generate_latest(merged), media_type=CONTENT_TYPE_LATEST)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _install_response_routes(app: FastAPI, gateway: Gateway) -> None:
+    """``GET`` / ``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` for the responses the gateway
+    made through its bridge (OpenAI API reference "Get a model response", "Delete a model response", "List input
+    items"). Others are their upstream's: 404 here."""
+
+    async def bridged(response_id: str) -> Bridged | Response:
+        record = await gateway.store.get(response_id)
+        if isinstance(record, Bridged):
+            return record
+        return error_response(ResponseNotFound(f"No response found with id '{response_id}'.", param="response_id"),
+                              {})
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        found = await bridged(response_id)
+        if isinstance(found, Response):
+            return found
+        return Response(orjson.dumps(found.response), media_type="application/json")
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        found = await bridged(response_id)
+        if isinstance(found, Response):
+            return found
+        await gateway.store.delete(response_id)
+        return Response(orjson.dumps({"id": response_id, "object": "response", "deleted": True}),
+                        media_type="application/json")
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(response_id: str, order: str = "desc", limit: int = 20, after: str | None = None) -> Response:
+        found = await bridged(response_id)
+        if isinstance(found, Response):
+            return found
+        items = found.input if order == "asc" else list(reversed(found.input))
+        if after is not None:
+            ids = [i.get("id") for i in items]
+            items = items[ids.index(after) + 1:] if after in ids else []
+        page = items[: max(1, min(limit, 100))]
+        return Response(orjson.dumps({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                                      "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}),
+                        media_type="application/json")
 
 
 def serve_app(loaded: LoadedConfig, settings: Settings, multiprocess_dir: str | None = None) -> HotPath:

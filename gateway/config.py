@@ -112,6 +112,9 @@ class UpstreamConfig(_Strict):
     base_url: str
     api_key_env: str | None = None
     dialect: Literal["openai", "cerebras"] = "openai"
+    # how it serves POST /v1/responses: natively, through the gateway's Responses <-> chat bridge, or not at all;
+    # None: native for the openai dialect, bridge for cerebras (whose API serves chat completions only)
+    responses: Literal["native", "bridge", "none"] | None = None
     timeouts: Timeouts = Timeouts()
     models: dict[str, str] = Field(min_length=1)
     context_window: int | None = Field(None, ge=1)
@@ -127,6 +130,13 @@ class UpstreamConfig(_Strict):
             raise ValueError("max_connections is no longer a setting (it was never applied: each request in flight "
                              "has its own upstream connection); limit requests with health.max_concurrent")
         return value
+
+    @property
+    def responses_mode(self) -> Literal["native", "bridge", "none"]:
+        """``responses``, or its default for the dialect."""
+        if self.responses is not None:
+            return self.responses
+        return "bridge" if self.dialect == "cerebras" else "native"
 
     @field_validator("base_url")
     @classmethod
@@ -251,6 +261,17 @@ class AliasConfig(_Strict):
     tier: Tier | None = None
 
 
+class ResponseStore(_Strict):
+    """Bounds of the gateway's store of bridged Responses API responses (``store: true``, the API's default), kept so
+    that ``previous_response_id`` can continue them and ``GET``/``DELETE /v1/responses/{id}`` reach them. In memory,
+    per process. max_items: responses kept; max_bytes: their total size (JSON bytes); ttl: seconds a response is
+    kept after it was made or last continued. The oldest go first."""
+
+    max_items: int = Field(10_000, ge=1)
+    max_bytes: int = Field(256 * 1024 * 1024, ge=1024)
+    ttl: float = Field(3600.0, gt=0)
+
+
 class Limits(_Strict):
     """Size limits in bytes."""
 
@@ -274,6 +295,7 @@ class GatewayConfig(_Strict):
         "background": "standard",
     }
     limits: Limits = Limits()
+    response_store: ResponseStore = ResponseStore()
     long_prompt_tokens: int = Field(32768, ge=1)
     rules: list[RuleConfig] | None = None
 

@@ -8,6 +8,7 @@
     │   ├── PayloadTooLarge          413
     │   └── UnsupportedMediaType     415
     ├── ModelNotFound                404 model_not_found
+    ├── ResponseNotFound             404 response_not_found (a Responses API id the gateway does not hold)
     ├── UnknownURL                   404 unknown_url
     ├── MethodNotAllowed             405 method_not_allowed
     ├── UpstreamUnavailable          502 upstream_unavailable (connect refused, reset before the status line)
@@ -104,6 +105,14 @@ class ModelNotFound(GatewayError):
     status = 404
     error_type = "invalid_request_error"
     code = "model_not_found"
+
+
+class ResponseNotFound(GatewayError):
+    """404 for a Responses API id the gateway does not hold (``GET`` / ``DELETE /v1/responses/{id}``)."""
+
+    status = 404
+    error_type = "invalid_request_error"
+    code = "response_not_found"
 
 
 class UnknownURL(GatewayError):

@@ -109,6 +109,9 @@ class Metrics:
             ("tier", "upstream", "phase"), buckets=TTFT_BUCKETS, registry=registry)
         self.cost = Counter(f"{p}_cost_usd", "Cost in USD from upstream usage and the configured prices.", _T,
                             registry=registry)
+        self.responses = Counter(f"{p}_responses_api_requests", "Responses API requests answered, by how the upstream "
+                                 "served them: natively, or through the gateway's chat-completions bridge.",
+                                 ("tier", "upstream", "mode"), registry=registry)
         self.tasks = Gauge(f"{p}_event_loop_tasks", "asyncio tasks alive in the process at scrape time (requests in "
                            "flight and their watchers, plus the server's own); flat when nothing leaks.", (),
                            registry=registry, multiprocess_mode="livesum")

@@ -28,10 +28,11 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gateway import bridge
 from gateway.config import (
     TIERS,
     GatewayConfig,
@@ -43,7 +44,7 @@ from gateway.config import (
     Tier,
     UpstreamConfig,
 )
-from gateway.errors import ModelNotFound
+from gateway.errors import InvalidRequest, ModelNotFound
 
 TIER_HEADER = "x-tiergate-tier"
 BYTES_PER_TOKEN = 4  # OpenAI's rule of thumb for English text: ~4 characters per token
@@ -66,20 +67,45 @@ class _lazy:  # noqa: N801 - a decorator, named like functools.cached_property
         return value
 
 
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """What the gateway knows of the response a Responses request continues (its ``previous_response_id``).
+
+    upstream: the upstream that made it natively (only it can continue it: affinity), or None; held: the gateway
+    made it through the bridge and holds the whole conversation (any upstream may continue it); history: that
+    conversation's items when held. Neither: made elsewhere; only a native upstream might know it.
+    """
+
+    response_id: str
+    upstream: str | None = None
+    held: bool = False
+    history: tuple[dict[str, Any], ...] = ()
+
+
 class RequestFacts:
     """What routing can read from one request; each fact is computed on first use.
 
     Args:
-        body: the parsed chat-completions body (``model`` already checked to be a string).
+        body: the parsed chat-completions or Responses API body (``model`` already checked to be a string).
         headers: request headers with lower-case names.
         size: the request body's length in bytes (for the prompt-size estimate).
+        responses: the body is a Responses API request (``POST /v1/responses``).
+        continuation: for a Responses request with ``previous_response_id``, what the gateway knows of it.
     """
 
-    def __init__(self, body: Mapping[str, Any], headers: Mapping[str, str], size: int = 0) -> None:
+    def __init__(self, body: Mapping[str, Any], headers: Mapping[str, str], size: int = 0, *,
+                 responses: bool = False, continuation: Continuation | None = None) -> None:
         self.body = body
         self.headers = headers
         self.size = size
         self.model: str = body["model"]
+        self.responses = responses
+        self.continuation = continuation
+
+    @_lazy
+    def unbridgeable(self) -> tuple[str, str] | None:
+        """For a Responses request: (param, why) of what the chat-completions bridge cannot serve, or None."""
+        return bridge.unbridgeable(dict(self.body)) if self.responses else None
 
     @_lazy
     def stream(self) -> bool:
@@ -145,7 +171,7 @@ class RequestFacts:
 
     @_lazy
     def max_tokens(self) -> int | None:
-        for key in ("max_completion_tokens", "max_tokens"):
+        for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
             value = self.body.get(key)
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
@@ -161,7 +187,9 @@ class RequestFacts:
         return {"model": self.model, "stream": self.stream, "service_tier": self.service_tier,
                 "metadata": self.metadata, "tier_header": self.tier_header, "user_agent": self.user_agent,
                 "tools": self.tools, "tool_choice": self.tool_choice, "images": self.images, "audio": self.audio,
-                "prompt_tokens_estimate": self.prompt_tokens, "max_tokens": self.max_tokens, "n": self.n}
+                "prompt_tokens_estimate": self.prompt_tokens, "max_tokens": self.max_tokens, "n": self.n,
+                "api": "responses" if self.responses else "chat", "unbridgeable": self.unbridgeable,
+                "previous_response_id": self.continuation.response_id if self.continuation else None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,7 +442,10 @@ class Policy:
             if explain:
                 trace.append(f"rule {i} {rule.name!r}: {_say(failed)}")
         cands, fallback, skipped = self._candidates(facts, model, route)
-        return Decision(route.tier, name, reason, model, cands, fallback, tuple(trace), skipped, index)
+        decision = Decision(route.tier, name, reason, model, cands, fallback, tuple(trace), skipped, index)
+        if facts.responses:
+            decision = _responses_route(decision, facts, (u for u in self.config.upstreams if model in u.models))
+        return decision
 
     def _candidates(self, facts: RequestFacts, model: str,
                     route: RouteConfig) -> tuple[tuple[Candidate, ...], str | None, tuple[tuple[str, str], ...]]:
@@ -452,23 +483,53 @@ class Policy:
         return first, other, every, takes_anything
 
 
-def responses_only(decision: Decision) -> Decision:
-    """Keep the candidates that speak the Responses API (OpenAI dialect; Cerebras has no ``/v1/responses``); the
-    others are reported as skipped with ``no_responses_api``.
+def _responses_route(decision: Decision, facts: RequestFacts, served: Iterable[UpstreamConfig]) -> Decision:
+    """The candidates of a Responses API request (the rules chose as for chat completions):
+
+    * a continuation of a response an upstream made natively goes back to that upstream (rule
+      ``response_affinity``): only it holds the conversation;
+    * upstreams with ``responses: none`` are left out (``no_responses_api``); bridged ones too when the request uses
+      what the bridge cannot serve (``responses_feature``) or continues a response only a native upstream may know.
 
     Raises:
-        ModelNotFound: none of the model's upstreams does.
+        InvalidRequest: only bridged upstreams serve the model and the request needs the Responses API itself (400
+            naming the parameter); ModelNotFound: no upstream serves the Responses API for it.
     """
-    kept = tuple(c for c in decision.candidates if c.upstream.dialect == "openai")
+    cont = facts.continuation
+    if cont is not None and cont.upstream is not None:
+        mine = tuple(Candidate(u, u.models[decision.model]) for u in served if u.name == cont.upstream)
+        if not mine:
+            raise InvalidRequest(f"Previous response with id '{cont.response_id}' was made by an upstream that no "
+                                 f"longer serves `{decision.model}`.", param="previous_response_id",
+                                 code="previous_response_not_found")
+        return dataclasses.replace(decision, tier=mine[0].upstream.tier, rule="response_affinity", candidates=mine,
+                                   fallback=None, reason=decision.reason and f"{decision.reason}; then the response "
+                                   f"it continues was made by {cont.upstream}")
+    native_only = facts.unbridgeable is not None or (cont is not None and not cont.held)
+    why = "responses_feature" if facts.unbridgeable is not None else "response_affinity"
+    skipped = list(decision.skipped)
+    kept: list[Candidate] = []
+    for c in decision.candidates:
+        mode = c.upstream.responses_mode
+        if mode == "none" or (mode == "bridge" and native_only):
+            skipped.append((c.upstream.name, "no_responses_api" if mode == "none" else why))
+        else:
+            kept.append(c)
     if not kept:
+        if native_only and any(c.upstream.responses_mode == "bridge" for c in decision.candidates):
+            if facts.unbridgeable is not None:
+                param, reason = facts.unbridgeable
+                raise InvalidRequest(f"{reason}, and no upstream serving `{decision.model}` speaks it natively.",
+                                     param=param, code="unsupported_parameter")
+            raise InvalidRequest(f"Previous response with id '{cont.response_id if cont else ''}' not found.",
+                                 param="previous_response_id", code="previous_response_not_found")
         raise ModelNotFound(f"No upstream serves the Responses API for `{decision.model}`; use /v1/chat/completions.",
                             param="model")
     fallback = decision.fallback
     if kept[0].upstream.tier != decision.tier and fallback is None:
-        fallback = "no_responses_api"
-    skipped = (*decision.skipped, *((c.upstream.name, "no_responses_api") for c in decision.candidates
-                                    if c not in kept))
-    return dataclasses.replace(decision, candidates=kept, fallback=fallback, skipped=skipped)
+        fallback = next((w for n, w in skipped[len(decision.skipped):] if n == decision.candidates[0].upstream.name),
+                        "no_responses_api")
+    return dataclasses.replace(decision, candidates=tuple(kept), fallback=fallback, skipped=tuple(skipped))
 
 
 def _cannot_take(u: UpstreamConfig, f: RequestFacts) -> str | None:

@@ -103,11 +103,12 @@ class StreamStats:
         complete: the upstream body was read to its end (its connection can be reused).
         error: None on success; else ``upstream_error_event``, ``upstream_stream_interrupted``,
             ``upstream_idle_timeout`` or ``upstream_event_too_large``.
+        response_id: a Responses API stream's response id (from ``response.created``), or None.
         error_event: the last in-band error event the upstream sent (its parsed data), or None.
     """
 
     __slots__ = ("t_first_token", "t_last_token", "token_chunks", "usage", "time_info", "done", "finished",
-                 "complete", "error", "error_event")
+                 "complete", "error", "response_id", "error_event")
 
     def __init__(self) -> None:
         self.t_first_token: float | None = None
@@ -119,6 +120,7 @@ class StreamStats:
         self.finished = False
         self.complete = False
         self.error: str | None = None
+        self.response_id: str | None = None
         self.error_event: dict[str, Any] | None = None
 
 
@@ -408,6 +410,10 @@ class Relay:
             if stats.t_first_token is None:
                 stats.t_first_token = now
             stats.t_last_token = now
+        elif etype == "response.created":
+            response = chunk.get("response")
+            rid = response.get("id") if isinstance(response, dict) else None
+            stats.response_id = rid if isinstance(rid, str) else None
         elif etype in _RESPONSE_TERMINAL:
             response = chunk.get("response")
             usage = response.get("usage") if isinstance(response, dict) else None

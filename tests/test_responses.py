@@ -50,15 +50,25 @@ def test_responses_usage_and_sdk_events(stack: Stack) -> None:
             before, "tiergate_tokens_total", token_type=token_type, **lab) + n
 
 
-def test_responses_never_go_to_a_cerebras_dialect_upstream(stack: Stack) -> None:
+def test_responses_reach_a_cerebras_dialect_upstream_through_the_bridge(stack: Stack) -> None:
+    before = stack.metrics()
+    resp = httpx.post(stack.base_url + "/responses", timeout=10, json={
+        "model": "gpt-5.6-sol-fast", "input": "Reply: pong [[emulate tps=500 ttft_ms=5]]"})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-tiergate-tier"] == "fast" and "x-tiergate-fallback" not in resp.headers
+    body = resp.json()
+    assert body["object"] == "response" and body["status"] == "completed"
+    assert body["output"][-1]["type"] == "message" and body["output"][-1]["content"][0]["text"]
+    after = stack.metrics()
+    lab = {"tier": "fast", "upstream": "emu-fast", "mode": "bridge"}
+    assert sample(after, "tiergate_responses_api_requests_total", missing_ok=False, **lab) == sample(
+        before, "tiergate_responses_api_requests_total", **lab) + 1
+    # a Responses transcript on a chat-only upstream is not a chat stream: a bad response, failed over
     resp = httpx.post(stack.base_url + "/responses", timeout=10,
                       json=_request("openai_responses_stream_text", model="gpt-5.6-sol-fast"))
     assert resp.status_code == 200
     assert resp.headers["x-tiergate-tier"] == "standard"
-    assert resp.headers["x-tiergate-fallback"] == "no_responses_api"
-    route = httpx.post(stack.root + "/v1/tiergate/route", timeout=5, json={
-        "model": "gpt-5.6-sol-fast", "messages": [{"role": "user", "content": "x"}]}).json()
-    assert route["tier"] == "fast" and route["rule"] == "model_alias"
+    assert resp.headers["x-tiergate-fallback"] == "upstream_bad_response"
 
 
 def test_responses_bad_input(stack: Stack) -> None:
