@@ -127,6 +127,8 @@ def _input_problem(body: dict[str, Any]) -> tuple[str, str] | None:
         for part in _list(item.get("content")):
             if _dict(part).get("type") not in _PARTS:
                 return "input", f"content parts of type `{_dict(part).get('type')}` are not bridged"
+            if _dict(part).get("type") == "input_image" and not _dict(part).get("image_url"):
+                return "input", "an `input_image` by `file_id` needs the Responses API itself"  # chat takes URLs
     return None
 
 
@@ -243,13 +245,17 @@ def _message(item: dict[str, Any]) -> dict[str, Any]:
         if refusal:
             msg["refusal"] = refusal
         return msg
-    return {"role": role, "content": [_chat_part(p) for p in parts]}
+    chat = [_chat_part(p) for p in parts]
+    if all(p["type"] == "text" for p in chat) and (len(chat) == 1 or role == "system"):
+        # plain text as a string: what every chat server takes (several take no parts list in system messages)
+        return {"role": role, "content": "\n\n".join(p["text"] for p in chat)}
+    return {"role": role, "content": chat}
 
 
 def _chat_part(part: dict[str, Any]) -> dict[str, Any]:
     kind = part.get("type")
     if kind == "input_image":
-        image: dict[str, Any] = {"url": part.get("image_url") or part.get("file_id")}
+        image: dict[str, Any] = {"url": part.get("image_url")}
         if part.get("detail"):
             image["detail"] = part["detail"]
         return {"type": "image_url", "image_url": image}
@@ -368,19 +374,36 @@ def whole_response(completion: dict[str, Any], draft: Draft) -> dict[str, Any]:
 class _Item:
     """One output item being streamed: its index, id, kind and what it accumulated."""
 
-    __slots__ = ("index", "id", "kind", "text", "refusal", "text_part", "refusal_part", "call_id", "name", "done")
+    __slots__ = ("index", "id", "kind", "pieces", "refusals", "text_part", "refusal_part", "call_id", "name", "done",
+                 "heads")
 
     def __init__(self, index: int, kind: str, prefix: str) -> None:
         self.index = index
         self.id = new_id(prefix)
         self.kind = kind
-        self.text = ""  # message: output text; reasoning: reasoning text; function_call: arguments
-        self.refusal = ""
+        # joined when done: ``+=`` on an attribute copies the whole text per delta (quadratic in its length)
+        self.pieces: list[str] = []  # message: output text; reasoning: reasoning text; function_call: arguments
+        self.refusals: list[str] = []
         self.text_part: int | None = None  # content index of the output_text (or reasoning_text) part, once opened
         self.refusal_part: int | None = None
         self.call_id = ""
         self.name = ""
         self.done = False
+        self.heads: dict[str, bytes] = {}  # delta event type -> its bytes up to the delta (see BridgeRelay._delta)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def seal(self) -> None:
+        """The item is done: its text joined once (``text`` is then the string itself)."""
+        self.done = True
+        self.pieces = ["".join(self.pieces)]
+        self.refusals = ["".join(self.refusals)]
+
+    @property
+    def refusal(self) -> str:
+        return "".join(self.refusals)
 
     def item(self, status: str) -> dict[str, Any]:
         if self.kind == "function_call":
@@ -424,6 +447,22 @@ class BridgeRelay(Relay):
         data = dumps({"type": kind, **fields, "sequence_number": self._seq})  # echoes may hold a lone surrogate
         self._seq += 1
         out.append(b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n")
+
+    def _delta(self, out: list[bytes], kind: str, item: _Item, text: str, content_index: int | None) -> None:
+        """One delta event, the same bytes :meth:`_emit` would write for ``type, item_id, output_index,
+        [content_index,] delta[, logprobs], sequence_number``, from a head built once per item and event type:
+        the delta is the one part that changes per chunk (measured: bench/bridge.py)."""
+        head = item.heads.get(kind)
+        if head is None:
+            fields: dict[str, Any] = {"type": kind, "item_id": item.id, "output_index": item.index}
+            if content_index is not None:
+                fields["content_index"] = content_index
+            head = item.heads[kind] = (b"event: " + kind.encode() + b"\ndata: " + dumps(fields)[:-1]
+                                       + b',"delta":')
+        tail = b',"logprobs":[],"sequence_number":%d}\n\n' if kind == "response.output_text.delta" else \
+            b',"sequence_number":%d}\n\n'
+        out.append(head + dumps(text) + tail % self._seq)
+        self._seq += 1
 
     def _start(self, out: list[bytes]) -> None:
         if not self._started:
@@ -496,9 +535,8 @@ class BridgeRelay(Relay):
             self._emit(out, "response.content_part.added", item_id=item.id, output_index=item.index,
                        content_index=item.text_part, part={"type": "output_text", "text": "", "annotations": [],
                                                            "logprobs": []})
-        item.text += text
-        self._emit(out, "response.output_text.delta", item_id=item.id, output_index=item.index,
-                   content_index=item.text_part, delta=text, logprobs=[])
+        item.pieces.append(text)
+        self._delta(out, "response.output_text.delta", item, text, item.text_part)
 
     def _refusal(self, text: str, out: list[bytes]) -> None:
         item = self._message(out)
@@ -506,9 +544,8 @@ class BridgeRelay(Relay):
             item.refusal_part = (item.text_part is not None) + 0
             self._emit(out, "response.content_part.added", item_id=item.id, output_index=item.index,
                        content_index=item.refusal_part, part={"type": "refusal", "refusal": ""})
-        item.refusal += text
-        self._emit(out, "response.refusal.delta", item_id=item.id, output_index=item.index,
-                   content_index=item.refusal_part, delta=text)
+        item.refusals.append(text)
+        self._delta(out, "response.refusal.delta", item, text, item.refusal_part)
 
     def _reasoning(self, text: str, out: list[bytes]) -> None:
         if self._open is None or self._open.kind != "reasoning":
@@ -519,9 +556,8 @@ class BridgeRelay(Relay):
             self._emit(out, "response.content_part.added", item_id=self._open.id, output_index=self._open.index,
                        content_index=0, part={"type": "reasoning_text", "text": ""})
         item = self._open
-        item.text += text
-        self._emit(out, "response.reasoning_text.delta", item_id=item.id, output_index=item.index, content_index=0,
-                   delta=text)
+        item.pieces.append(text)
+        self._delta(out, "response.reasoning_text.delta", item, text, 0)
 
     def _tool_call(self, call: dict[str, Any], out: list[bytes]) -> None:
         index = call.get("index", 0)
@@ -537,14 +573,14 @@ class BridgeRelay(Relay):
             self._emit(out, "response.output_item.added", output_index=item.index, item=item.item("in_progress"))
         arguments = fn.get("arguments")
         if isinstance(arguments, str) and arguments:
-            item.text += arguments
-            self._emit(out, "response.function_call_arguments.delta", item_id=item.id, output_index=item.index,
-                       delta=arguments)
+            item.pieces.append(arguments)
+            self._delta(out, "response.function_call_arguments.delta", item, arguments, None)
 
     def _close_open(self, out: list[bytes]) -> None:
         item, self._open = self._open, None
         if item is None:
             return
+        item.seal()
         if item.kind == "reasoning":
             self._emit(out, "response.reasoning_text.done", item_id=item.id, output_index=item.index,
                        content_index=0, text=item.text)
@@ -562,14 +598,13 @@ class BridgeRelay(Relay):
                            content_index=item.refusal_part, refusal=item.refusal)
                 self._emit(out, "response.content_part.done", item_id=item.id, output_index=item.index,
                            content_index=item.refusal_part, part={"type": "refusal", "refusal": item.refusal})
-        item.done = True
         self._emit(out, "response.output_item.done", output_index=item.index, item=item.item("completed"))
 
     def _close_calls(self, out: list[bytes]) -> None:
         for item in sorted(self._calls.values(), key=lambda i: i.index):
             if item.done:
                 continue
-            item.done = True
+            item.seal()
             self._emit(out, "response.function_call_arguments.done", item_id=item.id, output_index=item.index,
                        name=item.name, arguments=item.text)
             self._emit(out, "response.output_item.done", output_index=item.index, item=item.item("completed"))

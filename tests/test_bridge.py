@@ -48,8 +48,7 @@ def test_a_string_input_with_instructions_and_every_mapped_option() -> None:
     assert bridge.unbridgeable(body) is None
     assert bridge.chat_request(body, []) == {
         "model": "m",
-        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
-            {"type": "text", "text": "hi"}]}],
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
         "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
                                                     "parameters": TOOL["parameters"], "strict": True}}],
         "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0.2, "top_p": 0.9, "user": "u",
@@ -73,6 +72,9 @@ def test_every_input_item_type_and_the_history_before_it() -> None:
         {"type": "function_call_output", "call_id": "call_a", "output": "rain"},
         {"type": "function_call_output", "call_id": "call_b", "output": [{"type": "input_text", "text": "sun"}]},
         {"role": "developer", "content": "Answer in French."},
+        {"role": "system", "content": [{"type": "input_text", "text": "Be brief."}, {"type": "input_text",
+                                                                                     "text": "Be kind."}]},
+        {"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/b.png"}]},
         {"role": "user", "content": [
             {"type": "input_text", "text": "and this?"},
             {"type": "input_image", "image_url": "https://example.com/a.png", "detail": "low"},
@@ -81,7 +83,7 @@ def test_every_input_item_type_and_the_history_before_it() -> None:
     ]}
     assert bridge.unbridgeable(body) is None
     assert bridge.chat_request(body, history)["messages"] == [
-        {"role": "user", "content": [{"type": "text", "text": "weather in Oslo and Rome?"}]},
+        {"role": "user", "content": "weather in Oslo and Rome?"},  # text alone: a plain string
         {"role": "assistant", "content": "Checking.", "tool_calls": [  # parallel calls join the message before them
             {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}},
             {"id": "call_b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}},
@@ -89,6 +91,8 @@ def test_every_input_item_type_and_the_history_before_it() -> None:
         {"role": "tool", "tool_call_id": "call_a", "content": "rain"},
         {"role": "tool", "tool_call_id": "call_b", "content": "sun"},
         {"role": "system", "content": "Answer in French."},
+        {"role": "system", "content": "Be brief.\n\nBe kind."},  # several text parts: one string in a system message
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/b.png"}}]},
         {"role": "user", "content": [
             {"type": "text", "text": "and this?"},
             {"type": "image_url", "image_url": {"url": "https://example.com/a.png", "detail": "low"}},
@@ -120,6 +124,7 @@ def test_a_named_tool_choice_and_json_object() -> None:
     ({"text": {"format": {"type": "grammar"}}}, "text.format"),
     ({"input": [{"type": "computer_call_output", "call_id": "c", "output": {}}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]}, "input"),
 ])
 def test_what_the_bridge_cannot_serve_is_named(extra: dict[str, Any], param: str) -> None:
     found = bridge.unbridgeable({"model": "m", "input": "x", **extra})
@@ -340,3 +345,24 @@ def test_input_items_get_ids_and_keep_what_they_hold() -> None:
     items = bridge.input_items({"input": [{"role": "user", "content": "a"}, copy.deepcopy(TOOL | {"type": "x"})]})
     assert items[0]["type"] == "message" and items[0]["id"].startswith("msg_tg") and items[0]["content"] == "a"
     assert bridge.input_items({"input": "hi"})[0]["content"] == [{"type": "input_text", "text": "hi"}]
+
+
+@pytest.mark.parametrize(("kind", "content_index"), [
+    ("response.output_text.delta", 0), ("response.refusal.delta", 1), ("response.reasoning_text.delta", 0),
+    ("response.function_call_arguments.delta", None)])
+def test_a_delta_event_from_its_cached_head_is_what_emit_writes(kind: str, content_index: int | None) -> None:
+    relay = bridge.BridgeRelay(_draft(), max_event_bytes=1 << 20, finish_grace=0.05)
+    item = bridge._Item(0, "message", "msg_tg")
+    fast: list[bytes] = []
+    slow: list[bytes] = []
+    for text in ("Hel", 'lo "quoted"\n', "\ud800 lone surrogate", "é"):
+        relay._delta(fast, kind, item, text, content_index)
+        fields: dict[str, Any] = {"item_id": item.id, "output_index": 0}
+        if content_index is not None:
+            fields["content_index"] = content_index
+        fields["delta"] = text
+        if kind == "response.output_text.delta":
+            fields["logprobs"] = []
+        relay._seq -= 1
+        relay._emit(slow, kind, **fields)
+    assert fast == slow and relay._seq == 4
