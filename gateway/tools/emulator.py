@@ -626,7 +626,7 @@ class Generation:
         self.per_chunk = max(1, int(d.get("per_chunk", 1)))
         self.with_usage = d.get("usage") != "none"
         self.model = str(body.get("model", "emulated")).encode()
-        self.id = b"chatcmpl-emu%x" % id(self)
+        self.id = b"chatcmpl-emu" + os.urandom(8).hex().encode()  # unique per answer, as an agent's history needs
         self.created = int(time.time())
         self.prompt_tokens = max(1, len(orjson.dumps(body.get("messages", body.get("input", [])))) // 4)
         n = body.get("n")
@@ -644,7 +644,7 @@ class Generation:
         schema = self._answer_schema()
         if tool is not None:
             name, params = tool
-            self.tool = (name, f"call_emu{id(self):x}")
+            self.tool = (name, "call_emu" + os.urandom(8).hex())
             natural = _pieces(orjson.dumps(schema_instance(params)).decode())
         elif schema is not None:
             natural = _pieces(orjson.dumps(schema_instance(schema) if schema else {"answer": "example"}).decode())
@@ -770,8 +770,9 @@ class Generation:
     def _response(self, status: str) -> dict[str, Any]:
         """A Responses API ``response`` object (OpenAPI ``Response``), minimal."""
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        out: dict[str, Any] = {"id": f"resp_emu{id(self):x}", "object": "response", "created_at": self.created,
-                               "status": status, "model": self.model.decode(), "output": [], "usage": None,
+        out: dict[str, Any] = {"id": "resp_emu" + self.id[12:].decode(), "object": "response",
+                               "created_at": self.created, "status": status, "model": self.model.decode(),
+                               "output": [], "usage": None,
                                "incomplete_details": incomplete, "parallel_tool_calls": True,
                                "tool_choice": self.body.get("tool_choice", "auto"),
                                "tools": self.body.get("tools") or []}
