@@ -5,7 +5,7 @@
 It is a bare asyncio protocol over httptools' C parser (run on uvloop) with one loop timer per open
 stream, so that it costs a few microseconds per chunk and stays out of the way of what is measured.
 
-``POST /v1/chat/completions`` (body parsed with orjson):
+``POST /v1/chat/completions`` (body parsed with orjson; ``max_completion_tokens`` counts as ``max_tokens``):
 
 * ``stream: true``: ``max_tokens`` content chunks (default 16) at ``bench_tps`` chunks per second (default
   750; a top-level field the gateway forwards untouched), the first one at once. Each chunk is a valid
@@ -144,7 +144,7 @@ class UpstreamProtocol(asyncio.Protocol):
         try:
             body = orjson.loads(raw)
             model = str(body.get("model", "bench")).encode()
-            tokens = int(body.get("max_tokens") or 16)
+            tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
             tps = float(body.get("bench_tps") or 750.0)
         except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
             self._reply(400, b'{"error":{"message":"bad body","type":"invalid_request_error"}}')
