@@ -220,7 +220,7 @@ class Gateway:
         """The bytes to send ``cand`` and the path under its base URL: chat completions as the client sent them; a
         Responses request as it came (native), translated (bridge: ``gateway.bridge``), or, when it continues a
         conversation only the gateway holds, with that conversation inline (native)."""
-        up, body = cand.upstream, dict(facts.body)
+        up, body = cand.upstream, facts.body  # read, never changed: the next candidate gets the same
         if ex.kind == "chat":
             return upstream_body(raw, body, cand.upstream_model, up.dialect,
                                  strip_usage and up.dialect == "openai"), "/chat/completions"

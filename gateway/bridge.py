@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import orjson
@@ -132,7 +132,7 @@ def _input_problem(body: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-def input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
+def input_items(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The request's ``input`` as Responses items (a string becomes one user message), each with an ``id``."""
     raw = body.get("input")
     if isinstance(raw, str):
@@ -157,7 +157,7 @@ def as_input(items: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_request(body: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any]:
+def chat_request(body: Mapping[str, Any], history: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat-completions body for a bridgeable Responses request (:func:`unbridgeable` is None), continuing
     ``history`` (the held conversation's items, or ``[]``). See the module docstring for the mapping."""
     messages: list[dict[str, Any]] = []
@@ -183,7 +183,7 @@ def chat_request(body: dict[str, Any], history: list[dict[str, Any]]) -> dict[st
     return chat
 
 
-def _output_options(body: dict[str, Any], chat: dict[str, Any]) -> None:
+def _output_options(body: Mapping[str, Any], chat: dict[str, Any]) -> None:
     """``text.format`` / ``verbosity``, ``reasoning.effort`` and logprobs into ``chat``."""
     text = _dict(body.get("text"))
     fmt = text.get("format")

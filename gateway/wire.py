@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import orjson
@@ -161,7 +161,7 @@ def client_wants_usage(body: dict[str, Any]) -> bool:
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
-def upstream_body(raw: bytes, body: dict[str, Any], upstream_model: str, dialect: str, ask_usage: bool) -> bytes:
+def upstream_body(raw: bytes, body: Mapping[str, Any], upstream_model: str, dialect: str, ask_usage: bool) -> bytes:
     """The bytes to send upstream for one attempt.
 
     Args:
