@@ -116,6 +116,11 @@ def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
     if args.workers < 1:
         raise ConfigError("--workers: must be at least 1")
     if args.workers > 1:
+        if any(u.responses_mode == "bridge" for u in loaded.config.upstreams):
+            # the store is per process (gateway.conversations): a follow-up may reach a worker that lacks it
+            logging.getLogger("gateway").warning(
+                "--workers %d: each worker keeps its own store of bridged Responses API conversations, so a "
+                "previous_response_id made by one worker is not found (400) on the others", args.workers)
         # uvicorn's supervisor shares one listening socket between N worker processes; metrics go through
         # prometheus-client's multiprocess mode so /metrics counts every request exactly once.
         with tempfile.TemporaryDirectory(prefix="tiergate-metrics-") as metrics_dir:
