@@ -115,6 +115,8 @@ def test_shipped_production_config_is_valid_and_names_its_key_variables() -> Non
     assert "CEREBRAS_API_KEY" in proc.stdout and "OPENAI_API_KEY" in proc.stdout
     loaded = load_config(ROOT / "config" / "gateway.yaml", {"CEREBRAS_API_KEY": "a", "OPENAI_API_KEY": "b"})
     assert {u.tier for u in loaded.config.upstreams} == {"fast", "standard"}
+    # both kinds of fast upstream: a model string on OpenAI's API (Responses native), a chat-only API (bridged)
+    assert {u.responses_mode for u in loaded.config.upstreams if u.tier == "fast"} == {"native", "bridge"}
 
 
 def test_shipped_rules_are_the_default_policy_written_out() -> None:
