@@ -62,12 +62,27 @@ def parse_chat_request(raw: bytes) -> dict[str, Any]:
 
 
 def parse_responses_request(raw: bytes) -> dict[str, Any]:
-    """Parse and check a Responses API body (``POST /v1/responses``) just enough to route it.
+    """Parse and check a Responses API body (``POST /v1/responses``) just enough to route it and to read the
+    conversation it continues (OpenAI API reference, "Create a model response"). The rest is the upstream's to
+    check, or, for a bridged upstream, ``gateway.bridge``'s.
 
     Raises:
-        InvalidRequest: not a JSON object, ``model`` missing or not a non-empty string, ``stream`` not a boolean.
+        InvalidRequest: not a JSON object, ``model`` missing or not a non-empty string, ``stream`` not a boolean,
+            ``previous_response_id`` not a string, ``input`` not a string or a list of objects, ``store`` not a
+            boolean (``invalid_type``, naming the parameter).
     """
-    return _routable(raw)
+    body = _routable(raw)
+    for key, ok, want in (("previous_response_id", isinstance(body.get("previous_response_id"), str), "a string"),
+                          ("input", isinstance(body.get("input"), str | list), "a string or an array of items"),
+                          ("store", isinstance(body.get("store"), bool), "a boolean")):
+        if not ok and body.get(key) is not None:
+            raise InvalidRequest(f"Invalid type for '{key}': expected {want}, got {_json_type(body[key])}.",
+                                 param=key, code="invalid_type")
+    for i, item in enumerate(body["input"] if isinstance(body.get("input"), list) else ()):
+        if not isinstance(item, dict):
+            raise InvalidRequest(f"Invalid type for 'input[{i}]': expected an object, got {_json_type(item)}.",
+                                 param=f"input[{i}]", code="invalid_type")
+    return body
 
 
 def loads(raw: bytes) -> Any:
@@ -82,7 +97,7 @@ def loads(raw: bytes) -> Any:
     except orjson.JSONDecodeError as exc:
         try:
             return json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past orjson's 1024 levels: past the stdlib's too
             raise exc from None
 
 
@@ -91,7 +106,10 @@ def loads_exact(raw: bytes) -> Any:
     re-serialises. Only a body with a run of 19 digits pays for the standard library's parser."""
     if _LONG_NUMBER.search(raw) is None:
         return loads(raw)
-    return json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+    try:
+        return json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        raise orjson.JSONDecodeError("nested too deeply", raw.decode("utf-8", "replace"), 0) from None
 
 
 def _finite(text: str) -> float:

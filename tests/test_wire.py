@@ -12,7 +12,13 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from gateway.errors import InvalidRequest
-from gateway.wire import client_wants_usage, parse_chat_request, replace_top_level, upstream_body
+from gateway.wire import (
+    client_wants_usage,
+    parse_chat_request,
+    parse_responses_request,
+    replace_top_level,
+    upstream_body,
+)
 
 MSGS = '[{"role":"user","content":"hi"}]'
 
@@ -347,3 +353,11 @@ def test_replace_top_level_changes_only_the_top_level_value(
         for i in range(len(out) - len(value) + 1)
         if out.startswith(value, i)
     )
+
+
+def test_a_body_nested_past_the_parsers_depth_is_a_400_not_a_crash() -> None:
+    deep = b'{"model":"m","x":' + b"[" * 5000 + b"]" * 5000 + b"}"
+    for parse in (parse_chat_request, parse_responses_request):
+        with pytest.raises(InvalidRequest) as info:
+            parse(deep)
+        assert info.value.code == "invalid_json"
