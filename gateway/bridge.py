@@ -57,7 +57,7 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import event_error
+from gateway.errors import UpstreamBadResponse, event_error
 from gateway.relay import Relay, Write, delta_has_token
 from gateway.sse import SSEEvent
 from gateway.wire import dumps
@@ -81,15 +81,69 @@ def new_id(prefix: str) -> str:
 
 # ---- request side ---------------------------------------------------------------------------------------------
 
-def unbridgeable(body: dict[str, Any]) -> tuple[str, str] | None:
-    """(param, why) of the first thing in a Responses request that a chat-completions upstream cannot serve, or None.
+def unbridgeable(body: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """(param, why, error code) of the first thing in a Responses request that the bridge cannot serve, or None:
+    ``unsupported_parameter`` for what a chat-completions upstream cannot do, ``invalid_type`` for a value of the
+    wrong shape (which the bridge would otherwise have to drop or guess at; a native upstream judges it itself).
 
     Source of the rules: the module docstring; what ``openai-agents`` and LangChain send was checked against it.
     """
-    return _field_problem(body) or _tool_problem(body) or _input_problem(body)
+    shape = _shape_problem(body)
+    if shape is not None:
+        return (*shape, "invalid_type")
+    found = _field_problem(body) or _tool_problem(body) or _input_problem(body)
+    return None if found is None else (*found, "unsupported_parameter")
 
 
-def _field_problem(body: dict[str, Any]) -> tuple[str, str] | None:
+_SHAPES: tuple[tuple[str, type | tuple[type, ...], str], ...] = (
+    ("instructions", str, "a string"), ("tools", list, "an array"), ("tool_choice", (str, dict), "a string or an "
+     "object"), ("text", dict, "an object"), ("reasoning", dict, "an object"), ("include", list, "an array"),
+    ("metadata", dict, "an object"), ("parallel_tool_calls", bool, "a boolean"), ("max_output_tokens", int,
+                                                                                   "an integer"))
+
+
+def _shape_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
+    for key, kind, want in _SHAPES:
+        value = body.get(key)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool) and kind is int):
+            return key, f"Invalid type for '{key}': expected {want}"
+    if body.get("text") is not None and not isinstance(body["text"].get("format", {}), dict):
+        return "text.format", "Invalid type for 'text.format': expected an object"
+    for i, tool in enumerate(_list(body.get("tools"))):
+        if not isinstance(tool, dict) or tool.get("type") == "function" and not isinstance(tool.get("name"), str):
+            return f"tools[{i}]", f"Invalid value for 'tools[{i}]': a function tool needs a string `name`"
+    for i, item in enumerate(_list(body.get("input"))):
+        problem = _item_shape(item)
+        if problem:
+            return f"input[{i}]", f"Invalid value for 'input[{i}]': {problem}"
+    return None
+
+
+def _item_shape(item: dict[str, Any]) -> str | None:
+    """What is wrong with the shape of one input item (``wire`` made sure it is an object), or None."""
+    kind = item.get("type", "message")
+    if kind == "message":
+        content = item.get("content")
+        if not isinstance(content, str | list):
+            return "`content` must be a string or an array of content parts"
+        for part in content if isinstance(content, list) else ():
+            if not isinstance(part, dict):
+                return "content parts must be objects"
+            for key in ("text", "refusal", "image_url"):
+                if part.get(key) is not None and not isinstance(part[key], str):
+                    return f"a content part's `{key}` must be a string"
+    elif kind == "function_call":
+        if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+            return "a `function_call` needs string `call_id`, `name` and `arguments`"
+    elif kind == "function_call_output":
+        output = item.get("output")
+        if not isinstance(item.get("call_id"), str) or not (isinstance(output, str) or isinstance(output, list) and all(
+                isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in output)):
+            return "a `function_call_output` needs a string `call_id` and a string (or text parts) `output`"
+    return None
+
+
+def _field_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
     for key in body:
         if key not in _BRIDGED_FIELDS:
             return key, f"`{key}` is not part of what the gateway's Responses bridge serves"
@@ -106,7 +160,7 @@ def _field_problem(body: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-def _tool_problem(body: dict[str, Any]) -> tuple[str, str] | None:
+def _tool_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
     for tool in _list(body.get("tools")):
         kind = _dict(tool).get("type")
         if kind != "function":
@@ -117,7 +171,7 @@ def _tool_problem(body: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-def _input_problem(body: dict[str, Any]) -> tuple[str, str] | None:
+def _input_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
     for item in _list(body.get("input")):
         if not isinstance(item, dict):
             return "input", "input items must be objects"
@@ -215,8 +269,11 @@ def _messages(items: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     for item in items:
         kind = item.get("type", "message")
         if kind == "message":
-            out.append(_message(item))
-            assistant_open = out[-1]["role"] == "assistant"
+            msg = _message(item)
+            if msg["role"] == "assistant" and msg["content"] is None and "refusal" not in msg:
+                continue  # nothing said (a response that failed before its text): chat APIs refuse it
+            out.append(msg)
+            assistant_open = msg["role"] == "assistant"
         elif kind == "function_call":
             call = {"id": item.get("call_id") or item.get("id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments") or ""}}
@@ -300,6 +357,34 @@ def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
+def _str(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _content_text(content: Any) -> str:
+    """A chat message's or delta's content as text: a string, or the text of its ``text`` parts (some servers send
+    parts lists in answers too)."""
+    if isinstance(content, str):
+        return content
+    return "".join(p["text"] for p in _list(content) if isinstance(p, dict) and isinstance(p.get("text"), str))
+
+
+_LOGPROB_KEYS = ("token", "logprob", "bytes")
+
+
+def _logprobs(logprobs: Any) -> list[dict[str, Any]]:
+    """Chat ``choice.logprobs.content`` as Responses ``logprobs`` (the same fields: token, logprob, bytes and
+    top_logprobs; OpenAPI ``ChatCompletionTokenLogprob`` -> ``ResponseOutputText.Logprob``)."""
+    out = []
+    for entry in _list(_dict(logprobs).get("content")):
+        if isinstance(entry, dict) and isinstance(entry.get("token"), str):
+            top = [{k: t.get(k) or ([] if k == "bytes" else t.get(k)) for k in _LOGPROB_KEYS}
+                   for t in _list(entry.get("top_logprobs")) if isinstance(t, dict)]
+            out.append({"token": entry["token"], "logprob": entry.get("logprob", 0.0),
+                        "bytes": entry.get("bytes") or [], "top_logprobs": top})
+    return out
+
+
 class Draft:
     """The Response object a bridged request answers with, echoing the request (OpenAPI ``Response``).
 
@@ -324,13 +409,13 @@ class Draft:
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
             "max_tool_calls": None, "model": self.model, "output": output,
-            "parallel_tool_calls": b.get("parallel_tool_calls", True),
+            "parallel_tool_calls": b.get("parallel_tool_calls") is not False,
             "previous_response_id": b.get("previous_response_id"),
             "reasoning": {"effort": reasoning.get("effort"), "summary": None},
             "service_tier": b.get("service_tier"), "store": b.get("store", True),
             "temperature": b.get("temperature"), "text": {"format": text.get("format") or {"type": "text"},
                                                           "verbosity": text.get("verbosity")},
-            "tool_choice": b.get("tool_choice", "auto"), "tools": _list(b.get("tools")), "top_p": b.get("top_p"),
+            "tool_choice": b.get("tool_choice") or "auto", "tools": _list(b.get("tools")), "top_p": b.get("top_p"),
             "truncation": b.get("truncation", "disabled"), "usage": usage, "user": b.get("user"),
             "metadata": b.get("metadata") or {},
         }
@@ -344,7 +429,9 @@ def whole_response(completion: dict[str, Any], draft: Draft) -> dict[str, Any]:
     parts), then one ``function_call`` item per tool call; ``finish_reason: "length"`` -> ``incomplete``."""
     choices = _list(completion.get("choices"))
     choice = _dict(choices[0]) if choices else {}
-    message = _dict(choice.get("message"))
+    message = choice.get("message")
+    if "error" in completion or not isinstance(message, dict):
+        raise UpstreamBadResponse("The upstream answered 200 without a chat completion message.")
     if isinstance(completion.get("model"), str):
         draft.model = completion["model"]
     output: list[dict[str, Any]] = []
@@ -353,8 +440,10 @@ def whole_response(completion: dict[str, Any], draft: Draft) -> dict[str, Any]:
         output.append({"id": new_id("rs_tg"), "type": "reasoning", "status": "completed", "summary": [],
                        "content": [{"type": "reasoning_text", "text": reasoning}]})
     parts: list[dict[str, Any]] = []
-    if isinstance(message.get("content"), str) and message["content"]:
-        parts.append({"type": "output_text", "text": message["content"], "annotations": [], "logprobs": []})
+    text = _content_text(message.get("content"))
+    if text:
+        parts.append({"type": "output_text", "text": text, "annotations": [],
+                      "logprobs": _logprobs(choice.get("logprobs"))})
     if isinstance(message.get("refusal"), str) and message["refusal"]:
         parts.append({"type": "refusal", "refusal": message["refusal"]})
     if parts:
@@ -364,8 +453,8 @@ def whole_response(completion: dict[str, Any], draft: Draft) -> dict[str, Any]:
         call = _dict(call)
         fn = _dict(call.get("function"))
         output.append({"id": new_id("fc_tg"), "type": "function_call", "status": "completed",
-                       "call_id": call.get("id") or new_id("call_tg"), "name": fn.get("name", ""),
-                       "arguments": fn.get("arguments") or ""})
+                       "call_id": _str(call.get("id")) or new_id("call_tg"), "name": _str(fn.get("name")),
+                       "arguments": _str(fn.get("arguments"))})
     incomplete = _INCOMPLETE.get(str(choice.get("finish_reason")))
     return draft.response("incomplete" if incomplete else "completed", output,
                           response_usage(completion.get("usage")), incomplete)
@@ -374,8 +463,8 @@ def whole_response(completion: dict[str, Any], draft: Draft) -> dict[str, Any]:
 class _Item:
     """One output item being streamed: its index, id, kind and what it accumulated."""
 
-    __slots__ = ("index", "id", "kind", "pieces", "refusals", "text_part", "refusal_part", "call_id", "name", "done",
-                 "heads")
+    __slots__ = ("index", "id", "kind", "pieces", "refusals", "logprobs", "text_part", "refusal_part", "call_id",
+                 "name", "done", "heads")
 
     def __init__(self, index: int, kind: str, prefix: str) -> None:
         self.index = index
@@ -384,6 +473,7 @@ class _Item:
         # joined when done: ``+=`` on an attribute copies the whole text per delta (quadratic in its length)
         self.pieces: list[str] = []  # message: output text; reasoning: reasoning text; function_call: arguments
         self.refusals: list[str] = []
+        self.logprobs: list[dict[str, Any]] = []  # of the output text, when the request asked for them
         self.text_part: int | None = None  # content index of the output_text (or reasoning_text) part, once opened
         self.refusal_part: int | None = None
         self.call_id = ""
@@ -406,19 +496,23 @@ class _Item:
         return "".join(self.refusals)
 
     def item(self, status: str) -> dict[str, Any]:
+        """The output item: empty while ``in_progress``; with what it holds when ``completed`` or ``incomplete`` (a
+        stream that failed keeps the text it had sent); message parts in the order they were opened."""
         if self.kind == "function_call":
             return {"id": self.id, "type": "function_call", "status": status, "call_id": self.call_id,
                     "name": self.name, "arguments": self.text}
+        held = status != "in_progress"
         if self.kind == "reasoning":
-            content = [{"type": "reasoning_text", "text": self.text}] if status == "completed" else []
+            content = [{"type": "reasoning_text", "text": self.text}] if held else []
             return {"id": self.id, "type": "reasoning", "status": status, "summary": [], "content": content}
-        parts: list[dict[str, Any]] = []
-        if status == "completed":
-            if self.text_part is not None:
-                parts.append({"type": "output_text", "text": self.text, "annotations": [], "logprobs": []})
-            if self.refusal_part is not None:
-                parts.append({"type": "refusal", "refusal": self.refusal})
-        return {"id": self.id, "type": "message", "status": status, "role": "assistant", "content": parts}
+        parts: list[tuple[int, dict[str, Any]]] = []
+        if held and self.text_part is not None:
+            parts.append((self.text_part, {"type": "output_text", "text": self.text, "annotations": [],
+                                           "logprobs": self.logprobs}))
+        if held and self.refusal_part is not None:
+            parts.append((self.refusal_part, {"type": "refusal", "refusal": self.refusal}))
+        return {"id": self.id, "type": "message", "status": status, "role": "assistant",
+                "content": [p for _, p in sorted(parts, key=lambda p: p[0])]}
 
 
 class BridgeRelay(Relay):
@@ -500,13 +594,16 @@ class BridgeRelay(Relay):
         return b"".join(out)
 
     def _choice(self, choice: dict[str, Any], out: list[bytes]) -> None:
+        if choice.get("index", 0) != 0:
+            return  # the bridge asks for one choice; an upstream that sends more gets its first one relayed
         delta = choice.get("delta")
         if isinstance(delta, dict) and delta_has_token(delta):
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
             if isinstance(reasoning, str) and reasoning:
                 self._reasoning(reasoning, out)
-            if isinstance(delta.get("content"), str) and delta["content"]:
-                self._text(delta["content"], out)
+            text = _content_text(delta.get("content"))
+            if text:
+                self._text(text, out, _logprobs(choice.get("logprobs")))
             if isinstance(delta.get("refusal"), str) and delta["refusal"]:
                 self._refusal(delta["refusal"], out)
             for call in _list(delta.get("tool_calls")):
@@ -528,7 +625,7 @@ class BridgeRelay(Relay):
             self._open = self._item("message", "msg_tg", out)
         return self._open
 
-    def _text(self, text: str, out: list[bytes]) -> None:
+    def _text(self, text: str, out: list[bytes], logprobs: list[dict[str, Any]] | None = None) -> None:
         item = self._message(out)
         if item.text_part is None:
             item.text_part = (item.refusal_part is not None) + 0
@@ -536,7 +633,12 @@ class BridgeRelay(Relay):
                        content_index=item.text_part, part={"type": "output_text", "text": "", "annotations": [],
                                                            "logprobs": []})
         item.pieces.append(text)
-        self._delta(out, "response.output_text.delta", item, text, item.text_part)
+        if logprobs:
+            item.logprobs += logprobs
+            self._emit(out, "response.output_text.delta", item_id=item.id, output_index=item.index,
+                       content_index=item.text_part, delta=text, logprobs=logprobs)
+        else:
+            self._delta(out, "response.output_text.delta", item, text, item.text_part)
 
     def _refusal(self, text: str, out: list[bytes]) -> None:
         item = self._message(out)
@@ -560,17 +662,25 @@ class BridgeRelay(Relay):
         self._delta(out, "response.reasoning_text.delta", item, text, 0)
 
     def _tool_call(self, call: dict[str, Any], out: list[bytes]) -> None:
-        index = call.get("index", 0)
         fn = _dict(call.get("function"))
+        cid, name = _str(call.get("id")), _str(fn.get("name"))
+        index = call.get("index")
+        if not isinstance(index, int) or isinstance(index, bool):
+            # no index (some servers): a new id is a new call; no id continues the last one
+            known = next((i for i, c in self._calls.items() if cid and c.call_id == cid), None)
+            index = known if known is not None else (len(self._calls) if cid or not self._calls else
+                                                     max(self._calls))
         item = self._calls.get(index)
         if item is None or item.done:
             self._close_open(out)
             item = _Item(len(self._items), "function_call", "fc_tg")
-            item.call_id = call.get("id") or new_id("call_tg")
-            item.name = fn.get("name") or ""
+            item.call_id = cid or new_id("call_tg")
+            item.name = name
             self._items.append(item)
             self._calls[index] = item
             self._emit(out, "response.output_item.added", output_index=item.index, item=item.item("in_progress"))
+        elif name and not item.name:
+            item.name = name  # a name that came after the call's first delta
         arguments = fn.get("arguments")
         if isinstance(arguments, str) and arguments:
             item.pieces.append(arguments)
@@ -588,9 +698,9 @@ class BridgeRelay(Relay):
                        content_index=0, part={"type": "reasoning_text", "text": item.text})
         else:
             if item.text_part is not None:
-                part = {"type": "output_text", "text": item.text, "annotations": [], "logprobs": []}
+                part = {"type": "output_text", "text": item.text, "annotations": [], "logprobs": item.logprobs}
                 self._emit(out, "response.output_text.done", item_id=item.id, output_index=item.index,
-                           content_index=item.text_part, text=item.text, logprobs=[])
+                           content_index=item.text_part, text=item.text, logprobs=item.logprobs)
                 self._emit(out, "response.content_part.done", item_id=item.id, output_index=item.index,
                            content_index=item.text_part, part=part)
             if item.refusal_part is not None:

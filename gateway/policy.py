@@ -103,9 +103,10 @@ class RequestFacts:
         self.continuation = continuation
 
     @_lazy
-    def unbridgeable(self) -> tuple[str, str] | None:
-        """For a Responses request: (param, why) of what the chat-completions bridge cannot serve, or None."""
-        return bridge.unbridgeable(dict(self.body)) if self.responses else None
+    def unbridgeable(self) -> tuple[str, str, str] | None:
+        """For a Responses request: (param, why, code) of what the bridge cannot serve
+        (:func:`gateway.bridge.unbridgeable`), or None."""
+        return bridge.unbridgeable(self.body) if self.responses else None
 
     @_lazy
     def stream(self) -> bool:
@@ -518,9 +519,9 @@ def _responses_route(decision: Decision, facts: RequestFacts, served: Iterable[U
     if not kept:
         if native_only and any(c.upstream.responses_mode == "bridge" for c in decision.candidates):
             if facts.unbridgeable is not None:
-                param, reason = facts.unbridgeable
-                raise InvalidRequest(f"{reason}, and no upstream serving `{decision.model}` speaks it natively.",
-                                     param=param, code="unsupported_parameter")
+                param, reason, code = facts.unbridgeable
+                raise InvalidRequest(f"{reason}, and no upstream serving `{decision.model}` speaks the Responses API "
+                                     "natively.", param=param, code=code)
             raise InvalidRequest(f"Previous response with id '{cont.response_id if cont else ''}' not found.",
                                  param="previous_response_id", code="previous_response_not_found")
         raise ModelNotFound(f"No upstream serves the Responses API for `{decision.model}`; use /v1/chat/completions.",

@@ -366,3 +366,97 @@ def test_a_delta_event_from_its_cached_head_is_what_emit_writes(kind: str, conte
         relay._seq -= 1
         relay._emit(slow, kind, **fields)
     assert fast == slow and relay._seq == 4
+
+
+# ---- what an adversarial review found ------------------------------------------------------------------------
+
+def _delta_chunk(delta: dict[str, Any], finish: str | None = None, **choice: Any) -> str:
+    return orjson.dumps({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [
+        {"index": 0, "delta": delta, "finish_reason": finish, **choice}]}).decode()
+
+
+async def test_tool_call_deltas_without_an_index_are_told_apart_by_id() -> None:
+    calls = [{"id": "call_a", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}},
+             {"id": "call_b", "type": "function", "function": {"name": "g", "arguments": '{"b"'}},
+             {"function": {"arguments": ":2}"}}]  # no id: the last call goes on
+    events, _ = await _bridge([sse(chunk(role=True), *[_delta_chunk({"tool_calls": [c]}) for c in calls],
+                                   _delta_chunk({}, "tool_calls"))])
+    final = _check(events)
+    got = [(i.call_id, i.name, i.arguments) for i in final.output]
+    assert got == [("call_a", "f", '{"a":1}'), ("call_b", "g", '{"b":2}')]
+
+
+async def test_odd_tool_call_indexes_and_late_names_do_not_break_the_stream() -> None:
+    calls = [{"index": [0], "id": "call_a", "function": {"arguments": "{}"}},  # an unhashable index
+             {"index": [0], "function": {"name": "late_name"}},  # the name after the first delta
+             {"index": 1, "id": 7, "function": {"name": 8, "arguments": "{}"}}]  # not strings: not trusted
+    events, _ = await _bridge([sse(chunk(role=True), *[_delta_chunk({"tool_calls": [c]}) for c in calls],
+                                   _delta_chunk({}, "tool_calls"))])
+    final = _check(events)
+    assert [(i.name, i.arguments) for i in final.output] == [("late_name", "{}"), ("", "{}")]
+    assert final.output[1].call_id.startswith("call_tg")
+
+
+async def test_logprobs_the_request_asked_for_are_carried() -> None:
+    lp = {"content": [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105],
+                       "top_logprobs": [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105]}]}]}
+    events, _ = await _bridge([sse(chunk(role=True), _delta_chunk({"content": "Hi"}, logprobs=lp),
+                                   _delta_chunk({}, "stop"))], include=["message.output_text.logprobs"])
+    final = _check(events)
+    delta = next(e for e in events if e["type"] == "response.output_text.delta")
+    assert delta["logprobs"] == lp["content"]
+    assert final.output[0].content[0].logprobs[0].token == "Hi"
+    whole = bridge.whole_response({"choices": [{"index": 0, "finish_reason": "stop", "logprobs": lp, "message": {
+        "role": "assistant", "content": "Hi"}}]}, _draft())
+    assert whole["output"][0]["content"][0]["logprobs"] == lp["content"]
+
+
+async def test_a_failed_stream_keeps_the_text_it_sent_and_continues_validly() -> None:
+    err = '{"error":{"message":"overloaded","type":"server_error"}}'
+    events, relay = await _bridge([sse(chunk(role=True), chunk("partial"), err, done=False)])
+    assert events[-1]["type"] == "response.failed"
+    Response.model_validate(events[-1]["response"])
+    message = events[-1]["response"]["output"][0]
+    assert message["status"] == "incomplete" and message["content"][0]["text"] == "partial"
+    # an assistant turn that said nothing is not sent to a chat upstream (chat APIs refuse it)
+    empty = {"type": "message", "role": "assistant", "status": "incomplete", "content": []}
+    assert bridge.chat_request({"model": "m", "input": "again"}, [empty])["messages"] == [
+        {"role": "user", "content": "again"}]
+
+
+async def test_a_refusal_before_text_keeps_its_content_index() -> None:
+    events, _ = await _bridge([sse(chunk(role=True), _delta_chunk({"refusal": "No."}), chunk(" But this."),
+                                   _delta_chunk({}, "stop"))])
+    final = _check(events)
+    added = [e["part"]["type"] for e in events if e["type"] == "response.content_part.added"]
+    assert added == ["refusal", "output_text"]
+    assert [p.type for p in final.output[0].content] == ["refusal", "output_text"]
+
+
+def test_content_as_text_parts_is_read_and_a_completion_without_a_message_is_a_bad_response() -> None:
+    whole = bridge.whole_response({"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}}]},
+        _draft(tool_choice=None, parallel_tool_calls=None))
+    assert Response.model_validate(whole).output_text == "Hello"  # and null echoes are the API's defaults
+    for completion in ({"error": {"message": "x"}}, {"choices": []}, {}, {"choices": [{"message": None}]}):
+        with pytest.raises(GatewayError) as info:
+            bridge.whole_response(completion, _draft())
+        assert info.value.status == 502 and info.value.code == "upstream_bad_response"
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"instructions": ["be brief"]}, "instructions"),
+    ({"tools": {"type": "function"}}, "tools"),
+    ({"tools": [{"type": "function", "name": 5}]}, "tools[0]"),
+    ({"text": "json"}, "text"),
+    ({"text": {"format": "json"}}, "text.format"),
+    ({"include": "reasoning.encrypted_content"}, "include"),
+    ({"max_output_tokens": "10"}, "max_output_tokens"),
+    ({"input": [{"role": "user", "content": {"text": "hi"}}]}, "input[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input[0]"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input[0]"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]}, "input[0]"),
+])
+def test_a_value_of_the_wrong_shape_is_named_not_dropped(extra: dict[str, Any], param: str) -> None:
+    found = bridge.unbridgeable({"model": "m", "input": "x", **extra})
+    assert found is not None and (found[0], found[2]) == (param, "invalid_type")
