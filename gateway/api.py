@@ -49,12 +49,13 @@ from gateway.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of, r
 from gateway.health import Health
 from gateway.metrics import Metrics
 from gateway.policy import Candidate, Continuation, Decision, Policy, RequestFacts
-from gateway.relay import Relay
+from gateway.relay import Relay, Write
 from gateway.upstream import Answer, Attempt, Transport
 from gateway.wire import (
     chat_usage,
     client_wants_usage,
     dumps,
+    loads,
     parse_chat_request,
     parse_request,
     parse_responses_request,
@@ -198,19 +199,30 @@ class Gateway:
         """
         if ex.kind != "responses":
             return RequestFacts(body, ex.headers, size)
-        return RequestFacts(body, ex.headers, size, responses=True, continuation=await self._continuation(body))
+        return await self._responses_facts(body, ex.headers, size, refresh=True)
 
-    async def _continuation(self, body: dict[str, Any]) -> Continuation | None:
+    async def _responses_facts(self, body: dict[str, Any], headers: dict[str, str], size: int,
+                               refresh: bool) -> RequestFacts:
+        cont = await self._continuation(body, refresh)
+        if cont is not None and cont.history:
+            size += len(dumps(list(cont.history)))  # the conversation goes upstream too: routing counts it
+        return RequestFacts(body, headers, size, responses=True, continuation=cont)
+
+    async def _continuation(self, body: dict[str, Any], refresh: bool) -> Continuation | None:
         previous = body.get("previous_response_id")
         if not isinstance(previous, str):
             return None
         record = await self.store.get(previous)
         if isinstance(record, Native):
             return Continuation(previous, upstream=record.upstream)
-        history = await self.store.history(previous) if isinstance(record, Bridged) else None
+        history = await self.store.history(previous, refresh) if isinstance(record, Bridged) else None
         if history is not None:
             return Continuation(previous, held=True, history=tuple(history))
-        if record is not None or previous.startswith(bridge.ID_PREFIX):
+        if record is not None:
+            raise InvalidRequest(f"Previous response with id '{previous}' not found: the earlier turns of its "
+                                 "conversation are no longer held (response_store bounds).",
+                                 param="previous_response_id", code="previous_response_not_found")
+        if previous.startswith(bridge.ID_PREFIX):
             raise InvalidRequest(f"Previous response with id '{previous}' not found.", param="previous_response_id",
                                  code="previous_response_not_found")
         return Continuation(previous)  # made elsewhere: a native upstream may know it
@@ -280,8 +292,9 @@ class Gateway:
             if draft else Relay(strip_usage_chunk=strip_usage, max_event_bytes=limit, responses=ex.kind == "responses",
                                 choices=facts.n, finish_grace=up.timeouts.finish_grace, hold_seconds=hold))
         ex.open_stream(headers, "text/event-stream; charset=utf-8" if draft else answer.content_type)
+        write = ex.write if ex.kind == "chat" else self._keeping_write(ex, facts, up, relay)
         try:
-            stats = await relay.run(answer, ex.write, attempt.first_token_by)
+            stats = await relay.run(answer, write, attempt.first_token_by)
         except asyncio.CancelledError:
             if ex.gone_at is not None:
                 await relay.tail(answer)  # the client left: a finished answer's usage still follows
@@ -300,9 +313,27 @@ class Gateway:
             attempt.done()
         ex.record("stream_error" if stats.error else "success", **ex.stream_figures())
         await ex.end_stream()
-        if ex.kind == "responses":
-            response = relay.response if isinstance(relay, bridge.BridgeRelay) else None
-            await self._remember(facts, up, response, stats.response_id)
+
+    def _keeping_write(self, ex: Exchange, facts: RequestFacts, up: UpstreamConfig, relay: Relay) -> Write:
+        """``ex.write`` for a Responses stream, keeping first what a follow-up needs (an agent sends its next turn the
+        moment it reads the terminal event): with the first byte, the count by mode and a native response's
+        upstream (its id came in ``response.created``); before a bridged response's terminal event, the response."""
+        bridging = relay if isinstance(relay, bridge.BridgeRelay) else None
+        bridged = bridging is not None
+        started = kept = False
+
+        async def write(data: bytes) -> None:
+            nonlocal started, kept
+            if not started:
+                started = True
+                self._count(up, bridged)
+                if not bridged and relay.stats.response_id is not None:
+                    await self._keep(facts, relay.stats.response_id, Native(up.name))
+            if bridging is not None and not kept and bridging.response is not None:
+                kept = True
+                await self._keep(facts, bridging.response["id"], self._bridged(facts, bridging.response))
+            await ex.write(data)
+        return write
 
     async def _whole(self, ex: Exchange, attempt: Attempt, answer: Answer, headers: Headers,
                      facts: RequestFacts) -> None:
@@ -321,17 +352,20 @@ class Gateway:
             parsed = None
         if not isinstance(parsed, dict):
             raise UpstreamBadResponse("The upstream answered 200 with a body that is not a JSON object.")
+        up, draft = attempt.upstream, self._draft(ex, attempt.upstream, facts)
+        response = bridge.whole_response(parsed, draft) if draft else None  # UpstreamBadResponse: no completion
         attempt.ok()
         usage, time_info = parsed.get("usage"), parsed.get("time_info")
-        draft = self._draft(ex, attempt.upstream, facts)
-        response = bridge.whole_response(parsed, draft) if draft else None
         ex.record("success", usage=chat_usage(usage) if isinstance(usage, dict) else None,
                   time_info=time_info if isinstance(time_info, dict) else None,
                   processing_ms=answer.headers.get("openai-processing-ms"))
+        if ex.kind == "responses":  # kept before the answer leaves: the client's next turn may follow at once
+            self._count(up, response is not None)
+            if response is not None:
+                await self._keep(facts, response["id"], self._bridged(facts, response))
+            elif isinstance(parsed.get("id"), str):
+                await self._keep(facts, parsed["id"], Native(up.name))
         await ex.whole(200, data if response is None else dumps(response), headers)
-        if ex.kind == "responses":
-            native_id = parsed.get("id") if response is None else None
-            await self._remember(facts, attempt.upstream, response, native_id if isinstance(native_id, str) else None)
 
     @staticmethod
     def _draft(ex: Exchange, up: UpstreamConfig, facts: RequestFacts) -> bridge.Draft | None:
@@ -340,21 +374,22 @@ class Gateway:
             return None
         return bridge.Draft(dict(facts.body), bridge.new_id(bridge.ID_PREFIX))
 
-    async def _remember(self, facts: RequestFacts, up: UpstreamConfig, response: dict[str, Any] | None,
-                        native_id: str | None) -> None:
-        """A Responses request was answered: count it by mode, and keep what a follow-up needs (unless ``store`` is
-        false): a bridged response whole, with this turn's input; a native one's upstream (affinity)."""
-        self.metrics.responses.labels(up.tier, up.name, "native" if response is None else "bridge").inc()
-        body = facts.body
-        if body.get("store") is False:
-            return
-        if response is not None:
-            cont = facts.continuation
-            items = bridge.input_items(dict(body))
-            await self.store.put(response["id"], Bridged(response, items, cont.response_id if cont and cont.held
-                                                         else None, len(dumps(response)) + len(dumps(items))))
-        elif native_id is not None:
-            await self.store.put(native_id, Native(up.name))
+    def _count(self, up: UpstreamConfig, bridged: bool) -> None:
+        self.metrics.responses.labels(up.tier, up.name, "bridge" if bridged else "native").inc()
+
+    async def _keep(self, facts: RequestFacts, response_id: str, record: Bridged | Native) -> None:
+        """Keep what a follow-up to ``response_id`` needs, unless the request said ``store: false``."""
+        if facts.body.get("store") is not False and not await self.store.put(response_id, record):
+            log.warning("response %s (%d bytes) is larger than response_store.max_bytes: not kept", response_id,
+                        record.size if isinstance(record, Bridged) else 0)
+
+    @staticmethod
+    def _bridged(facts: RequestFacts, response: dict[str, Any]) -> Bridged:
+        """A bridged response's record: the response, this turn's input items, and the response it continued."""
+        cont = facts.continuation
+        items = bridge.input_items(facts.body)
+        return Bridged(response, items, cont.response_id if cont and cont.held else None,
+                       len(dumps(response)) + len(dumps(items)))
 
     async def _give_up(self, ex: Exchange, decision: Decision, reason: str | None, last: GatewayError | None,
                        tried: int) -> None:
@@ -413,10 +448,14 @@ class Gateway:
         try:
             headers = {k.lower(): v for k, v in request.headers.items()}
             raw = await read_body(headers, request.receive, self.config.limits.max_request_bytes)
-            responses = b'"messages"' not in raw and b'"input"' in raw  # a Responses API body
+            try:
+                probe = loads(raw)
+            except ValueError:
+                probe = None  # the parser below says what is wrong with it
+            responses = not (isinstance(probe, dict) and "messages" in probe)  # which API's body it is
             body = parse_responses_request(raw) if responses else parse_chat_request(raw)
-            facts = (RequestFacts(body, headers, len(raw), responses=True, continuation=await self._continuation(body))
-                     if responses else RequestFacts(body, headers, len(raw)))
+            facts = (await self._responses_facts(body, headers, len(raw), refresh=False) if responses
+                     else RequestFacts(body, headers, len(raw)))
             decision = self.policy.decide(facts, explain=True)
         except GatewayError as exc:
             return error_response(exc, {})

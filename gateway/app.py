@@ -27,7 +27,7 @@ from starlette.types import Receive, Scope, Send
 from gateway import __version__
 from gateway.api import KINDS, Gateway, error_response
 from gateway.config import LoadedConfig, load_config
-from gateway.conversations import Bridged, MemoryResponseStore
+from gateway.conversations import Bridged, MemoryResponseStore, Native
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -196,8 +196,12 @@ def _install_response_routes(app: FastAPI, gateway: Gateway) -> None:
         record = await gateway.store.get(response_id)
         if isinstance(record, Bridged):
             return record
-        return error_response(ResponseNotFound(f"No response found with id '{response_id}'.", param="response_id"),
-                              {})
+        if isinstance(record, Native):
+            message = (f"The response with id '{response_id}' was made by the upstream `{record.upstream}` through "
+                       "its own Responses API; the gateway holds only the responses it made through its bridge.")
+        else:
+            message = f"No response found with id '{response_id}'."
+        return error_response(ResponseNotFound(message, param="response_id"), {})
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> Response:
@@ -218,16 +222,28 @@ def _install_response_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/v1/responses/{response_id}/input_items")
     async def input_items(response_id: str, order: str = "desc", limit: int = 20, after: str | None = None) -> Response:
         found = await bridged(response_id)
-        if isinstance(found, Response):
-            return found
-        items = found.input if order == "asc" else list(reversed(found.input))
-        if after is not None:
-            ids = [i.get("id") for i in items]
-            items = items[ids.index(after) + 1:] if after in ids else []
-        page = items[: max(1, min(limit, 100))]
-        return Response(orjson.dumps({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                                      "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}),
-                        media_type="application/json")
+        return found if isinstance(found, Response) else _input_items_page(found, response_id, order, limit, after)
+
+
+def _input_items_page(record: Bridged, response_id: str, order: str, limit: int, after: str | None) -> Response:
+    """One page of a bridged response's input items (OpenAI API reference "List input items": ``order`` asc|desc,
+    ``limit`` 1..100, ``after`` an item id of the list); a bad parameter is a 400 naming it."""
+    bad = ("order", "expected 'asc' or 'desc'") if order not in ("asc", "desc") else (
+        ("limit", "expected an integer from 1 to 100") if not 1 <= limit <= 100 else None)
+    if bad is not None:
+        return error_response(InvalidRequest(f"Invalid value for '{bad[0]}': {bad[1]}.", param=bad[0],
+                                             code="invalid_value"), {})
+    items = record.input if order == "asc" else list(reversed(record.input))
+    if after is not None:
+        ids = [i.get("id") for i in items]
+        if after not in ids:
+            return error_response(InvalidRequest(f"No input item with id '{after}' in response '{response_id}'.",
+                                                 param="after", code="invalid_value"), {})
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return Response(orjson.dumps({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                                  "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}),
+                    media_type="application/json")
 
 
 def serve_app(loaded: LoadedConfig, settings: Settings, multiprocess_dir: str | None = None) -> HotPath:

@@ -52,13 +52,15 @@ class ResponseStore(Protocol):
         """The record of ``response_id``, or None (unknown or expired)."""
         ...
 
-    async def history(self, response_id: str) -> list[dict[str, Any]] | None:
+    async def history(self, response_id: str, refresh: bool = True) -> list[dict[str, Any]] | None:
         """Every item of the bridged conversation up to and including ``response_id``, in order (each turn's input,
-        then its output), or None when a link of it is missing. Continuing a conversation refreshes it."""
+        then its output), or None when a link of it is missing. Continuing a conversation (``refresh``) makes every
+        link of it live another ttl; a look that continues nothing (``/v1/tiergate/route``) does not."""
         ...
 
-    async def put(self, response_id: str, record: Record) -> None:
-        """Keep ``record`` under ``response_id``."""
+    async def put(self, response_id: str, record: Record) -> bool:
+        """Keep ``record`` under ``response_id``; False when it is larger than the whole store may hold (then it is
+        not kept, and nothing else is dropped for it)."""
         ...
 
     async def delete(self, response_id: str) -> bool:
@@ -89,11 +91,11 @@ class MemoryResponseStore:
     async def get(self, response_id: str) -> Record | None:
         return self._get(response_id, touch=False)
 
-    async def history(self, response_id: str) -> list[dict[str, Any]] | None:
+    async def history(self, response_id: str, refresh: bool = True) -> list[dict[str, Any]] | None:
         chain: list[Bridged] = []
         current: str | None = response_id
         while current is not None:
-            record = self._get(current, touch=True)
+            record = self._get(current, touch=refresh)
             if not isinstance(record, Bridged) or len(chain) > self.max_items:
                 return None
             chain.append(record)
@@ -104,13 +106,16 @@ class MemoryResponseStore:
             items += record.response.get("output") or []
         return items
 
-    async def put(self, response_id: str, record: Record) -> None:
+    async def put(self, response_id: str, record: Record) -> bool:
+        if isinstance(record, Bridged) and record.size > self.max_bytes:
+            return False  # evicting every other conversation for it would still not make it fit
         self._drop(response_id)
         self._records[response_id] = (self.clock() + self.ttl, record)
         if isinstance(record, Bridged):
             self.bytes += record.size
         while self._records and (len(self._records) > self.max_items or self.bytes > self.max_bytes):
             self._drop(next(iter(self._records)))
+        return True
 
     async def delete(self, response_id: str) -> bool:
         return self._drop(response_id)

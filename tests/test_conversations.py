@@ -8,6 +8,7 @@ that "works" because the gateway silently started afresh fails here.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +18,7 @@ import openai
 import orjson
 import pytest
 
-from gateway.tools.emulator import EmulatorConfig, EmulatorThread
+from gateway.tools.emulator import EmulatorConfig, EmulatorThread, Plan
 
 from conftest import Proc, sample, start_gateway
 
@@ -41,8 +42,10 @@ def gw(ups: dict[str, EmulatorThread], tmp_path_factory: pytest.TempPathFactory)
     cfg = {
         "default_tier": "standard",
         "upstreams": [
+            # bad answers are scripted on purpose here: no breaker opens (test_failover covers it)
             {"name": "emu-fast", "tier": "fast", "base_url": ups["fast"].base_url, "dialect": "cerebras",
-             "timeouts": timeouts, "models": {"gpt-5.6": "gpt-5.6-wse", "wse-only": "wse-only"}},
+             "timeouts": timeouts, "health": {"failures": 1000},
+             "models": {"gpt-5.6": "gpt-5.6-wse", "wse-only": "wse-only"}},
             {"name": "emu-standard", "tier": "standard", "base_url": ups["standard"].base_url, "dialect": "openai",
              "timeouts": timeouts, "models": {"gpt-5.6": "gpt-5.6-2026-10-01"}},
         ],
@@ -197,11 +200,13 @@ def test_what_the_bridge_cannot_serve_goes_native_or_is_refused(gw: Proc, ups: d
 
 
 def test_a_foreign_previous_response_id_never_reaches_a_chat_upstream(gw: Proc, ups: dict[str, EmulatorThread]) -> None:
-    """An id the gateway never made (another gateway's, or OpenAI's own): only a native upstream might know it."""
-    n = len(ups["fast"].requests)
+    """An id the gateway never made (another gateway's, or OpenAI's own): only a native upstream might know it, and
+    this one does not, so it says so (its 400 relayed), rather than a chat upstream starting afresh."""
+    n, n_std = len(ups["fast"].requests), len(ups["standard"].requests)
     resp = _create(gw, model=FAST, previous_response_id="resp_made_elsewhere", input="Go on")
-    assert resp.status_code == 200
-    assert (resp.headers["x-tiergate-tier"], resp.headers["x-tiergate-fallback"]) == ("standard", "response_affinity")
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "previous_response_not_found"
+    assert resp.headers["x-tiergate-fallback"] == "response_affinity"
+    assert _got(ups["standard"], n_std)[0][1]["previous_response_id"] == "resp_made_elsewhere"
     resp = _create(gw, model="wse-only", previous_response_id="resp_made_elsewhere", input="Go on")
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "previous_response_not_found"
     assert len(ups["fast"].requests) == n
@@ -223,3 +228,129 @@ def test_bridged_traffic_is_measured_like_native(gw: Proc) -> None:
     assert grew("tiergate_tokens_total", tier="fast", token_type="input") == final.usage.input_tokens
     assert grew("tiergate_time_to_first_token_seconds_count", **fast) == 1
     assert grew("tiergate_requests_total", tier="fast", outcome="success") == 1
+
+
+# ---- what an adversarial review found ------------------------------------------------------------------------
+
+def _sse(*chunks: dict[str, Any], done: bool = True) -> bytes:
+    return b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks) + (b"data: [DONE]\n\n" if done else b"")
+
+
+def _chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+@contextlib.contextmanager
+def _scripted(up: EmulatorThread, plan: Plan) -> Iterator[None]:
+    up.handler = lambda req: plan
+    try:
+        yield
+    finally:
+        up.handler = None
+
+
+STALLS_AFTER_DONE = Plan(parts=[(0, _sse(_chunk({"role": "assistant", "content": "Hi"}), _chunk({}, "stop"),
+                                         {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                                          "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1,
+                                                                   "total_tokens": 4}}))], end="stall")
+
+
+def test_a_response_is_kept_before_its_terminal_event_leaves(gw: Proc, ups: dict[str, EmulatorThread]) -> None:
+    """An agent sends its next turn the moment it reads ``response.completed``, and may close the stream then, while
+    the upstream's connection is still open: the response must already be held."""
+    with _scripted(ups["fast"], STALLS_AFTER_DONE):
+        for leave in (False, True):
+            with httpx.Client(timeout=10) as client, client.stream(
+                    "POST", _url(gw) + "/responses", json={"model": FAST, "input": "hi", "stream": True}) as resp:
+                rid = None
+                for line in resp.iter_lines():
+                    if line.startswith("data: ") and '"response.completed"' in line:
+                        rid = orjson.loads(line[6:])["response"]["id"]
+                        break
+                assert rid is not None
+                if not leave:  # follow up at once, the stream still open
+                    follow = _create(gw, model=FAST, previous_response_id=rid, input="and?")
+                    assert follow.status_code == 200, follow.text
+            if leave:  # left right after the terminal event
+                assert httpx.get(_url(gw) + f"/responses/{rid}", timeout=5).status_code == 200
+
+
+def test_a_response_larger_than_the_store_evicts_no_one_else(gw: Proc) -> None:
+    kept = [_create(gw, model=FAST, input=f"small {i}").json()["id"] for i in range(3)]
+    big = _create(gw, model=FAST, input="x" * (1 << 20) + " [[emulate tokens=2]]")  # over max_bytes (1 MiB)
+    assert big.status_code == 200
+    assert httpx.get(_url(gw) + f"/responses/{big.json()['id']}", timeout=5).status_code == 404
+    assert [httpx.get(_url(gw) + f"/responses/{r}", timeout=5).status_code for r in kept] == [200] * 3
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"previous_response_id": 123}, "previous_response_id"),
+    ({"input": {"role": "user"}}, "input"),
+    ({"input": ["hi"]}, "input[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input[0]"),
+    ({"input": "x", "tools": {"type": "function"}}, "tools"),
+])
+def test_a_wrong_type_is_a_400_naming_it_never_a_guess(gw: Proc, ups: dict[str, EmulatorThread],
+                                                       body: dict[str, Any], param: str) -> None:
+    n = len(ups["fast"].requests)
+    resp = _create(gw, model="wse-only", **body)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == (param, "invalid_type", "invalid_request_error")
+    assert len(ups["fast"].requests) == n
+
+
+@pytest.mark.parametrize("answer", [b'{"error":{"message":"busy","type":"server_error"}}', b'{"choices":[]}',
+                                    b'{"id":"x","object":"chat.completion","choices":[{"index":0,"message":null}]}'])
+def test_a_chat_answer_without_a_message_is_a_bad_response(gw: Proc, ups: dict[str, EmulatorThread],
+                                                           answer: bytes) -> None:
+    with _scripted(ups["fast"], Plan(headers={"content-type": "application/json"}, parts=[(0, answer)],
+                                     chunked=False)):
+        only = _create(gw, model="wse-only", input="hi")
+        moved = _create(gw, model=FAST, input="hi")
+    assert only.status_code == 502 and only.json()["error"]["code"] == "upstream_bad_response"
+    assert (moved.status_code, moved.headers["x-tiergate-tier"]) == (200, "standard")
+    assert moved.headers["x-tiergate-fallback"] == "upstream_bad_response"
+
+
+def test_routing_counts_the_held_conversation(gw: Proc) -> None:
+    first = _create(gw, model=FAST, input="y" * 40_000).json()
+    route = httpx.post(_url(gw) + "/tiergate/route", timeout=5, json={
+        "model": FAST, "previous_response_id": first["id"], "input": "short", "metadata": {"messages": "not chat"}})
+    assert route.status_code == 200, route.text
+    facts = route.json()["facts"]
+    assert facts["api"] == "responses" and facts["prompt_tokens_estimate"] > 10_000
+
+
+def test_native_responses_and_input_item_pages_say_what_is_wrong(gw: Proc) -> None:
+    native = _create(gw, model="gpt-5.6", input="Hi").json()["id"]
+    resp = httpx.get(_url(gw) + f"/responses/{native}", timeout=5)
+    assert resp.status_code == 404 and "emu-standard" in resp.json()["error"]["message"]
+    held = _create(gw, model=FAST, input="Hi").json()["id"]
+    for params, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"order": "up"}, "order"),
+                          ({"after": "msg_nope"}, "after")):
+        resp = httpx.get(_url(gw) + f"/responses/{held}/input_items", params=params, timeout=5)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, params
+
+
+async def test_the_store_bounds_and_a_look_that_continues_nothing() -> None:
+    from gateway.conversations import Bridged, MemoryResponseStore
+
+    now = [0.0]
+    store = MemoryResponseStore(max_items=3, max_bytes=100, ttl=10, clock=lambda: now[0])
+
+    def turn(previous: str | None, size: int = 10) -> Bridged:
+        return Bridged({"output": [{"type": "message"}]}, [{"type": "message"}], previous, size)
+
+    assert await store.put("r1", turn(None)) and await store.put("r2", turn("r1"))
+    assert not await store.put("huge", turn(None, 101)) and len(store) == 2  # kept no one out for it
+    now[0] = 9
+    assert await store.history("r2", refresh=False) is not None  # /v1/tiergate/route: a look only
+    now[0] = 11
+    assert await store.history("r2") is None  # it was not refreshed by the look
+    assert await store.put("a", turn(None)) and await store.put("b", turn("a"))
+    now[0] = 20
+    assert len(await store.history("b") or []) == 4  # continued: both links live another ttl
+    now[0] = 29
+    assert await store.get("a") is not None

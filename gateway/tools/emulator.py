@@ -7,8 +7,10 @@ It answers in two ways:
   chunk, content chunks, finish chunk, a ``choices: []`` usage chunk only with ``stream_options.include_usage``,
   ``[DONE]``) or the Cerebras dialect (usage and ``time_info`` on the finish chunk, no ``[DONE]``); answers
   non-streaming requests after the same simulated generation time (OpenAI dialect: with an
-  ``openai-processing-ms`` header); serves ``/v1/responses`` the same way; and replays a recorded transcript from
-  ``shared/fixtures/upstream`` at the configured pace;
+  ``openai-processing-ms`` header); serves ``/v1/responses`` the same way (OpenAI dialect only: Cerebras' API
+  has none; a ``previous_response_id`` it did not make is a 400 ``previous_response_not_found``, as OpenAI's);
+  acts enough like a model for agents to run (tool calls, JSON answers, ``n``, token limits: :class:`Generation`);
+  and replays a recorded transcript from ``shared/fixtures/upstream`` at the configured pace;
 * **by script**: a ``handler(Received) -> Plan | None`` given in Python (tests: :class:`EmulatorThread`) plays
   a :class:`Plan` byte for byte: status, headers, body parts each written after its delay, then a clean end, a
   close inside the body, a TCP reset, silence, or a connection closed without an answer.
@@ -44,12 +46,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import re
 import socket
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,6 +173,9 @@ class Emulator:
         self.requests: list[Received] = []
         self.opened = 0
         self.closed_at: list[float] = []
+        # ids of the Responses API responses made (newest last, bounded): a follow-up to any other is refused, as
+        # OpenAI refuses it, so that a gateway that starts a conversation afresh is caught
+        self.responses_made: OrderedDict[str, None] = OrderedDict()
         self._log: TextIO | None = timing_log.open("a", buffering=1) if timing_log else None
 
     def protocol(self) -> EmulatorProtocol:
@@ -305,13 +312,25 @@ class EmulatorProtocol(asyncio.Protocol):
         if "status" in d:
             self._error(int(d["status"]), d)
             return
+        previous = body.get("previous_response_id")
+        if path.endswith(b"/responses") and previous is not None and previous not in self.emulator.responses_made:
+            self._reply(400, orjson.dumps({"error": {"message": f"Previous response with id '{previous}' not found.",
+                                                     "type": "invalid_request_error", "param": "previous_response_id",
+                                                     "code": "previous_response_not_found"}}))
+            return
         if "transcript" in d:
             self._replay(d["transcript"], d, stream=body.get("stream") is True)
             return
         if "fault" in d:
             self._fault(d["fault"], body, d)
             return
-        Generation(self, body, d, responses=path.endswith(b"/responses")).start()
+        gen = Generation(self, body, d, responses=path.endswith(b"/responses"))
+        if gen.responses:
+            made = self.emulator.responses_made
+            made[gen.response_id] = None
+            if len(made) > 10_000:
+                made.popitem(last=False)
+        gen.start()
 
     def _fault(self, name: str, body: dict[str, Any], d: dict[str, str]) -> None:
         """Play one of :data:`FAULTS` (chat completions, either dialect)."""
@@ -582,9 +601,7 @@ def _typed_instance(schema: dict[str, Any], root: Any, depth: int) -> Any:
         return [schema_instance(schema.get("items", {}), root, depth + 1)
                 for _ in range(max(1, schema.get("minItems", 1)))]
     if kind in ("integer", "number"):
-        low = schema.get("minimum", schema.get("exclusiveMinimum", 0))
-        value = max(low, min(schema.get("maximum", 7), 7))
-        return int(value) + (1 if "exclusiveMinimum" in schema else 0) if kind == "integer" else float(value) + 0.5
+        return _number(schema, kind == "integer")
     if kind == "boolean":
         return True
     if kind == "null":
@@ -592,7 +609,29 @@ def _typed_instance(schema: dict[str, Any], root: Any, depth: int) -> Any:
     formats = {"date-time": "2026-12-01T00:00:00Z", "date": "2026-12-01", "email": "agent@example.com",
                "uri": "https://example.com/", "uuid": "00000000-0000-4000-8000-000000000000"}
     text = formats.get(schema.get("format", ""), "example")
-    return text + "x" * max(0, schema.get("minLength", 0) - len(text))
+    text += "x" * max(0, schema.get("minLength", 0) - len(text))
+    return text[: schema["maxLength"]] if isinstance(schema.get("maxLength"), int) else text
+
+
+def _number(schema: dict[str, Any], integer: bool) -> int | float:
+    """A number inside ``minimum`` / ``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum`` (7 when unbounded):
+    the middle of both bounds, else one past the one given."""
+    low = schema.get("minimum", schema.get("exclusiveMinimum"))
+    high = schema.get("maximum", schema.get("exclusiveMaximum"))
+    if low is not None and high is not None:
+        value = (low + high) / 2
+    elif low is not None:
+        value = low + 1
+    elif high is not None:
+        value = high - 1
+    else:
+        value = 7
+    if not integer:
+        return float(value)
+    whole = int(math.floor(value))
+    if low is not None and (whole < low or (whole == low and "exclusiveMinimum" in schema)):
+        whole += 1  # e.g. between 1 and 2 exclusive of 1: no integer fits, and none can
+    return whole
 
 
 def _pieces(text: str, size: int = 4) -> list[str]:
@@ -609,8 +648,9 @@ class Generation:
     A ``json_schema`` answer format (``response_format`` / ``text.format``) makes the text a JSON instance of the
     schema (``json_object``: ``{"answer": ...}``). The answer's length is the ``tokens`` directive, else that of the
     JSON or tool call, else the request's token limit (``max_completion_tokens`` / ``max_tokens`` /
-    ``max_output_tokens``), else 48; past the limit it is cut there with ``finish_reason: "length"`` (Responses:
-    ``incomplete``, ``max_output_tokens``). ``n`` choices (chat) each carry the same answer.
+    ``max_output_tokens``: text runs until the limit stops it), else 48; an answer stopped by the limit ends with
+    ``finish_reason: "length"`` (Responses: ``incomplete``, ``max_output_tokens``). ``n`` choices (chat) each carry
+    the same answer.
     """
 
     def __init__(self, proto: EmulatorProtocol, body: dict[str, Any], d: dict[str, str],
@@ -627,6 +667,7 @@ class Generation:
         self.with_usage = d.get("usage") != "none"
         self.model = str(body.get("model", "emulated")).encode()
         self.id = b"chatcmpl-emu" + os.urandom(8).hex().encode()  # unique per answer, as an agent's history needs
+        self.response_id = "resp_emu" + self.id[12:].decode()
         self.created = int(time.time())
         self.prompt_tokens = max(1, len(orjson.dumps(body.get("messages", body.get("input", [])))) // 4)
         n = body.get("n")
@@ -651,6 +692,8 @@ class Generation:
         else:
             want = int(self.d["tokens"]) if "tokens" in self.d else min(limit or 48, cap)
             natural = [WORDS[i % len(WORDS)].decode() for i in range(max(1, want))]
+            if "tokens" not in self.d and limit is not None and limit <= cap:
+                return natural, "length"  # a model that talks until the limit stops it
         if "tokens" in self.d and (tool is not None or schema is not None):
             natural = natural[: max(1, int(self.d["tokens"]))]
         if limit is not None and len(natural) > limit:
@@ -770,7 +813,7 @@ class Generation:
     def _response(self, status: str) -> dict[str, Any]:
         """A Responses API ``response`` object (OpenAPI ``Response``), minimal."""
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        out: dict[str, Any] = {"id": "resp_emu" + self.id[12:].decode(), "object": "response",
+        out: dict[str, Any] = {"id": self.response_id, "object": "response",
                                "created_at": self.created, "status": status, "model": self.model.decode(),
                                "output": [], "usage": None,
                                "incomplete_details": incomplete, "parallel_tool_calls": True,

@@ -1,0 +1,132 @@
+"""The emulator acts enough like a model for agents to run (issue 12): tool calls whose arguments satisfy the tool's
+JSON schema until a tool result comes back, then text; ``n``; token limits (``length`` / ``incomplete``);
+``response_format`` / ``text.format`` JSON schemas. Checked over loopback against the emulator alone, with the
+``jsonschema`` library and the openai SDK's types as judges."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+from openai.types.chat import ChatCompletion
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import BaseModel, Field, TypeAdapter
+
+from gateway.tools.emulator import EmulatorConfig, EmulatorThread, schema_instance
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days", "unit"], "properties": {
+    "city": {"type": "string", "minLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 3},
+    "unit": {"type": "string", "enum": ["c", "f"]}}}
+CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}
+RESPONSES_TOOL = {"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": True}
+EVENT: TypeAdapter[ResponseStreamEvent] = TypeAdapter(ResponseStreamEvent)
+
+
+@pytest.fixture(scope="module")
+def emu() -> Iterator[dict[str, EmulatorThread]]:
+    quick = {"tps": 5000.0, "ttft": 0.001}
+    out = {d: EmulatorThread(config=EmulatorConfig(dialect=d, **quick)) for d in ("openai", "cerebras")}  # type: ignore[arg-type]
+    yield out
+    for e in out.values():
+        e.stop()
+
+
+def _post(emu: EmulatorThread, path: str, **body: Any) -> httpx.Response:
+    return httpx.post(emu.base_url + path, json={"model": "m", **body}, timeout=10)
+
+
+def _chat_stream(emu: EmulatorThread, **body: Any) -> list[dict[str, Any]]:
+    raw = _post(emu, "/chat/completions", stream=True, **body).content
+    return [json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+
+
+class Forecast(BaseModel):
+    city: str = Field(min_length=1, max_length=3)
+    high: float = Field(gt=-90, lt=60)
+    days: list[int] = Field(min_length=2)
+    kind: str | None = None
+
+
+@pytest.mark.parametrize("schema", [
+    WEATHER,
+    Forecast.model_json_schema(),
+    {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "$defs": {"A": {"type": "array", "items": {
+        "anyOf": [{"type": "null"}, {"type": "number", "exclusiveMinimum": 0, "maximum": 1}]}, "minItems": 3}}},
+    {"type": "object", "properties": {"when": {"type": "string", "format": "date-time"}, "n": {
+        "type": ["null", "integer"], "exclusiveMinimum": 4, "exclusiveMaximum": 6}, "c": {"const": "x"}}},
+    {"allOf": [{"type": "object", "properties": {"a": {"type": "boolean"}}},
+               {"type": "object", "properties": {"b": {"type": "string", "maxLength": 2}}}]},
+], ids=["enum_min_max", "pydantic", "ref_anyof_exclusive", "format_nullable_const", "allof_maxlength"])
+def test_schema_instances_validate(schema: dict[str, Any]) -> None:
+    jsonschema.validate(schema_instance(schema), schema)
+
+
+def test_chat_calls_the_tool_then_answers_after_its_result(emu: dict[str, EmulatorThread]) -> None:
+    for dialect, up in emu.items():
+        msgs = [{"role": "user", "content": "weather?"}]
+        first = ChatCompletion.model_validate(_post(up, "/chat/completions", messages=msgs, tools=[CHAT_TOOL]).json())
+        call = first.choices[0].message.tool_calls[0]  # type: ignore[index]
+        assert first.choices[0].finish_reason == "tool_calls", dialect
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)  # type: ignore[union-attr]
+        msgs += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        second = ChatCompletion.model_validate(_post(up, "/chat/completions", messages=msgs,
+                                                     tools=[CHAT_TOOL]).json())
+        assert second.choices[0].finish_reason == "stop" and second.choices[0].message.content
+        # streamed: the same call, its arguments in deltas
+        chunks = _chat_stream(up, messages=msgs[:1], tools=[CHAT_TOOL], tool_choice="required")
+        args = "".join(c["choices"][0]["delta"].get("tool_calls", [{}])[0].get("function", {}).get("arguments", "")
+                       for c in chunks if c["choices"])
+        jsonschema.validate(json.loads(args), WEATHER)
+        # (Cerebras leaves finish_reason out of the chunks before the last, as its API does)
+        assert [c["choices"][0].get("finish_reason") for c in chunks if c["choices"]][-1] == "tool_calls"
+
+
+def test_chat_n_limits_and_json(emu: dict[str, EmulatorThread]) -> None:
+    up = emu["openai"]
+    msgs = [{"role": "user", "content": "hi"}]
+    whole = _post(up, "/chat/completions", messages=msgs, n=3).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    chunks = _chat_stream(up, messages=msgs, n=2, stream_options={"include_usage": True})
+    assert {c["choices"][0]["index"] for c in chunks if c["choices"]} == {0, 1}
+    cut = _post(up, "/chat/completions", messages=msgs, max_completion_tokens=3).json()
+    assert cut["choices"][0]["finish_reason"] == "length" and cut["usage"]["completion_tokens"] == 3
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "strict": True, "schema": WEATHER}}
+    text = _post(up, "/chat/completions", messages=msgs, response_format=fmt).json()["choices"][0]["message"]
+    jsonschema.validate(json.loads(text["content"]), WEATHER)
+    obj = _post(up, "/chat/completions", messages=msgs, response_format={"type": "json_object"}).json()
+    assert isinstance(json.loads(obj["choices"][0]["message"]["content"]), dict)
+
+
+def test_responses_natively_and_only_on_the_openai_dialect(emu: dict[str, EmulatorThread]) -> None:
+    up = emu["openai"]
+    first = Response.model_validate(_post(up, "/responses", input="weather?", tools=[RESPONSES_TOOL]).json())
+    call = first.output[0]
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    after = _post(up, "/responses", tools=[RESPONSES_TOOL], input=[
+        {"role": "user", "content": "weather?"}, call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]).json()
+    assert Response.model_validate(after).output_text
+    fmt = {"type": "json_schema", "name": "w", "strict": True, "schema": WEATHER}
+    jsonschema.validate(json.loads(Response.model_validate(_post(up, "/responses", input="x", text={
+        "format": fmt}).json()).output_text), WEATHER)
+    cut = Response.model_validate(_post(up, "/responses", input="x", max_output_tokens=2).json())
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"  # type: ignore[union-attr]
+    raw = _post(up, "/responses", input="x", stream=True, tools=[RESPONSES_TOOL]).content
+    events = [EVENT.validate_json(e.split(b"\ndata: ", 1)[1]) for e in raw.split(b"\n\n") if e]
+    assert events[-1].type == "response.completed" and [e.sequence_number for e in events] == list(range(len(events)))
+    # Cerebras Inference has no Responses API: the emulator of its dialect neither
+    assert _post(emu["cerebras"], "/responses", input="x").status_code == 404
+
+
+def test_a_follow_up_to_a_response_the_emulator_never_made_is_refused(emu: dict[str, EmulatorThread]) -> None:
+    up = emu["openai"]
+    resp = _post(up, "/responses", input="x", previous_response_id="resp_unknown")
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "previous_response_not_found"
+    made = _post(up, "/responses", input="x").json()["id"]
+    assert _post(up, "/responses", input="y", previous_response_id=made).status_code == 200
