@@ -601,9 +601,10 @@ class BridgeRelay(Relay):
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
             if isinstance(reasoning, str) and reasoning:
                 self._reasoning(reasoning, out)
-            text = _content_text(delta.get("content"))
+            content = delta.get("content")
+            text = content if type(content) is str else _content_text(content)  # per chunk: the common case first
             if text:
-                self._text(text, out, _logprobs(choice.get("logprobs")))
+                self._text(text, out, _logprobs(choice["logprobs"]) if choice.get("logprobs") else None)
             if isinstance(delta.get("refusal"), str) and delta["refusal"]:
                 self._refusal(delta["refusal"], out)
             for call in _list(delta.get("tool_calls")):
