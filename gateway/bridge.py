@@ -60,7 +60,7 @@ import orjson
 from gateway.errors import UpstreamBadResponse, event_error
 from gateway.relay import Relay, Write, delta_has_token
 from gateway.sse import SSEEvent
-from gateway.wire import dumps
+from gateway.wire import dumps, loads
 
 ID_PREFIX = "resp_tg"  # the ids of responses the gateway made: it knows an unknown one of these expired
 # fields of a Responses request the bridge maps or may drop (module docstring); anything else is not bridged
@@ -172,12 +172,19 @@ def _tool_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
 
 
 def _input_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
-    for item in _list(body.get("input")):
+    for i, item in enumerate(_list(body.get("input"))):
         if not isinstance(item, dict):
             return "input", "input items must be objects"
         kind = item.get("type", "message")
         if kind not in _ITEMS:
             return "input", f"input items of type `{kind}` need the Responses API itself"
+        if kind == "reasoning":
+            continue  # dropped whole, whatever it holds (a client sends back the reasoning it was given)
+        output = item.get("output")
+        if kind == "function_call_output" and isinstance(output, list) and any(
+                _dict(p).get("type") not in ("input_text", "output_text", "text") for p in output):
+            return f"input[{i}].output", "a tool output with images or files needs the Responses API itself (a " \
+                "chat `tool` message holds text only)"
         for part in _list(item.get("content")):
             if _dict(part).get("type") not in _PARTS:
                 return "input", f"content parts of type `{_dict(part).get('type')}` are not bridged"
@@ -197,6 +204,22 @@ def input_items(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         item.setdefault("id", new_id({"message": "msg_tg", "function_call": "fc_tg"}.get(item["type"], "it_tg")))
         out.append(item)
     return out
+
+
+OWN_ITEM_PREFIXES = ("msg_tg", "fc_tg", "rs_tg", "it_tg")  # ids of the output items the gateway made (new_id)
+
+
+def native_input(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """For a native upstream: the request's ``input`` without what only the gateway knows, or None when it holds
+    nothing of the gateway's. A client that resends a bridged conversation in full sends back the gateway's item
+    ids, which the upstream never issued (and reasoning it cannot read): :func:`as_input` takes them off those
+    items; items the upstream made keep their ids."""
+    items = _list(body.get("input"))
+    own = [isinstance(i, dict) and str(i.get("id", "")).startswith(OWN_ITEM_PREFIXES) for i in items]
+    if not any(own):
+        return None
+    return [cleaned for item, mine in zip(items, own, strict=True)
+            for cleaned in (as_input([item]) if mine else [item])]
 
 
 def as_input(items: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -434,6 +457,8 @@ def whole_response(completion: dict[str, Any], draft: Draft) -> dict[str, Any]:
         raise UpstreamBadResponse("The upstream answered 200 without a chat completion message.")
     if isinstance(completion.get("model"), str):
         draft.model = completion["model"]
+    incomplete = _INCOMPLETE.get(str(choice.get("finish_reason")))
+    status = "incomplete" if incomplete else "completed"  # the items the limit cut too, as the API marks them
     output: list[dict[str, Any]] = []
     reasoning = message.get("reasoning_content") or message.get("reasoning")
     if isinstance(reasoning, str) and reasoning:
@@ -447,16 +472,15 @@ def whole_response(completion: dict[str, Any], draft: Draft) -> dict[str, Any]:
     if isinstance(message.get("refusal"), str) and message["refusal"]:
         parts.append({"type": "refusal", "refusal": message["refusal"]})
     if parts:
-        output.append({"id": new_id("msg_tg"), "type": "message", "status": "completed", "role": "assistant",
+        output.append({"id": new_id("msg_tg"), "type": "message", "status": status, "role": "assistant",
                        "content": parts})
     for call in _list(message.get("tool_calls")):
         call = _dict(call)
         fn = _dict(call.get("function"))
-        output.append({"id": new_id("fc_tg"), "type": "function_call", "status": "completed",
+        output.append({"id": new_id("fc_tg"), "type": "function_call", "status": status,
                        "call_id": _str(call.get("id")) or new_id("call_tg"), "name": _str(fn.get("name")),
                        "arguments": _str(fn.get("arguments"))})
-    incomplete = _INCOMPLETE.get(str(choice.get("finish_reason")))
-    return draft.response("incomplete" if incomplete else "completed", output,
+    return draft.response(status, output,
                           response_usage(completion.get("usage")), incomplete)
 
 
@@ -464,7 +488,7 @@ class _Item:
     """One output item being streamed: its index, id, kind and what it accumulated."""
 
     __slots__ = ("index", "id", "kind", "pieces", "refusals", "logprobs", "text_part", "refusal_part", "call_id",
-                 "name", "done", "heads")
+                 "name", "done", "status", "heads")
 
     def __init__(self, index: int, kind: str, prefix: str) -> None:
         self.index = index
@@ -479,15 +503,17 @@ class _Item:
         self.call_id = ""
         self.name = ""
         self.done = False
+        self.status = "in_progress"  # completed or incomplete once done
         self.heads: dict[str, bytes] = {}  # delta event type -> its bytes up to the delta (see BridgeRelay._delta)
 
     @property
     def text(self) -> str:
         return "".join(self.pieces)
 
-    def seal(self) -> None:
-        """The item is done: its text joined once (``text`` is then the string itself)."""
+    def seal(self, status: str = "completed") -> None:
+        """The item is done (``status``): its text joined once (``text`` is then the string itself)."""
         self.done = True
+        self.status = status
         self.pieces = ["".join(self.pieces)]
         self.refusals = ["".join(self.refusals)]
 
@@ -577,7 +603,14 @@ class BridgeRelay(Relay):
             try:
                 chunk = orjson.loads(data)
             except orjson.JSONDecodeError:
-                continue
+                try:
+                    chunk = loads(data)  # e.g. a lone surrogate escape (an emoji split by the upstream)
+                except ValueError:
+                    chunk = None
+                if type(chunk) is not dict:  # nothing can be translated from it: never a silent gap
+                    stats.error = "upstream_bad_response"
+                    self._failed(out, None, "upstream_bad_response", "The upstream sent an event that is not JSON.")
+                    continue
             if type(chunk) is not dict:
                 continue
             self._start(out)
@@ -675,7 +708,8 @@ class BridgeRelay(Relay):
         if item is None or item.done:
             self._close_open(out)
             item = _Item(len(self._items), "function_call", "fc_tg")
-            item.call_id = cid or new_id("call_tg")
+            # a call id the stream already used would make two calls one for the client (and its SDK refuses it)
+            item.call_id = cid if cid and all(c.call_id != cid for c in self._calls.values()) else new_id("call_tg")
             item.name = name
             self._items.append(item)
             self._calls[index] = item
@@ -687,11 +721,11 @@ class BridgeRelay(Relay):
             item.pieces.append(arguments)
             self._delta(out, "response.function_call_arguments.delta", item, arguments, None)
 
-    def _close_open(self, out: list[bytes]) -> None:
+    def _close_open(self, out: list[bytes], status: str = "completed") -> None:
         item, self._open = self._open, None
         if item is None:
             return
-        item.seal()
+        item.seal(status)
         if item.kind == "reasoning":
             self._emit(out, "response.reasoning_text.done", item_id=item.id, output_index=item.index,
                        content_index=0, text=item.text)
@@ -709,25 +743,25 @@ class BridgeRelay(Relay):
                            content_index=item.refusal_part, refusal=item.refusal)
                 self._emit(out, "response.content_part.done", item_id=item.id, output_index=item.index,
                            content_index=item.refusal_part, part={"type": "refusal", "refusal": item.refusal})
-        self._emit(out, "response.output_item.done", output_index=item.index, item=item.item("completed"))
+        self._emit(out, "response.output_item.done", output_index=item.index, item=item.item(status))
 
-    def _close_calls(self, out: list[bytes]) -> None:
+    def _close_calls(self, out: list[bytes], status: str = "completed") -> None:
         for item in sorted(self._calls.values(), key=lambda i: i.index):
             if item.done:
                 continue
-            item.seal()
+            item.seal(status)
             self._emit(out, "response.function_call_arguments.done", item_id=item.id, output_index=item.index,
                        name=item.name, arguments=item.text)
-            self._emit(out, "response.output_item.done", output_index=item.index, item=item.item("completed"))
+            self._emit(out, "response.output_item.done", output_index=item.index, item=item.item(status))
 
     def _terminal(self, out: list[bytes]) -> None:
         """The chat stream ended well: close every item, then ``response.completed`` (or ``incomplete``)."""
         self._start(out)
-        self._close_open(out)
-        self._close_calls(out)
         incomplete = _INCOMPLETE.get(self._finish or "")
         status = "incomplete" if incomplete else "completed"
-        self.response = self.draft.response(status, [i.item("completed") for i in self._items],
+        self._close_open(out, status)  # the items the limit cut are incomplete too, as the API marks them
+        self._close_calls(out, status)
+        self.response = self.draft.response(status, [i.item(i.status) for i in self._items],
                                             response_usage(self.stats.usage), incomplete)
         self._emit(out, f"response.{status}", response=self.response)
         self.stats.done = True
@@ -749,7 +783,7 @@ class BridgeRelay(Relay):
             kind = "server_error"
         if code and code != kind:
             message = f"{message} ({code})"
-        output = [i.item("completed" if i.done else "incomplete") for i in self._items]
+        output = [i.item(i.status if i.done else "incomplete") for i in self._items]
         self.response = self.draft.response("failed", output, response_usage(self.stats.usage),
                                             error={"code": kind, "message": message})
         self._emit(out, "response.failed", response=self.response)

@@ -297,8 +297,8 @@ def event_error(event: dict[str, Any]) -> UpstreamStatusError:
         data = {"message": data}
     status = next((v for k in ("status_code", "status", "code") if _is_status(v := data.get(k))), None)
     if status is None:
-        status = next((_STATUS_BY_NAME[n] for n in (data.get("code"), data.get("type")) if n in _STATUS_BY_NAME),
-                      500)
+        status = next((_STATUS_BY_NAME[n] for n in (data.get("code"), data.get("type"))
+                       if isinstance(n, str) and n in _STATUS_BY_NAME), 500)  # an upstream may send objects there
     if not _text(data.get("message")):
         data = {**data, "message": "The upstream sent an error event: " + orjson.dumps(data).decode()[:2000]}
     return _normalise(status, data, {})

@@ -20,6 +20,7 @@ from pydantic import TypeAdapter
 
 from gateway import bridge
 from gateway.errors import GatewayError
+from gateway.wire import loads
 
 from conftest import FIXTURES, chunk, sse
 
@@ -209,7 +210,7 @@ async def _bridge(reads: list[bytes], **body: Any) -> tuple[list[dict[str, Any]]
     for raw in out.split(b"\n\n")[:-1]:
         head, data = raw.split(b"\n", 1)
         assert head.startswith(b"event: ") and data.startswith(b"data: ")
-        event = orjson.loads(data[6:])
+        event = loads(data[6:])  # a lone surrogate is written escaped, as the upstream sent it
         assert event["type"] == head[7:].decode()  # the event: line names its type
         events.append(event)
     assert out.endswith(b"\n\n") and b"[DONE]" not in out
@@ -460,3 +461,72 @@ def test_content_as_text_parts_is_read_and_a_completion_without_a_message_is_a_b
 def test_a_value_of_the_wrong_shape_is_named_not_dropped(extra: dict[str, Any], param: str) -> None:
     found = bridge.unbridgeable({"model": "m", "input": "x", **extra})
     assert found is not None and (found[0], found[2]) == (param, "invalid_type")
+
+
+# ---- a second review ---------------------------------------------------------------------------------------
+
+def test_reasoning_sent_back_bridges_and_is_dropped() -> None:
+    body = {"model": "m", "input": [
+        {"role": "user", "content": "hi"},
+        {"type": "reasoning", "id": "rs_tg1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+        {"type": "message", "id": "msg_tg1", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "Hello", "annotations": []}]},
+        {"role": "user", "content": "again"}]}
+    assert bridge.unbridgeable(body) is None
+    assert bridge.chat_request(body, [])["messages"] == [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "again"}]
+    # to a native upstream: the gateway's own items lose their ids and the reasoning goes; the upstream's stay
+    body["input"].append({"type": "function_call", "id": "fc_up1", "call_id": "c", "name": "f", "arguments": "{}"})
+    assert bridge.native_input(body) == [
+        {"role": "user", "content": "hi"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello",
+                                                               "annotations": []}]},
+        {"role": "user", "content": "again"},
+        {"type": "function_call", "id": "fc_up1", "call_id": "c", "name": "f", "arguments": "{}"}]
+    assert bridge.native_input({"model": "m", "input": "hi"}) is None
+
+
+def test_a_tool_output_with_an_image_is_not_flattened_to_text() -> None:
+    found = bridge.unbridgeable({"model": "m", "input": [{"type": "function_call_output", "call_id": "c", "output": [
+        {"type": "input_text", "text": "see"}, {"type": "input_image", "image_url": "https://example.com/a.png"}]}]})
+    assert found is not None and (found[0], found[2]) == ("input[0].output", "unsupported_parameter")
+
+
+async def test_a_chunk_only_the_standard_library_reads_is_read_and_garbage_fails_the_response() -> None:
+    split = '{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,' \
+            '"delta":{"content":"\\ud83d"},"finish_reason":null}]}'  # half an emoji: a lone surrogate escape
+    events, _ = await _bridge([sse(chunk(role=True), chunk("a"), split, chunk(finish="stop"))])
+    assert events[-1]["type"] == "response.completed"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "a\ud83d"
+    events, relay = await _bridge([sse(chunk(role=True), chunk("a"), "{not json", chunk(finish="stop"))])
+    assert events[-1]["type"] == "response.failed" and relay.stats.error == "upstream_bad_response"
+    assert "upstream_bad_response" in events[-1]["response"]["error"]["message"]
+
+
+async def test_what_the_token_limit_cut_is_marked_incomplete() -> None:
+    call = _delta_chunk({"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "f", "arguments": '{"a'}}]})
+    events, _ = await _bridge([sse(chunk(role=True), chunk("Let me"), call, _delta_chunk({}, "length"))],
+                              max_output_tokens=3)
+    assert events[-1]["type"] == "response.incomplete"
+    assert [i["status"] for i in events[-1]["response"]["output"]] == ["completed", "incomplete"]
+    done = [e["item"]["status"] for e in events if e["type"] == "response.output_item.done"]
+    assert done == ["completed", "incomplete"]
+    whole = bridge.whole_response({"choices": [{"index": 0, "finish_reason": "length", "message": {
+        "role": "assistant", "content": "Once upon"}}]}, _draft(max_output_tokens=2))
+    assert [i["status"] for i in whole["output"]] == ["incomplete"]
+
+
+async def test_a_call_id_used_twice_becomes_two_calls() -> None:
+    calls = [{"index": i, "id": "call_same", "function": {"name": "f", "arguments": "{}"}} for i in (0, 1)]
+    events, _ = await _bridge([sse(chunk(role=True), *[_delta_chunk({"tool_calls": [c]}) for c in calls],
+                                   _delta_chunk({}, "tool_calls"))])
+    final = _check(events)
+    assert len({i.call_id for i in final.output}) == 2 and final.output[0].call_id == "call_same"
+
+
+def test_an_error_event_with_objects_where_names_go_is_still_read() -> None:
+    from gateway.errors import event_error
+
+    err = event_error({"error": {"message": "bad", "type": {"kind": "x"}, "code": {"n": 1}}})
+    assert err.status == 500 and err.message == "bad"
