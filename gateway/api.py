@@ -49,7 +49,7 @@ from gateway.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of, r
 from gateway.health import Health
 from gateway.metrics import Metrics
 from gateway.policy import Candidate, Continuation, Decision, Policy, RequestFacts
-from gateway.relay import Relay, Write
+from gateway.relay import Relay, StreamStats, Write
 from gateway.upstream import Answer, Attempt, Transport
 from gateway.wire import (
     chat_usage,
@@ -246,6 +246,9 @@ class Gateway:
             body = {**{k: v for k, v in body.items() if k != "previous_response_id"},
                     "input": bridge.as_input([*history, *bridge.input_items(body)])}
             raw = dumps(body)
+        elif b"_tg" in raw and (own := bridge.native_input(body)) is not None:  # the bytes test spares a scan
+            body = {**body, "input": own}
+            raw = dumps(body)
         return upstream_body(raw, body, cand.upstream_model, up.dialect, False), "/responses"
 
     def _attempting(self, ex: Exchange, decision: Decision, up: UpstreamConfig, tried: int,
@@ -298,21 +301,28 @@ class Gateway:
         except asyncio.CancelledError:
             if ex.gone_at is not None:
                 await relay.tail(answer)  # the client left: a finished answer's usage still follows
+                if relay.stats.error:  # it had already failed (an agent may close on response.failed)
+                    self._broke(ex, attempt, relay.stats)
             raise
         if stats.error:
-            self.metrics.upstream_errors.labels(ex.tier, ex.upstream, stats.error).inc()
-        if stats.error_event is not None:
-            # the upstream's own error event: its status says whose fault it is (Groq's tool_use_failed carries
-            # status_code 400: the request's, the upstream is up; an overloaded server_error counts against it)
-            attempt.failed(event_error(stats.error_event))
-        elif stats.error:
-            attempt.failed(UpstreamUnavailable("The upstream stream broke after its first token.", code=stats.error))
+            self._broke(ex, attempt, stats)
         else:
             attempt.ok()
         if stats.complete:
             attempt.done()
         ex.record("stream_error" if stats.error else "success", **ex.stream_figures())
         await ex.end_stream()
+
+    def _broke(self, ex: Exchange, attempt: Attempt, stats: StreamStats) -> None:
+        """The stream failed after its first token: count it, and tell the upstream's health."""
+        assert stats.error is not None
+        self.metrics.upstream_errors.labels(ex.tier, ex.upstream, stats.error).inc()
+        if stats.error_event is not None:
+            # the upstream's own error event: its status says whose fault it is (Groq's tool_use_failed carries
+            # status_code 400: the request's, the upstream is up; an overloaded server_error counts against it)
+            attempt.failed(event_error(stats.error_event))
+        else:
+            attempt.failed(UpstreamUnavailable("The upstream stream broke after its first token.", code=stats.error))
 
     def _keeping_write(self, ex: Exchange, facts: RequestFacts, up: UpstreamConfig, relay: Relay) -> Write:
         """``ex.write`` for a Responses stream, keeping first what a follow-up needs (an agent sends its next turn the
@@ -405,11 +415,13 @@ class Gateway:
 
     async def _left(self, ex: Exchange) -> None:
         """The client disconnected. When it had the whole answer (every choice finished: SDK loops often ``break``
-        on ``finish_reason``; the usage that follows was read in :meth:`_stream`) it is a success, else a
-        ``client_disconnect``; either way the duration ends when the client left."""
+        on ``finish_reason``; the usage that follows was read in :meth:`_stream`) it is a success; when the stream
+        had already failed (it got the in-band error), a ``stream_error``; else a ``client_disconnect``. Either way
+        the duration ends when the client left."""
         stats = ex.relay.stats if ex.relay is not None else None
-        finished = stats is not None and stats.finished and not stats.error
-        ex.record("success" if finished else "client_disconnect", ended=ex.gone_at, **ex.stream_figures())
+        outcome = ("client_disconnect" if stats is None else "stream_error" if stats.error else
+                   "success" if stats.finished else "client_disconnect")
+        ex.record(outcome, ended=ex.gone_at, **ex.stream_figures())
 
     # shutting down
 

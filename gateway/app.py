@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import orjson
 from fastapi import FastAPI
@@ -280,7 +281,12 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return error_response(InvalidRequest(f"Invalid request: {exc.errors()}"), {})
+        # a query or path parameter of the wrong type (e.g. ``input_items?limit=abc``): named, as OpenAI does
+        first: dict[str, Any] = next(iter(exc.errors()), {})
+        param = ".".join(str(p) for p in first.get("loc", ()) if p not in ("query", "path", "body")) or None
+        what = first.get("msg", "invalid")
+        return error_response(InvalidRequest(f"Invalid value for '{param}': {what}." if param else
+                                             f"Invalid request: {what}.", param=param, code="invalid_value"), {})
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:

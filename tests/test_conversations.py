@@ -354,3 +354,64 @@ async def test_the_store_bounds_and_a_look_that_continues_nothing() -> None:
     assert len(await store.history("b") or []) == 4  # continued: both links live another ttl
     now[0] = 29
     assert await store.get("a") is not None
+
+
+# ---- a second review ---------------------------------------------------------------------------------------
+
+REASONS = Plan(headers={"content-type": "application/json"}, chunked=False, parts=[(0, orjson.dumps({
+    "id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": [{
+        "index": 0, "finish_reason": "stop", "message": {"role": "assistant", "reasoning": "Thinking.",
+                                                         "content": "Hi"}}]}))])
+
+
+def test_a_conversation_resent_in_full_with_its_reasoning_goes_on(gw: Proc, ups: dict[str, EmulatorThread]) -> None:
+    """What the Agents SDK (store=False) and LangChain send: every earlier item back, reasoning included."""
+    with _scripted(ups["fast"], REASONS):
+        first = _create(gw, model="wse-only", input="hi", store=False).json()
+    assert [i["type"] for i in first["output"]] == ["reasoning", "message"]
+    history = [{"role": "user", "content": "hi"}, *first["output"], {"role": "user", "content": "again"}]
+    n, n_std = len(ups["fast"].requests), len(ups["standard"].requests)
+    again = _create(gw, model="wse-only", input=history)
+    assert again.status_code == 200, again.text
+    assert _got(ups["fast"], n)[0][1]["messages"] == [{"role": "user", "content": "hi"},
+                                                     {"role": "assistant", "content": "Hi"},
+                                                     {"role": "user", "content": "again"}]
+    moved = _create(gw, headers={"x-tiergate-tier": "standard"}, model="gpt-5.6", input=history)
+    assert moved.status_code == 200 and moved.headers["x-tiergate-tier"] == "standard"
+    sent = _got(ups["standard"], n_std)[0][1]["input"]
+    assert [i.get("type", "message") for i in sent] == ["message", "message", "message"]
+    assert not any(str(i.get("id", "")).startswith(("msg_tg", "rs_tg")) for i in sent)  # ids it never issued
+
+
+def test_a_client_that_closes_on_response_failed_counts_a_stream_error(gw: Proc,
+                                                                       ups: dict[str, EmulatorThread]) -> None:
+    failing = Plan(parts=[(0, _sse(_chunk({"role": "assistant", "content": "par"}), done=False)),
+                          (0.01, b'data: {"error":{"message":"overloaded","type":"server_error"}}\n\n')],
+                   end="stall")
+    before = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=5).text
+    with _scripted(ups["fast"], failing), httpx.Client(timeout=10) as client, client.stream(
+            "POST", _url(gw) + "/responses", json={"model": "wse-only", "input": "hi", "stream": True}) as resp:
+        for line in resp.iter_lines():
+            if '"response.failed"' in line:
+                break
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        after = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=5).text
+        lab = {"tier": "fast", "upstream": "emu-fast"}
+        if sample(after, "tiergate_requests_total", outcome="stream_error", **lab) > sample(
+                before, "tiergate_requests_total", outcome="stream_error", **lab):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("no stream_error was counted")
+    assert sample(after, "tiergate_requests_total", outcome="client_disconnect", **lab) == sample(
+        before, "tiergate_requests_total", outcome="client_disconnect", **lab)
+    assert sample(after, "tiergate_upstream_errors_total", reason="upstream_error_event", **lab) == sample(
+        before, "tiergate_upstream_errors_total", reason="upstream_error_event", **lab) + 1
+
+
+def test_a_query_parameter_of_the_wrong_type_is_named(gw: Proc) -> None:
+    held = _create(gw, model=FAST, input="Hi").json()["id"]
+    resp = httpx.get(_url(gw) + f"/responses/{held}/input_items", params={"limit": "abc"}, timeout=5)
+    err = resp.json()["error"]
+    assert resp.status_code == 400 and err["param"] == "limit" and "Invalid value for 'limit'" in err["message"]
