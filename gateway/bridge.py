@@ -33,8 +33,8 @@ by the gateway, echoed in the response), ``reasoning.summary`` (no summaries com
 (``prompt_cache_retention``, ``prompt_cache_options``), ``stream_options``, ``truncation: "disabled"``. Anything
 else the bridge cannot serve (:func:`unbridgeable`: built-in tools such as ``web_search``, ``file_search``,
 ``computer_use``, ``code_interpreter``; ``background``; ``include`` values a chat upstream cannot produce, such as
-``reasoning.encrypted_content``; ``truncation: "auto"``; stored ``prompt`` templates; unknown fields and item
-types) is never dropped: the policy sends the request to an upstream that serves it natively, or answers 400
+``reasoning.encrypted_content``; ``truncation: "auto"``; stored ``prompt`` templates; images by ``file_id``; tool
+outputs with images or files; unknown fields and item types; values of the wrong type) is never dropped: the policy sends the request to an upstream that serves it natively, or answers 400
 naming the parameter.
 
 Response side: a chat completion becomes a Response object (:func:`whole_response`); a chat stream becomes the
