@@ -34,8 +34,8 @@ by the gateway, echoed in the response), ``reasoning.summary`` (no summaries com
 else the bridge cannot serve (:func:`unbridgeable`: built-in tools such as ``web_search``, ``file_search``,
 ``computer_use``, ``code_interpreter``; ``background``; ``include`` values a chat upstream cannot produce, such as
 ``reasoning.encrypted_content``; ``truncation: "auto"``; stored ``prompt`` templates; images by ``file_id``; tool
-outputs with images or files; unknown fields and item types; values of the wrong type) is never dropped: the policy sends the request to an upstream that serves it natively, or answers 400
-naming the parameter.
+outputs with images or files; unknown fields and item types; values of the wrong type) is never dropped: the
+policy sends the request to an upstream that serves it natively, or answers 400 naming the parameter.
 
 Response side: a chat completion becomes a Response object (:func:`whole_response`); a chat stream becomes the
 Responses event stream (:class:`BridgeRelay`): ``response.created``, ``response.in_progress``, then per output item
