@@ -25,8 +25,8 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import orjson
 from starlette.requests import Request
@@ -40,6 +40,7 @@ from gateway.errors import (
     GatewayDraining,
     GatewayError,
     InvalidRequest,
+    ModelNotFound,
     UpstreamBadResponse,
     UpstreamsResting,
     UpstreamUnavailable,
@@ -66,6 +67,12 @@ log = logging.getLogger("tiergate")
 KINDS = {"/v1/chat/completions": "chat", "/v1/responses": "responses"}  # the hot path's endpoints, by path
 
 
+class Listing(Protocol):
+    """What the passthrough upstream's ``/v1/models`` lists (``gateway.passthrough.UpstreamModels``)."""
+
+    async def lists(self, model: str) -> bool: ...
+
+
 class Gateway:
     """The request path of one app: config, policy, upstream transport, health and metrics (built by ``create_app``).
 
@@ -81,6 +88,7 @@ class Gateway:
         self.metrics = metrics
         self.health = health
         self.store = store
+        self.listed: Listing | None = None  # the passthrough upstream's model list (set by create_app)
         self.draining = False
         self._drain_deadline = float("inf")  # loop time
         self._active: set[Exchange] = set()
@@ -105,14 +113,28 @@ class Gateway:
             # never be read as the next request (one request, one response)
             await ex.error(exc, "client_error", [(b"x-request-id", ex.rid.encode()), CLOSE])
             return
-        if self.draining and asyncio.get_running_loop().time() >= self._drain_deadline:
+        if self.drain_over():
             # its body completed after the drain ran out: nothing in flight is waited for any more
             await ex.error(GatewayDraining("The gateway is shutting down; retry the request.",
                                            headers={"retry-after": "1"}), "gateway_draining",
                            [(b"x-request-id", ex.rid.encode()), CLOSE])
             return
+        await self.guard(ex, scope, receive, lambda _start_watch: self.serve(ex, raw))
+
+    def drain_over(self) -> bool:
+        """The drain time ran out: a request that arrives now is answered 503."""
+        return self.draining and asyncio.get_running_loop().time() >= self._drain_deadline
+
+    async def guard(self, ex: Exchange, scope: Scope, receive: Receive,
+                    serve: Callable[[Callable[[], None]], Awaitable[None]], *, watch_now: bool = True) -> None:
+        """Run ``serve(start_watch)`` for ``ex`` and end cleanly whatever happens: one watcher task awaits the
+        client's ``http.disconnect`` and cancels the request wherever it is; the drain's end cuts it; a bug is
+        answered in OpenAI's envelope (never a stack trace, never two answers). The watcher starts now, or, with
+        ``watch_now`` false, when ``serve`` calls ``start_watch`` (a request body still streaming upstream: its
+        ``receive`` is the body's until then)."""
         task = ex.task = asyncio.current_task()
         assert task is not None
+        watcher: asyncio.Task[None] | None = None
 
         async def watch() -> None:
             while (await receive())["type"] != "http.disconnect":
@@ -120,10 +142,16 @@ class Gateway:
             ex.gone_at = time.perf_counter()
             task.cancel()
 
-        watcher = asyncio.get_running_loop().create_task(watch())
+        def start_watch() -> None:
+            nonlocal watcher
+            if watcher is None:
+                watcher = asyncio.get_running_loop().create_task(watch())
+
+        if watch_now:
+            start_watch()
         self._active.add(ex)
         try:
-            await self.serve(ex, raw)
+            await serve(start_watch)
         except asyncio.CancelledError:
             if ex.gone_at is None and not ex.cut:
                 raise
@@ -138,7 +166,8 @@ class Gateway:
                                    "gateway_error")
         finally:
             self._active.discard(ex)
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
 
     async def serve(self, ex: Exchange, raw: bytes) -> None:
         """The request's story: read -> decide -> plan -> for each attempt: send, check, relay or answer -> record.
@@ -148,7 +177,10 @@ class Gateway:
         try:
             body = parse_request(ex.kind, raw)
             facts = await self._facts(ex, body, len(raw))  # a Responses continuation: what the store knows of it
-            decision = self.policy.decide(facts)
+            try:
+                decision = self.policy.decide(facts)
+            except ModelNotFound:
+                decision = await self._listed(facts)  # the passthrough upstream may list it: it can be sent
         except GatewayError as exc:
             return await ex.error(exc, "client_error")
         ex.model, ex.stream = decision.model, body.get("stream") is True
@@ -185,6 +217,18 @@ class Gateway:
             if not plan.go_on(cand, last):
                 break
         await self._give_up(ex, decision, plan.reason, last, tried)
+
+    async def _listed(self, facts: RequestFacts) -> Decision:
+        """The route of a model no upstream is configured for: to the passthrough upstream when its ``/v1/models``
+        lists it (every id the gateway's ``/v1/models`` shows can be sent), unchanged.
+
+        Raises:
+            ModelNotFound: it does not list it either (or cannot serve a Responses request).
+        """
+        if self.listed is not None and await self.listed.lists(facts.model):
+            return self.policy.decide_listed(facts)
+        raise ModelNotFound(f"The model `{facts.model}` does not exist or you do not have access to it.",
+                            param="model")
 
     def _attempt(self, ex: Exchange, up: UpstreamConfig, need: int, path: str) -> Attempt:
         return Attempt(self.transport, up, self.health[up.name], self.health.clock, need_tokens=need, stream=ex.stream,

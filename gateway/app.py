@@ -10,6 +10,7 @@ import asyncio
 import gc
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from gateway import __version__
+from gateway import __version__, bridge
 from gateway.api import KINDS, Gateway, error_response
 from gateway.config import LoadedConfig, load_config
 from gateway.conversations import Bridged, MemoryResponseStore, Native
@@ -39,6 +40,7 @@ from gateway.errors import (
 )
 from gateway.health import Health
 from gateway.metrics import Metrics
+from gateway.passthrough import Passthrough, UpstreamModels
 from gateway.policy import Policy
 from gateway.server import configure as configure_client_limits
 from gateway.server import drain_on_exit
@@ -48,32 +50,61 @@ from gateway.upstream import Transport, UpstreamPool
 log = logging.getLogger("tiergate")
 
 
+_RESPONSE_OBJECT = re.compile(r"/v1/responses/([^/]+)(/input_items|/cancel)?")
+
+
 class HotPath:
-    """The outer ASGI app: ``POST`` to the two relay endpoints goes straight to the gateway, everything else
-    (lifespan, /metrics, /healthz, errors, wrong methods) to the FastAPI app.
+    """The outer ASGI app: ``POST`` to the two relay endpoints goes straight to the gateway; the rest of ``/v1`` to
+    the passthrough (:mod:`gateway.passthrough`) but for the gateway's own paths (``/v1/models`` listings and the
+    configured models, the responses its bridge made, ``/v1/tiergate/``); everything else (lifespan, /metrics,
+    /healthz, errors) to the FastAPI app.
 
     Measured with ``bench/``: FastAPI's middleware stack (ServerErrorMiddleware, ExceptionMiddleware, the
     AsyncExitStack, proxy headers) wraps every ``send`` of every relayed chunk and costs ~10 % of the
     per-request CPU; the endpoints handle their own errors (``Gateway.handle``).
     """
 
-    def __init__(self, app: FastAPI, gateway: Gateway) -> None:
+    def __init__(self, app: FastAPI, gateway: Gateway, passthrough: Passthrough | None) -> None:
         self.app = app
         self.state = app.state
         self.gateway = gateway
+        self.passthrough = passthrough
         self.routes = {path: gateway.endpoint(kind) for path, kind in KINDS.items()}
+        self.own_models = frozenset(f"/v1/models/{m}" for m in gateway.config.model_names())
 
     def begin_drain(self, timeout: float) -> None:
         """Shutdown began: see :meth:`Gateway.begin_drain`."""
         self.gateway.begin_drain(timeout)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = self.routes.get(scope["path"])
-            if endpoint is not None:
-                await endpoint(scope, receive, send)
-                return
+        if scope["type"] == "http":
+            if scope["method"] == "POST":
+                endpoint = self.routes.get(scope["path"])
+                if endpoint is not None:
+                    await endpoint(scope, receive, send)
+                    return
+            if self.passthrough is not None and scope["path"].startswith("/v1/"):
+                owner = await self._passes(scope)
+                if owner is not False:
+                    await self.passthrough(scope, receive, send, owner if isinstance(owner, str) else None)
+                    return
         await self.app(scope, receive, send)
+
+    async def _passes(self, scope: Scope) -> str | bool:
+        """Whether a ``/v1`` request is the passthrough's: False (the gateway's own path), True, or the name of the
+        upstream that made the response the path names (it alone holds it)."""
+        path, method = scope["path"], scope["method"]
+        if path.startswith("/v1/tiergate/"):
+            return False
+        if method in ("GET", "HEAD") and (path == "/v1/models" or path in self.own_models):
+            return False
+        found = _RESPONSE_OBJECT.fullmatch(path)
+        if found is None:
+            return True
+        record = await self.gateway.store.get(found[1])
+        if isinstance(record, Native):
+            return record.upstream
+        return record is None and not found[1].startswith(bridge.ID_PREFIX)
 
 
 def freeze_startup_objects() -> None:
@@ -116,6 +147,7 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
     bounds = config.response_store
     store = MemoryResponseStore(bounds.max_items, bounds.max_bytes, bounds.ttl)
     gateway = Gateway(config, policy if policy is not None else Policy(config), pool, metrics, health, store)
+    listed = gateway.listed = UpstreamModels(gateway)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -135,15 +167,16 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
     for path, kind in KINDS.items():  # reached only through HotPath's fallback: wrong methods get a 405
         app.router.routes.append(Route(path, endpoint=gateway.endpoint(kind), methods=["POST"]))
     app.add_route("/v1/tiergate/route", gateway.route, methods=["POST"])
-    _install_info_routes(app, gateway, registry, multiprocess_dir)
+    _install_info_routes(app, gateway, registry, multiprocess_dir, listed)
     _install_response_routes(app, gateway)
     _install_error_handlers(app)
-    return HotPath(app, gateway)
+    return HotPath(app, gateway, Passthrough(gateway) if config.passthrough_upstream is not None else None)
 
 
 def _install_info_routes(app: FastAPI, gateway: Gateway, registry: CollectorRegistry,
-                         multiprocess_dir: str | None) -> None:
-    """``/v1/models`` (OpenAPI ``Model``), ``/healthz``, ``/readyz`` and ``/metrics``: off the hot path."""
+                         multiprocess_dir: str | None, listed: UpstreamModels) -> None:
+    """``/v1/models`` (OpenAPI ``Model``: the configured models and aliases, then what the passthrough upstream
+    lists, cached), ``/healthz``, ``/readyz`` and ``/metrics``: off the hot path."""
     config, metrics, health = gateway.config, gateway.metrics, gateway.health
     created = int(time.time())
 
@@ -152,7 +185,10 @@ def _install_info_routes(app: FastAPI, gateway: Gateway, registry: CollectorRegi
 
     @app.get("/v1/models")
     async def models() -> Response:
-        data = [model_object(m) for m in config.model_names()]
+        own = config.model_names()
+        data = [model_object(m) for m in own]
+        mine = set(own)
+        data += [m for m in await listed.models() if m["id"] not in mine]
         return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
     @app.get("/v1/models/{model:path}")  # ids may contain "/" (wire contract §5)

@@ -122,6 +122,13 @@ class UpstreamConfig(_Strict):
     weight: int = Field(1, ge=1)
     health: HealthConfig = HealthConfig()
     prices: Prices | None = None  # USD per million tokens; None: unpriced (no cost is recorded)
+    # the rest of the /v1 surface it serves (gateway.passthrough): paths under /v1, each covering its sub-paths
+    # ("audio" covers "audio/speech"), "*" for all; None: all for the openai dialect, none for cerebras (whose API
+    # serves chat completions only). Chat completions and the Responses API are governed by models and responses.
+    endpoints: list[str] | None = None
+    # send the client's own Authorization header to this upstream instead of the upstream's key (a sidecar in
+    # front of applications that each hold their own OpenAI key); otherwise the client's key never leaves
+    pass_client_key: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -130,6 +137,25 @@ class UpstreamConfig(_Strict):
             raise ValueError("max_connections is no longer a setting (it was never applied: each request in flight "
                              "has its own upstream connection); limit requests with health.max_concurrent")
         return value
+
+    @field_validator("endpoints")
+    @classmethod
+    def _endpoint_paths(cls, value: list[str] | None) -> list[str] | None:
+        for path in value or ():
+            if path != "*" and not re.fullmatch(r"[a-z0-9_]+(/[a-z0-9_]+)*", path):
+                raise ValueError(f"{path!r}: give a path under /v1 such as 'embeddings' or 'audio/speech', or '*'")
+        return value
+
+    @property
+    def endpoint_paths(self) -> tuple[str, ...]:
+        """``endpoints``, or its default for the dialect."""
+        if self.endpoints is not None:
+            return tuple(self.endpoints)
+        return () if self.dialect == "cerebras" else ("*",)
+
+    def serves(self, path: str) -> bool:
+        """Whether it serves ``path`` (under /v1, no leading slash: ``embeddings``, ``files/file-abc/content``)."""
+        return any(mine == "*" or path == mine or path.startswith(mine + "/") for mine in self.endpoint_paths)
 
     @property
     def responses_mode(self) -> Literal["native", "bridge", "none"]:
@@ -273,10 +299,27 @@ class ResponseStore(_Strict):
 
 
 class Limits(_Strict):
-    """Size limits in bytes."""
+    """Size limits in bytes. max_request_bytes: a JSON request body (chat completions, Responses, and the JSON
+    bodies of the other endpoints, which are read whole to route on their ``model``); max_event_bytes: one SSE
+    event; max_passthrough_bytes: any other body (file uploads, audio), streamed to the upstream as it arrives and
+    never held whole (OpenAI's own file limit is 512 MB)."""
 
     max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     max_event_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_passthrough_bytes: int = Field(1024 * 1024 * 1024, ge=1024)
+
+
+class PassthroughConfig(_Strict):
+    """The rest of the /v1 surface (``gateway.passthrough``). upstream: where object paths (``/v1/files/...``,
+    ``/v1/batches/...``) and bodies whose model no upstream lists go; None: the first standard-tier upstream of the
+    ``openai`` dialect that serves any endpoint, else the first upstream that does; enabled: false answers 404 for
+    everything but chat completions, the Responses API and the gateway's own paths; models_ttl: seconds the
+    upstream's ``/v1/models`` list is cached for the gateway's; models_timeout: seconds to wait for that list."""
+
+    enabled: bool = True
+    upstream: str | None = None
+    models_ttl: float = Field(60.0, ge=0)
+    models_timeout: float = Field(2.0, gt=0)
 
 
 class GatewayConfig(_Strict):
@@ -295,6 +338,7 @@ class GatewayConfig(_Strict):
         "background": "standard",
     }
     limits: Limits = Limits()
+    passthrough: PassthroughConfig = PassthroughConfig()
     response_store: ResponseStore = ResponseStore()
     long_prompt_tokens: int = Field(32768, ge=1)
     rules: list[RuleConfig] | None = None
@@ -320,6 +364,9 @@ class GatewayConfig(_Strict):
             if "{}" in seen:
                 raise ValueError(f"{where}: unreachable: {seen['{}']} matches every request and comes first")
             seen[key] = where
+        named = self.passthrough.upstream
+        if named is not None and named not in tiers:
+            raise ValueError(f"passthrough.upstream: {named!r} is not a configured upstream")
         served = {m for u in self.upstreams for m in u.models}
         for alias, target in self.aliases.items():
             if alias in served:
@@ -329,6 +376,18 @@ class GatewayConfig(_Strict):
             if target.tier and not any(target.model in u.models for u in self.upstreams if u.tier == target.tier):
                 raise ValueError(f"aliases.{alias}: no {target.tier} upstream serves {target.model!r}")
         return self
+
+    @property
+    def passthrough_upstream(self) -> UpstreamConfig | None:
+        """Where object paths and unlisted models go (:class:`PassthroughConfig`), or None (passthrough is off)."""
+        pt = self.passthrough
+        if not pt.enabled:
+            return None
+        if pt.upstream is not None:
+            return next(u for u in self.upstreams if u.name == pt.upstream)
+        serving = [u for u in self.upstreams if u.endpoint_paths]
+        return next((u for u in serving if u.tier == "standard" and u.dialect == "openai"),
+                    serving[0] if serving else None)
 
     def model_names(self) -> list[str]:
         """Every client-facing model name: served models then aliases, sorted."""

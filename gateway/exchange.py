@@ -95,6 +95,11 @@ class Exchange:
         self._start = {"type": "http.response.start", "status": 200,
                        "headers": [*headers, *STREAM_HEADERS, (b"content-type", ctype)]}
 
+    def open_answer(self, status: int, headers: Headers) -> None:
+        """Prepare an answer of any shape (a passthrough answer: its status, and ``headers`` as given); its status
+        line leaves with the first :meth:`write` or :meth:`end_stream`."""
+        self._start = {"type": "http.response.start", "status": status, "headers": headers}
+
     async def write(self, data: bytes) -> None:
         """Send stream bytes (the status line first, once)."""
         if self._start is not None:

@@ -118,6 +118,18 @@ class Metrics:
         self.unpriced = Counter(f"{p}_unpriced_requests",
                                 "Requests answered by an upstream that added no cost: no usage reported, or no "
                                 "prices configured for the upstream.", _T, registry=registry)
+        # the rest of the /v1 surface (gateway.passthrough); endpoint: gateway.passthrough.ENDPOINTS or "other"
+        _E = ("endpoint", "tier", "upstream")
+        self.pt_requests = Counter(f"{p}_passthrough_requests", "Requests to the other /v1 endpoints (embeddings, "
+                                   "audio, files, ...) by endpoint, tier, upstream and outcome.", (*_E, "outcome"),
+                                   registry=registry)
+        self.pt_duration = Histogram(f"{p}_passthrough_request_duration_seconds",
+                                     "Passthrough request arrival to the last byte sent.", _E,
+                                     buckets=DURATION_BUCKETS, registry=registry)
+        self.pt_bytes_in = Counter(f"{p}_passthrough_request_bytes", "Request body bytes sent upstream.", _E,
+                                   registry=registry)
+        self.pt_bytes_out = Counter(f"{p}_passthrough_response_bytes", "Response body bytes sent to clients.", _E,
+                                    registry=registry)
         for tier, upstream, served in routes:
             self.in_flight.labels(tier, upstream)
             for model in sorted(served):
@@ -173,6 +185,25 @@ class Metrics:
                 self.child(self.usage_missing, *labels).inc()
             self._cost(labels, usage)
         self._reported(tier, upstream, time_info, processing_ms)
+
+    def record_passthrough(self, *, endpoint: str, tier: str, upstream: str, model: str, outcome: str,
+                           duration: float, bytes_in: int, bytes_out: int, usage: dict[str, Any] | None) -> None:
+        """Record one finished passthrough request (exactly once): count, duration (seconds), body bytes each way,
+        and the tokens and cost of its ``usage`` (embeddings, legacy completions) in the families chat uses
+        (``tiergate_tokens``, ``tiergate_cost_usd``; ``model`` is a configured name or ``other``)."""
+        labels = (endpoint, tier, upstream)
+        self.child(self.pt_requests, *labels, outcome).inc()
+        if outcome == "client_error":
+            return
+        self.child(self.pt_duration, *labels).observe(duration)
+        if bytes_in:
+            self.child(self.pt_bytes_in, *labels).inc(bytes_in)
+        if bytes_out:
+            self.child(self.pt_bytes_out, *labels).inc(bytes_out)
+        if usage is not None and outcome in BILLABLE and upstream != "none":
+            token_labels = (tier, upstream, self.model_label(model))
+            self._tokens(token_labels, usage, None, 0)
+            self._cost(token_labels, usage)
 
     def _cost(self, labels: tuple[str, str, str], usage: dict[str, Any] | None) -> None:
         price = self.prices.get(labels[1])

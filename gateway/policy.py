@@ -44,7 +44,7 @@ from gateway.config import (
     Tier,
     UpstreamConfig,
 )
-from gateway.errors import InvalidRequest, ModelNotFound
+from gateway.errors import InvalidRequest, ModelNotFound, UnknownURL
 
 TIER_HEADER = "x-tiergate-tier"
 BYTES_PER_TOKEN = 4  # OpenAI's rule of thumb for English text: ~4 characters per token
@@ -447,6 +447,61 @@ class Policy:
         if facts.responses:
             decision = _responses_route(decision, facts, (u for u in self.config.upstreams if model in u.models))
         return decision
+
+    def decide_listed(self, facts: RequestFacts, explain: bool = False) -> Decision:
+        """The route of a chat-completions or Responses request for a model no upstream is configured for but the
+        passthrough upstream lists (``gateway.passthrough.UpstreamModels``): to that upstream, the model unchanged
+        (rule ``passthrough``).
+
+        Raises:
+            ModelNotFound: passthrough is off, or the upstream serves no Responses API (``responses: none``).
+        """
+        up = self.config.passthrough_upstream
+        if up is None or (facts.responses and up.responses_mode == "none"):
+            raise ModelNotFound(f"The model `{facts.model}` does not exist or you do not have access to it.",
+                                param="model")
+        reason = f"model `{facts.model}` is listed by the passthrough upstream {up.name}" if explain else ""
+        return Decision(up.tier, "passthrough", reason, facts.model, (Candidate(up, facts.model),))
+
+    def decide_passthrough(self, path: str, facts: RequestFacts | None, explain: bool = False,
+                           owner: str | None = None) -> Decision:
+        """The route of a request to the rest of the /v1 surface (``gateway.passthrough``); ``path`` is under /v1
+        (``embeddings``, ``files/file-abc``). A body with a configured ``model`` is routed by the rules, as chat
+        completions are, among the upstreams that serve ``path`` (the others are skipped: ``endpoint``); any other
+        request (object paths, no model, a model no upstream lists) goes to ``passthrough.upstream`` unchanged (rule
+        ``passthrough``). ``owner``: the upstream that made the object the path names (a response made natively:
+        rule ``response_affinity``), which alone can serve it.
+
+        Raises:
+            ModelNotFound: the model is configured but no upstream serving it serves ``path`` (404, as OpenAI
+                answers a model that lacks an endpoint); UnknownURL: passthrough is off or nobody serves ``path``.
+        """
+        if owner is not None:
+            mine = next(u for u in self.config.upstreams if u.name == owner)
+            return Decision(mine.tier, "response_affinity", f"/v1/{path} was made by {owner}" if explain else "",
+                            "other", (Candidate(mine, ""),))
+        alias = self.config.aliases.get(facts.model) if facts is not None else None
+        model = alias.model if alias else facts.model if facts is not None else None
+        if facts is not None and model in self._served:
+            decision = self.decide(facts, explain)
+            kept = tuple(c for c in decision.candidates if c.upstream.serves(path))
+            if not kept:
+                raise ModelNotFound(f"The model `{facts.model}` is not served on /v1/{path} by any upstream.",
+                                    param="model")
+            skipped = (*decision.skipped, *((c.upstream.name, "endpoint") for c in decision.candidates
+                                            if c not in kept))
+            fallback = decision.fallback
+            if fallback is None and kept[0].upstream.tier != decision.tier:
+                fallback = "endpoint"
+            return dataclasses.replace(decision, candidates=kept, skipped=skipped, fallback=fallback)
+        up = self.config.passthrough_upstream
+        if up is None or not up.serves(path):
+            raise UnknownURL(f"Unknown request URL: /v1/{path}: no upstream of the gateway serves it."
+                             if up is not None else f"Unknown request URL: /v1/{path}: passthrough is off.")
+        given = facts.model if facts is not None else None
+        reason = (f"model `{given}` is not configured: sent unchanged to the passthrough upstream {up.name}"
+                  if given else f"/v1/{path} has no model: the passthrough upstream {up.name}") if explain else ""
+        return Decision(up.tier, "passthrough", reason, given or "other", (Candidate(up, given or ""),))
 
     def _candidates(self, facts: RequestFacts, model: str,
                     route: RouteConfig) -> tuple[tuple[Candidate, ...], str | None, tuple[tuple[str, str], ...]]:

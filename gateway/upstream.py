@@ -24,7 +24,7 @@ import contextlib
 import contextvars
 import errno
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Mapping
 from types import TracebackType
 from typing import Any, Literal, Protocol
 
@@ -48,6 +48,14 @@ from gateway.health import UpstreamHealth, retry_wait
 
 RESPONSE_HEADER_ALLOW = ("openai-processing-ms", "retry-after", "retry-after-ms", "x-should-retry")
 RESPONSE_HEADER_PREFIX_ALLOW = ("x-ratelimit-",)
+# a passthrough answer's own headers a client needs besides those: what the body is (content-length only when the
+# bytes relayed are the bytes the upstream counted: see UpstreamResponse.entity_headers)
+ENTITY_HEADERS = ("content-type", "content-disposition", "openai-version")
+# the client headers a passthrough request carries upstream (what its body is, what it accepts, the beta it opts
+# into, its idempotency key); everything else (its key, cookies, hop-by-hop headers, organisation and project
+# ids that belong to another account) stays behind
+FORWARD_HEADERS = ("content-type", "content-length", "accept", "openai-beta", "idempotency-key")
+Body = bytes | AsyncIterable[bytes]
 USER_AGENT = f"tiergate/{__version__}"
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error answer kept for its message; the rest is dropped
 
@@ -66,6 +74,7 @@ class Answer(Protocol):
     stale_retried: bool
 
     def chunks(self) -> AsyncIterator[bytes]: ...
+    def entity_headers(self) -> list[tuple[str, str]]: ...
     def watch_idle(self) -> None: ...
     async def read(self) -> bytes: ...
     async def read_error(self, limit: int = ...) -> bytes: ...
@@ -80,8 +89,9 @@ class Transport(Protocol):
     def ready(self) -> bool: ...
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
-    async def send(self, upstream: UpstreamConfig, body: bytes, *, stream: bool, request_id: str,
-                   path: str = "/chat/completions") -> Answer: ...
+    async def send(self, upstream: UpstreamConfig, body: Body, *, stream: bool, request_id: str,
+                   path: str = "/chat/completions", method: str = "POST",
+                   forward: Mapping[str, str] | None = None, client_key: str | None = None) -> Answer: ...
 
 
 class Attempt:
@@ -92,7 +102,11 @@ class Attempt:
         clock: the health clock (``Health.clock``, seconds); need_tokens: the request's estimated prompt plus
         ``max_tokens`` (charged to the quota estimate); stream: the request streams (a first-token deadline
         of ``upstream.timeouts.ttft`` then applies, status line included); request_id: sent as
-        ``X-Client-Request-Id``; path: under the upstream's base URL.
+        ``X-Client-Request-Id``; path: under the upstream's base URL (with its query string); method: the HTTP
+        method; forward: for a passthrough request, the client's headers (:data:`FORWARD_HEADERS` cross; any 2xx
+        is then an answer, and the upstream's timeouts bound connect and silence, never the whole exchange);
+        client_key: the client's ``Authorization`` value, sent instead of the upstream's key when the upstream
+        says ``pass_client_key`` (else ignored: the client's key never reaches an upstream).
 
     Attributes:
         answer: the open answer after :meth:`send`, else None.
@@ -101,7 +115,8 @@ class Attempt:
 
     def __init__(self, transport: Transport, upstream: UpstreamConfig, health: UpstreamHealth,
                  clock: Callable[[], float], *, need_tokens: int, stream: bool, request_id: str,
-                 path: str) -> None:
+                 path: str, method: str = "POST", forward: Mapping[str, str] | None = None,
+                 client_key: str | None = None) -> None:
         self.upstream = upstream
         self.health = health
         self.answer: Answer | None = None
@@ -112,6 +127,9 @@ class Attempt:
         self._stream = stream
         self._rid = request_id
         self._path = path
+        self._method = method
+        self._forward = forward
+        self._client_key = client_key if upstream.pass_client_key else None
         self._complete = False
         self._verdict = False
 
@@ -134,8 +152,9 @@ class Attempt:
                 answer.close()  # never pooled half-read
         self.health.finish()
 
-    async def send(self, body: bytes) -> Answer:
-        """Send the request and wait for a 200 (bounded by the first-token deadline when there is one).
+    async def send(self, body: Body) -> Answer:
+        """Send the request and wait for a 200 (a passthrough request: any 2xx), bounded by the first-token deadline
+        when there is one.
 
         Raises:
             UpstreamTimeout (``upstream_ttft_timeout``), UpstreamUnavailable: no status line; UpstreamStatusError:
@@ -144,13 +163,14 @@ class Attempt:
         """
         try:
             async with asyncio.timeout_at(self.first_token_by):
-                answer = self.answer = await self._transport.send(self.upstream, body, stream=self._stream,
-                                                                  request_id=self._rid, path=self._path)
+                answer = self.answer = await self._transport.send(
+                    self.upstream, body, stream=self._stream, request_id=self._rid, path=self._path,
+                    method=self._method, forward=self._forward, client_key=self._client_key)
         except TimeoutError as err:
             raise UpstreamTimeout(f"No first token from the upstream within {self.upstream.timeouts.ttft:g} s.",
                                   code="upstream_ttft_timeout") from err
         self.health.observe_headers(answer.headers, self._clock())
-        if answer.status != 200:
+        if answer.status != 200 and not (self._forward is not None and 200 <= answer.status < 300):
             raise await self._status_error(answer)
         if self._stream and answer.content_type.split(";", 1)[0].strip().lower() in NOT_A_STREAM:
             raise await self._not_a_stream(answer)
@@ -172,6 +192,11 @@ class Attempt:
     def done(self) -> None:
         """The answer was read to its end: on exit its connection goes back to the pool."""
         self._complete = True
+
+    def void(self) -> None:
+        """The attempt ended for a reason that is not the upstream's (the client left mid-upload, or its body
+        was over the limit): no verdict is told to its health."""
+        self._verdict = True
 
     async def _read_error(self, answer: Answer) -> tuple[bytes, bool]:
         """Up to 64 KiB of an error body, bounded by the first-token deadline; (bytes, whether read to the end)."""
@@ -231,6 +256,18 @@ class UpstreamResponse:
         self.content_type = resp.headers.get("content-type", "")
         self.consumed = 0
         self.stale_retried = stale_retried
+
+    def entity_headers(self) -> list[tuple[str, str]]:
+        """The upstream's own headers that describe a passthrough answer's body (:data:`ENTITY_HEADERS`), with
+        ``content-length`` only when the bytes relayed are the ones it counts: aiohttp decodes a body the upstream
+        sent with a ``content-encoding`` despite ``Accept-Encoding: identity``, so then neither header is passed
+        (RFC 9110 §8.6: the length is of the content as sent)."""
+        raw = self._resp.headers
+        out = [(name, raw[name]) for name in ENTITY_HEADERS if name in raw]
+        length = raw.get("content-length")
+        if length is not None and "content-encoding" not in raw:
+            out.append(("content-length", length))
+        return out
 
     def watch_idle(self) -> None:
         """From now on, fail the body after the upstream's idle timeout of silence (:class:`IdleWatch`; streams).
@@ -417,6 +454,8 @@ class UpstreamPool:
             total=None if stream else u.timeouts.total, sock_connect=u.timeouts.connect,
             sock_read=None if stream and u.timeouts.ttft else u.timeouts.idle)
             for u in upstreams for stream in (True, False)}
+        self._forward_timeouts = {u.name: aiohttp.ClientTimeout(total=None, sock_connect=u.timeouts.connect,
+                                                                 sock_read=u.timeouts.idle) for u in upstreams}
         self._session: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None  # never pools: the retry of a stale connection's request
 
@@ -438,9 +477,18 @@ class UpstreamPool:
         """True while the session is open."""
         return self._session is not None and not self._session.closed
 
-    async def send(self, upstream: UpstreamConfig, body: bytes, *, stream: bool, request_id: str,
-                   path: str = "/chat/completions") -> UpstreamResponse:
-        """POST ``body`` to the upstream's ``path`` (under its base URL) and wait for the status line.
+    async def send(self, upstream: UpstreamConfig, body: Body, *, stream: bool, request_id: str,
+                   path: str = "/chat/completions", method: str = "POST",
+                   forward: Mapping[str, str] | None = None, client_key: str | None = None) -> UpstreamResponse:
+        """Send ``body`` to the upstream's ``path`` (under its base URL, query string included) and wait for the
+        status line.
+
+        ``client_key``: the client's ``Authorization`` value, sent instead of the upstream's key (the caller gives it
+        only for a ``pass_client_key`` upstream). ``forward``: a passthrough request's client headers; those in
+        :data:`FORWARD_HEADERS` are sent, and the timeouts are
+        connect and silence (``timeouts.idle`` between reads once the body is sent), never a total: an upload of
+        hundreds of MB or a long audio answer is bounded by its progress. An iterable ``body`` is streamed as it
+        comes (with the client's ``content-length`` when it gave one, else chunked) and is never sent twice.
 
         A request that went out on a pooled connection the upstream had already closed (it fails with a
         disconnect or reset before any response byte, within :data:`STALE_RACE` of being sent) is sent once more, on
@@ -455,15 +503,21 @@ class UpstreamPool:
             UpstreamTimeout: no status line within the idle timeout (or connect timeout passed).
         """
         assert self._session is not None, "UpstreamPool.start() was not called"
-        timeout = self._timeouts[upstream.name, stream]
-        headers = {
-            "Content-Type": "application/json",
-            "Accept": "text/event-stream" if stream else "application/json",
-            "Accept-Encoding": "identity",
-            "User-Agent": USER_AGENT,
-            "X-Client-Request-Id": request_id,
-        }
-        auth = self._auth.get(upstream.name)
+        if forward is None:
+            timeout = self._timeouts[upstream.name, stream]
+            headers = {
+                "Content-Type": "application/json",
+                "Accept": "text/event-stream" if stream else "application/json",
+                "Accept-Encoding": "identity",
+                "User-Agent": USER_AGENT,
+                "X-Client-Request-Id": request_id,
+            }
+        else:
+            timeout = self._forward_timeouts[upstream.name]
+            headers = forward_headers(forward, request_id)
+            if isinstance(body, bytes):  # a body held whole may have changed (its model): aiohttp counts it
+                headers.pop("content-length", None)
+        auth = client_key or self._auth.get(upstream.name)
         if auth:
             headers["Authorization"] = auth
         url = upstream.base_url + path
@@ -472,15 +526,15 @@ class UpstreamPool:
         sent = loop.time()
         with map_errors():
             try:
-                resp = await self._session.post(url, data=body, headers=headers, timeout=timeout,
-                                                allow_redirects=False)
+                resp = await self._session.request(method, url, data=body, headers=headers, timeout=timeout,
+                                                   allow_redirects=False)
             except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
-                if not (_REUSED.get() and _stale(exc) and loop.time() - sent < STALE_RACE):
+                if not (isinstance(body, bytes) and _REUSED.get() and _stale(exc) and loop.time() - sent < STALE_RACE):
                     raise
                 retried = True
                 assert self._fresh is not None
-                resp = await self._fresh.post(url, data=body, headers=headers, timeout=timeout,
-                                              allow_redirects=False)
+                resp = await self._fresh.request(method, url, data=body, headers=headers, timeout=timeout,
+                                                 allow_redirects=False)
         if not stream:
             return UpstreamResponse(resp, stale_retried=retried)
         conn = resp.connection
@@ -505,6 +559,15 @@ class map_errors:  # noqa: N801 - used as a context manager, named like one
         if isinstance(exc, aiohttp.ClientError | OSError):
             raise UpstreamUnavailable(f"The upstream could not be reached ({type(exc).__name__}).") from exc
         return False
+
+
+def forward_headers(client: Mapping[str, str], request_id: str) -> dict[str, str]:
+    """The headers of a passthrough request to an upstream, from the client's (lower-case names): those in
+    :data:`FORWARD_HEADERS`, then the gateway's own (identity encoding, user agent, request id). The caller adds
+    ``Authorization``."""
+    out = {name: client[name] for name in FORWARD_HEADERS if name in client}
+    out.update({"Accept-Encoding": "identity", "User-Agent": USER_AGENT, "X-Client-Request-Id": request_id})
+    return out
 
 
 def pass_headers(headers: Mapping[str, str]) -> dict[str, str]:

@@ -17,6 +17,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("python -m gateway", ("__main__",)),
     ("the command line", ("cli",)),
     ("composition root", ("app",)),
+    ("the rest of the /v1 surface", ("passthrough",)),
     ("HTTP surface", ("api", "server")),
     ("the client side of a request", ("exchange",)),
     ("failover planning", ("failover",)),

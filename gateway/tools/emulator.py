@@ -62,6 +62,8 @@ from typing import Any, TextIO
 import httptools
 import orjson
 
+from gateway.tools.surface import Surface
+
 WORDS = [w.encode() for w in (" Every", " token", " leaves", " the", " gateway", " the", " moment", " it",
                               " arrives", ",", " unbuffered", ",", " and", " is", " counted", " once", ".")]
 _DIRECTIVE = re.compile(rb"\[\[emulate ([^\]]*)\]\]")
@@ -176,6 +178,7 @@ class Emulator:
         # ids of the Responses API responses made (newest last, bounded): a follow-up to any other is refused, as
         # OpenAI refuses it, so that a gateway that starts a conversation afresh is caught
         self.responses_made: OrderedDict[str, None] = OrderedDict()
+        self.surface = Surface()  # files, batches, ... (the rest of the /v1 surface)
         self._log: TextIO | None = timing_log.open("a", buffering=1) if timing_log else None
 
     def protocol(self) -> EmulatorProtocol:
@@ -294,10 +297,10 @@ class EmulatorProtocol(asyncio.Protocol):
     # request handling
     def _handle(self, req: _Request) -> None:
         path = req.url.split(b"?", 1)[0]
-        if path.endswith(b"/models") and req.method == b"GET":
-            self._reply(200, b'{"object":"list","data":[{"id":"emulated","object":"model","created":0,'
-                             b'"owned_by":"tiergate-emulator"}]}')
-            return
+        under = path.split(b"/v1/", 1)[-1].decode("latin-1")
+        if under not in ("chat/completions", "responses") and self.emulator.surface.handle(
+                self, req.method.decode(), under, req.headers, b"".join(req.body)):
+            return  # the rest of the /v1 surface (gateway.tools.surface)
         if not path.endswith((b"/chat/completions", b"/responses")) or req.method != b"POST":
             self._reply(404, b'{"error":{"message":"Unknown request URL","type":"invalid_request_error",'
                              b'"param":null,"code":"unknown_url"}}')

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from gateway.config import UpstreamConfig
 from gateway.errors import StreamInterrupted, UpstreamTimeout, UpstreamUnavailable
 from gateway.tools.emulator import Plan, Received
-from gateway.upstream import ERROR_BODY_LIMIT, pass_headers
+from gateway.upstream import ENTITY_HEADERS, ERROR_BODY_LIMIT, Body, pass_headers
 
 
 class ScriptedAnswer:
@@ -43,6 +43,9 @@ class ScriptedAnswer:
         for delay, _ in plan.parts:
             at += delay
             self._due.append(at)
+
+    def entity_headers(self) -> list[tuple[str, str]]:
+        return [(k, v) for k, v in self.plan.headers.items() if k in ENTITY_HEADERS]
 
     def watch_idle(self) -> None:
         self._watching = True
@@ -114,16 +117,20 @@ class ScriptedTransport:
     async def stop(self) -> None:
         self._open = False
 
-    async def send(self, upstream: UpstreamConfig, body: bytes, *, stream: bool, request_id: str,
-                   path: str = "/chat/completions") -> ScriptedAnswer:
+    async def send(self, upstream: UpstreamConfig, body: Body, *, stream: bool, request_id: str,
+                   path: str = "/chat/completions", method: str = "POST",
+                   forward: Mapping[str, str] | None = None, client_key: str | None = None) -> ScriptedAnswer:
         """Play the handler's plan for this request up to its status line.
 
         Raises:
             UpstreamUnavailable: the plan drops the connection; UpstreamTimeout: its status line comes later than
                 ``idle`` (not for streams with a ``ttft``, whose deadline the caller holds).
         """
-        received = Received("POST", upstream.base_url + path, {"x-client-request-id": request_id}, body,
-                            time.monotonic())
+        if not isinstance(body, bytes):
+            body = b"".join([part async for part in body])
+        headers = {**(forward or {}), "x-client-request-id": request_id,
+                   **({"authorization": client_key} if client_key else {})}
+        received = Received(method, upstream.base_url + path, headers, body, time.monotonic())
         if self.record:
             self.requests.append(received)
         plan = self.handler(received)

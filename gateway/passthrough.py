@@ -1,0 +1,372 @@
+"""The rest of the OpenAI ``/v1`` surface, passed through: embeddings, legacy completions, moderations, audio,
+images, files and uploads, batches, vector stores, fine-tuning, and any other path under ``/v1`` the gateway does not
+serve itself (chat completions and the Responses API are :mod:`gateway.api`'s; ``/v1/models`` is merged in
+:mod:`gateway.app`). An application that points ``OPENAI_BASE_URL`` at the gateway keeps working whole.
+
+Where a request goes (:meth:`gateway.policy.Policy.decide_passthrough`): a JSON body with a configured ``model`` is
+routed by the rules, among the upstreams whose ``endpoints`` cover the path, and fails over before its first byte as
+chat completions do; anything else (object paths such as ``/v1/files/{id}``, bodies without a model, a model no
+upstream lists, multipart uploads) goes once, unchanged, to ``passthrough.upstream``. The ``x-tiergate-*`` headers say
+what served it.
+
+Both ways streamed and bounded: a JSON body is read whole (it is routed on, and bounded by
+``limits.max_request_bytes``); any other body streams to the upstream as it arrives (``limits.max_passthrough_bytes``,
+never held whole, never sent twice); the answer streams back as it comes (binary audio, legacy completions' SSE,
+JSON), its bytes untouched. Headers follow chat's rules (``gateway.upstream``): the upstream's key, never the
+client's (unless ``pass_client_key``), no cookie or hop-by-hop header either way, ``content-length`` only when it
+counts the bytes relayed. An upstream's error answer keeps its status with its body normalised to OpenAI's envelope;
+the gateway's own errors use it too. A client that leaves, mid-upload or mid-download, closes the upstream request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import orjson
+from starlette.types import Receive, Scope, Send
+
+from gateway import failover
+from gateway.api import Gateway
+from gateway.errors import GatewayDraining, GatewayError, PayloadTooLarge, StreamInterrupted, UpstreamUnavailable
+from gateway.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of
+from gateway.metrics import Metrics
+from gateway.policy import Candidate, Decision, RequestFacts
+from gateway.upstream import Answer, Attempt, Body
+from gateway.wire import replace_top_level
+
+log = logging.getLogger("tiergate")
+# the endpoint label of the passthrough metrics (bounded): the path's longest prefix listed here, else "other"
+ENDPOINTS = ("embeddings", "completions", "moderations", "audio/speech", "audio/transcriptions", "audio/translations",
+             "images/generations", "images/edits", "images/variations", "files", "uploads", "batches", "vector_stores",
+             "fine_tuning", "responses", "chat/completions", "conversations", "assistants", "threads", "containers",
+             "evals", "videos", "realtime", "models")
+_NO_BODY = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
+_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+_ACCEPT_JSON = {"accept": "application/json"}
+USAGE_TAIL = 16 * 1024  # bytes of a JSON or SSE answer kept to read its usage from (it comes last)
+
+
+def endpoint_label(path: str) -> str:
+    """The metric label of ``path`` (under /v1, no leading slash): one of :data:`ENDPOINTS`, or ``other``."""
+    for name in ENDPOINTS:
+        if path == name or path.startswith(name + "/"):
+            return name
+    return "other"
+
+
+def tail_usage(tail: bytes) -> dict[str, Any] | None:
+    """The last ``"usage": {...}`` object in the end of a JSON body or event stream (embeddings and legacy
+    completions report it last: OpenAPI ``CreateEmbeddingResponse``, ``CreateCompletionResponse``), or None."""
+    starts = [m.end() - 1 for m in _USAGE.finditer(tail)]
+    if not starts:
+        return None
+    text = tail[starts[-1]:].decode("utf-8", "replace")
+    try:
+        usage, _ = json.JSONDecoder().raw_decode(text)
+    except ValueError:
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
+class PassExchange(Exchange):
+    """An :class:`Exchange` of the passthrough surface: recorded in its own families (``endpoint`` label, bytes each
+    way, usage when the answer reports one)."""
+
+    __slots__ = ("endpoint", "bytes_in", "bytes_out", "tail")
+
+    def __init__(self, metrics: Metrics, send: Send, headers: dict[str, str], endpoint: str) -> None:
+        super().__init__(metrics, send, headers, "passthrough")
+        self.endpoint = endpoint
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.tail = b""  # the end of a JSON or SSE answer so far (its usage comes last)
+
+    def record(self, outcome: str, *, ended: float | None = None, **kw: Any) -> None:
+        """Record the request once (:meth:`Metrics.record_passthrough`); later calls are ignored. A client that
+        left after an event stream's ``data: [DONE]`` (SDKs stop reading there) had the whole answer: a success."""
+        if self.recorded:
+            return
+        self.recorded = True
+        usage = tail_usage(self.tail) if self.tail else None
+        if outcome == "client_disconnect" and self.tail.endswith(b"data: [DONE]\n\n"):
+            outcome = "success"
+        if self._in_flight is not None:
+            self._in_flight.dec()
+        duration = (time.perf_counter() if ended is None else ended) - self.t0
+        try:
+            self._metrics.record_passthrough(endpoint=self.endpoint, tier=self.tier, upstream=self.upstream,
+                                             model=self.model, outcome=outcome, duration=duration,
+                                             bytes_in=self.bytes_in, bytes_out=self.bytes_out, usage=usage)
+        except Exception:  # bookkeeping never breaks an answer
+            log.exception("recording request %s failed (usage %r)", self.rid, usage)
+
+
+class Upload:
+    """A request body streamed upstream as the client sends it, bounded by ``limit`` bytes; iterate it once.
+
+    Attributes:
+        size: bytes taken so far; done: the body ended; error: why it stopped early (:class:`ClientGone`: the
+        client left; :class:`PayloadTooLarge`), or None.
+    """
+
+    def __init__(self, receive: Receive, limit: int, ex: PassExchange, on_end: Callable[[], None]) -> None:
+        self.size = 0
+        self.done = False
+        self.error: ClientGone | GatewayError | None = None
+        self._receive = receive
+        self._limit = limit
+        self._ex = ex
+        self._on_end = on_end
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while not self.done:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self.error = ClientGone()
+                raise self.error
+            part = message.get("body", b"")
+            if part:
+                self.size += len(part)
+                self._ex.bytes_in = self.size
+                if self.size > self._limit:
+                    self.error = PayloadTooLarge(f"The request body is over the {self._limit}-byte limit.")
+                    raise self.error
+                yield part
+            if not message.get("more_body", False):
+                self.done = True
+                self._on_end()  # the client's next message can only be its disconnect: watch for it
+
+
+class Passthrough:
+    """The ASGI endpoint of the passthrough surface (module docstring), over the :class:`Gateway`'s policy, transport,
+    health and metrics."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.config = gateway.config
+        self.metrics = gateway.metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, owner: str | None = None) -> None:
+        """Serve one request under ``/v1``; ``owner``: the upstream that alone can serve it (see
+        :meth:`Policy.decide_passthrough`)."""
+        path = scope["path"][len("/v1/"):]
+        ex = PassExchange(self.metrics, send, headers_of(scope), endpoint_label(path))
+        gw = self.gateway
+        if gw.drain_over():
+            await ex.error(GatewayDraining("The gateway is shutting down; retry the request.",
+                                           headers={"retry-after": "1"}), "gateway_draining",
+                           [(b"x-request-id", ex.rid.encode()), CLOSE])
+            return
+        method = scope["method"]
+        declared = ex.headers.get("content-length")
+        has_body = method not in _NO_BODY or (declared not in (None, "0")) or "transfer-encoding" in ex.headers
+        ctype = ex.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        whole = has_body and (ctype == "application/json" or ctype.endswith("+json"))
+        raw = b""
+        if whole or not has_body:
+            try:
+                raw = await _read(receive, self.config.limits.max_request_bytes)
+            except ClientGone:
+                ex.record("client_disconnect")
+                return
+            except GatewayError as exc:
+                await ex.error(exc, "client_error", [(b"x-request-id", ex.rid.encode()), CLOSE])
+                return
+            ex.bytes_in = len(raw)
+        elif declared and declared.isdigit() and int(declared) > self.config.limits.max_passthrough_bytes:
+            await ex.error(PayloadTooLarge(f"The request body is over the {self.config.limits.max_passthrough_bytes}"
+                                           "-byte limit."), "client_error", [(b"x-request-id", ex.rid.encode()), CLOSE])
+            return
+        query = scope.get("query_string", b"")
+        target = "/" + path + ("?" + query.decode("latin-1") if query else "")
+        streamed = has_body and not whole
+
+        async def serve(start_watch: Callable[[], None]) -> None:
+            upload = Upload(receive, self.config.limits.max_passthrough_bytes, ex, start_watch) if streamed else None
+            await self.serve(ex, method, path, target, raw, upload, owner)
+
+        await gw.guard(ex, scope, receive, serve, watch_now=not streamed)
+
+    async def serve(self, ex: PassExchange, method: str, path: str, target: str, raw: bytes,
+                    upload: Upload | None, owner: str | None = None) -> None:
+        """decide -> plan -> for each attempt: send, relay -> record (failover only for a body held whole)."""
+        try:
+            facts = _facts(raw, ex.headers)
+            decision = self.gateway.policy.decide_passthrough(path, facts, owner=owner)
+        except GatewayError as exc:
+            return await ex.error(exc, "client_error", _closing(ex, upload))
+        ex.model = decision.model
+        gw = self.gateway
+        need = facts.prompt_tokens + (facts.max_tokens or 0) if facts is not None else 0
+        plan = failover.plan(decision, gw.health, gw.health.clock(), need, 1 if upload else self.config.max_attempts)
+        for cand, why in plan.spilled:
+            self.metrics.spillovers.labels(cand.upstream.tier, cand.upstream.name, why).inc()
+        if plan.refusal is not None:
+            return await ex.error(plan.refusal, "upstream_unavailable", _closing(ex, upload))
+        last: GatewayError | None = None
+        for cand in plan.candidates:
+            up = cand.upstream
+            ex.tier, ex.upstream = up.tier, up.name
+            body: Body = upload if upload is not None else _with_model(raw, facts, cand)
+            async with Attempt(gw.transport, up, gw.health[up.name], gw.health.clock, need_tokens=need, stream=False,
+                               request_id=ex.rid, path=target, method=method, forward=ex.headers,
+                               client_key=ex.headers.get("authorization")) as attempt:
+                try:
+                    answer = await attempt.send(body)
+                    await self._relay(ex, attempt, answer, decision, plan.reason)
+                    return
+                except GatewayError as exc:
+                    if upload is not None and upload.error is not None:
+                        attempt.void()  # the client's doing, not the upstream's
+                        if isinstance(upload.error, ClientGone):
+                            return ex.record("client_disconnect")
+                        return await ex.error(upload.error, "client_error", _closing(ex, upload))
+                    if ex.answered:  # the answer broke after its first bytes: the connection is cut (see _relay)
+                        attempt.failed(exc)
+                        log.warning("request %s: the upstream %s broke off its answer: %s", ex.rid, up.name,
+                                    exc.message)
+                        return ex.record("stream_error")
+                    last = attempt.failed(exc)
+                    self.metrics.upstream_errors.labels(up.tier, up.name, failover.reason(exc)).inc()
+            if not plan.go_on(cand, last):
+                break
+        assert last is not None
+        headers = ex.route_headers(ex.tier, ex.upstream, decision.rule, plan.reason)
+        if failover.final_retry_hint(last, len(plan.candidates)):
+            headers.append((b"x-should-retry", b"false"))
+        await ex.error(last, failover.outcome(last), _closing(ex, upload, headers))
+
+    async def _relay(self, ex: PassExchange, attempt: Attempt, answer: Answer, decision: Decision,
+                     reason: str | None) -> None:
+        """Relay a 2xx answer as it arrives, bytes untouched; keep the tail of a JSON or SSE body for its usage.
+
+        Raises:
+            GatewayError: the answer broke off. Before its first byte reached the client, it can fail over; after,
+                the client's connection is cut without its end (a truncated body must never look complete).
+        """
+        headers: Headers = [*ex.route_headers(ex.tier, ex.upstream, decision.rule, reason),
+                            *((k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items()),
+                            *((k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.entity_headers())]
+        ex.open_answer(answer.status, headers)
+        ctype = answer.content_type
+        keep = "json" in ctype or "event-stream" in ctype
+        try:
+            async for data in answer.chunks():
+                ex.bytes_out += len(data)
+                if keep:
+                    ex.tail = (ex.tail + data)[-USAGE_TAIL:]
+                await ex.write(data)
+        except StreamInterrupted as exc:
+            raise UpstreamUnavailable(exc.message, code=exc.code) from exc
+        attempt.done()
+        attempt.ok()
+        ex.record("success")
+        await ex.end_stream()
+
+
+async def _read(receive: Receive, limit: int) -> bytes:
+    """A JSON (or empty) request body, whole, at most ``limit`` bytes.
+
+    Raises:
+        PayloadTooLarge; ClientGone when the client leaves mid-body.
+    """
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        part = message.get("body", b"")
+        if part:
+            size += len(part)
+            if size > limit:
+                raise PayloadTooLarge(f"The request body is over the {limit}-byte limit.")
+            parts.append(part)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+def _facts(raw: bytes, headers: dict[str, str]) -> RequestFacts | None:
+    """Routing facts of a JSON body with a string ``model``, else None (it goes to the passthrough upstream; a body
+    that is not JSON is the upstream's to judge)."""
+    if not raw:
+        return None
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+        return None
+    return RequestFacts(body, headers, len(raw))
+
+
+def _with_model(raw: bytes, facts: RequestFacts | None, cand: Candidate) -> bytes:
+    """The client's bytes, with the model id of ``cand`` when it differs (only the value's bytes change)."""
+    if facts is None or not cand.upstream_model or cand.upstream_model == facts.model:
+        return raw
+    return replace_top_level(raw, b"model", orjson.dumps(cand.upstream_model))
+
+
+def _closing(ex: PassExchange, upload: Upload | None, headers: Headers | None = None) -> Headers:
+    """The headers of an error answer; ``connection: close`` when the request body was not read to its end (its
+    rest must never be read as the next request)."""
+    out = headers if headers is not None else [(b"x-request-id", ex.rid.encode())]
+    if upload is not None and not upload.done:
+        out.append(CLOSE)
+    return out
+
+
+class UpstreamModels:
+    """The passthrough upstream's ``GET /v1/models`` list, cached for ``passthrough.models_ttl`` seconds, so that the
+    gateway's ``/v1/models`` shows what can really be sent. An upstream that does not answer in
+    ``passthrough.models_timeout`` seconds, or answers something else than a model list, lists nothing (and is asked
+    again after the TTL)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self._models: list[dict[str, Any]] = []
+        self._ids: frozenset[str] = frozenset()
+        self._until = float("-inf")  # health clock
+        self._lock: asyncio.Lock | None = None
+
+    async def models(self) -> list[dict[str, Any]]:
+        """The upstream's model objects, as it gave them (``{"id", "object", "created", "owned_by"}``)."""
+        await self._refresh()
+        return self._models
+
+    async def lists(self, model: str) -> bool:
+        """Whether the upstream listed ``model`` (from the cache, refreshed when it is older than the TTL)."""
+        await self._refresh()
+        return model in self._ids
+
+    async def _refresh(self) -> None:
+        gw, pt = self.gateway, self.gateway.config.passthrough
+        up = gw.config.passthrough_upstream
+        if up is None or gw.health.clock() < self._until:
+            return
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:  # one fetch at a time; the others then read what it found
+            if gw.health.clock() < self._until:
+                return
+            found: list[dict[str, Any]] = []
+            try:
+                async with asyncio.timeout(pt.models_timeout):
+                    answer = await gw.transport.send(up, b"", stream=False, request_id="tiergate-models",
+                                                     path="/models", method="GET", forward=_ACCEPT_JSON)
+                    try:
+                        data = await answer.read() if answer.status == 200 else b""
+                    finally:
+                        answer.close()
+                listed = orjson.loads(data).get("data") if data else None
+                found = [m for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)] \
+                    if isinstance(listed, list) else []
+            except (GatewayError, TimeoutError, orjson.JSONDecodeError, AttributeError) as exc:
+                log.info("the passthrough upstream %s did not list its models: %s", up.name, exc)
+            self._models, self._ids = found, frozenset(m["id"] for m in found)
+            self._until = gw.health.clock() + pt.models_ttl

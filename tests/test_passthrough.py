@@ -1,0 +1,473 @@
+"""The rest of the /v1 surface through the gateway (issue 13), over real loopback sockets: the real ``openai`` SDK on
+every endpoint family against the emulated standard tier, then byte equality, header rules, failover, limits and
+client disconnects against a scripted upstream that records what reached it."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import io
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig, LoadedConfig
+from gateway.errors import ModelNotFound, UnknownURL
+from gateway.passthrough import endpoint_label, tail_usage
+from gateway.policy import Policy, RequestFacts
+from gateway.tools.emulator import EmulatorThread, Plan, Received
+from gateway.tools.scripted import ScriptedTransport
+from gateway.tools.surface import vector
+
+from conftest import Proc, Stack, sample, start_gateway
+
+# the real SDK, unchanged, against the emulated standard tier (passthrough.upstream defaults to it)
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url, api_key="client-key", max_retries=0)
+
+
+def test_embeddings_floats_and_the_sdk_default_base64(client: openai.OpenAI, stack: Stack) -> None:
+    before = sample(stack.metrics(), "tiergate_passthrough_requests_total", endpoint="embeddings", outcome="success")
+    tokens = sample(stack.metrics(), "tiergate_tokens_total", upstream="emu-standard", token_type="input")
+    default = client.embeddings.create(model="text-embedding-3-small", input=["alpha", "beta"], dimensions=16)
+    floats = client.embeddings.create(model="text-embedding-3-small", input="alpha", dimensions=16,
+                                      encoding_format="float")
+    assert [round(v, 6) for v in default.data[0].embedding] == [round(v, 6) for v in vector("alpha", 16)]
+    assert floats.data[0].embedding == pytest.approx(default.data[0].embedding, abs=1e-7)
+    assert default.data[1].embedding == pytest.approx(vector("beta", 16), abs=1e-6)
+    raw = httpx.post(stack.base_url + "/embeddings", json={"model": "text-embedding-3-small", "input": "alpha",
+                                                           "dimensions": 4, "encoding_format": "base64"}, timeout=5)
+    got = raw.json()["data"][0]["embedding"]
+    assert isinstance(got, str)  # relayed untouched: the gateway never decodes base64
+    assert list(struct.unpack("<4f", base64.b64decode(got))) == pytest.approx(vector("alpha", 4), abs=1e-6)
+    assert raw.headers["x-tiergate-rule"] == "passthrough" and raw.headers["x-tiergate-upstream"] == "emu-standard"
+    text = stack.metrics()
+    assert sample(text, "tiergate_passthrough_requests_total", endpoint="embeddings", outcome="success") == before + 3
+    # ~4 characters a token: alpha 2, beta 1, then alpha twice
+    assert sample(text, "tiergate_tokens_total", upstream="emu-standard", token_type="input") == tokens + 7
+    assert sample(text, "tiergate_passthrough_response_bytes_total", endpoint="embeddings") > 0
+
+
+def test_legacy_completions_whole_and_streamed(client: openai.OpenAI, stack: Stack) -> None:
+    whole = client.completions.create(model="gpt-3.5-turbo-instruct", prompt="Say", max_tokens=5)
+    assert whole.choices[0].text == " Every token leaves the gateway" and whole.usage is not None
+    pieces = list(client.completions.create(model="gpt-3.5-turbo-instruct", prompt="Say", max_tokens=3,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == " Every token leaves"
+    assert pieces[-1].usage is not None and pieces[-1].usage.completion_tokens == 3
+    assert sample(stack.metrics(), "tiergate_tokens_total", upstream="emu-standard", token_type="output") >= 8
+
+
+def test_moderations(client: openai.OpenAI) -> None:
+    result = client.moderations.create(model="omni-moderation-latest", input=["one", "two"])
+    assert len(result.results) == 2 and not result.results[0].flagged
+
+
+def test_audio_transcription_upload_arrives_whole(client: openai.OpenAI, tmp_path: Path) -> None:
+    audio = bytes(range(256)) * 4096 + b"\r\n--not-a-boundary\r\n"  # 1 MiB of every byte value
+    path = tmp_path / "speech.wav"
+    path.write_bytes(audio)
+    with path.open("rb") as fh:
+        text = client.audio.transcriptions.create(model="whisper-1", file=fh).text
+    assert text == (f"Emulated transcription of speech.wav: {len(audio)} bytes, "
+                    f"sha256 {hashlib.sha256(audio).hexdigest()}.")
+    translated = client.audio.translations.create(model="whisper-1", file=("a.wav", b"RIFF"), response_format="text")
+    assert "4 bytes" in str(translated)
+
+
+def test_speech_streams_to_a_file(client: openai.OpenAI, tmp_path: Path) -> None:
+    out = tmp_path / "speech.mp3"
+    with client.audio.speech.with_streaming_response.create(model="tts-1", voice="alloy", input="hello") as resp:
+        assert resp.headers["content-type"] == "audio/mpeg"
+        resp.stream_to_file(out)
+    seed = hashlib.sha256(b"hello").digest()
+    assert out.read_bytes() == (b"ID3" + seed * 2049)[:64 * 1024]
+
+
+def test_files_batches_and_objects(client: openai.OpenAI, stack: Stack) -> None:
+    lines = b"".join(orjson.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/chat/completions",
+                                   "body": {"model": "gpt-5.6", "messages": []}}) + b"\n" for i in range(3))
+    file = client.files.create(file=("in.jsonl", lines), purpose="batch")
+    assert file.bytes == len(lines) and client.files.content(file.id).content == lines
+    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert client.batches.retrieve(batch.id).input_file_id == file.id
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    assert any(f.id == file.id for f in client.files.list(purpose="batch"))
+    assert client.files.delete(file.id).deleted
+    with pytest.raises(openai.NotFoundError) as info:  # the upstream's 404 stays a 404, in OpenAI's envelope
+        client.files.retrieve(file.id)
+    assert info.value.body == {"message": f"No such File object: {file.id}", "type": "invalid_request_error",
+                               "param": "id", "code": None}
+
+
+def test_models_list_merges_the_upstream_and_every_id_can_be_sent(client: openai.OpenAI) -> None:
+    ids = [m.id for m in client.models.list()]
+    assert ids[:3] == ["gpt-5.6", "gpt-5.6-sol-fast", "gpt-5.6-2026-10-01"]  # the gateway's own, then the upstream's
+    assert {"text-embedding-3-small", "whisper-1"} <= set(ids) and len(ids) == len(set(ids))
+    assert client.models.retrieve("gpt-5.6").owned_by == "tiergate"
+    assert client.models.retrieve("whisper-1").owned_by == "tiergate-emulator"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    # a model only the upstream lists is sent there unchanged, chat completions included
+    resp = client.chat.completions.with_raw_response.create(model="gpt-3.5-turbo-instruct", messages=[
+        {"role": "user", "content": "hi [[emulate tokens=2]]"}])
+    assert resp.headers["x-tiergate-rule"] == "passthrough" and resp.parse().model == "gpt-3.5-turbo-instruct"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_a_large_upload_streams_through_with_flat_memory(client: openai.OpenAI, stack: Stack) -> None:
+    pid = stack.gateway.popen.pid
+    size = 48 * 1024 * 1024
+    data = hashlib.sha256(b"seed").digest() * (size // 32)
+    client.files.create(file=("warm.bin", data[:1024 * 1024]), purpose="user_data")  # pools and buffers warm
+    base = _rss_kib(pid)
+    peak = base
+    done = threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _rss_kib(pid))
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=watch)
+    sampler.start()
+    try:
+        file = client.files.create(file=("big.bin", io.BytesIO(data)), purpose="user_data")
+    finally:
+        done.set()
+        sampler.join()
+    assert file.bytes == size
+    assert peak - base < 16 * 1024, f"RSS grew {(peak - base) / 1024:.1f} MiB during a {size >> 20} MiB upload"
+    assert sample(stack.metrics(), "tiergate_passthrough_request_bytes_total", endpoint="files") >= size
+
+
+# a scripted upstream: what reached it, byte for byte
+
+
+class Recorder:
+    """A scripted upstream whose answer the test sets (``plan``); every request it got is in ``up.requests``."""
+
+    def __init__(self) -> None:
+        self.plan: Plan | None = None
+        self.up = EmulatorThread(self._handle)
+
+    def _handle(self, got: Received) -> Plan | None:
+        return self.plan
+
+
+@pytest.fixture(scope="module")
+def rec() -> Iterator[Recorder]:
+    r = Recorder()
+    yield r
+    r.up.stop()
+
+
+@pytest.fixture(scope="module")
+def pgw(rec: Recorder, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    cfg = {
+        "limits": {"max_passthrough_bytes": 4 * 1024 * 1024},
+        "upstreams": [
+            {"name": "fast", "tier": "fast", "base_url": rec.up.base_url, "dialect": "cerebras",
+             "models": {"m": "m", "fast-only": "f"}, "timeouts": {"connect": 1, "idle": 3, "total": 5}},
+            {"name": "primary", "tier": "standard", "base_url": rec.up.base_url, "api_key_env": "PRIMARY_KEY",
+             "models": {"emb": "emb-upstream-id", "m": "m"}, "timeouts": {"connect": 1, "idle": 3, "total": 5},
+             "health": {"failures": 1000}},
+            {"name": "backup", "tier": "standard", "base_url": rec.up.base_url, "endpoints": ["embeddings"],
+             "models": {"emb": "emb"}, "timeouts": {"connect": 1, "idle": 3, "total": 5},
+             "health": {"failures": 1000}},
+        ],
+        "passthrough": {"upstream": "primary", "models_ttl": 0},
+    }
+    proc, _ = start_gateway(cfg, tmp_path_factory.mktemp("pt"), env={"PRIMARY_KEY": "upstream-secret"})
+    yield proc
+    proc.stop()
+
+
+def _url(gw: Proc) -> str:
+    return f"http://127.0.0.1:{gw.port}/v1"
+
+
+def test_json_multipart_and_binary_bodies_arrive_and_return_byte_for_byte(rec: Recorder, pgw: Proc) -> None:
+    answer = bytes(range(256)) * 64 + b"\r\n0\r\n\r\n"
+    rec.plan = Plan(headers={"content-type": "application/octet-stream"},
+                    parts=[(0, answer[:5000]), (0.01, answer[5000:])])
+    bodies = [
+        ("embeddings", "application/json", b'{ "input" : ["a",1e400], "model":"unknown-model" ,"x":{"y":[]}}'),
+        ("uploads/upload_1/parts", "multipart/form-data; boundary=XyZ",
+         b'--XyZ\r\nContent-Disposition: form-data; name="data"; filename="p"\r\n\r\n' + answer + b"\r\n--XyZ--\r\n"),
+        ("files/file-1/content", "application/octet-stream", answer[::-1]),
+    ]
+    for path, ctype, body in bodies:
+        before = len(rec.up.requests)
+        resp = httpx.post(f"{_url(pgw)}/{path}?a=1&b=%20", content=body, timeout=5, headers={"content-type": ctype})
+        assert resp.status_code == 200 and resp.content == answer
+        assert resp.headers["content-type"] == "application/octet-stream"
+        got = rec.up.requests[before:]
+        assert len(got) == 1 and got[0].body == body and got[0].path == f"/v1/{path}?a=1&b=%20"
+        assert got[0].headers["content-type"] == ctype
+
+
+def test_a_configured_model_is_renamed_routed_and_fails_over(rec: Recorder, pgw: Proc) -> None:
+    answers = iter([Plan(status=500, headers={"content-type": "application/json"},
+                         parts=[(0, b'{"error":{"message":"boom","type":"server_error"}}')]),
+                    Plan(headers={"content-type": "application/json"}, parts=[(0, b'{"object":"list","data":[]}')])])
+    rec.up.handler = lambda got: next(answers)
+    try:
+        before = len(rec.up.requests)
+        resp = httpx.post(_url(pgw) + "/embeddings", json={"model": "emb", "input": "x"}, timeout=5)
+    finally:
+        rec.up.handler = rec._handle
+    assert resp.status_code == 200 and resp.headers["x-tiergate-upstream"] == "backup"
+    assert resp.headers["x-tiergate-fallback"] == "upstream_5xx"
+    sent = [orjson.loads(r.body)["model"] for r in rec.up.requests[before:]]
+    assert sent == ["emb-upstream-id", "emb"]  # each upstream got its own model id
+
+
+def test_a_streamed_upload_is_never_sent_twice(rec: Recorder, pgw: Proc) -> None:
+    rec.plan = Plan(status=503, headers={"content-type": "text/html"}, parts=[(0, b"<h1>busy</h1>")])
+    before = len(rec.up.requests)
+    resp = httpx.post(_url(pgw) + "/files", files={"file": ("a", b"x" * 1000)}, data={"purpose": "batch"},
+                      timeout=5)
+    assert resp.status_code == 503 and resp.json()["error"]["type"] == "server_error"  # normalised envelope
+    assert len(rec.up.requests) == before + 1
+
+
+def test_an_upstream_404_stays_a_404_with_its_body_normalised(rec: Recorder, pgw: Proc) -> None:
+    rec.plan = Plan(status=404, headers={"content-type": "application/json"}, parts=[(0, b'{"detail":"Not Found"}')])
+    resp = httpx.get(_url(pgw) + "/vector_stores/vs_1", timeout=5)
+    assert resp.status_code == 404
+    assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+    assert "Not Found" in resp.json()["error"]["message"]
+
+
+def test_header_rules(rec: Recorder, pgw: Proc) -> None:
+    rec.plan = Plan(headers={"content-type": "application/json", "set-cookie": "s=upstream", "openai-organization":
+                             "org-gateway", "x-ratelimit-remaining-requests": "99", "connection": "keep-alive",
+                             "content-disposition": 'attachment; filename="f.json"'}, parts=[(0, b"{}")],
+                    chunked=False)
+    before = len(rec.up.requests)
+    resp = httpx.get(_url(pgw) + "/files/file-1", timeout=5, headers={
+        "authorization": "Bearer client-key", "cookie": "c=client", "openai-organization": "org-client",
+        "openai-beta": "assistants=v2", "x-forwarded-for": "10.0.0.1", "proxy-authorization": "Basic x"})
+    got = rec.up.requests[before]
+    assert got.headers["authorization"] == "Bearer upstream-secret"  # the upstream's key, never the client's
+    assert got.headers["openai-beta"] == "assistants=v2"
+    for name in ("cookie", "openai-organization", "x-forwarded-for", "proxy-authorization"):
+        assert name not in got.headers
+    for name in ("set-cookie", "openai-organization"):
+        assert name not in resp.headers
+    assert resp.headers["x-ratelimit-remaining-requests"] == "99"
+    assert resp.headers["content-disposition"] == 'attachment; filename="f.json"'
+    assert resp.headers["content-length"] == "2" and resp.content == b"{}"
+
+
+def test_a_compressed_answer_is_relayed_decoded_with_consistent_headers(rec: Recorder, pgw: Proc) -> None:
+    body = b'{"data":"' + b"z" * 5000 + b'"}'
+    rec.plan = Plan(headers={"content-type": "application/json", "content-encoding": "gzip"},
+                    parts=[(0, gzip.compress(body))], chunked=False)
+    with httpx.stream("GET", _url(pgw) + "/files/file-1", timeout=5, headers={"accept-encoding": "identity"}) as resp:
+        raw = b"".join(resp.iter_raw())
+    assert raw == body and "content-encoding" not in resp.headers and "content-length" not in resp.headers
+
+
+def test_a_model_whose_upstreams_lack_the_endpoint_is_404(rec: Recorder, pgw: Proc) -> None:
+    before = len(rec.up.requests)
+    resp = httpx.post(_url(pgw) + "/embeddings", json={"model": "fast-only", "input": "x"}, timeout=5)
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"  # Cerebras serves chat only
+    assert len(rec.up.requests) == before
+
+
+def test_an_oversized_upload_is_413_and_never_completed_upstream(rec: Recorder, pgw: Proc) -> None:
+    before = len(rec.up.requests)
+    resp = httpx.post(_url(pgw) + "/files", content=b"x" * (5 * 1024 * 1024), timeout=5,
+                      headers={"content-type": "application/octet-stream"})
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+    chunked = httpx.post(_url(pgw) + "/files", content=iter([b"x" * (1024 * 1024)] * 5), timeout=5,
+                         headers={"content-type": "application/octet-stream"})
+    assert chunked.status_code == 413
+    assert len(rec.up.requests) == before  # neither body ever completed upstream
+    assert httpx.get(_url(pgw) + "/files", timeout=5).status_code == 200
+
+
+def _closed_within(rec: Recorder, after: float, seen: int, limit: float = 0.1) -> float:
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        late = [t for t in rec.up.closed_at[seen:] if t >= after - 0.001]
+        if late:
+            return late[0] - after
+        time.sleep(0.002)
+    raise AssertionError("the upstream connection was never closed")
+
+
+def test_client_gone_mid_upload_closes_the_upstream_within_100_ms(rec: Recorder, pgw: Proc) -> None:
+    rec.plan = Plan(headers={"content-type": "application/json"}, parts=[(0, b"{}")])
+    httpx.get(_url(pgw) + "/files", timeout=5)  # keep-alive connections settle
+    seen = len(rec.up.closed_at)
+    sock = socket.create_connection(("127.0.0.1", pgw.port))
+    sock.sendall(b"POST /v1/files HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream\r\n"
+                 b"content-length: 3000000\r\n\r\n" + b"y" * 200_000)
+    time.sleep(0.3)  # the upload is under way upstream
+    opened = rec.up.opened
+    sock.close()
+    gone = time.monotonic()
+    assert _closed_within(rec, gone, seen) < 0.1
+    assert rec.up.opened == opened
+    assert httpx.get(_url(pgw) + "/files", timeout=5).status_code == 200  # nothing else was lost
+
+
+def test_client_gone_mid_download_closes_the_upstream_within_100_ms(rec: Recorder, pgw: Proc) -> None:
+    rec.plan = Plan(headers={"content-type": "audio/mpeg"}, parts=[(0.02, b"a" * 1000)] * 200)
+    seen = len(rec.up.closed_at)
+    with httpx.stream("POST", _url(pgw) + "/audio/speech", json={"input": "x"}, timeout=5) as resp:
+        first = next(resp.iter_raw())
+        assert first
+        resp.close()
+        gone = time.monotonic()
+    assert _closed_within(rec, gone, seen) < 0.1
+
+
+def test_passthrough_metrics_by_endpoint_and_outcome(rec: Recorder, pgw: Proc) -> None:
+    rec.plan = Plan(status=404, headers={"content-type": "application/json"},
+                    parts=[(0, b'{"error":{"message":"no","type":"invalid_request_error"}}')])
+    httpx.get(_url(pgw) + "/fine_tuning/jobs/ftjob-1", timeout=5)
+    text = httpx.get(f"http://127.0.0.1:{pgw.port}/metrics", timeout=5).text
+    assert sample(text, "tiergate_passthrough_requests_total", endpoint="fine_tuning", upstream="primary",
+                  outcome="upstream_error") >= 1
+    assert sample(text, "tiergate_passthrough_request_duration_seconds_count", endpoint="fine_tuning") >= 1
+
+
+def test_the_sdk_retry_headers_and_query_strings(rec: Recorder, pgw: Proc) -> None:
+    rec.plan = Plan(headers={"content-type": "application/json"}, parts=[(0, b'{"object":"list","data":[],'
+                                                                             b'"has_more":false}')])
+    before = len(rec.up.requests)
+    sdk = openai.OpenAI(base_url=_url(pgw), api_key="client-key", max_retries=0)
+    sdk.files.list(purpose="batch", limit=2, order="asc")
+    got = rec.up.requests[before]
+    assert got.method == "GET" and got.path.startswith("/v1/files?") and "purpose=batch" in got.path
+    assert "limit=2" in got.path and got.body == b""
+
+
+
+# the clients RAG applications run, pointed at the gateway
+
+
+def test_langchain_openai_embeddings(stack: Stack) -> None:
+    from langchain_openai import OpenAIEmbeddings
+
+    emb = OpenAIEmbeddings(model="text-embedding-3-small", base_url=stack.base_url, api_key="client-key",
+                           dimensions=8, check_embedding_ctx_length=False, max_retries=0)
+    docs = emb.embed_documents(["first doc", "second doc"])
+    assert docs[1] == pytest.approx(vector("second doc", 8), abs=1e-6)
+    assert emb.embed_query("a query") == pytest.approx(vector("a query", 8), abs=1e-6)
+
+
+def test_llamaindex_openai_embedding(stack: Stack) -> None:
+    from llama_index.embeddings.openai import OpenAIEmbedding
+
+    emb = OpenAIEmbedding(model="text-embedding-3-small", api_base=stack.base_url, api_key="client-key",
+                          dimensions=8, max_retries=0)
+    assert emb.get_text_embedding("a node") == pytest.approx(vector("a node", 8), abs=1e-6)
+    assert emb.get_text_embedding_batch(["x", "y"])[0] == pytest.approx(vector("x", 8), abs=1e-6)
+
+
+# routing, pure, and the surface with passthrough off (in-process)
+
+
+def _cfg(**over: Any) -> GatewayConfig:
+    return GatewayConfig.model_validate({
+        "upstreams": [
+            {"name": "cb", "tier": "fast", "base_url": "http://cb.invalid/v1", "dialect": "cerebras",
+             "models": {"m": "m-cb", "fast-only": "f"}},
+            {"name": "oa", "tier": "standard", "base_url": "http://oa.invalid/v1", "models": {"m": "m-oa"}},
+            {"name": "emb", "tier": "standard", "base_url": "http://emb.invalid/v1", "endpoints": ["embeddings"],
+             "models": {"m": "m-emb"}},
+        ], **over})
+
+
+def test_policy_routes_a_configured_model_among_the_upstreams_that_serve_the_endpoint() -> None:
+    policy = Policy(_cfg())
+    fast = RequestFacts({"model": "m", "input": "x"}, {"x-tiergate-tier": "fast"})
+    d = policy.decide_passthrough("embeddings", fast, explain=True)
+    assert [c.upstream.name for c in d.candidates] == ["oa", "emb"] and d.fallback == "endpoint"
+    assert ("cb", "endpoint") in d.skipped and d.rule == "header"
+    d = policy.decide_passthrough("audio/speech", RequestFacts({"model": "m"}, {}))
+    assert [c.upstream.name for c in d.candidates] == ["oa"]  # emb serves embeddings only
+    with pytest.raises(ModelNotFound):
+        policy.decide_passthrough("embeddings", RequestFacts({"model": "fast-only"}, {}))
+    d = policy.decide_passthrough("files/file-1", None)
+    assert d.rule == "passthrough" and [c.upstream.name for c in d.candidates] == ["oa"]  # the default
+    d = policy.decide_passthrough("embeddings", RequestFacts({"model": "text-embedding-3-small"}, {}))
+    assert d.candidates[0].upstream_model == "text-embedding-3-small"  # unlisted: sent unchanged
+    assert policy.decide_passthrough("responses/resp_1", None, owner="cb").candidates[0].upstream.name == "cb"
+
+
+def test_passthrough_upstream_defaults_and_validation() -> None:
+    assert _cfg().passthrough_upstream is not None and _cfg().passthrough_upstream.name == "oa"  # type: ignore[union-attr]
+    assert _cfg(passthrough={"upstream": "emb"}).passthrough_upstream.name == "emb"  # type: ignore[union-attr]
+    assert _cfg(passthrough={"enabled": False}).passthrough_upstream is None
+    with pytest.raises(ValueError, match="passthrough.upstream"):
+        _cfg(passthrough={"upstream": "nope"})
+    with pytest.raises(ValueError, match="path under /v1"):
+        _cfg(upstreams=[{"name": "x", "tier": "standard", "base_url": "http://x.invalid", "endpoints": ["/v1/x"],
+                         "models": {"m": "m"}}])
+    with pytest.raises(UnknownURL):
+        Policy(_cfg(passthrough={"enabled": False})).decide_passthrough("files", None)
+
+
+async def _call(app: Any, method: str, path: str) -> tuple[int, dict[str, Any]]:
+    sent: list[dict[str, Any]] = []
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http", "method": method,
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": [],
+             "server": ("127.0.0.1", 8080), "client": ("127.0.0.1", 9)}
+    messages = [{"type": "http.request", "body": b"", "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop() if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent[0]["status"], orjson.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+async def test_with_passthrough_off_the_rest_of_v1_is_404_and_chat_keeps_its_405() -> None:
+    app = create_app(LoadedConfig(Path("x.yaml"), _cfg(passthrough={"enabled": False}), {}),
+                     transport=ScriptedTransport(lambda got: Plan()))
+    assert app.passthrough is None
+    status, body = await _call(app, "GET", "/v1/chat/completions")
+    assert status == 405 and body["error"]["code"] == "method_not_allowed"
+    status, body = await _call(app, "POST", "/v1/embeddings")
+    assert status == 404 and body["error"]["code"] == "unknown_url"
+
+
+def test_the_usage_of_a_tail() -> None:
+    assert tail_usage(b'"data":[]],"usage":{"prompt_tokens":3,"total_tokens":3}}') == {"prompt_tokens": 3,
+                                                                                         "total_tokens": 3}
+    assert tail_usage(b'data: {"usage":null}\n\ndata: [DONE]\n\n') is None
+    assert tail_usage(b'"usage":{"prompt_tok') is None  # cut: nothing rather than a guess
+    assert endpoint_label("audio/speech") == "audio/speech" and endpoint_label("files/f/content") == "files"
+    assert endpoint_label("nope") == "other"
