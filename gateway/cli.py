@@ -165,7 +165,8 @@ def _demo(args: argparse.Namespace) -> int:
               f"  curl -sN {base}/v1/chat/completions -H 'content-type: application/json' \\",
               "    -d '{\"model\": \"gpt-5.6-sol-fast\", \"stream\": true, "
               "\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'",
-              f"  models: gpt-5.6-sol-fast (fast tier), gpt-5.6 (standard tier); metrics: {base}/metrics", "",
+              f"  models: gpt-5.6-sol-fast (fast tier), gpt-5.6 (standard tier); metrics: {base}/metrics",
+              "  the rest of /v1 (embeddings, audio, files, batches, ...) passes through to the standard tier", "",
               sep="\n", flush=True)
         args.workers = 1
         # uvicorn re-raises SIGTERM after its shutdown, which would skip the finally below and orphan the
@@ -233,6 +234,12 @@ def _check(path: Path) -> int:
         routes = [f"{u.tier}/{u.name}: {u.models[target]}" for u in cfg.upstreams if target in u.models]
         note = f" (alias of {target}" + (f", pinned to {alias.tier})" if alias.tier else ")") if alias else ""
         print(f"  {model}{note}\n    " + "\n    ".join(routes))
+    up = cfg.passthrough_upstream
+    print("\nthe rest of /v1 (embeddings, audio, files, ...): " + (
+        f"passthrough: {up.name} for object paths, uploads and unlisted models" if up else "passthrough: off (404)"))
+    for u in cfg.upstreams:
+        more = "every other endpoint" if "*" in u.endpoint_paths else ", ".join(u.endpoint_paths) or "nothing else"
+        print(f"  {u.name}: chat completions, the Responses API ({u.responses_mode}); {more}")
     missing = [f"{u.api_key_env} (upstream {u.name})" for u in cfg.upstreams
                if u.api_key_env and u.name not in loaded.keys]
     if missing:

@@ -32,7 +32,7 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from gateway import failover
-from gateway.api import Gateway
+from gateway.api import Gateway, Watch
 from gateway.errors import GatewayDraining, GatewayError, PayloadTooLarge, StreamInterrupted, UpstreamUnavailable
 from gateway.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of
 from gateway.metrics import Metrics
@@ -186,12 +186,18 @@ class Passthrough:
         query = scope.get("query_string", b"")
         target = "/" + path + ("?" + query.decode("latin-1") if query else "")
         streamed = has_body and not whole
-
-        async def serve(start_watch: Callable[[], None]) -> None:
-            upload = Upload(receive, self.config.limits.max_passthrough_bytes, ex, start_watch) if streamed else None
+        watch = Watch(ex, receive)
+        upload = Upload(receive, self.config.limits.max_passthrough_bytes, ex, watch.start) if streamed else None
+        gw.begin(ex, watch, now=not streamed)
+        try:
             await self.serve(ex, method, path, target, raw, upload, owner)
-
-        await gw.guard(ex, scope, receive, serve, watch_now=not streamed)
+        except asyncio.CancelledError:
+            if not await gw.interrupted(ex):
+                raise
+        except Exception:
+            await gw.crashed(ex, scope)
+        finally:
+            gw.end(ex, watch)
 
     async def serve(self, ex: PassExchange, method: str, path: str, target: str, raw: bytes,
                     upload: Upload | None, owner: str | None = None) -> None:
@@ -203,6 +209,7 @@ class Passthrough:
             return await ex.error(exc, "client_error", _closing(ex, upload))
         ex.model = decision.model
         gw = self.gateway
+        self.metrics.child(self.metrics.decisions, decision.rule, decision.tier).inc()
         need = facts.prompt_tokens + (facts.max_tokens or 0) if facts is not None else 0
         plan = failover.plan(decision, gw.health, gw.health.clock(), need, 1 if upload else self.config.max_attempts)
         for cand, why in plan.spilled:
@@ -210,9 +217,14 @@ class Passthrough:
         if plan.refusal is not None:
             return await ex.error(plan.refusal, "upstream_unavailable", _closing(ex, upload))
         last: GatewayError | None = None
+        tried = 0
         for cand in plan.candidates:
             up = cand.upstream
-            ex.tier, ex.upstream = up.tier, up.name
+            if up.name in plan.queued and not await gw.health[up.name].wait_for_slot():
+                last = gw.stayed_busy(plan, up)
+                continue
+            tried += 1
+            gw.attempting(ex, decision, up, tried, plan.reason)
             body: Body = upload if upload is not None else _with_model(raw, facts, cand)
             async with Attempt(gw.transport, up, gw.health[up.name], gw.health.clock, need_tokens=need, stream=False,
                                request_id=ex.rid, path=target, method=method, forward=ex.headers,
@@ -227,20 +239,15 @@ class Passthrough:
                         if isinstance(upload.error, ClientGone):
                             return ex.record("client_disconnect")
                         return await ex.error(upload.error, "client_error", _closing(ex, upload))
-                    if ex.answered:  # the answer broke after its first bytes: the connection is cut (see _relay)
-                        attempt.failed(exc)
+                    last = attempt.failed(exc)
+                    self.metrics.upstream_errors.labels(up.tier, up.name, failover.reason(exc)).inc()
+                    if ex.answered:  # broke off after its first bytes: the connection is cut (see _relay)
                         log.warning("request %s: the upstream %s broke off its answer: %s", ex.rid, up.name,
                                     exc.message)
                         return ex.record("stream_error")
-                    last = attempt.failed(exc)
-                    self.metrics.upstream_errors.labels(up.tier, up.name, failover.reason(exc)).inc()
             if not plan.go_on(cand, last):
                 break
-        assert last is not None
-        headers = ex.route_headers(ex.tier, ex.upstream, decision.rule, plan.reason)
-        if failover.final_retry_hint(last, len(plan.candidates)):
-            headers.append((b"x-should-retry", b"false"))
-        await ex.error(last, failover.outcome(last), _closing(ex, upload, headers))
+        await gw.give_up(ex, decision, plan.reason, last, tried, _closing(ex, upload, []))
 
     async def _relay(self, ex: PassExchange, attempt: Attempt, answer: Answer, decision: Decision,
                      reason: str | None) -> None:

@@ -117,6 +117,10 @@ def test_shipped_production_config_is_valid_and_names_its_key_variables() -> Non
     assert {u.tier for u in loaded.config.upstreams} == {"fast", "standard"}
     # both kinds of fast upstream: a model string on OpenAI's API (Responses native), a chat-only API (bridged)
     assert {u.responses_mode for u in loaded.config.upstreams if u.tier == "fast"} == {"native", "bridge"}
+    # the rest of the API: to OpenAI's standard tier; the fast upstreams serve chat (and Responses) only
+    assert loaded.config.passthrough_upstream is not None and loaded.config.passthrough_upstream.name == "openai"
+    assert [u.name for u in loaded.config.upstreams if u.serves("embeddings")] == ["openai"]
+    assert "passthrough: openai" in proc.stdout
 
 
 def test_shipped_rules_are_the_default_policy_written_out() -> None:

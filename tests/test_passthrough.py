@@ -198,6 +198,8 @@ def pgw(rec: Recorder, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pro
             {"name": "backup", "tier": "standard", "base_url": rec.up.base_url, "endpoints": ["embeddings"],
              "models": {"emb": "emb"}, "timeouts": {"connect": 1, "idle": 3, "total": 5},
              "health": {"failures": 1000}},
+            {"name": "byo", "tier": "standard", "base_url": rec.up.base_url, "api_key_env": "PRIMARY_KEY",
+             "pass_client_key": True, "endpoints": ["embeddings"], "models": {"byo-model": "byo-model"}},
         ],
         "passthrough": {"upstream": "primary", "models_ttl": 0},
     }
@@ -282,6 +284,16 @@ def test_header_rules(rec: Recorder, pgw: Proc) -> None:
     assert resp.headers["x-ratelimit-remaining-requests"] == "99"
     assert resp.headers["content-disposition"] == 'attachment; filename="f.json"'
     assert resp.headers["content-length"] == "2" and resp.content == b"{}"
+
+
+def test_the_client_key_reaches_only_an_upstream_that_passes_it(rec: Recorder, pgw: Proc) -> None:
+    rec.plan = Plan(headers={"content-type": "application/json"}, parts=[(0, b'{"object":"list","data":[]}')])
+    before = len(rec.up.requests)
+    for model in ("byo-model", "emb"):
+        httpx.post(_url(pgw) + "/embeddings", json={"model": model, "input": "x"}, timeout=5,
+                   headers={"authorization": "Bearer client-own-key"})
+    keys = [r.headers.get("authorization") for r in rec.up.requests[before:]]
+    assert keys == ["Bearer client-own-key", "Bearer upstream-secret"]
 
 
 def test_a_compressed_answer_is_relayed_decoded_with_consistent_headers(rec: Recorder, pgw: Proc) -> None:
