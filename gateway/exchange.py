@@ -144,10 +144,14 @@ class Exchange:
             self._in_flight.dec()
         duration = (time.perf_counter() if ended is None else ended) - self.t0
         try:
-            self._metrics.record(tier=self.tier, upstream=self.upstream, model=self.model, outcome=outcome,
-                                 stream=self.stream, duration=duration, **kw)
+            self._emit(outcome, duration, kw)
         except Exception:  # bookkeeping never breaks an answer: what an upstream reported is logged instead
             log.exception("recording request %s failed (usage %r)", self.rid, kw.get("usage"))
+
+    def _emit(self, outcome: str, duration: float, kw: dict[str, Any]) -> None:
+        """Write the record (:meth:`Metrics.record`); ``duration`` in seconds."""
+        self._metrics.record(tier=self.tier, upstream=self.upstream, model=self.model, outcome=outcome,
+                             stream=self.stream, duration=duration, **kw)
 
     def stream_figures(self) -> dict[str, Any]:
         """What the relay measured so far, as :meth:`Metrics.record` keywords (empty before any relay)."""

@@ -24,7 +24,6 @@ import asyncio
 import json
 import logging
 import re
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -33,7 +32,14 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import failover
 from gateway.api import Gateway, Watch
-from gateway.errors import GatewayDraining, GatewayError, PayloadTooLarge, StreamInterrupted, UpstreamUnavailable
+from gateway.errors import (
+    GatewayDraining,
+    GatewayError,
+    PayloadTooLarge,
+    StreamInterrupted,
+    UnknownURL,
+    UpstreamUnavailable,
+)
 from gateway.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of
 from gateway.metrics import Metrics
 from gateway.policy import Candidate, Decision, RequestFacts
@@ -46,6 +52,7 @@ ENDPOINTS = ("embeddings", "completions", "moderations", "audio/speech", "audio/
              "images/generations", "images/edits", "images/variations", "files", "uploads", "batches", "vector_stores",
              "fine_tuning", "responses", "chat/completions", "conversations", "assistants", "threads", "containers",
              "evals", "videos", "realtime", "models")
+_DOT_SEGMENT = re.compile(r"/\.\.?/")
 _NO_BODY = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _ACCEPT_JSON = {"accept": "application/json"}
@@ -87,24 +94,15 @@ class PassExchange(Exchange):
         self.bytes_out = 0
         self.tail = b""  # the end of a JSON or SSE answer so far (its usage comes last)
 
-    def record(self, outcome: str, *, ended: float | None = None, **kw: Any) -> None:
-        """Record the request once (:meth:`Metrics.record_passthrough`); later calls are ignored. A client that
-        left after an event stream's ``data: [DONE]`` (SDKs stop reading there) had the whole answer: a success."""
-        if self.recorded:
-            return
-        self.recorded = True
-        usage = tail_usage(self.tail) if self.tail else None
+    def _emit(self, outcome: str, duration: float, kw: dict[str, Any]) -> None:
+        """Write the record (:meth:`Metrics.record_passthrough`), with the usage at the end of the answer. A client
+        that left after an event stream's ``data: [DONE]`` (SDKs stop reading there) had the whole answer: a
+        success."""
         if outcome == "client_disconnect" and self.tail.endswith(b"data: [DONE]\n\n"):
             outcome = "success"
-        if self._in_flight is not None:
-            self._in_flight.dec()
-        duration = (time.perf_counter() if ended is None else ended) - self.t0
-        try:
-            self._metrics.record_passthrough(endpoint=self.endpoint, tier=self.tier, upstream=self.upstream,
-                                             model=self.model, outcome=outcome, duration=duration,
-                                             bytes_in=self.bytes_in, bytes_out=self.bytes_out, usage=usage)
-        except Exception:  # bookkeeping never breaks an answer
-            log.exception("recording request %s failed (usage %r)", self.rid, usage)
+        self._metrics.record_passthrough(endpoint=self.endpoint, tier=self.tier, upstream=self.upstream,
+                                         model=self.model, outcome=outcome, duration=duration, bytes_in=self.bytes_in,
+                                         bytes_out=self.bytes_out, usage=tail_usage(self.tail) if self.tail else None)
 
 
 class Upload:
@@ -158,6 +156,11 @@ class Passthrough:
         path = scope["path"][len("/v1/"):]
         ex = PassExchange(self.metrics, send, headers_of(scope), endpoint_label(path))
         gw = self.gateway
+        if _DOT_SEGMENT.search("/" + path + "/"):  # the decoded path: %2e%2e too
+            # a dot segment would climb out of the upstream's base path once its URL is normalised (RFC 3986
+            # §5.2.4): such a path is never sent
+            await ex.error(UnknownURL(f"Unknown request URL: {scope['method']} {scope['path']}."), "client_error")
+            return
         if gw.drain_over():
             await ex.error(GatewayDraining("The gateway is shutting down; retry the request.",
                                            headers={"retry-after": "1"}), "gateway_draining",
@@ -183,8 +186,10 @@ class Passthrough:
             await ex.error(PayloadTooLarge(f"The request body is over the {self.config.limits.max_passthrough_bytes}"
                                            "-byte limit."), "client_error", [(b"x-request-id", ex.rid.encode()), CLOSE])
             return
+        # the path as the client encoded it (an id with %2F stays one segment), with its query string
+        raw_path = (scope.get("raw_path") or scope["path"].encode())[len(b"/v1/"):].decode("latin-1")
         query = scope.get("query_string", b"")
-        target = "/" + path + ("?" + query.decode("latin-1") if query else "")
+        target = "/" + raw_path + ("?" + query.decode("latin-1") if query else "")
         streamed = has_body and not whole
         watch = Watch(ex, receive)
         upload = Upload(receive, self.config.limits.max_passthrough_bytes, ex, watch.start) if streamed else None

@@ -31,6 +31,7 @@ from typing import Any, Literal, Protocol
 import aiohttp
 import orjson
 from pydantic import SecretStr
+from yarl import URL
 
 from gateway import __version__
 from gateway.config import UpstreamConfig
@@ -520,7 +521,8 @@ class UpstreamPool:
         auth = client_key or self._auth.get(upstream.name)
         if auth:
             headers["Authorization"] = auth
-        url = upstream.base_url + path
+        # a passthrough path is sent as the client encoded it (yarl would otherwise re-quote and normalise it)
+        url: str | URL = upstream.base_url + path if forward is None else URL(upstream.base_url + path, encoded=True)
         retried = False
         loop = asyncio.get_running_loop()
         sent = loop.time()

@@ -483,3 +483,23 @@ def test_the_usage_of_a_tail() -> None:
     assert tail_usage(b'"usage":{"prompt_tok') is None  # cut: nothing rather than a guess
     assert endpoint_label("audio/speech") == "audio/speech" and endpoint_label("files/f/content") == "files"
     assert endpoint_label("nope") == "other"
+
+
+def test_paths_are_sent_as_encoded_and_dot_segments_never(rec: Recorder, pgw: Proc) -> None:
+    rec.plan = Plan(headers={"content-type": "application/json"}, parts=[(0, b"{}")], chunked=False)
+    before = len(rec.up.requests)
+    sock = socket.create_connection(("127.0.0.1", pgw.port))
+    try:
+        for raw in (b"/v1/files/a%2Fb", b"/v1/files/../../metrics", b"/v1/files/%2e%2e/%2E%2E/admin"):
+            sock.sendall(b"GET " + raw + b" HTTP/1.1\r\nhost: x\r\n\r\n")
+            head = sock.recv(65536)
+            while b"\r\n\r\n" not in head:
+                head += sock.recv(65536)
+            assert head.startswith(b"HTTP/1.1 200" if raw.endswith(b"a%2Fb") else b"HTTP/1.1 404"), (raw, head)
+            length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+            body = head.split(b"\r\n\r\n", 1)[1]
+            while len(body) < length:
+                body += sock.recv(65536)
+    finally:
+        sock.close()
+    assert [r.path for r in rec.up.requests[before:]] == ["/v1/files/a%2Fb"]  # one segment, as the client sent it
