@@ -16,6 +16,10 @@ stream, so that it costs a few microseconds per chunk and stays out of the way o
   ``data: [DONE]``. The first chunk also carries ``"role": "assistant"``.
 * otherwise: a small ``chat.completion`` JSON body at once.
 
+For ``bench.passthrough``: ``POST /v1/embeddings`` answers one base64 embedding of ``dimensions`` floats (default
+1536) with usage; ``POST /v1/audio/speech`` answers ``bench_bytes`` binary bytes (default 1 MiB) in 64 KiB writes,
+chunked; ``POST /v1/files`` reads its body (any content type) and answers its size as JSON.
+
 ``GET /healthz`` answers 200. The connection is HTTP/1.1 keep-alive, one request at a time.
 """
 
@@ -23,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import resource
 import signal
+import struct
 import sys
 import time
 
@@ -137,7 +143,11 @@ class UpstreamProtocol(asyncio.Protocol):
         if method == b"GET" and url.startswith(b"/healthz"):
             self._reply(200, b'{"status":"ok"}')
             return
-        if method != b"POST" or not url.split(b"?", 1)[0].endswith(b"/chat/completions"):
+        path = url.split(b"?", 1)[0]
+        if method == b"POST" and path.endswith((b"/embeddings", b"/audio/speech", b"/files")):
+            self._surface(path, raw)
+            return
+        if method != b"POST" or not path.endswith(b"/chat/completions"):
             self._reply(404, b'{"error":{"message":"Unknown request URL","type":"invalid_request_error",'
                              b'"param":null,"code":"unknown_url"}}')
             return
@@ -164,6 +174,28 @@ class UpstreamProtocol(asyncio.Protocol):
                          "logprobs": None, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
         }))
+
+    def _surface(self, path: bytes, raw: bytes) -> None:
+        """The passthrough endpoints of the module docstring."""
+        if path.endswith(b"/files"):
+            self._reply(200, b'{"object":"file","bytes":%d}' % len(raw))
+            return
+        body = orjson.loads(raw)
+        if path.endswith(b"/embeddings"):
+            dims = int(body.get("dimensions") or 1536)
+            vec = base64.b64encode(struct.pack(f"<{dims}f", *([0.01] * dims)))
+            self._reply(200, b'{"object":"list","data":[{"object":"embedding","index":0,"embedding":"%s"}],'
+                             b'"model":"bench","usage":{"prompt_tokens":8,"total_tokens":8}}' % vec)
+            return
+        size = int(body.get("bench_bytes") or 1 << 20)
+        if self.transport is None:
+            return
+        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: audio/mpeg\r\ntransfer-encoding: chunked\r\n\r\n")
+        piece = b"\xff" * 65536
+        for at in range(0, size, 65536):
+            part = piece[:min(65536, size - at)]
+            self.transport.write(b"%x\r\n%s\r\n" % (len(part), part))
+        self.transport.write(b"0\r\n\r\n")
 
     def _reply(self, status: int, body: bytes) -> None:
         if self.transport is not None:
