@@ -141,7 +141,9 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
         if not multiprocess_dir:  # process_* (RSS, open fds, CPU): prometheus-client's standard collector
             ProcessCollector(registry=registry)
     metrics = Metrics(registry, config.model_names(), [(u.tier, u.name, u.models) for u in config.upstreams],
-                      prices={u.name: u.prices.per_token() for u in config.upstreams if u.prices is not None})
+                      prices={u.name: u.prices.per_token() for u in config.upstreams if u.prices is not None},
+                      model_prices={(u.name, m): p.per_token() for u in config.upstreams
+                                    for m, p in u.model_prices.items()})
     pool = transport if transport is not None else UpstreamPool(config.upstreams, loaded.keys)
     health = Health(config.upstreams)
     bounds = config.response_store

@@ -121,7 +121,10 @@ class UpstreamConfig(_Strict):
     modalities: list[Literal["text", "image", "audio"]] = ["text", "image", "audio"]
     weight: int = Field(1, ge=1)
     health: HealthConfig = HealthConfig()
-    prices: Prices | None = None  # USD per million tokens; None: unpriced (no cost is recorded)
+    prices: Prices | None = None  # USD per million tokens of the models above; None: unpriced (no cost is recorded)
+    # USD per million tokens by model name as the client sends it, for any model (embeddings, models only this
+    # upstream lists, ...); overrides prices. A model priced by neither adds no cost (tiergate_unpriced_requests)
+    model_prices: dict[str, Prices] = {}
     # the rest of the /v1 surface it serves (gateway.passthrough): paths under /v1, each covering its sub-paths
     # ("audio" covers "audio/speech"), "*" for all; None: all for the openai dialect, none for cerebras (whose API
     # serves chat completions only). Chat completions and the Responses API are governed by models and responses.

@@ -54,16 +54,20 @@ class Metrics:
         registry: where the families are registered (a fresh ``CollectorRegistry`` per app).
         models: configured client-facing model names; any other value is labelled ``other``.
         routes: (tier, upstream, served models) to pre-initialise, so series exist before traffic.
-        prices: upstream name -> (input, cached input, output) in USD per token; an upstream missing here is
-            unpriced.
+        prices: upstream name -> (input, cached input, output) in USD per token, for the configured models; an
+            upstream missing here is unpriced.
+        model_prices: (upstream name, model as the client named it) -> the same, for any model (those only the
+            upstream lists, embeddings, ...); it overrides ``prices``. Any other model is unpriced.
     """
 
     def __init__(self, registry: CollectorRegistry, models: Iterable[str],
                  routes: Iterable[tuple[str, str, Iterable[str]]],
-                 prices: Mapping[str, tuple[float, float, float]] | None = None) -> None:
+                 prices: Mapping[str, tuple[float, float, float]] | None = None,
+                 model_prices: Mapping[tuple[str, str], tuple[float, float, float]] | None = None) -> None:
         self.registry = registry
         self.models = frozenset(models)
         self.prices = dict(prices or {})
+        self.model_prices = dict(model_prices or {})
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         p = PREFIX
         self.requests = Counter(f"{p}_requests", "Client requests by tier, upstream, model and outcome.",
@@ -169,7 +173,7 @@ class Metrics:
             tokens; usage: the upstream's usage object;
             time_info: Cerebras ``time_info``; processing_ms: OpenAI's ``openai-processing-ms`` header.
         """
-        labels = (tier, upstream, model)
+        labels = (tier, upstream, model if model in self.models else "other")
         self.child(self.requests, *labels, outcome).inc()
         if outcome in ("client_error",):
             return
@@ -183,14 +187,15 @@ class Metrics:
                 self._tokens(labels, usage, decode_time if outcome == "success" else None, token_chunks)
             elif outcome == "success":
                 self.child(self.usage_missing, *labels).inc()
-            self._cost(labels, usage)
+            self._cost(labels, usage, model)
         self._reported(tier, upstream, time_info, processing_ms)
 
     def record_passthrough(self, *, endpoint: str, tier: str, upstream: str, model: str, outcome: str,
                            duration: float, bytes_in: int, bytes_out: int, usage: dict[str, Any] | None) -> None:
         """Record one finished passthrough request (exactly once): count, duration (seconds), body bytes each way,
         and the tokens and cost of its ``usage`` (embeddings, legacy completions) in the families chat uses
-        (``tiergate_tokens``, ``tiergate_cost_usd``; ``model`` is a configured name or ``other``)."""
+        (``tiergate_tokens``, ``tiergate_cost_usd``; labelled with ``model`` if it is a configured name, else
+        ``other``; priced as :meth:`_cost` says)."""
         labels = (endpoint, tier, upstream)
         self.child(self.pt_requests, *labels, outcome).inc()
         if outcome == "client_error":
@@ -203,10 +208,14 @@ class Metrics:
         if usage is not None and outcome in BILLABLE and upstream != "none":
             token_labels = (tier, upstream, self.model_label(model))
             self._tokens(token_labels, usage, None, 0)
-            self._cost(token_labels, usage)
+            self._cost(token_labels, usage, model)
 
-    def _cost(self, labels: tuple[str, str, str], usage: dict[str, Any] | None) -> None:
-        price = self.prices.get(labels[1])
+    def _cost(self, labels: tuple[str, str, str], usage: dict[str, Any] | None, model: str) -> None:
+        """Add the cost of ``usage`` at the price of ``model`` on the upstream (``model_prices``, else ``prices`` for a
+        configured model), or count the request as unpriced."""
+        price = self.model_prices.get((labels[1], model))
+        if price is None and model in self.models:
+            price = self.prices.get(labels[1])
         if price is None or usage is None:
             self.child(self.unpriced, *labels).inc()
             return

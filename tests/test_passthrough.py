@@ -96,13 +96,27 @@ def test_speech_streams_to_a_file(client: openai.OpenAI, tmp_path: Path) -> None
         resp.stream_to_file(out)
     seed = hashlib.sha256(b"hello").digest()
     assert out.read_bytes() == (b"ID3" + seed * 2049)[:64 * 1024]
+    wav = client.audio.speech.with_raw_response.create(model="tts-1", voice="alloy", input="hi", response_format="wav")
+    assert wav.headers["content-type"] == "audio/wav"
+
+
+def test_transcription_formats_and_stream(client: openai.OpenAI) -> None:
+    verbose = client.audio.transcriptions.create(model="whisper-1", file=("a.wav", b"RIFF"),
+                                                 response_format="verbose_json")
+    assert verbose.duration == 1.0 and verbose.segments and verbose.language == "english"
+    events = list(client.audio.transcriptions.create(model="gpt-4o-transcribe", file=("a.wav", b"RIFF"),
+                                                     stream=True))
+    assert events[-1].type == "transcript.text.done" and "4 bytes" in events[-1].text
+    assert "".join(e.delta for e in events[:-1]).strip() == events[-1].text
 
 
 def test_files_batches_and_objects(client: openai.OpenAI, stack: Stack) -> None:
     lines = b"".join(orjson.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/chat/completions",
                                    "body": {"model": "gpt-5.6", "messages": []}}) + b"\n" for i in range(3))
     file = client.files.create(file=("in.jsonl", lines), purpose="batch")
-    assert file.bytes == len(lines) and client.files.content(file.id).content == lines
+    content = client.files.with_raw_response.content(file.id)
+    assert file.bytes == len(lines) and content.content == lines
+    assert content.headers["content-disposition"] == 'attachment; filename="in.jsonl"'
     batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
     assert client.batches.retrieve(batch.id).input_file_id == file.id
     assert client.batches.cancel(batch.id).status == "cancelling"
@@ -114,7 +128,7 @@ def test_files_batches_and_objects(client: openai.OpenAI, stack: Stack) -> None:
                                "param": "id", "code": None}
 
 
-def test_models_list_merges_the_upstream_and_every_id_can_be_sent(client: openai.OpenAI) -> None:
+def test_models_list_merges_the_upstream_and_every_id_can_be_sent(client: openai.OpenAI, stack: Stack) -> None:
     ids = [m.id for m in client.models.list()]
     assert ids[:3] == ["gpt-5.6", "gpt-5.6-sol-fast", "gpt-5.6-2026-10-01"]  # the gateway's own, then the upstream's
     assert {"text-embedding-3-small", "whisper-1"} <= set(ids) and len(ids) == len(set(ids))
@@ -123,9 +137,13 @@ def test_models_list_merges_the_upstream_and_every_id_can_be_sent(client: openai
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
     # a model only the upstream lists is sent there unchanged, chat completions included
+    others = sample(stack.metrics(), "tiergate_requests_total", model="other", outcome="success")
     resp = client.chat.completions.with_raw_response.create(model="gpt-3.5-turbo-instruct", messages=[
         {"role": "user", "content": "hi [[emulate tokens=2]]"}])
     assert resp.headers["x-tiergate-rule"] == "passthrough" and resp.parse().model == "gpt-3.5-turbo-instruct"
+    text = stack.metrics()  # labelled other: a model the config does not name never becomes a label
+    assert sample(text, "tiergate_requests_total", model="other", outcome="success") == others + 1
+    assert 'model="gpt-3.5-turbo-instruct"' not in text
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
 
@@ -194,7 +212,8 @@ def pgw(rec: Recorder, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pro
              "models": {"m": "m", "fast-only": "f"}, "timeouts": {"connect": 1, "idle": 3, "total": 5}},
             {"name": "primary", "tier": "standard", "base_url": rec.up.base_url, "api_key_env": "PRIMARY_KEY",
              "models": {"emb": "emb-upstream-id", "m": "m"}, "timeouts": {"connect": 1, "idle": 3, "total": 5},
-             "health": {"failures": 1000}},
+             "health": {"failures": 1000}, "prices": {"input": 1000, "output": 1000},
+             "model_prices": {"text-embedding-3-small": {"input": 0.02, "output": 0}}},
             {"name": "backup", "tier": "standard", "base_url": rec.up.base_url, "endpoints": ["embeddings"],
              "models": {"emb": "emb"}, "timeouts": {"connect": 1, "idle": 3, "total": 5},
              "health": {"failures": 1000}},
@@ -294,6 +313,22 @@ def test_the_client_key_reaches_only_an_upstream_that_passes_it(rec: Recorder, p
                    headers={"authorization": "Bearer client-own-key"})
     keys = [r.headers.get("authorization") for r in rec.up.requests[before:]]
     assert keys == ["Bearer client-own-key", "Bearer upstream-secret"]
+
+
+def test_usage_is_priced_by_model_and_never_at_the_chat_price(rec: Recorder, pgw: Proc) -> None:
+    usage = b'{"object":"list","data":[],"usage":{"prompt_tokens":1000000,"total_tokens":1000000}}'
+    rec.plan = Plan(headers={"content-type": "application/json"}, parts=[(0, usage)])
+    metrics = f"http://127.0.0.1:{pgw.port}/metrics"
+    before = httpx.get(metrics, timeout=5).text
+    for model in ("text-embedding-3-small", "text-embedding-3-large"):
+        assert httpx.post(_url(pgw) + "/embeddings", json={"model": model, "input": "x"}, timeout=5).is_success
+    text = httpx.get(metrics, timeout=5).text
+    cost = sample(text, "tiergate_cost_usd_total", upstream="primary") - sample(before, "tiergate_cost_usd_total",
+                                                                                 upstream="primary")
+    assert cost == pytest.approx(0.02)  # the embedding model's price; the large one has none: unpriced, not 1000
+    assert sample(text, "tiergate_unpriced_requests_total", upstream="primary") == sample(
+        before, "tiergate_unpriced_requests_total", upstream="primary") + 1
+    assert sample(text, "tiergate_tokens_total", upstream="primary", model="other", token_type="input") >= 2e6
 
 
 def test_a_compressed_answer_is_relayed_decoded_with_consistent_headers(rec: Recorder, pgw: Proc) -> None:

@@ -8,10 +8,10 @@ gateway's passthrough, with deterministic answers a test can check.
 ``POST /v1/completions``        legacy text completions, whole or streamed (SSE, ``[DONE]``; usage chunk
                                 with ``stream_options.include_usage``), at the emulator's pace
 ``POST /v1/moderations``        nothing flagged, a result per input
-``POST /v1/audio/transcriptions``  multipart upload; the text names the file's size and SHA-256
-``/translations``
-``POST /v1/audio/speech``       a binary answer (``audio/mpeg``), chunked, in several writes: bytes derived
-                                from the input; ``[[emulate bytes=N]]`` sets its size
+``POST /v1/audio/transcriptions``  multipart upload; the text names the file's size and SHA-256 (``json``,
+``/translations``               ``text``, ``verbose_json``; ``stream=true``: ``transcript.text.*`` events)
+``POST /v1/audio/speech``       a binary answer (``audio/mpeg``, or per ``response_format``), chunked, in
+                                several writes: bytes from the input; ``[[emulate bytes=N]]`` sets its size
 ``/v1/files``                   create (multipart), list, retrieve, ``/content``, delete
 ``/v1/batches``                 create, list, retrieve, cancel
 ``GET /v1/models``              the emulated models (:data:`MODELS`), ``/v1/models/{id}``
@@ -35,8 +35,11 @@ import orjson
 if TYPE_CHECKING:
     from gateway.tools.emulator import EmulatorProtocol
 
-MODELS = ("gpt-5.6-2026-10-01", "gpt-5.6-wse", "text-embedding-3-small", "text-embedding-3-large",
+MODELS = ("gpt-5.6-2026-10-01", "text-embedding-3-small", "text-embedding-3-large",
           "omni-moderation-latest", "whisper-1", "gpt-4o-mini-tts", "tts-1", "gpt-3.5-turbo-instruct")
+# OpenAI's speech response formats and the content types its API answers them with
+_AUDIO_TYPES = {"mp3": b"audio/mpeg", "opus": b"audio/ogg", "aac": b"audio/aac", "flac": b"audio/flac",
+                "wav": b"audio/wav", "pcm": b"audio/pcm"}
 _WORDS = ("Every", "token", "leaves", "the", "gateway", "the", "moment", "it", "arrives", ",", "unbuffered")
 _CATEGORIES = ("harassment", "harassment/threatening", "hate", "hate/threatening", "illicit", "illicit/violent",
                "self-harm", "self-harm/instructions", "self-harm/intent", "sexual", "sexual/minors", "violence",
@@ -106,8 +109,8 @@ class Surface:
         answer = self._answer(method, path, headers.get(b"content-type", b"").decode("latin-1"), body)
         if answer is None:
             return False
-        status, data, *ctype = answer
-        proto._reply(status, data, ctype=ctype[0] if ctype else b"application/json")
+        status, data, *more = answer
+        proto._reply(status, data, ctype=more[0] if more else b"application/json", extra=more[1] if more[1:] else None)
         return True
 
     def _answer(self, method: str, path: str, ctype: str, body: bytes) -> tuple[Any, ...] | None:
@@ -123,12 +126,7 @@ class Surface:
             return 200, orjson.dumps({"id": self._id("modr"), "model": request.get("model", "omni-moderation-latest"),
                                       "results": results})
         if method == "POST" and path in ("audio/transcriptions", "audio/translations"):
-            form = multipart(body, ctype)
-            name, data = form.get("file", (None, b""))
-            text = f"Emulated transcription of {name}: {len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()}."
-            if form.get("response_format", (None, b"json"))[1] == b"text":
-                return 200, text.encode(), b"text/plain; charset=utf-8"
-            return 200, orjson.dumps({"text": text, "usage": {"type": "duration", "seconds": 1}})
+            return self._transcription(multipart(body, ctype))
         if parts[0] == "files":
             return self._files(method, parts[1:], ctype, body)
         if parts[0] == "batches":
@@ -144,6 +142,26 @@ class Surface:
                 return _error(404, f"The model '{wanted}' does not exist", "model", "model_not_found")
             return 200, orjson.dumps(found)
         return None
+
+    @staticmethod
+    def _transcription(form: dict[str, tuple[str | None, bytes]]) -> tuple[Any, ...]:
+        """A transcription naming the uploaded file's size and SHA-256, in the asked ``response_format`` (``json``,
+        ``text``, ``verbose_json``), or streamed (``stream=true``: ``transcript.text.delta`` / ``.done`` events)."""
+        name, data = form.get("file", (None, b""))
+        text = f"Emulated transcription of {name}: {len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()}."
+        fmt = form.get("response_format", (None, b"json"))[1]
+        if form.get("stream", (None, b"false"))[1] == b"true":
+            events = [{"type": "transcript.text.delta", "delta": word + " "} for word in text.split(" ")]
+            events.append({"type": "transcript.text.done", "text": text})
+            return 200, b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events), b"text/event-stream"
+        if fmt == b"text":
+            return 200, text.encode(), b"text/plain; charset=utf-8"
+        if fmt == b"verbose_json":
+            return 200, orjson.dumps({"task": "transcribe", "language": "english", "duration": 1.0, "text": text,
+                                      "segments": [{"id": 0, "seek": 0, "start": 0.0, "end": 1.0, "text": text,
+                                                    "tokens": [], "temperature": 0.0, "avg_logprob": -0.1,
+                                                    "compression_ratio": 1.0, "no_speech_prob": 0.0}]})
+        return 200, orjson.dumps({"text": text, "usage": {"type": "duration", "seconds": 1}})
 
     def _embeddings(self, request: dict[str, Any]) -> tuple[int, bytes]:
         inputs = request.get("input")
@@ -183,7 +201,8 @@ class Surface:
         if fid not in self.files:
             return _error(404, f"No such File object: {fid}", "id")
         if len(rest) == 2 and rest[1] == "content" and method == "GET":
-            return 200, self.contents[fid], b"application/octet-stream"
+            return 200, self.contents[fid], b"application/octet-stream", [
+                (b"content-disposition", b'attachment; filename="%s"' % str(self.files[fid]["filename"]).encode())]
         if method == "DELETE":
             del self.files[fid]
             self.contents.pop(fid, None)
@@ -256,6 +275,6 @@ class Surface:
         audio = (b"ID3" + seed * (size // len(seed) + 1))[:size]
         step = 16 * 1024
         t0 = proto.loop.time()
-        proto._start_chunked(200, b"audio/mpeg")
+        proto._start_chunked(200, _AUDIO_TYPES.get(str(request.get("response_format", "mp3")), b"audio/mpeg"))
         Schedule(proto, [(t0 + 0.005 * i, audio[at:at + step]) for i, at in enumerate(range(0, size, step))], {},
                  coalesce=False).start()
