@@ -260,7 +260,7 @@ class Gateway:
 
     def _attempt(self, ex: Exchange, up: UpstreamConfig, need: int, path: str) -> Attempt:
         return Attempt(self.transport, up, self.health[up.name], self.health.clock, need_tokens=need, stream=ex.stream,
-                       request_id=ex.rid, path=path)
+                       request_id=ex.rid, path=path, client_key=ex.headers.get("authorization"))
 
     async def _facts(self, ex: Exchange, body: dict[str, Any], size: int) -> RequestFacts:
         """The request's facts; for a Responses request, with what the store knows of the response it continues.

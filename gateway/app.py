@@ -94,8 +94,8 @@ class HotPath:
         """Whether a ``/v1`` request is the passthrough's: False (the gateway's own path), True, or the name of the
         upstream that made the response the path names (it alone holds it)."""
         path, method = scope["path"], scope["method"]
-        if path.startswith("/v1/tiergate/"):
-            return False
+        if path.startswith("/v1/tiergate/") or path.rstrip("/") in self.routes and path != path.rstrip("/"):
+            return False  # the gateway's own, and its endpoints with a trailing slash (404, as the app answers)
         if method in ("GET", "HEAD") and (path == "/v1/models" or path in self.own_models):
             return False
         found = _RESPONSE_OBJECT.fullmatch(path)
@@ -185,7 +185,7 @@ def _install_info_routes(app: FastAPI, gateway: Gateway, registry: CollectorRegi
     def model_object(name: str) -> dict[str, object]:
         return {"id": name, "object": "model", "created": created, "owned_by": "tiergate"}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> Response:
         own = config.model_names()
         data = [model_object(m) for m in own]
@@ -193,7 +193,7 @@ def _install_info_routes(app: FastAPI, gateway: Gateway, registry: CollectorRegi
         data += [m for m in await listed.models() if m["id"] not in mine]
         return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
-    @app.get("/v1/models/{model:path}")  # ids may contain "/" (wire contract §5)
+    @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])  # ids may contain "/" (wire contract §5)
     async def model(model: str) -> Response:
         if model not in config.model_names():
             return error_response(ModelNotFound(f"The model `{model}` does not exist or you do not have access to "

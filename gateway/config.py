@@ -141,6 +141,13 @@ class UpstreamConfig(_Strict):
                              "has its own upstream connection); limit requests with health.max_concurrent")
         return value
 
+    @model_validator(mode="after")
+    def _one_key(self) -> UpstreamConfig:
+        if self.pass_client_key and self.api_key_env is not None:
+            raise ValueError("pass_client_key sends the client's own key: api_key_env would never be used (set it "
+                             "to null)")
+        return self
+
     @field_validator("endpoints")
     @classmethod
     def _endpoint_paths(cls, value: list[str] | None) -> list[str] | None:

@@ -299,3 +299,26 @@ class Health:
 
 def _up(candidate: Any) -> UpstreamConfig:
     return candidate.upstream  # type: ignore[no-any-return]
+
+
+class Untracked:
+    """The health of an attempt that reads and changes no upstream's: a request of the rest of /v1
+    (``gateway.passthrough``). Its rate-limit headers are the limits of another model or endpoint (OpenAI's are per
+    model), its failures those of another endpoint, and an upload may hold a connection for minutes; none of that
+    may move the breaker, cooldown, quota estimate or concurrency count that route chat completions."""
+
+    def start(self, now: float, need_tokens: int) -> None:
+        """Nothing is charged."""
+
+    def finish(self) -> None:
+        """Nothing to give back."""
+
+    def observe_headers(self, headers: Mapping[str, str], now: float) -> None:
+        """Nothing is read."""
+
+    def settle(self, exc: GatewayError | None, now: float) -> None:
+        """No verdict is kept."""
+
+
+UNTRACKED = Untracked()
+

@@ -12,10 +12,12 @@ what served it.
 Both ways streamed and bounded: a JSON body is read whole (it is routed on, and bounded by
 ``limits.max_request_bytes``); any other body streams to the upstream as it arrives (``limits.max_passthrough_bytes``,
 never held whole, never sent twice); the answer streams back as it comes (binary audio, legacy completions' SSE,
-JSON), its bytes untouched. Headers follow chat's rules (``gateway.upstream``): the upstream's key, never the
-client's (unless ``pass_client_key``), no cookie or hop-by-hop header either way, ``content-length`` only when it
-counts the bytes relayed. An upstream's error answer keeps its status with its body normalised to OpenAI's envelope;
-the gateway's own errors use it too. A client that leaves, mid-upload or mid-download, closes the upstream request.
+JSON), its bytes untouched (never decoded: ``content-encoding`` and ``content-length`` stay true). Headers follow
+chat's rules (``gateway.upstream``): the upstream's key, never the client's (unless ``pass_client_key``), no cookie or
+hop-by-hop header either way. The path goes as the client encoded it; a dot segment is never sent. An upstream's
+error answer keeps its status with its body normalised to OpenAI's envelope; the gateway's own errors use it too. A
+client that leaves, mid-upload or mid-download, closes the upstream request; an upstream that stops taking an upload
+for its idle timeout is a 504. These requests leave the upstreams' health alone (:class:`gateway.health.Untracked`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -35,15 +38,18 @@ from gateway.api import Gateway, Watch
 from gateway.errors import (
     GatewayDraining,
     GatewayError,
+    MethodNotAllowed,
     PayloadTooLarge,
     StreamInterrupted,
     UnknownURL,
+    UpstreamTimeout,
     UpstreamUnavailable,
 )
 from gateway.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of
+from gateway.health import UNTRACKED
 from gateway.metrics import Metrics
 from gateway.policy import Candidate, Decision, RequestFacts
-from gateway.upstream import Answer, Attempt, Body
+from gateway.upstream import Answer, Attempt, Body, field_value
 from gateway.wire import replace_top_level
 
 log = logging.getLogger("tiergate")
@@ -53,9 +59,13 @@ ENDPOINTS = ("embeddings", "completions", "moderations", "audio/speech", "audio/
              "fine_tuning", "responses", "chat/completions", "conversations", "assistants", "threads", "containers",
              "evals", "videos", "realtime", "models")
 _DOT_SEGMENT = re.compile(r"/\.\.?/")
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+USAGE_ENDPOINTS = frozenset({"embeddings", "completions"})  # they answer with usage (OpenAPI CreateEmbeddingResponse,
+# CreateCompletionResponse); others report none, or in shapes that are not token counts
 _NO_BODY = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _ACCEPT_JSON = {"accept": "application/json"}
+MODELS_RETRY = 5.0  # seconds before asking again an upstream that did not list its models
 USAGE_TAIL = 16 * 1024  # bytes of a JSON or SSE answer kept to read its usage from (it comes last)
 
 
@@ -108,25 +118,43 @@ class PassExchange(Exchange):
 class Upload:
     """A request body streamed upstream as the client sends it, bounded by ``limit`` bytes; iterate it once.
 
+    While a part is with the upstream's writer, ``window`` (set by the caller around the send) is due ``idle``
+    seconds later: an upstream that stops reading the body fails the attempt, and a client that is slow to send is
+    the client's timeout (``GATEWAY_BODY_TIMEOUT``), never the upstream's. A client that leaves mid-body ends the
+    request, even when the upstream already answered (its writer would otherwise drain the rest unseen).
+
     Attributes:
         size: bytes taken so far; done: the body ended; error: why it stopped early (:class:`ClientGone`: the
-        client left; :class:`PayloadTooLarge`), or None.
+        client left; :class:`PayloadTooLarge`), or None; window: the send's deadline while it runs, or None.
     """
 
-    def __init__(self, receive: Receive, limit: int, ex: PassExchange, on_end: Callable[[], None]) -> None:
+    def __init__(self, receive: Receive, limit: int, idle: float, ex: PassExchange,
+                 on_end: Callable[[], None]) -> None:
         self.size = 0
         self.done = False
         self.error: ClientGone | GatewayError | None = None
+        self.window: asyncio.Timeout | None = None
         self._receive = receive
         self._limit = limit
+        self._idle = idle
         self._ex = ex
         self._on_end = on_end
 
+    def _due(self, when: float | None) -> None:
+        if self.window is not None and not self.window.expired():
+            self.window.reschedule(when)
+
     async def __aiter__(self) -> AsyncIterator[bytes]:
+        loop = asyncio.get_running_loop()
         while not self.done:
+            self._due(None)  # the client's turn
             message = await self._receive()
             if message["type"] == "http.disconnect":
                 self.error = ClientGone()
+                ex = self._ex
+                if not ex.recorded and ex.gone_at is None and ex.task is not None:
+                    ex.gone_at = time.perf_counter()  # as Watch does: the request ends where it is
+                    ex.task.cancel()
                 raise self.error
             part = message.get("body", b"")
             if part:
@@ -135,9 +163,11 @@ class Upload:
                 if self.size > self._limit:
                     self.error = PayloadTooLarge(f"The request body is over the {self._limit}-byte limit.")
                     raise self.error
+                self._due(loop.time() + self._idle)  # the upstream's turn: it must take the part
                 yield part
             if not message.get("more_body", False):
                 self.done = True
+                self._due(None)
                 self._on_end()  # the client's next message can only be its disconnect: watch for it
 
 
@@ -156,6 +186,11 @@ class Passthrough:
         path = scope["path"][len("/v1/"):]
         ex = PassExchange(self.metrics, send, headers_of(scope), endpoint_label(path))
         gw = self.gateway
+        method = scope["method"]
+        if method not in _METHODS:  # TRACE would echo the upstream key back; WebDAV and the like are no OpenAI API
+            await ex.error(MethodNotAllowed(f"Method {method} is not allowed for {scope['path']}."), "client_error",
+                           [(b"x-request-id", ex.rid.encode()), CLOSE])
+            return
         if _DOT_SEGMENT.search("/" + path + "/"):  # the decoded path: %2e%2e too
             # a dot segment would climb out of the upstream's base path once its URL is normalised (RFC 3986
             # §5.2.4): such a path is never sent
@@ -166,15 +201,20 @@ class Passthrough:
                                            headers={"retry-after": "1"}), "gateway_draining",
                            [(b"x-request-id", ex.rid.encode()), CLOSE])
             return
-        method = scope["method"]
+        limits = self.config.limits
         declared = ex.headers.get("content-length")
         has_body = method not in _NO_BODY or (declared not in (None, "0")) or "transfer-encoding" in ex.headers
         ctype = ex.headers.get("content-type", "").split(";", 1)[0].strip().lower()
         whole = has_body and (ctype == "application/json" or ctype.endswith("+json"))
-        raw = b""
+        limit = limits.max_request_bytes if whole else limits.max_passthrough_bytes
+        if declared and declared.isdigit() and int(declared) > limit:  # before any 100 Continue
+            await ex.error(PayloadTooLarge(f"The request body is over the {limit}-byte limit."), "client_error",
+                           [(b"x-request-id", ex.rid.encode()), CLOSE])
+            return
+        raw: bytes | None = None
         if whole or not has_body:
             try:
-                raw = await _read(receive, self.config.limits.max_request_bytes)
+                raw = await _read(receive, limits.max_request_bytes)
             except ClientGone:
                 ex.record("client_disconnect")
                 return
@@ -182,20 +222,15 @@ class Passthrough:
                 await ex.error(exc, "client_error", [(b"x-request-id", ex.rid.encode()), CLOSE])
                 return
             ex.bytes_in = len(raw)
-        elif declared and declared.isdigit() and int(declared) > self.config.limits.max_passthrough_bytes:
-            await ex.error(PayloadTooLarge(f"The request body is over the {self.config.limits.max_passthrough_bytes}"
-                                           "-byte limit."), "client_error", [(b"x-request-id", ex.rid.encode()), CLOSE])
-            return
         # the path as the client encoded it (an id with %2F stays one segment), with its query string
         raw_path = (scope.get("raw_path") or scope["path"].encode())[len(b"/v1/"):].decode("latin-1")
         query = scope.get("query_string", b"")
         target = "/" + raw_path + ("?" + query.decode("latin-1") if query else "")
-        streamed = has_body and not whole
         watch = Watch(ex, receive)
-        upload = Upload(receive, self.config.limits.max_passthrough_bytes, ex, watch.start) if streamed else None
+        streamed = raw is None
         gw.begin(ex, watch, now=not streamed)
         try:
-            await self.serve(ex, method, path, target, raw, upload, owner)
+            await self.serve(ex, method, path, target, raw, receive if streamed else None, watch, owner)
         except asyncio.CancelledError:
             if not await gw.interrupted(ex):
                 raise
@@ -204,46 +239,44 @@ class Passthrough:
         finally:
             gw.end(ex, watch)
 
-    async def serve(self, ex: PassExchange, method: str, path: str, target: str, raw: bytes,
-                    upload: Upload | None, owner: str | None = None) -> None:
-        """decide -> plan -> for each attempt: send, relay -> record (failover only for a body held whole)."""
+    async def serve(self, ex: PassExchange, method: str, path: str, target: str, raw: bytes | None,
+                    body_from: Receive | None, watch: Watch, owner: str | None = None) -> None:
+        """decide -> candidates -> for each attempt: send, relay -> record. ``raw``: the body read whole (None: it
+        streams from ``body_from``, once: then a single attempt). Failover only before the first byte, for a body
+        held whole. The upstreams' health is neither read nor told (:class:`gateway.health.Untracked`)."""
+        upload = None
         try:
             facts = _facts(raw, ex.headers)
             decision = self.gateway.policy.decide_passthrough(path, facts, owner=owner)
         except GatewayError as exc:
-            return await ex.error(exc, "client_error", _closing(ex, upload))
+            return await ex.error(exc, "client_error", _closing(ex, raw))
         ex.model = decision.model
         gw = self.gateway
         self.metrics.child(self.metrics.decisions, decision.rule, decision.tier).inc()
-        need = facts.prompt_tokens + (facts.max_tokens or 0) if facts is not None else 0
-        plan = failover.plan(decision, gw.health, gw.health.clock(), need, 1 if upload else self.config.max_attempts)
-        for cand, why in plan.spilled:
-            self.metrics.spillovers.labels(cand.upstream.tier, cand.upstream.name, why).inc()
-        if plan.refusal is not None:
-            return await ex.error(plan.refusal, "upstream_unavailable", _closing(ex, upload))
+        plan = failover.Plan(list(decision.candidates[:1 if raw is None else self.config.max_attempts]),
+                             decision.fallback)
         last: GatewayError | None = None
         tried = 0
         for cand in plan.candidates:
             up = cand.upstream
-            if up.name in plan.queued and not await gw.health[up.name].wait_for_slot():
-                last = gw.stayed_busy(plan, up)
-                continue
             tried += 1
             gw.attempting(ex, decision, up, tried, plan.reason)
-            body: Body = upload if upload is not None else _with_model(raw, facts, cand)
-            async with Attempt(gw.transport, up, gw.health[up.name], gw.health.clock, need_tokens=need, stream=False,
+            if body_from is not None:
+                upload = Upload(body_from, self.config.limits.max_passthrough_bytes, up.timeouts.idle, ex,
+                                watch.start)
+            body = upload if upload is not None else _with_model(raw, facts, cand)
+            async with Attempt(gw.transport, up, UNTRACKED, gw.health.clock, need_tokens=0, stream=False,
                                request_id=ex.rid, path=target, method=method, forward=ex.headers,
                                client_key=ex.headers.get("authorization")) as attempt:
                 try:
-                    answer = await attempt.send(body)
-                    await self._relay(ex, attempt, answer, decision, plan.reason)
+                    answer = await self._send(attempt, body, upload)
+                    await self._relay(ex, attempt, answer, decision, plan.reason, method)
                     return
                 except GatewayError as exc:
                     if upload is not None and upload.error is not None:
-                        attempt.void()  # the client's doing, not the upstream's
-                        if isinstance(upload.error, ClientGone):
+                        if isinstance(upload.error, ClientGone) or ex.answered:
                             return ex.record("client_disconnect")
-                        return await ex.error(upload.error, "client_error", _closing(ex, upload))
+                        return await ex.error(upload.error, "client_error", _closing(ex, raw, upload=upload))
                     last = attempt.failed(exc)
                     self.metrics.upstream_errors.labels(up.tier, up.name, failover.reason(exc)).inc()
                     if ex.answered:  # broke off after its first bytes: the connection is cut (see _relay)
@@ -252,22 +285,45 @@ class Passthrough:
                         return ex.record("stream_error")
             if not plan.go_on(cand, last):
                 break
-        await gw.give_up(ex, decision, plan.reason, last, tried, _closing(ex, upload, []))
+        await gw.give_up(ex, decision, plan.reason, last, tried, _closing(ex, raw, [], upload))
+
+    @staticmethod
+    async def _send(attempt: Attempt, body: Body | None, upload: Upload | None) -> Answer:
+        """:meth:`Attempt.send`; a streamed body's writer bounded as :class:`Upload` says.
+
+        Raises:
+            UpstreamTimeout: the upstream stopped taking the body for its idle timeout; as :meth:`Attempt.send`.
+        """
+        if upload is None:
+            return await attempt.send(body)
+        try:
+            async with asyncio.timeout(None) as window:
+                upload.window = window
+                try:
+                    return await attempt.send(upload)
+                finally:
+                    upload.window = None
+        except TimeoutError as exc:
+            raise UpstreamTimeout(f"The upstream took no request body for {attempt.upstream.timeouts.idle:g} s.",
+                                  code="upstream_timeout") from exc
 
     async def _relay(self, ex: PassExchange, attempt: Attempt, answer: Answer, decision: Decision,
-                     reason: str | None) -> None:
-        """Relay a 2xx answer as it arrives, bytes untouched; keep the tail of a JSON or SSE body for its usage.
+                     reason: str | None, method: str) -> None:
+        """Relay a 2xx answer as it arrives, bytes untouched; for a ``POST`` to an endpoint that bills by usage
+        (:data:`USAGE_ENDPOINTS`), keep the tail of its JSON or SSE body to read the usage from (a stored object
+        fetched again is not billed again).
 
         Raises:
             GatewayError: the answer broke off. Before its first byte reached the client, it can fail over; after,
                 the client's connection is cut without its end (a truncated body must never look complete).
         """
         headers: Headers = [*ex.route_headers(ex.tier, ex.upstream, decision.rule, reason),
-                            *((k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items()),
-                            *((k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.entity_headers())]
+                            *((k.encode("latin-1"), b) for k, v in answer.headers.items()
+                              if (b := field_value(v)) is not None),
+                            *answer.entity_headers()]
         ex.open_answer(answer.status, headers)
         ctype = answer.content_type
-        keep = "json" in ctype or "event-stream" in ctype
+        keep = method == "POST" and ex.endpoint in USAGE_ENDPOINTS and ("json" in ctype or "event-stream" in ctype)
         try:
             async for data in answer.chunks():
                 ex.bytes_out += len(data)
@@ -304,10 +360,10 @@ async def _read(receive: Receive, limit: int) -> bytes:
             return b"".join(parts)
 
 
-def _facts(raw: bytes, headers: dict[str, str]) -> RequestFacts | None:
+def _facts(raw: bytes | None, headers: dict[str, str]) -> RequestFacts | None:
     """Routing facts of a JSON body with a string ``model``, else None (it goes to the passthrough upstream; a body
-    that is not JSON is the upstream's to judge)."""
-    if not raw:
+    that is not JSON, or is content-encoded, is the upstream's to judge)."""
+    if not raw or headers.get("content-encoding", "identity").strip().lower() != "identity":
         return None
     try:
         body = orjson.loads(raw)
@@ -318,27 +374,31 @@ def _facts(raw: bytes, headers: dict[str, str]) -> RequestFacts | None:
     return RequestFacts(body, headers, len(raw))
 
 
-def _with_model(raw: bytes, facts: RequestFacts | None, cand: Candidate) -> bytes:
-    """The client's bytes, with the model id of ``cand`` when it differs (only the value's bytes change)."""
+def _with_model(raw: bytes | None, facts: RequestFacts | None, cand: Candidate) -> bytes | None:
+    """The client's bytes (None: no body), with the model id of ``cand`` when it differs (only the value's bytes
+    change)."""
+    if not raw:
+        return None
     if facts is None or not cand.upstream_model or cand.upstream_model == facts.model:
         return raw
     return replace_top_level(raw, b"model", orjson.dumps(cand.upstream_model))
 
 
-def _closing(ex: PassExchange, upload: Upload | None, headers: Headers | None = None) -> Headers:
+def _closing(ex: PassExchange, raw: bytes | None, headers: Headers | None = None,
+             upload: Upload | None = None) -> Headers:
     """The headers of an error answer; ``connection: close`` when the request body was not read to its end (its
     rest must never be read as the next request)."""
     out = headers if headers is not None else [(b"x-request-id", ex.rid.encode())]
-    if upload is not None and not upload.done:
+    if raw is None and (upload is None or not upload.done):
         out.append(CLOSE)
     return out
 
 
 class UpstreamModels:
-    """The passthrough upstream's ``GET /v1/models`` list, cached for ``passthrough.models_ttl`` seconds, so that the
-    gateway's ``/v1/models`` shows what can really be sent. An upstream that does not answer in
-    ``passthrough.models_timeout`` seconds, or answers something else than a model list, lists nothing (and is asked
-    again after the TTL)."""
+    """The passthrough upstream's ``GET /v1/models`` list (each id once), cached for ``passthrough.models_ttl`` seconds,
+    so that the gateway's ``/v1/models`` shows what can really be sent. An upstream that does not answer in
+    ``passthrough.models_timeout`` seconds, or answers something else than a model list, leaves the last list it gave
+    (none at first) and is asked again after :data:`MODELS_RETRY` seconds."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
@@ -366,7 +426,7 @@ class UpstreamModels:
         async with self._lock:  # one fetch at a time; the others then read what it found
             if gw.health.clock() < self._until:
                 return
-            found: list[dict[str, Any]] = []
+            found: list[dict[str, Any]] | None = None
             try:
                 async with asyncio.timeout(pt.models_timeout):
                     answer = await gw.transport.send(up, b"", stream=False, request_id="tiergate-models",
@@ -376,9 +436,16 @@ class UpstreamModels:
                     finally:
                         answer.close()
                 listed = orjson.loads(data).get("data") if data else None
-                found = [m for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)] \
-                    if isinstance(listed, list) else []
+                if isinstance(listed, list):
+                    seen: dict[str, dict[str, Any]] = {}
+                    for m in listed:  # each id once, as first listed
+                        if isinstance(m, dict) and isinstance(m.get("id"), str):
+                            seen.setdefault(m["id"], m)
+                    found = list(seen.values())
             except (GatewayError, TimeoutError, orjson.JSONDecodeError, AttributeError) as exc:
                 log.info("the passthrough upstream %s did not list its models: %s", up.name, exc)
+            if found is None:  # keep what it listed last; ask again soon, not after a whole TTL
+                self._until = gw.health.clock() + min(pt.models_ttl, MODELS_RETRY)
+                return
             self._models, self._ids = found, frozenset(m["id"] for m in found)
             self._until = gw.health.clock() + pt.models_ttl

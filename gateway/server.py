@@ -9,7 +9,8 @@ half a head, or half a body) held its connection forever. This protocol:
   before httptools sees the bytes;
 * closes a connection whose request head is not complete ``head_timeout`` seconds after the connection
   opened or the head's first byte arrived (uvicorn's keep-alive timeout, ``GATEWAY_KEEPALIVE_TIMEOUT``, covers
-  idle time between requests), and answers ``408`` when a request body takes longer than ``body_timeout`` s;
+  idle time between requests), and answers ``408`` when a JSON request body takes longer than ``body_timeout`` s
+  (any other body, such as a file upload streamed upstream: when it sends nothing for ``body_timeout`` s);
 * answers ``400`` in OpenAI's envelope for a request httptools cannot parse, or whose body the client ended
   early, and never writes an answer into a response already under way (one request, one response).
 
@@ -48,6 +49,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = True
         self._head_bytes = 0
         self._deadline: asyncio.TimerHandle | None = None
+        self._by_progress = False
+        self._slow: tuple[int, str, str] = (408, "", "")
         self._arm(self.head_timeout, None)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -72,8 +75,22 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self._arm(self.body_timeout, (408, "request_timeout", f"The request body took over {self.body_timeout:g} s."))
+        # a JSON body (chat, Responses, the JSON of the rest of /v1) must arrive whole within body_timeout; any other
+        # (a file upload of hundreds of MB, streamed upstream as it arrives) within body_timeout of its last byte
+        ctype = next((v for k, v in self.headers if k == b"content-type"), b"application/json").lower()
+        self._by_progress = not (ctype.startswith(b"application/json") or b"+json" in ctype.split(b";", 1)[0])
+        if self._by_progress:
+            self._slow = (408, "request_timeout", f"The request body sent nothing for {self.body_timeout:g} s.")
+            self._arm(self.body_timeout, self._slow)
+        else:
+            self._arm(self.body_timeout, (408, "request_timeout",
+                                          f"The request body took over {self.body_timeout:g} s."))
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if self._by_progress:
+            self._arm(self.body_timeout, self._slow)
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
         # the request is read: what follows is the next request's head (pipelined, or after this response), so

@@ -24,6 +24,9 @@ import contextlib
 import contextvars
 import errno
 import math
+import re
+import socket
+import struct
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Mapping
 from types import TracebackType
 from typing import Any, Literal, Protocol
@@ -45,18 +48,19 @@ from gateway.errors import (
     event_error,
     upstream_error,
 )
-from gateway.health import UpstreamHealth, retry_wait
+from gateway.health import retry_wait
 
 RESPONSE_HEADER_ALLOW = ("openai-processing-ms", "retry-after", "retry-after-ms", "x-should-retry")
 RESPONSE_HEADER_PREFIX_ALLOW = ("x-ratelimit-",)
-# a passthrough answer's own headers a client needs besides those: what the body is (content-length only when the
-# bytes relayed are the bytes the upstream counted: see UpstreamResponse.entity_headers)
-ENTITY_HEADERS = ("content-type", "content-disposition", "openai-version")
+# a passthrough answer's own headers a client needs besides those: what its body is. Its bytes are relayed as they
+# came (not decoded), so content-encoding and content-length stay true of them
+ENTITY_HEADERS = (b"content-type", b"content-disposition", b"content-encoding", b"content-length", b"openai-version")
 # the client headers a passthrough request carries upstream (what its body is, what it accepts, the beta it opts
 # into, its idempotency key); everything else (its key, cookies, hop-by-hop headers, organisation and project
 # ids that belong to another account) stays behind
-FORWARD_HEADERS = ("content-type", "content-length", "accept", "openai-beta", "idempotency-key")
-Body = bytes | AsyncIterable[bytes]
+FORWARD_HEADERS = ("content-type", "content-length", "content-encoding", "accept", "openai-beta", "idempotency-key")
+Body = bytes | AsyncIterable[bytes] | None  # None: no body (a GET)
+_FIELD_VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")  # RFC 9110 §5.5: no control character but tab
 USER_AGENT = f"tiergate/{__version__}"
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error answer kept for its message; the rest is dropped
 
@@ -75,7 +79,7 @@ class Answer(Protocol):
     stale_retried: bool
 
     def chunks(self) -> AsyncIterator[bytes]: ...
-    def entity_headers(self) -> list[tuple[str, str]]: ...
+    def entity_headers(self) -> list[tuple[bytes, bytes]]: ...
     def watch_idle(self) -> None: ...
     async def read(self) -> bytes: ...
     async def read_error(self, limit: int = ...) -> bytes: ...
@@ -93,6 +97,16 @@ class Transport(Protocol):
     async def send(self, upstream: UpstreamConfig, body: Body, *, stream: bool, request_id: str,
                    path: str = "/chat/completions", method: str = "POST",
                    forward: Mapping[str, str] | None = None, client_key: str | None = None) -> Answer: ...
+
+
+class Verdicts(Protocol):
+    """What an attempt tells an upstream's health (:class:`gateway.health.UpstreamHealth`, or
+    :data:`gateway.health.UNTRACKED`)."""
+
+    def start(self, now: float, need_tokens: int) -> None: ...
+    def finish(self) -> None: ...
+    def observe_headers(self, headers: Mapping[str, str], now: float) -> None: ...
+    def settle(self, exc: GatewayError | None, now: float) -> None: ...
 
 
 class Attempt:
@@ -114,7 +128,7 @@ class Attempt:
         first_token_by: the first-token deadline (an ``asyncio`` loop time), or None.
     """
 
-    def __init__(self, transport: Transport, upstream: UpstreamConfig, health: UpstreamHealth,
+    def __init__(self, transport: Transport, upstream: UpstreamConfig, health: Verdicts,
                  clock: Callable[[], float], *, need_tokens: int, stream: bool, request_id: str,
                  path: str, method: str = "POST", forward: Mapping[str, str] | None = None,
                  client_key: str | None = None) -> None:
@@ -172,6 +186,9 @@ class Attempt:
                                   code="upstream_ttft_timeout") from err
         self.health.observe_headers(answer.headers, self._clock())
         if answer.status != 200 and not (self._forward is not None and 200 <= answer.status < 300):
+            if 300 <= answer.status < 400:  # a redirect to the upstream's own hosts, or a 304 to a request never
+                # made conditional: nothing a client of the gateway can follow or use
+                raise UpstreamBadResponse(f"The upstream answered {answer.status}, which the gateway does not relay.")
             raise await self._status_error(answer)
         if self._stream and answer.content_type.split(";", 1)[0].strip().lower() in NOT_A_STREAM:
             raise await self._not_a_stream(answer)
@@ -258,17 +275,12 @@ class UpstreamResponse:
         self.consumed = 0
         self.stale_retried = stale_retried
 
-    def entity_headers(self) -> list[tuple[str, str]]:
-        """The upstream's own headers that describe a passthrough answer's body (:data:`ENTITY_HEADERS`), with
-        ``content-length`` only when the bytes relayed are the ones it counts: aiohttp decodes a body the upstream
-        sent with a ``content-encoding`` despite ``Accept-Encoding: identity``, so then neither header is passed
-        (RFC 9110 §8.6: the length is of the content as sent)."""
-        raw = self._resp.headers
-        out = [(name, raw[name]) for name in ENTITY_HEADERS if name in raw]
-        length = raw.get("content-length")
-        if length is not None and "content-encoding" not in raw:
-            out.append(("content-length", length))
-        return out
+    def entity_headers(self) -> list[tuple[bytes, bytes]]:
+        """The upstream's own headers that describe a passthrough answer's body (:data:`ENTITY_HEADERS`), as the bytes
+        they came in; a value that is no valid field value (RFC 9110 §5.5) is dropped. The body of a passthrough
+        answer is not decoded (``UpstreamPool.send``), so ``content-encoding`` and ``content-length`` stay true."""
+        return [(k.lower(), v) for k, v in self._resp.raw_headers
+                if k.lower() in ENTITY_HEADERS and _FIELD_VALUE.fullmatch(v)]
 
     def watch_idle(self) -> None:
         """From now on, fail the body after the upstream's idle timeout of silence (:class:`IdleWatch`; streams).
@@ -410,6 +422,7 @@ SESSION_OPTIONS: dict[str, Any] = {"auto_decompress": True, "skip_auto_headers":
 # acted on it: a POST is then never sent again (RFC 9112 §9.3.1: retry only what is known not to have been processed)
 STALE_RACE = 0.1  # seconds
 _REUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("tiergate_connection_reused", default=False)
+_TRANSPORT: contextvars.ContextVar[Any] = contextvars.ContextVar("tiergate_connection_transport", default=None)
 _STALE_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
 
 
@@ -417,13 +430,15 @@ class _Connector(aiohttp.TCPConnector):
     """aiohttp's connector, noting for the request being sent whether its connection came from the pool.
 
     The note is a context variable: ``connect`` runs inside the caller's ``session.post`` in the caller's task,
-    so :meth:`UpstreamPool.send` reads it right after a failure. Cost: one attribute test per request.
+    so :meth:`UpstreamPool.send` reads it right after a failure; so is the connection's transport, which a cancelled
+    passthrough send aborts. Cost: one attribute test and two context-variable sets per request.
     """
 
     async def connect(self, req: Any, traces: Any, timeout: aiohttp.ClientTimeout) -> Any:
         conn = await super().connect(req, traces, timeout)
         proto = conn.protocol
         _REUSED.set(getattr(proto, "tiergate_used", False))
+        _TRANSPORT.set(proto.transport if proto is not None else None)
         if proto is not None:
             setattr(proto, "tiergate_used", True)  # noqa: B010 - ResponseHandler declares no such attribute
         return conn
@@ -518,7 +533,7 @@ class UpstreamPool:
             headers = forward_headers(forward, request_id)
             if isinstance(body, bytes):  # a body held whole may have changed (its model): aiohttp counts it
                 headers.pop("content-length", None)
-        auth = client_key or self._auth.get(upstream.name)
+        auth = client_key if upstream.pass_client_key else self._auth.get(upstream.name)
         if auth:
             headers["Authorization"] = auth
         # a passthrough path is sent as the client encoded it (yarl would otherwise re-quote and normalise it)
@@ -526,17 +541,30 @@ class UpstreamPool:
         retried = False
         loop = asyncio.get_running_loop()
         sent = loop.time()
+        decode = None if forward is None else False  # a passthrough answer's bytes go to the client as they came
         with map_errors():
             try:
                 resp = await self._session.request(method, url, data=body, headers=headers, timeout=timeout,
-                                                   allow_redirects=False)
+                                                   allow_redirects=False, auto_decompress=decode)
+            except asyncio.CancelledError:
+                if forward is not None:
+                    # aiohttp closes the connection, and a close waits for the write buffer to drain: an upstream
+                    # that stopped reading an upload would hold it forever. Abandoned, it is aborted
+                    transport = _TRANSPORT.get()  # aiohttp's close() has already let go of it
+                    if transport is not None:
+                        sock = transport.get_extra_info("socket")
+                        if sock is not None:  # a reset, not a FIN behind what the kernel still holds to send
+                            with contextlib.suppress(OSError):
+                                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        transport.abort()
+                raise
             except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
                 if not (isinstance(body, bytes) and _REUSED.get() and _stale(exc) and loop.time() - sent < STALE_RACE):
                     raise
                 retried = True
                 assert self._fresh is not None
                 resp = await self._fresh.request(method, url, data=body, headers=headers, timeout=timeout,
-                                                 allow_redirects=False)
+                                                 allow_redirects=False, auto_decompress=decode)
         if not stream:
             return UpstreamResponse(resp, stale_retried=retried)
         conn = resp.connection
@@ -561,6 +589,13 @@ class map_errors:  # noqa: N801 - used as a context manager, named like one
         if isinstance(exc, aiohttp.ClientError | OSError):
             raise UpstreamUnavailable(f"The upstream could not be reached ({type(exc).__name__}).") from exc
         return False
+
+
+def field_value(value: str) -> bytes | None:
+    """An upstream header value as the bytes it came in (aiohttp decodes them UTF-8 with surrogate escapes), or None
+    when it is no valid field value (RFC 9110 §5.5): such a header is dropped, never a broken answer."""
+    data = value.encode("utf-8", "surrogateescape")
+    return data if _FIELD_VALUE.fullmatch(data) else None
 
 
 def forward_headers(client: Mapping[str, str], request_id: str) -> dict[str, str]:

@@ -4,6 +4,7 @@ client disconnects against a scripted upstream that records what reached it."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import gzip
 import hashlib
@@ -217,12 +218,13 @@ def pgw(rec: Recorder, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pro
             {"name": "backup", "tier": "standard", "base_url": rec.up.base_url, "endpoints": ["embeddings"],
              "models": {"emb": "emb"}, "timeouts": {"connect": 1, "idle": 3, "total": 5},
              "health": {"failures": 1000}},
-            {"name": "byo", "tier": "standard", "base_url": rec.up.base_url, "api_key_env": "PRIMARY_KEY",
+            {"name": "byo", "tier": "standard", "base_url": rec.up.base_url,
              "pass_client_key": True, "endpoints": ["embeddings"], "models": {"byo-model": "byo-model"}},
         ],
         "passthrough": {"upstream": "primary", "models_ttl": 0},
     }
-    proc, _ = start_gateway(cfg, tmp_path_factory.mktemp("pt"), env={"PRIMARY_KEY": "upstream-secret"})
+    proc, _ = start_gateway(cfg, tmp_path_factory.mktemp("pt"), env={"PRIMARY_KEY": "upstream-secret",
+                                                                     "GATEWAY_BODY_TIMEOUT": "1"})
     yield proc
     proc.stop()
 
@@ -311,8 +313,12 @@ def test_the_client_key_reaches_only_an_upstream_that_passes_it(rec: Recorder, p
     for model in ("byo-model", "emb"):
         httpx.post(_url(pgw) + "/embeddings", json={"model": model, "input": "x"}, timeout=5,
                    headers={"authorization": "Bearer client-own-key"})
+    httpx.post(_url(pgw) + "/embeddings", json={"model": "byo-model", "input": "x"}, timeout=5)  # no key of its own
+    rec.plan = None  # chat completions follow the same rule
+    httpx.post(_url(pgw) + "/chat/completions", json={"model": "byo-model", "messages": [
+        {"role": "user", "content": "hi"}]}, headers={"authorization": "Bearer client-own-key"}, timeout=5)
     keys = [r.headers.get("authorization") for r in rec.up.requests[before:]]
-    assert keys == ["Bearer client-own-key", "Bearer upstream-secret"]
+    assert keys == ["Bearer client-own-key", "Bearer upstream-secret", None, "Bearer client-own-key"]
 
 
 def test_usage_is_priced_by_model_and_never_at_the_chat_price(rec: Recorder, pgw: Proc) -> None:
@@ -331,13 +337,56 @@ def test_usage_is_priced_by_model_and_never_at_the_chat_price(rec: Recorder, pgw
     assert sample(text, "tiergate_tokens_total", upstream="primary", model="other", token_type="input") >= 2e6
 
 
-def test_a_compressed_answer_is_relayed_decoded_with_consistent_headers(rec: Recorder, pgw: Proc) -> None:
+def test_an_encoded_answer_is_relayed_as_it_came_with_its_headers(rec: Recorder, pgw: Proc) -> None:
     body = b'{"data":"' + b"z" * 5000 + b'"}'
-    rec.plan = Plan(headers={"content-type": "application/json", "content-encoding": "gzip"},
-                    parts=[(0, gzip.compress(body))], chunked=False)
-    with httpx.stream("GET", _url(pgw) + "/files/file-1", timeout=5, headers={"accept-encoding": "identity"}) as resp:
-        raw = b"".join(resp.iter_raw())
-    assert raw == body and "content-encoding" not in resp.headers and "content-length" not in resp.headers
+    for encoding, data in (("gzip", gzip.compress(body)), ("x-custom", b"\x00opaque\xff")):
+        rec.plan = Plan(headers={"content-type": "application/json", "content-encoding": encoding},
+                        parts=[(0, data)], chunked=False)
+        with httpx.stream("GET", _url(pgw) + "/files/file-1", timeout=5) as resp:
+            raw = b"".join(resp.iter_raw())
+        assert raw == data and resp.headers["content-encoding"] == encoding
+        assert resp.headers["content-length"] == str(len(data))
+
+
+def test_odd_upstream_statuses_and_header_values(rec: Recorder, pgw: Proc) -> None:
+    rec.plan = Plan(status=304, headers={}, parts=[], chunked=False)
+    with httpx.Client(timeout=5) as keep_alive:  # never a body on a 304: the next answer on the connection is intact
+        resp = keep_alive.get(_url(pgw) + "/files/file-1")
+        assert resp.status_code == 502 and resp.json()["error"]["code"] == "upstream_bad_response"
+        rec.plan = Plan(headers={"content-type": "application/json", "content-disposition":
+                                 'attachment; filename="r\u00e9sum\u00e9.pdf"', "x-ratelimit-limit-requests": "1\x01"},
+                        parts=[(0, b"{}")], chunked=False)
+        resp = keep_alive.get(_url(pgw) + "/files/file-1")
+    assert resp.status_code == 200 and resp.content == b"{}"
+    assert resp.headers["content-disposition"] == 'attachment; filename="r\u00e9sum\u00e9.pdf"'  # the same bytes
+    assert "x-ratelimit-limit-requests" not in resp.headers  # not a valid field value: dropped, answer intact
+
+
+def test_methods_trailing_slashes_and_bodiless_requests(rec: Recorder, pgw: Proc) -> None:
+    rec.plan = Plan(headers={"content-type": "application/json"}, parts=[(0, b"{}")], chunked=False)
+    before = len(rec.up.requests)
+    assert httpx.request("TRACE", _url(pgw) + "/files", timeout=5).status_code == 405
+    for path in ("/chat/completions/", "/responses/"):
+        resp = httpx.post(_url(pgw) + path, json={"model": "m", "messages": []}, timeout=5)
+        assert resp.status_code == 404 and resp.json()["error"]["code"] == "unknown_url"
+    assert len(rec.up.requests) == before  # none of those reached the upstream
+    assert httpx.head(_url(pgw) + "/models", timeout=5).status_code == 200
+    httpx.get(_url(pgw) + "/files/file-1", timeout=5)
+    got = rec.up.requests[-1]
+    assert "content-type" not in got.headers and "content-length" not in got.headers and got.body == b""
+    with socket.create_connection(("127.0.0.1", pgw.port), timeout=5) as sock:  # refused on its declared length,
+        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"  # unread
+                     b"expect: 100-continue\r\ncontent-length: %d\r\n\r\n" % (64 << 20))
+        assert sock.recv(4096).startswith(b"HTTP/1.1 413")  # no 100 Continue first
+
+
+def test_a_stored_object_fetched_again_is_not_billed_again(rec: Recorder, pgw: Proc) -> None:
+    usage = b'{"object":"chat.completion","usage":{"prompt_tokens":500,"completion_tokens":500}}'
+    rec.plan = Plan(headers={"content-type": "application/json"}, parts=[(0, usage)])
+    metrics = f"http://127.0.0.1:{pgw.port}/metrics"
+    before = sample(httpx.get(metrics, timeout=5).text, "tiergate_tokens_total", upstream="primary")
+    httpx.get(_url(pgw) + "/chat/completions/chatcmpl-1", timeout=5)
+    assert sample(httpx.get(metrics, timeout=5).text, "tiergate_tokens_total", upstream="primary") == before
 
 
 def test_a_model_whose_upstreams_lack_the_endpoint_is_404(rec: Recorder, pgw: Proc) -> None:
@@ -525,16 +574,158 @@ def test_paths_are_sent_as_encoded_and_dot_segments_never(rec: Recorder, pgw: Pr
     before = len(rec.up.requests)
     sock = socket.create_connection(("127.0.0.1", pgw.port))
     try:
-        for raw in (b"/v1/files/a%2Fb", b"/v1/files/../../metrics", b"/v1/files/%2e%2e/%2E%2E/admin"):
+        for raw in (b"/v1/files/a%2Fb?q=%2x&y=%", b"/v1/files/x%3Fevil=1", b"/v1/files/../../metrics",
+                    b"/v1/files/%2e%2e/%2E%2E/admin", b"/v1/files/..%2F..%2Fadmin"):
             sock.sendall(b"GET " + raw + b" HTTP/1.1\r\nhost: x\r\n\r\n")
             head = sock.recv(65536)
             while b"\r\n\r\n" not in head:
                 head += sock.recv(65536)
-            assert head.startswith(b"HTTP/1.1 200" if raw.endswith(b"a%2Fb") else b"HTTP/1.1 404"), (raw, head)
+            assert head.startswith(b"HTTP/1.1 404" if b".." in raw or b"%2e" in raw else b"HTTP/1.1 200"), (raw, head)
             length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
             body = head.split(b"\r\n\r\n", 1)[1]
             while len(body) < length:
                 body += sock.recv(65536)
     finally:
         sock.close()
-    assert [r.path for r in rec.up.requests[before:]] == ["/v1/files/a%2Fb"]  # one segment, as the client sent it
+    # as the client encoded them: one segment, no query made of the path, the query's bytes untouched
+    assert [r.path for r in rec.up.requests[before:]] == ["/v1/files/a%2Fb?q=%2x&y=%", "/v1/files/x%3Fevil=1"]
+
+
+def test_an_upload_that_keeps_coming_is_not_cut_by_the_body_timeout(rec: Recorder, pgw: Proc) -> None:
+    rec.plan = Plan(headers={"content-type": "application/json"}, parts=[(0, b'{"id":"file-slow"}')], chunked=False)
+    part = b"s" * 50_000
+    with socket.create_connection(("127.0.0.1", pgw.port), timeout=10) as sock:  # GATEWAY_BODY_TIMEOUT=1 here
+        sock.sendall(b"POST /v1/files HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream\r\n"
+                     b"content-length: %d\r\n\r\n" % (len(part) * 10))
+        for _ in range(10):  # 2.5 s in all, never silent for 1 s
+            sock.sendall(part)
+            time.sleep(0.25)
+        answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"id":"file-slow"}')
+    assert len(rec.up.requests[-1].body) == len(part) * 10
+
+
+class RawUp:
+    """A misbehaving upstream on a loopback socket, in a thread: ``stall`` reads a request's head and then nothing;
+    ``early`` answers 200 at once and streams an answer for 5 s while it reads the body. ``closed_at``:
+    ``time.monotonic()`` of each connection's end."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.closed_at: list[float] = []
+        self.ended: list[str] = []  # how each connection ended: "eof", or the error (a reset: the peer aborted)
+        self.protos: list[_RawProto] = []
+        self.loop = asyncio.new_event_loop()
+        self.port = 0
+        ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self.thread.start()
+        ready.wait(5)
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(self.loop.create_server(lambda: _RawProto(self), "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        ready.set()
+        self.loop.run_forever()
+        server.close()
+
+    def resume(self) -> None:
+        """Read again on every connection (a stalled one then sees how its peer ended it)."""
+        for proto in self.protos:
+            if proto.transport is not None:
+                self.loop.call_soon_threadsafe(proto.transport.resume_reading)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class _RawProto(asyncio.Protocol):
+    def __init__(self, up: RawUp) -> None:
+        self.up = up
+        self.head = b""
+        self.transport: Any = None
+        self.timer: Any = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.up.protos.append(self)
+
+    def data_received(self, data: bytes) -> None:
+        if b"\r\n\r\n" in self.head:
+            return  # the body: read (early) or never asked for (stall pauses reading)
+        self.head += data
+        if b"\r\n\r\n" not in self.head:
+            return
+        if self.up.mode == "stall":
+            self.transport.pause_reading()
+        else:
+            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: audio/mpeg\r\ntransfer-encoding: chunked\r\n\r\n")
+            self._tick(100)
+
+    def _tick(self, left: int) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        self.transport.write(b"400\r\n" + b"a" * 1024 + b"\r\n" if left else b"0\r\n\r\n")
+        if left:
+            self.timer = asyncio.get_running_loop().call_later(0.05, self._tick, left - 1)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.up.closed_at.append(time.monotonic())
+        self.up.ended.append("eof" if exc is None else type(exc).__name__)
+        if self.timer is not None:
+            self.timer.cancel()
+        self.transport = None
+
+
+def _raw_gateway(up: RawUp, tmp: Path) -> Proc:
+    cfg = {"upstreams": [{"name": up.mode, "tier": "standard", "base_url": f"http://127.0.0.1:{up.port}/v1",
+                          "models": {"m": "m"}, "timeouts": {"connect": 1, "idle": 1, "total": 5}}],
+           "passthrough": {"models_ttl": 60}}
+    return start_gateway(cfg, tmp)[0]
+
+
+@pytest.fixture(scope="module")
+def raw_gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, RawUp, Proc, RawUp]]:
+    stall, early = RawUp("stall"), RawUp("early")
+    tmp = tmp_path_factory.mktemp("raw")
+    gw_stall, gw_early = _raw_gateway(stall, tmp), _raw_gateway(early, tmp)
+    yield gw_stall, stall, gw_early, early
+    for x in (gw_stall, gw_early, stall, early):
+        x.stop()
+
+
+def test_an_upstream_that_stops_reading_an_upload_is_a_504(raw_gw: tuple[Proc, RawUp, Proc, RawUp]) -> None:
+    proc, stall, _, _ = raw_gw
+    seen = len(stall.closed_at)
+    t0 = time.monotonic()
+    resp = httpx.post(f"http://127.0.0.1:{proc.port}/v1/files", content=b"z" * (16 << 20), timeout=15,
+                      headers={"content-type": "application/octet-stream"})
+    took = time.monotonic() - t0
+    assert resp.status_code == 504 and resp.json()["error"]["code"] == "upstream_timeout"
+    assert 0.9 < took < 5, took  # its idle timeout (1 s) of no progress, not forever
+    stall.resume()  # it reads again, and finds the connection aborted: a close would wait for the unsent body
+    deadline = time.monotonic() + 2
+    while len(stall.closed_at) == seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stall.ended[seen:] == ["ConnectionResetError"]
+
+
+def test_a_client_gone_mid_upload_after_an_early_answer_closes_the_upstream(
+        raw_gw: tuple[Proc, RawUp, Proc, RawUp]) -> None:
+    _, _, proc, early = raw_gw
+    seen = len(early.closed_at)
+    sock = socket.create_connection(("127.0.0.1", proc.port), timeout=5)
+    sock.sendall(b'POST /v1/audio/transcriptions HTTP/1.1\r\nhost: x\r\ncontent-type: multipart/form-data; '
+                 b'boundary=b\r\ncontent-length: 5000000\r\n\r\n' + b"q" * 100_000)
+    assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # the upstream answered before the body's end
+    time.sleep(0.2)
+    sock.close()
+    gone = time.monotonic()
+    deadline = gone + 2
+    while len(early.closed_at) == seen and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert early.closed_at[seen:] and early.closed_at[seen] - gone < 0.1  # not after its 5 s answer
+    text = httpx.get(f"http://127.0.0.1:{proc.port}/metrics", timeout=5).text
+    assert sample(text, "tiergate_passthrough_requests_total", upstream="early", outcome="client_disconnect") >= 1

@@ -44,8 +44,8 @@ class ScriptedAnswer:
             at += delay
             self._due.append(at)
 
-    def entity_headers(self) -> list[tuple[str, str]]:
-        return [(k, v) for k, v in self.plan.headers.items() if k in ENTITY_HEADERS]
+    def entity_headers(self) -> list[tuple[bytes, bytes]]:
+        return [(k.encode(), v.encode()) for k, v in self.plan.headers.items() if k.encode() in ENTITY_HEADERS]
 
     def watch_idle(self) -> None:
         self._watching = True
@@ -126,7 +126,9 @@ class ScriptedTransport:
             UpstreamUnavailable: the plan drops the connection; UpstreamTimeout: its status line comes later than
                 ``idle`` (not for streams with a ``ttft``, whose deadline the caller holds).
         """
-        if not isinstance(body, bytes):
+        if body is None:
+            body = b""
+        elif not isinstance(body, bytes):
             body = b"".join([part async for part in body])
         headers = {"x-client-request-id": request_id}
         if forward or client_key:  # a passthrough request, or the client's own key: what would cross
