@@ -50,7 +50,7 @@ from gateway.health import UNTRACKED
 from gateway.metrics import Metrics
 from gateway.policy import Candidate, Decision, RequestFacts
 from gateway.upstream import Answer, Attempt, Body, field_value
-from gateway.wire import replace_top_level
+from gateway.wire import is_json_type, replace_top_level
 
 log = logging.getLogger("tiergate")
 # the endpoint label of the passthrough metrics (bounded): the path's longest prefix listed here, else "other"
@@ -58,11 +58,11 @@ ENDPOINTS = ("embeddings", "completions", "moderations", "audio/speech", "audio/
              "images/generations", "images/edits", "images/variations", "files", "uploads", "batches", "vector_stores",
              "fine_tuning", "responses", "chat/completions", "conversations", "assistants", "threads", "containers",
              "evals", "videos", "realtime", "models")
-_DOT_SEGMENT = re.compile(r"/\.\.?/")
+# a "." or ".." segment, also with ";" parameters (servlet containers read "..;" as "..") or "\\" as a separator (IIS)
+_DOT_SEGMENT = re.compile(r"[/\\]\.\.?(;[^/\\]*)?(?=[/\\])")
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 USAGE_ENDPOINTS = frozenset({"embeddings", "completions"})  # they answer with usage (OpenAPI CreateEmbeddingResponse,
 # CreateCompletionResponse); others report none, or in shapes that are not token counts
-_NO_BODY = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _ACCEPT_JSON = {"accept": "application/json"}
 MODELS_RETRY = 5.0  # seconds before asking again an upstream that did not list its models
@@ -191,7 +191,9 @@ class Passthrough:
             await ex.error(MethodNotAllowed(f"Method {method} is not allowed for {scope['path']}."), "client_error",
                            [(b"x-request-id", ex.rid.encode()), CLOSE])
             return
-        if _DOT_SEGMENT.search("/" + path + "/"):  # the decoded path: %2e%2e too
+        raw_full = scope.get("raw_path") or scope["path"].encode()
+        if _DOT_SEGMENT.search("/" + path + "/") or not raw_full.startswith(b"/v1/"):  # decoded: %2e%2e too; and
+            # a /v1 that was itself percent-encoded would not be cut off where the decoded path says
             # a dot segment would climb out of the upstream's base path once its URL is normalised (RFC 3986
             # §5.2.4): such a path is never sent
             await ex.error(UnknownURL(f"Unknown request URL: {scope['method']} {scope['path']}."), "client_error")
@@ -203,9 +205,9 @@ class Passthrough:
             return
         limits = self.config.limits
         declared = ex.headers.get("content-length")
-        has_body = method not in _NO_BODY or (declared not in (None, "0")) or "transfer-encoding" in ex.headers
-        ctype = ex.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        whole = has_body and (ctype == "application/json" or ctype.endswith("+json"))
+        # a body is what its framing says, whatever the method (RFC 9112 §6.3)
+        has_body = declared not in (None, "0") or "transfer-encoding" in ex.headers
+        whole = has_body and is_json_type(ex.headers.get("content-type", ""))
         limit = limits.max_request_bytes if whole else limits.max_passthrough_bytes
         if declared and declared.isdigit() and int(declared) > limit:  # before any 100 Continue
             await ex.error(PayloadTooLarge(f"The request body is over the {limit}-byte limit."), "client_error",
@@ -223,7 +225,7 @@ class Passthrough:
                 return
             ex.bytes_in = len(raw)
         # the path as the client encoded it (an id with %2F stays one segment), with its query string
-        raw_path = (scope.get("raw_path") or scope["path"].encode())[len(b"/v1/"):].decode("latin-1")
+        raw_path = raw_full[len(b"/v1/"):].decode("latin-1")
         query = scope.get("query_string", b"")
         target = "/" + raw_path + ("?" + query.decode("latin-1") if query else "")
         watch = Watch(ex, receive)
@@ -317,11 +319,16 @@ class Passthrough:
             GatewayError: the answer broke off. Before its first byte reached the client, it can fail over; after,
                 the client's connection is cut without its end (a truncated body must never look complete).
         """
+        bodiless = answer.status in (204, 205)  # no content, whatever the upstream sent (RFC 9110 §15.3.5-6)
         headers: Headers = [*ex.route_headers(ex.tier, ex.upstream, decision.rule, reason),
                             *((k.encode("latin-1"), b) for k, v in answer.headers.items()
                               if (b := field_value(v)) is not None),
-                            *answer.entity_headers()]
+                            *(h for h in answer.entity_headers() if not (bodiless and h[0] == b"content-length"))]
         ex.open_answer(answer.status, headers)
+        if bodiless:
+            attempt.ok()  # its connection is closed on exit: what it sent is never read
+            ex.record("success")
+            return await ex.end_stream()
         ctype = answer.content_type
         keep = method == "POST" and ex.endpoint in USAGE_ENDPOINTS and ("json" in ctype or "event-stream" in ctype)
         try:

@@ -28,10 +28,32 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.errors import error_body
 from gateway.settings import Settings
+from gateway.wire import is_json_type
+
+_JSON_BY_DEFAULT = frozenset({b"/v1/chat/completions", b"/v1/responses"})
+
+
+class _Flow(FlowControl):
+    """uvicorn's flow control, telling the protocol when it pauses and resumes reading the client."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: GuardedHttpToolsProtocol) -> None:
+        super().__init__(transport)
+        self._protocol = protocol
+
+    def pause_reading(self) -> None:
+        if not self.read_paused:
+            super().pause_reading()
+            self._protocol.reading(paused=True)
+
+    def resume_reading(self) -> None:
+        if self.read_paused:
+            super().resume_reading()
+            self._protocol.reading(paused=False)
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -46,6 +68,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.flow = _Flow(transport, self)
         self._in_head = True
         self._head_bytes = 0
         self._deadline: asyncio.TimerHandle | None = None
@@ -77,8 +100,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = False
         # a JSON body (chat, Responses, the JSON of the rest of /v1) must arrive whole within body_timeout; any other
         # (a file upload of hundreds of MB, streamed upstream as it arrives) within body_timeout of its last byte
-        ctype = next((v for k, v in self.headers if k == b"content-type"), b"application/json").lower()
-        self._by_progress = not (ctype.startswith(b"application/json") or b"+json" in ctype.split(b";", 1)[0])
+        ctype = next((v for k, v in self.headers if k == b"content-type"), None)
+        # no content type: JSON on the two hot endpoints (read_body's default), a stream anywhere else (passthrough's)
+        if ctype == b"application/json":  # the SDKs' own: no parsing on the hot path
+            self._by_progress = False
+        else:
+            self._by_progress = (not is_json_type(ctype.decode("latin-1")) if ctype is not None
+                                 else self.url.split(b"?", 1)[0] not in _JSON_BY_DEFAULT)
         if self._by_progress:
             self._slow = (408, "request_timeout", f"The request body sent nothing for {self.body_timeout:g} s.")
             self._arm(self.body_timeout, self._slow)
@@ -91,6 +119,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._by_progress:
             self._arm(self.body_timeout, self._slow)
         super().on_body(body)
+
+    def reading(self, paused: bool) -> None:
+        """Reading from the client was paused (the app, or the upstream behind it, takes no more of the body: the
+        silence is not the client's) or resumed (the client's turn again): the silence timer follows."""
+        if self._by_progress and not self._in_head:
+            if paused:
+                self._disarm()
+            else:
+                self._arm(self.body_timeout, self._slow)
 
     def on_message_complete(self) -> None:
         # the request is read: what follows is the next request's head (pipelined, or after this response), so

@@ -54,15 +54,20 @@ RESPONSE_HEADER_ALLOW = ("openai-processing-ms", "retry-after", "retry-after-ms"
 RESPONSE_HEADER_PREFIX_ALLOW = ("x-ratelimit-",)
 # a passthrough answer's own headers a client needs besides those: what its body is. Its bytes are relayed as they
 # came (not decoded), so content-encoding and content-length stay true of them
-ENTITY_HEADERS = (b"content-type", b"content-disposition", b"content-encoding", b"content-length", b"openai-version")
+ENTITY_HEADERS = (b"content-type", b"content-disposition", b"content-encoding", b"content-length", b"content-range",
+                  b"accept-ranges", b"openai-version")
 # the client headers a passthrough request carries upstream (what its body is, what it accepts, the beta it opts
 # into, its idempotency key); everything else (its key, cookies, hop-by-hop headers, organisation and project
 # ids that belong to another account) stays behind
-FORWARD_HEADERS = ("content-type", "content-length", "content-encoding", "accept", "openai-beta", "idempotency-key")
+FORWARD_HEADERS = ("content-type", "content-length", "content-encoding", "accept", "openai-beta", "idempotency-key",
+                   "range")
 Body = bytes | AsyncIterable[bytes] | None  # None: no body (a GET)
 _FIELD_VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")  # RFC 9110 §5.5: no control character but tab
 USER_AGENT = f"tiergate/{__version__}"
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error answer kept for its message; the rest is dropped
+LARGE_BODY = 256 * 1024  # bytes: a body held whole but larger than this goes in PIECE pieces, its writing watched
+PIECE = 64 * 1024
+SKIP_FORWARDED = ("User-Agent", "Content-Type", "Accept")  # aiohttp adds none of these to a passthrough request
 
 
 # a streamed answer labelled with one of these is not an event stream; any other label (text/plain, none, ...) on a
@@ -488,6 +493,34 @@ class UpstreamPool:
                 await session.close()
         self._session = self._fresh = None
 
+    @staticmethod
+    async def _request(session: aiohttp.ClientSession, method: str, url: str | URL, body: Body,
+                       headers: dict[str, str], timeout: aiohttp.ClientTimeout, decode: bool | None,
+                       skip: tuple[str, ...] | None, idle: float | None) -> aiohttp.ClientResponse:
+        """One ``session.request``; on any failure its connection is reset (:func:`_abort`). With ``idle`` (a body
+        held whole but larger than :data:`LARGE_BODY`, which may not fit the socket buffers), the body goes in
+        pieces, each due at the upstream within ``idle`` seconds.
+
+        Raises:
+            UpstreamTimeout: the upstream took no part of the body for ``idle`` s; aiohttp's errors otherwise.
+        """
+        _TRANSPORT.set(None)  # set by _Connector.connect for this request's connection
+        try:
+            if idle is None:
+                return await session.request(method, url, data=body, headers=headers, timeout=timeout,
+                                             allow_redirects=False, auto_decompress=decode, skip_auto_headers=skip)
+            assert isinstance(body, bytes)
+            try:
+                async with asyncio.timeout(None) as window:
+                    return await session.request(method, url, data=_pieces(body, window, idle), headers=headers,
+                                                 timeout=timeout, allow_redirects=False, auto_decompress=decode,
+                                                 skip_auto_headers=skip)
+            except TimeoutError as exc:
+                raise UpstreamTimeout(f"The upstream took no request body for {idle:g} s.") from exc
+        except BaseException:
+            _abort()
+            raise
+
     @property
     def ready(self) -> bool:
         """True while the session is open."""
@@ -538,33 +571,25 @@ class UpstreamPool:
             headers["Authorization"] = auth
         # a passthrough path is sent as the client encoded it (yarl would otherwise re-quote and normalise it)
         url: str | URL = upstream.base_url + path if forward is None else URL(upstream.base_url + path, encoded=True)
+        skip = SKIP_FORWARDED if forward is not None else None  # no content type or accept of aiohttp's own making
+        large = isinstance(body, bytes) and len(body) > LARGE_BODY
+        if large and isinstance(body, bytes):
+            headers["Content-Length"] = str(len(body))  # sent in pieces, never chunked
         retried = False
         loop = asyncio.get_running_loop()
         sent = loop.time()
         decode = None if forward is None else False  # a passthrough answer's bytes go to the client as they came
         with map_errors():
             try:
-                resp = await self._session.request(method, url, data=body, headers=headers, timeout=timeout,
-                                                   allow_redirects=False, auto_decompress=decode)
-            except asyncio.CancelledError:
-                if forward is not None:
-                    # aiohttp closes the connection, and a close waits for the write buffer to drain: an upstream
-                    # that stopped reading an upload would hold it forever. Abandoned, it is aborted
-                    transport = _TRANSPORT.get()  # aiohttp's close() has already let go of it
-                    if transport is not None:
-                        sock = transport.get_extra_info("socket")
-                        if sock is not None:  # a reset, not a FIN behind what the kernel still holds to send
-                            with contextlib.suppress(OSError):
-                                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                        transport.abort()
-                raise
+                resp = await self._request(self._session, method, url, body, headers, timeout, decode, skip,
+                                           upstream.timeouts.idle if large else None)
             except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
                 if not (isinstance(body, bytes) and _REUSED.get() and _stale(exc) and loop.time() - sent < STALE_RACE):
                     raise
                 retried = True
                 assert self._fresh is not None
-                resp = await self._fresh.request(method, url, data=body, headers=headers, timeout=timeout,
-                                                 allow_redirects=False, auto_decompress=decode)
+                resp = await self._request(self._fresh, method, url, body, headers, timeout, decode, skip,
+                                           upstream.timeouts.idle if large else None)
         if not stream:
             return UpstreamResponse(resp, stale_retried=retried)
         conn = resp.connection
@@ -572,6 +597,29 @@ class UpstreamPool:
             conn.protocol.read_timeout = None  # aiohttp's ResponseHandler: no sock_read for the body...
             conn.protocol.start_timeout()  # ...and the timer armed by the status line's read is cancelled
         return UpstreamResponse(resp, upstream.timeouts.idle, stale_retried=retried)
+
+
+async def _pieces(data: bytes, window: asyncio.Timeout, idle: float) -> AsyncIterator[bytes]:
+    """``data`` in :data:`PIECE` pieces, each due at the upstream ``idle`` seconds after it is handed over."""
+    loop = asyncio.get_running_loop()
+    for at in range(0, len(data), PIECE):
+        window.reschedule(loop.time() + idle)
+        yield data[at:at + PIECE]
+    window.reschedule(None)  # all of it is with the upstream: the wait for the answer is sock_read's or ttft's
+
+
+def _abort() -> None:
+    """Reset the connection the failed request went out on: a close would wait for the rest of an unsent body, which
+    an upstream that stopped reading never takes, and hold the socket and its buffer meanwhile."""
+    transport = _TRANSPORT.get()
+    if transport is None:
+        return
+    _TRANSPORT.set(None)
+    sock = transport.get_extra_info("socket")
+    if sock is not None:  # a reset, not a FIN behind what the kernel still holds to send
+        with contextlib.suppress(OSError, ValueError):  # ValueError: uvloop's socket is already gone (fd -1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 class map_errors:  # noqa: N801 - used as a context manager, named like one

@@ -132,6 +132,13 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def is_json_type(content_type: str) -> bool:
+    """Whether a ``content-type`` value names JSON: ``application/json`` or a ``+json`` type (RFC 6839), parameters
+    ignored (``application/jsonl`` and ``application/json-seq`` are not: they are streams of documents)."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
 def parse_request(kind: str, raw: bytes) -> dict[str, Any]:
     """:func:`parse_chat_request` for ``kind`` ``chat``, :func:`parse_responses_request` for ``responses``."""
     return parse_chat_request(raw) if kind == "chat" else parse_responses_request(raw)

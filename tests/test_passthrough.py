@@ -353,6 +353,10 @@ def test_odd_upstream_statuses_and_header_values(rec: Recorder, pgw: Proc) -> No
     with httpx.Client(timeout=5) as keep_alive:  # never a body on a 304: the next answer on the connection is intact
         resp = keep_alive.get(_url(pgw) + "/files/file-1")
         assert resp.status_code == 502 and resp.json()["error"]["code"] == "upstream_bad_response"
+        rec.plan = Plan(status=205, headers={"content-type": "text/plain"}, parts=[(0, b"not for you")],
+                        chunked=False)
+        resp = keep_alive.get(_url(pgw) + "/files/file-1")
+        assert resp.status_code == 205 and resp.content == b""
         rec.plan = Plan(headers={"content-type": "application/json", "content-disposition":
                                  'attachment; filename="r\u00e9sum\u00e9.pdf"', "x-ratelimit-limit-requests": "1\x01"},
                         parts=[(0, b"{}")], chunked=False)
@@ -374,6 +378,12 @@ def test_methods_trailing_slashes_and_bodiless_requests(rec: Recorder, pgw: Proc
     httpx.get(_url(pgw) + "/files/file-1", timeout=5)
     got = rec.up.requests[-1]
     assert "content-type" not in got.headers and "content-length" not in got.headers and got.body == b""
+    with socket.create_connection(("127.0.0.1", pgw.port), timeout=5) as sock:  # a POST framed without a body
+        sock.sendall(b"POST /v1/batches/batch_1/cancel HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    got = rec.up.requests[-1]
+    assert got.path == "/v1/batches/batch_1/cancel" and got.body == b""
+    assert "transfer-encoding" not in got.headers and "content-type" not in got.headers
     with socket.create_connection(("127.0.0.1", pgw.port), timeout=5) as sock:  # refused on its declared length,
         sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"  # unread
                      b"expect: 100-continue\r\ncontent-length: %d\r\n\r\n" % (64 << 20))
@@ -575,12 +585,14 @@ def test_paths_are_sent_as_encoded_and_dot_segments_never(rec: Recorder, pgw: Pr
     sock = socket.create_connection(("127.0.0.1", pgw.port))
     try:
         for raw in (b"/v1/files/a%2Fb?q=%2x&y=%", b"/v1/files/x%3Fevil=1", b"/v1/files/../../metrics",
-                    b"/v1/files/%2e%2e/%2E%2E/admin", b"/v1/files/..%2F..%2Fadmin"):
+                    b"/v1/files/%2e%2e/%2E%2E/admin", b"/v1/files/..%2F..%2Fadmin", b"/v1/files/..;/x",
+                    b"/v1/files/..%5cx", b"/v1%2Ffiles/x"):
             sock.sendall(b"GET " + raw + b" HTTP/1.1\r\nhost: x\r\n\r\n")
             head = sock.recv(65536)
             while b"\r\n\r\n" not in head:
                 head += sock.recv(65536)
-            assert head.startswith(b"HTTP/1.1 404" if b".." in raw or b"%2e" in raw else b"HTTP/1.1 200"), (raw, head)
+            bad = b".." in raw or b"%2e" in raw or b"%2F" in raw[:8]
+            assert head.startswith(b"HTTP/1.1 404" if bad else b"HTTP/1.1 200"), (raw, head)
             length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
             body = head.split(b"\r\n\r\n", 1)[1]
             while len(body) < length:
@@ -591,18 +603,19 @@ def test_paths_are_sent_as_encoded_and_dot_segments_never(rec: Recorder, pgw: Pr
     assert [r.path for r in rec.up.requests[before:]] == ["/v1/files/a%2Fb?q=%2x&y=%", "/v1/files/x%3Fevil=1"]
 
 
-def test_an_upload_that_keeps_coming_is_not_cut_by_the_body_timeout(rec: Recorder, pgw: Proc) -> None:
+@pytest.mark.parametrize("ctype", [b"content-type: application/octet-stream\r\n",
+                                   b"content-type: application/jsonl\r\n", b""])
+def test_an_upload_that_keeps_coming_is_not_cut_by_the_body_timeout(rec: Recorder, pgw: Proc, ctype: bytes) -> None:
     rec.plan = Plan(headers={"content-type": "application/json"}, parts=[(0, b'{"id":"file-slow"}')], chunked=False)
     part = b"s" * 50_000
     with socket.create_connection(("127.0.0.1", pgw.port), timeout=10) as sock:  # GATEWAY_BODY_TIMEOUT=1 here
-        sock.sendall(b"POST /v1/files HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream\r\n"
-                     b"content-length: %d\r\n\r\n" % (len(part) * 10))
-        for _ in range(10):  # 2.5 s in all, never silent for 1 s
+        sock.sendall(b"POST /v1/files HTTP/1.1\r\nhost: x\r\n%scontent-length: %d\r\n\r\n" % (ctype, len(part) * 8))
+        for _ in range(8):  # 2 s in all, never silent for 1 s
             sock.sendall(part)
             time.sleep(0.25)
         answer = sock.recv(65536)
-    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"id":"file-slow"}')
-    assert len(rec.up.requests[-1].body) == len(part) * 10
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"id":"file-slow"}'), answer[:200]
+    assert len(rec.up.requests[-1].body) == len(part) * 8
 
 
 class RawUp:
@@ -683,7 +696,7 @@ def _raw_gateway(up: RawUp, tmp: Path) -> Proc:
     cfg = {"upstreams": [{"name": up.mode, "tier": "standard", "base_url": f"http://127.0.0.1:{up.port}/v1",
                           "models": {"m": "m"}, "timeouts": {"connect": 1, "idle": 1, "total": 5}}],
            "passthrough": {"models_ttl": 60}}
-    return start_gateway(cfg, tmp)[0]
+    return start_gateway(cfg, tmp, env={"GATEWAY_BODY_TIMEOUT": "1"})[0]  # no longer than the upstream's idle
 
 
 @pytest.fixture(scope="module")
@@ -729,3 +742,24 @@ def test_a_client_gone_mid_upload_after_an_early_answer_closes_the_upstream(
     assert early.closed_at[seen:] and early.closed_at[seen] - gone < 0.1  # not after its 5 s answer
     text = httpx.get(f"http://127.0.0.1:{proc.port}/metrics", timeout=5).text
     assert sample(text, "tiergate_passthrough_requests_total", upstream="early", outcome="client_disconnect") >= 1
+
+
+def test_a_large_json_body_to_an_upstream_that_stops_reading_is_a_504(raw_gw: tuple[Proc, RawUp, Proc, RawUp]) -> None:
+    proc, stall, _, _ = raw_gw
+    base = f"http://127.0.0.1:{proc.port}"
+    fds = sample(httpx.get(base + "/metrics", timeout=5).text, "process_open_fds")
+    seen = len(stall.closed_at)
+    text = "x" * (12 << 20)  # more than the socket buffers hold
+    for path, body in (("/v1/embeddings", {"model": "m", "input": text}),
+                       ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": text}]}),
+                       ("/v1/chat/completions", {"model": "m", "stream": True,
+                                                 "messages": [{"role": "user", "content": text}]})):
+        t0 = time.monotonic()
+        resp = httpx.post(base + path, json=body, timeout=15)
+        assert resp.status_code == 504 and time.monotonic() - t0 < 5, (path, resp.status_code, resp.text[:200])
+    stall.resume()
+    deadline = time.monotonic() + 3
+    while len(stall.closed_at) < seen + 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stall.ended[seen:] == ["ConnectionResetError"] * 3  # reset, never left holding the unsent body
+    assert sample(httpx.get(base + "/metrics", timeout=5).text, "process_open_fds") <= fds
