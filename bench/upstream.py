@@ -143,11 +143,11 @@ class UpstreamProtocol(asyncio.Protocol):
         if method == b"GET" and url.startswith(b"/healthz"):
             self._reply(200, b'{"status":"ok"}')
             return
-        path = url.split(b"?", 1)[0]
-        if method == b"POST" and path.endswith((b"/embeddings", b"/audio/speech", b"/files")):
-            self._surface(path, raw)
-            return
-        if method != b"POST" or not path.endswith(b"/chat/completions"):
+        if method != b"POST" or not url.split(b"?", 1)[0].endswith(b"/chat/completions"):
+            path = url.split(b"?", 1)[0]  # checked after chat completions: the instrument's chat path is unchanged
+            if method == b"POST" and path.endswith((b"/embeddings", b"/audio/speech", b"/files")):
+                self._surface(path, raw)
+                return
             self._reply(404, b'{"error":{"message":"Unknown request URL","type":"invalid_request_error",'
                              b'"param":null,"code":"unknown_url"}}')
             return

@@ -148,7 +148,9 @@ class Gateway:
                            [(b"x-request-id", ex.rid.encode()), CLOSE])
             return
         watch = Watch(ex, receive)
-        self.begin(ex, watch)
+        ex.task = asyncio.current_task()  # begin(), inline on the hot path
+        watch.task = asyncio.get_running_loop().create_task(watch._run())
+        self._active.add(ex)
         try:
             await self.serve(ex, raw)
         except asyncio.CancelledError:
@@ -157,7 +159,8 @@ class Gateway:
         except Exception:
             await self.crashed(ex, scope)
         finally:
-            self.end(ex, watch)
+            self._active.discard(ex)  # end(), inline
+            watch.task.cancel()
 
     def drain_over(self) -> bool:
         """The drain time ran out: a request that arrives now is answered 503."""

@@ -81,6 +81,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._by_progress and not self._in_head:  # a streamed body's bytes: its silence timer starts again
+            self._arm(self.body_timeout, self._slow)
         if self._in_head:
             if self._head_bytes == 0 and self._deadline is None:
                 self._arm(self.head_timeout, None)  # a new head starts: the keep-alive idle time is over
@@ -100,7 +102,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = False
         # a JSON body (chat, Responses, the JSON of the rest of /v1) must arrive whole within body_timeout; any other
         # (a file upload of hundreds of MB, streamed upstream as it arrives) within body_timeout of its last byte
-        ctype = next((v for k, v in self.headers if k == b"content-type"), None)
+        ctype = None
+        for name, value in self.headers:
+            if name == b"content-type":
+                ctype = value
         # no content type: JSON on the two hot endpoints (read_body's default), a stream anywhere else (passthrough's)
         if ctype == b"application/json":  # the SDKs' own: no parsing on the hot path
             self._by_progress = False
@@ -115,11 +120,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                                           f"The request body took over {self.body_timeout:g} s."))
         super().on_headers_complete()
 
-    def on_body(self, body: bytes) -> None:
-        if self._by_progress:
-            self._arm(self.body_timeout, self._slow)
-        super().on_body(body)
-
     def reading(self, paused: bool) -> None:
         """Reading from the client was paused (the app, or the upstream behind it, takes no more of the body: the
         silence is not the client's) or resumed (the client's turn again): the silence timer follows."""
@@ -130,6 +130,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 self._arm(self.body_timeout, self._slow)
 
     def on_message_complete(self) -> None:
+        self._by_progress = False
         # the request is read: what follows is the next request's head (pipelined, or after this response), so
         # it is counted against the head limit from here, never while the rest of a body is still arriving
         # (an early answer to an unread body left those bytes to be counted as a head: issue 10 case 13)

@@ -496,20 +496,17 @@ class UpstreamPool:
     @staticmethod
     async def _request(session: aiohttp.ClientSession, method: str, url: str | URL, body: Body,
                        headers: dict[str, str], timeout: aiohttp.ClientTimeout, decode: bool | None,
-                       skip: tuple[str, ...] | None, idle: float | None) -> aiohttp.ClientResponse:
-        """One ``session.request``; on any failure its connection is reset (:func:`_abort`). With ``idle`` (a body
-        held whole but larger than :data:`LARGE_BODY`, which may not fit the socket buffers), the body goes in
-        pieces, each due at the upstream within ``idle`` seconds.
+                       skip: tuple[str, ...] | None, idle: float) -> aiohttp.ClientResponse:
+        """One ``session.request`` of a body held whole but larger than :data:`LARGE_BODY` (it may not fit the socket
+        buffers): in pieces, each due at the upstream within ``idle`` seconds; on any failure its connection is reset
+        (:func:`_abort`).
 
         Raises:
             UpstreamTimeout: the upstream took no part of the body for ``idle`` s; aiohttp's errors otherwise.
         """
         _TRANSPORT.set(None)  # set by _Connector.connect for this request's connection
         try:
-            if idle is None:
-                return await session.request(method, url, data=body, headers=headers, timeout=timeout,
-                                             allow_redirects=False, auto_decompress=decode, skip_auto_headers=skip)
-            assert isinstance(body, bytes)
+            assert isinstance(body, bytes) and idle is not None
             try:
                 async with asyncio.timeout(None) as window:
                     return await session.request(method, url, data=_pieces(body, window, idle), headers=headers,
@@ -581,15 +578,26 @@ class UpstreamPool:
         decode = None if forward is None else False  # a passthrough answer's bytes go to the client as they came
         with map_errors():
             try:
-                resp = await self._request(self._session, method, url, body, headers, timeout, decode, skip,
-                                           upstream.timeouts.idle if large else None)
+                if large:
+                    resp = await self._request(self._session, method, url, body, headers, timeout, decode, skip,
+                                               upstream.timeouts.idle)
+                else:  # inline: the hot path's one request (a coroutine between costs each of its resumptions)
+                    _TRANSPORT.set(None)
+                    try:
+                        resp = await self._session.request(method, url, data=body, headers=headers, timeout=timeout,
+                                                           allow_redirects=False, auto_decompress=decode,
+                                                           skip_auto_headers=skip)
+                    except BaseException:
+                        _abort()
+                        raise
             except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
                 if not (isinstance(body, bytes) and _REUSED.get() and _stale(exc) and loop.time() - sent < STALE_RACE):
                     raise
                 retried = True
                 assert self._fresh is not None
-                resp = await self._request(self._fresh, method, url, body, headers, timeout, decode, skip,
-                                           upstream.timeouts.idle if large else None)
+                _TRANSPORT.set(None)
+                resp = await self._fresh.request(method, url, data=body, headers=headers, timeout=timeout,
+                                                 allow_redirects=False, auto_decompress=decode, skip_auto_headers=skip)
         if not stream:
             return UpstreamResponse(resp, stale_retried=retried)
         conn = resp.connection
