@@ -23,13 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import json
-import os
 import re
-import statistics
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -39,7 +34,7 @@ import aiohttp
 import orjson
 
 from bench import loadgen, procs
-from bench.run import git_rev
+from bench.report import median_cell, repeated
 
 ROOT = Path(__file__).resolve().parent.parent
 _STAMP = re.compile(rb'"delta":"t=(\d+)"|"content":"t=(\d+)"')
@@ -209,13 +204,6 @@ def in_process(tokens: int, streams: int) -> dict[str, float]:
     return asyncio.run(both())
 
 
-def _cell(values: list[float], fmt: str = "{:.1f}") -> str:
-    med = statistics.median(values)
-    if len(values) == 1:
-        return fmt.format(med)
-    return f"{fmt.format(med)} [{fmt.format(min(values))}, {fmt.format(max(values))}]"
-
-
 def markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     """The results as Markdown rows (for bench/RESULTS.md)."""
     lines = [f"bench.bridge at {meta['git']} on {meta['when']}, {meta['cpu']}, "
@@ -226,9 +214,9 @@ def markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     for name in ("relayed", "bridged"):
         e2e = [r["loopback"][name] for r in runs]
         alone = [r["in_process"][name] for r in runs]
-        lines.append(f"| {name} | {_cell([e['cpu_ms_per_1000_chunks'] for e in e2e])} | "
-                     f"{_cell([e['delay_p50_ms'] for e in e2e], '{:.2f}')} / "
-                     f"{_cell([e['delay_p99_ms'] for e in e2e], '{:.2f}')} | {_cell(alone, '{:.2f}')} |")
+        lines.append(f"| {name} | {median_cell([e['cpu_ms_per_1000_chunks'] for e in e2e])} | "
+                     f"{median_cell([e['delay_p50_ms'] for e in e2e], '{:.2f}')} / "
+                     f"{median_cell([e['delay_p99_ms'] for e in e2e], '{:.2f}')} | {median_cell(alone, '{:.2f}')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -244,25 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.repeat, args.streams, args.tokens, args.seconds = 1, 4, 32, 1.0
-    pin = (os.cpu_count() or 1) >= 2 and hasattr(os, "sched_setaffinity")
-    if pin:
-        os.sched_setaffinity(0, {0})  # this process (load generator and in-process runs) beside the upstream
-    runs = []
-    for i in range(args.repeat):
-        with tempfile.TemporaryDirectory(prefix="tiergate-bench-bridge-") as tmp:
-            runs.append({"loopback": over_loopback(args, Path(tmp), pin),
-                         "in_process": in_process(args.tokens, max(10, args.streams * 4))})
-        print(f"run {i + 1}/{args.repeat}: {json.dumps(runs[-1])}", file=sys.stderr)
-    meta = {"git": git_rev(), "when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "cpu": procs.cpu_model(), "pinned": pin, "streams": args.streams, "tokens": args.tokens,
-            "seconds": args.seconds}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
-    md = markdown(meta, runs)
-    (args.out / "results.md").write_text(md)
-    print(md)
-    return 0
-
+    return repeated("bridge", args.repeat, lambda tmp, pin: {
+        "loopback": over_loopback(args, tmp, pin), "in_process": in_process(args.tokens, max(10, args.streams * 4))},
+        {"streams": args.streams, "tokens": args.tokens, "seconds": args.seconds}, markdown, args.out)
 
 if __name__ == "__main__":
     sys.exit(main())

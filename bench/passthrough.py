@@ -22,12 +22,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +31,7 @@ from typing import Any
 import aiohttp
 
 from bench import loadgen, procs
-from bench.run import git_rev
+from bench.report import median_cell, repeated
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -145,13 +141,6 @@ def _run(args: argparse.Namespace, work: Path, pin: bool) -> dict[str, dict[str,
     return out
 
 
-def _cell(values: list[float], fmt: str = "{:.1f}") -> str:
-    med = statistics.median(values)
-    if len(values) == 1:
-        return fmt.format(med)
-    return f"{fmt.format(med)} [{fmt.format(min(values))}, {fmt.format(max(values))}]"
-
-
 ROWS = [("embeddings", "rps", "embeddings req/s (64 clients)", "{:.0f}"),
         ("embeddings", "cpu_us_per_request", "embeddings: proxy CPU per request (us)", "{:.0f}"),
         ("download", "cpu_ms_per_mib", "{mib} MiB download: proxy CPU per MiB (ms)", "{:.2f}"),
@@ -171,7 +160,7 @@ def markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
         for target in ("tiergate", "minproxy", "direct"):
             values = [r[target][phase][key] for r in runs]
             cells.append("-" if target == "direct" and "mib_per_s" not in key and key != "rps"
-                         else _cell(values, fmt))
+                         else median_cell(values, fmt))
         lines.append(f"| {label.format(mib=meta['mib'])} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
 
@@ -188,23 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.repeat, args.seconds, args.mib, args.count = 1, 0.5, 1, 4
-    pin = (os.cpu_count() or 1) >= 2 and hasattr(os, "sched_setaffinity")
-    if pin:
-        os.sched_setaffinity(0, {0})
-    runs = []
-    for i in range(args.repeat):
-        with tempfile.TemporaryDirectory(prefix="tiergate-bench-passthrough-") as tmp:
-            runs.append(_run(args, Path(tmp), pin))
-        print(f"run {i + 1}/{args.repeat}: {json.dumps(runs[-1])}", file=sys.stderr)
-    meta = {"git": git_rev(), "when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "cpu": procs.cpu_model(), "pinned": pin, "mib": args.mib}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
-    md = markdown(meta, runs)
-    (args.out / "results.md").write_text(md)
-    print(md)
-    return 0
-
+    return repeated("passthrough", args.repeat, lambda tmp, pin: _run(args, tmp, pin), {"mib": args.mib}, markdown,
+                    args.out)
 
 if __name__ == "__main__":
     try:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 MIB = 1024 * 1024
@@ -288,3 +289,43 @@ def conditions_table(run: dict[str, Any]) -> str:
                          f"{fmt(util * 100 if util is not None else None, '%')} | "
                          f"{m['cpu0_util'] * 100:.0f} % | {m['other_cpu_util'] * 100:.0f} % |")
     return "\n".join(lines)
+
+
+def median_cell(values: Sequence[float], fmt: str = "{:.1f}") -> str:
+    """A table cell: the median of one figure over runs, with ``[min, max]`` when there are several."""
+    med = statistics.median(values)
+    if len(values) == 1:
+        return fmt.format(med)
+    return f"{fmt.format(med)} [{fmt.format(min(values))}, {fmt.format(max(values))}]"
+
+
+def repeated(name: str, repeat: int, one_run: Callable[[Path, bool], dict[str, Any]], meta: dict[str, Any],
+             markdown: Callable[[dict[str, Any], list[dict[str, Any]]], str], out: Path) -> int:
+    """The frame of ``bench.bridge`` and ``bench.passthrough``: this process pinned to CPU 0 (beside the bench
+    upstream) when there are two, ``one_run(tmp_dir, pinned)`` ``repeat`` times, then ``results.json`` and
+    ``results.md`` (``markdown(meta, runs)``) under ``out``, the Markdown printed. Returns the exit code (0)."""
+    import datetime as dt
+    import json
+    import os
+    import sys
+    import tempfile
+
+    from bench import procs
+    from bench.run import git_rev  # here: bench.run imports this module
+
+    pin = (os.cpu_count() or 1) >= 2 and hasattr(os, "sched_setaffinity")
+    if pin:
+        os.sched_setaffinity(0, {0})
+    runs = []
+    for i in range(repeat):
+        with tempfile.TemporaryDirectory(prefix=f"tiergate-bench-{name}-") as tmp:
+            runs.append(one_run(Path(tmp), pin))
+        print(f"run {i + 1}/{repeat}: {json.dumps(runs[-1])}", file=sys.stderr)
+    meta = {"git": git_rev(), "when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "cpu": procs.cpu_model(), "pinned": pin, **meta}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+    md = markdown(meta, runs)
+    (out / "results.md").write_text(md)
+    print(md)
+    return 0
