@@ -186,15 +186,17 @@ def headers_of(scope: Scope) -> dict[str, str]:
     return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
 
 
-async def read_body(headers: dict[str, str], receive: Receive, limit: int) -> bytes:
-    """The request body, refusing non-JSON content types (415) and bodies over ``limit`` bytes (413).
+async def read_body(headers: dict[str, str], receive: Receive, limit: int, *, json_only: bool = True) -> bytes:
+    """The request body, refusing bodies over ``limit`` bytes (413) and, with ``json_only`` (chat completions and
+    the Responses API), non-JSON content types (415) and an empty body (400); without it (the passthrough), any
+    body, an empty one included.
 
     Raises:
         UnsupportedMediaType, PayloadTooLarge, InvalidRequest (empty body); ClientGone when the client leaves
         mid-body.
     """
     ctype = headers.get("content-type", "application/json").split(";", 1)[0].strip().lower()
-    if ctype != "application/json" and not ctype.endswith("+json"):
+    if json_only and ctype != "application/json" and not ctype.endswith("+json"):
         raise UnsupportedMediaType(f"Unsupported content type {ctype!r}; send application/json.")
     declared = headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
@@ -213,6 +215,6 @@ async def read_body(headers: dict[str, str], receive: Receive, limit: int) -> by
             parts.append(part)
         if not message.get("more_body", False):
             break
-    if not parts:
+    if not parts and json_only:
         raise InvalidRequest("The request body is empty; send a JSON object.", code="invalid_json")
     return parts[0] if len(parts) == 1 else b"".join(parts)

@@ -45,7 +45,7 @@ from gateway.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from gateway.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of
+from gateway.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of, read_body
 from gateway.health import UNTRACKED
 from gateway.metrics import Metrics
 from gateway.policy import Candidate, Decision, RequestFacts
@@ -53,7 +53,8 @@ from gateway.upstream import Answer, Attempt, Body, field_value
 from gateway.wire import is_json_type, replace_top_level
 
 log = logging.getLogger("tiergate")
-# the endpoint label of the passthrough metrics (bounded): the path's longest prefix listed here, else "other"
+# the endpoint label of the passthrough metrics (bounded): the first path here that the request's path is or is under,
+# else "other" (a path is under "audio/speech", never under "speech": the order only matters for nested entries)
 ENDPOINTS = ("embeddings", "completions", "moderations", "audio/speech", "audio/transcriptions", "audio/translations",
              "images/generations", "images/edits", "images/variations", "files", "uploads", "batches", "vector_stores",
              "fine_tuning", "responses", "chat/completions", "conversations", "assistants", "threads", "containers",
@@ -124,13 +125,12 @@ class Upload:
     request, even when the upstream already answered (its writer would otherwise drain the rest unseen).
 
     Attributes:
-        size: bytes taken so far; done: the body ended; error: why it stopped early (:class:`ClientGone`: the
+        done: the body ended (its size so far is ``ex.bytes_in``); error: why it stopped early (:class:`ClientGone`: the
         client left; :class:`PayloadTooLarge`), or None; window: the send's deadline while it runs, or None.
     """
 
     def __init__(self, receive: Receive, limit: int, idle: float, ex: PassExchange,
                  on_end: Callable[[], None]) -> None:
-        self.size = 0
         self.done = False
         self.error: ClientGone | GatewayError | None = None
         self.window: asyncio.Timeout | None = None
@@ -158,9 +158,8 @@ class Upload:
                 raise self.error
             part = message.get("body", b"")
             if part:
-                self.size += len(part)
-                self._ex.bytes_in = self.size
-                if self.size > self._limit:
+                self._ex.bytes_in += len(part)
+                if self._ex.bytes_in > self._limit:
                     self.error = PayloadTooLarge(f"The request body is over the {self._limit}-byte limit.")
                     raise self.error
                 self._due(loop.time() + self._idle)  # the upstream's turn: it must take the part
@@ -216,7 +215,7 @@ class Passthrough:
         raw: bytes | None = None
         if whole or not has_body:
             try:
-                raw = await _read(receive, limits.max_request_bytes)
+                raw = await read_body(ex.headers, receive, limits.max_request_bytes, json_only=False)
             except ClientGone:
                 ex.record("client_disconnect")
                 return
@@ -343,28 +342,6 @@ class Passthrough:
         attempt.ok()
         ex.record("success")
         await ex.end_stream()
-
-
-async def _read(receive: Receive, limit: int) -> bytes:
-    """A JSON (or empty) request body, whole, at most ``limit`` bytes.
-
-    Raises:
-        PayloadTooLarge; ClientGone when the client leaves mid-body.
-    """
-    parts: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone()
-        part = message.get("body", b"")
-        if part:
-            size += len(part)
-            if size > limit:
-                raise PayloadTooLarge(f"The request body is over the {limit}-byte limit.")
-            parts.append(part)
-        if not message.get("more_body", False):
-            return b"".join(parts)
 
 
 def _facts(raw: bytes | None, headers: dict[str, str]) -> RequestFacts | None:
