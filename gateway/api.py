@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -33,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway import bridge, failover
+from gateway import bridge, deadline, failover
 from gateway.config import GatewayConfig, UpstreamConfig
 from gateway.conversations import Bridged, Native, ResponseStore
 from gateway.errors import (
@@ -46,6 +47,7 @@ from gateway.errors import (
     UpstreamUnavailable,
     event_error,
 )
+from gateway.estimates import Estimates
 from gateway.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of, read_body
 from gateway.health import Health
 from gateway.metrics import Metrics
@@ -117,6 +119,9 @@ class Gateway:
         self.health = health
         self.store = store
         self.listed: Listing | None = None  # the passthrough upstream's model list (set by create_app)
+        est = config.estimates
+        self.estimates = Estimates(est.window, est.samples)  # fed by every relayed stream, read by deadlines
+        self.explorer = deadline.Explorer(est.explore, est.probe)
         self.draining = False
         self._drain_deadline = float("inf")  # loop time
         self._active: set[Exchange] = set()
@@ -212,10 +217,13 @@ class Gateway:
                 decision = self.policy.decide(facts)
             except ModelNotFound:
                 decision = await self._listed(facts)  # the passthrough upstream may list it: it can be sent
+            budget = deadline.budget(facts, decision.route)
         except GatewayError as exc:
             return await ex.error(exc, "client_error")
         ex.model, ex.stream = decision.model, body.get("stream") is True
         self.metrics.child(self.metrics.decisions, decision.rule, decision.tier).inc()
+        if budget is not None:
+            decision = self._by_deadline(decision, facts, budget)
         need = facts.prompt_tokens + (facts.max_tokens or 0)
         plan = failover.plan(decision, self.health, self.health.clock(), need, self.config.max_attempts)
         for cand, why in plan.spilled:
@@ -223,6 +231,10 @@ class Gateway:
         if plan.refusal is not None:
             return await ex.error(plan.refusal, "upstream_unavailable")
         strip_usage = ex.kind == "chat" and ex.stream and not client_wants_usage(body)
+        route = decision.route
+        if ex.stream and route is not None and route.hedge is not None and len(plan.candidates) > 1 \
+                and not plan.queued:
+            return await self._race(ex, decision, plan, facts, raw, strip_usage, need)
         last: GatewayError | None = None
         tried = 0
         for cand in plan.candidates:
@@ -238,9 +250,11 @@ class Gateway:
                     answer = await attempt.send(payload)
                     headers = self._answer_headers(ex, decision, up, plan.reason, answer)
                     if ex.stream:
-                        await self._stream(ex, attempt, answer, headers, strip_usage, facts)
+                        relay = self._relay(ex, attempt, strip_usage, facts)
+                        await relay.first(answer, attempt.first_token_by)
+                        await self._deliver(ex, attempt, answer, headers, relay, decision, facts)
                     else:
-                        await self._whole(ex, attempt, answer, headers, facts)
+                        await self._whole(ex, attempt, answer, headers, decision, facts)
                     return
                 except GatewayError as exc:
                     last = attempt.failed(exc)
@@ -327,11 +341,13 @@ class Gateway:
         return upstream_body(raw, body, cand.upstream_model, up.dialect, False), "/responses"
 
     def attempting(self, ex: Exchange, decision: Decision, up: UpstreamConfig, tried: int,
-                    reason: str | None) -> None:
-        """An attempt on ``up`` starts: label the request with it, count the gateway's overhead, and what to count
-        once its answer starts to reach the client (it can no longer fail over)."""
+                    reason: str | None, overhead: bool = True) -> None:
+        """An attempt on ``up`` starts (or, without ``overhead``, a hedge that started later won): label the request
+        with it, count the gateway's overhead, and what to count once its answer starts to reach the client (it can
+        no longer fail over)."""
         ex.tier, ex.upstream = up.tier, up.name
-        self.metrics.child(self.metrics.overhead, up.tier).observe(time.perf_counter() - ex.t0)
+        if overhead:
+            self.metrics.child(self.metrics.overhead, up.tier).observe(time.perf_counter() - ex.t0)
 
         def on_start() -> None:
             self.metrics.attempts.observe(tried)
@@ -351,28 +367,34 @@ class Gateway:
         """The headers of a 200 from ``up``: what served it, and the upstream headers a client may see."""
         if answer.stale_retried:
             self.metrics.upstream_errors.labels(up.tier, up.name, "stale_connection").inc()
-        return [*ex.route_headers(up.tier, up.name, decision.rule, reason),
-                *((k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items())]
+        out = ex.route_headers(up.tier, up.name, decision.rule, reason)
+        if decision.deadline is not None:
+            out += deadline.headers(decision.deadline, up.name)
+        return [*out, *((k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items())]
 
-    async def _stream(self, ex: Exchange, attempt: Attempt, answer: Answer, headers: Headers, strip_usage: bool,
-                      facts: RequestFacts) -> None:
-        """Relay an event stream, or, for a bridged Responses request, translate it; its status line and headers
-        leave with the first token.
-
-        Raises:
-            GatewayError: the stream failed before its first token (:meth:`Relay.run`): nothing was sent.
-        """
+    def _relay(self, ex: Exchange, attempt: Attempt, strip_usage: bool, facts: RequestFacts) -> Relay:
+        """The relay of ``attempt``'s event stream: a :class:`Relay`, or, for a bridged Responses request, the
+        bridge's translating relay; with ``ex.relay`` set once it is the answer's (:meth:`_deliver`)."""
         up, limit = attempt.upstream, self.config.limits.max_event_bytes
         draft = self._draft(ex, up, facts)
         hold = None if attempt.first_token_by is not None else up.timeouts.idle  # no ttft: idle bounds the hold
-        relay = ex.relay = (
-            bridge.BridgeRelay(draft, max_event_bytes=limit, finish_grace=up.timeouts.finish_grace, hold_seconds=hold)
-            if draft else Relay(strip_usage_chunk=strip_usage, max_event_bytes=limit, responses=ex.kind == "responses",
-                                choices=facts.n, finish_grace=up.timeouts.finish_grace, hold_seconds=hold))
-        ex.open_stream(headers, "text/event-stream; charset=utf-8" if draft else answer.content_type)
+        if draft:
+            return bridge.BridgeRelay(draft, max_event_bytes=limit, finish_grace=up.timeouts.finish_grace,
+                                      hold_seconds=hold)
+        return Relay(strip_usage_chunk=strip_usage, max_event_bytes=limit, responses=ex.kind == "responses",
+                     choices=facts.n, finish_grace=up.timeouts.finish_grace, hold_seconds=hold)
+
+    async def _deliver(self, ex: Exchange, attempt: Attempt, answer: Answer, headers: Headers, relay: Relay,
+                       decision: Decision, facts: RequestFacts) -> None:
+        """Relay the rest of a stream whose first token ``relay`` holds (:meth:`Relay.first`); its status line and
+        headers leave with the first write. Nothing raises for the upstream's trouble from here on."""
+        up = attempt.upstream
+        ex.relay = relay
+        bridged = isinstance(relay, bridge.BridgeRelay)
+        ex.open_stream(headers, "text/event-stream; charset=utf-8" if bridged else answer.content_type)
         write = ex.write if ex.kind == "chat" else self._keeping_write(ex, facts, up, relay)
         try:
-            stats = await relay.run(answer, write, attempt.first_token_by)
+            stats = await relay.rest(write)
         except asyncio.CancelledError:
             if ex.gone_at is not None:
                 await relay.tail(answer)  # the client left: a finished answer's usage still follows
@@ -383,10 +405,138 @@ class Gateway:
             self._broke(ex, attempt, stats)
         else:
             attempt.ok()
+            self._measured(attempt, decision, facts, stats)
         if stats.complete:
             attempt.done()
         ex.record("stream_error" if stats.error else "success", **ex.stream_figures())
         await ex.end_stream()
+
+    def _measured(self, attempt: Attempt, decision: Decision, facts: RequestFacts, stats: StreamStats) -> None:
+        """Feed the live estimates with a stream that ran to its end: its TTFT from the attempt's send, its decode
+        speed (the gateway's formula, ``gateway.metrics``) and its completion length."""
+        first, sent = stats.t_first_token, attempt.sent_at
+        if first is None or sent is None:
+            return
+        usage = stats.usage
+        completion = usage.get("completion_tokens") if usage is not None else None
+        if not isinstance(completion, int) or completion < stats.token_chunks:
+            completion = stats.token_chunks
+        chunks, last = stats.token_chunks, stats.t_last_token
+        speed = None
+        if chunks >= 2 and last is not None and last > first:
+            speed = completion * (chunks - 1) / ((last - first) * chunks)  # 1 / TPOT
+        now = self.health.clock()
+        up = attempt.upstream
+        self.estimates.observe_stream(up.name, up.models.get(decision.model, decision.model), now,
+                                      prompt_tokens=facts.prompt_tokens, ttft=first - sent, speed=speed)
+        self.estimates.observe_length(decision.rule, decision.model, now, completion)
+
+    def _hedge_delay(self, decision: Decision, cand: Candidate, facts: RequestFacts) -> float | None:
+        """Seconds to wait for ``cand``'s first token before hedging: the route's fixed delay, or ``p95``: its live
+        TTFT p95 at the request's prompt size (None while unmeasured: no hedge)."""
+        hedge = decision.route.hedge if decision.route is not None else None
+        if hedge != "p95":
+            return float(hedge) if hedge is not None else None
+        est = self.estimates.latency(cand.upstream.name, cand.upstream_model, self.health.clock())
+        return est.ttft_p95(facts.prompt_tokens) if est is not None else None
+
+    async def _race(self, ex: Exchange, decision: Decision, plan: failover.Plan, facts: RequestFacts, raw: bytes,
+                    strip_usage: bool, need: int) -> None:
+        """First-token hedging (README "Hedging"): try the first candidate; when it has produced no token-bearing
+        event after the hedge delay, start the second too. The first to produce a token is relayed and the other
+        is cancelled at once (its attempt's exit closes its connection; its estimated cost is counted). A failure
+        before the delay fails over to the second at once, as without hedging. The client sees one answer."""
+        race = _Race()
+        first, second = plan.candidates[0], plan.candidates[1]
+        race.start(self._racer(ex, decision, plan, first, 1, facts, raw, strip_usage, need, race), first)
+        delay = self._hedge_delay(decision, first, facts)
+        hedged = False
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await race.settled.wait()  # a first token, or a failure
+            if race.winner is None:
+                failed = race.failures.get(first.upstream.name)
+                if failed is None:  # no token within the delay: hedge
+                    hedged = race.hedged = True
+                    race.start(self._racer(ex, decision, plan, second, 2, facts, raw, strip_usage, need, race,
+                                           hedge=True), second)
+                elif plan.go_on(first, failed):  # it failed first: plain failover
+                    race.start(self._racer(ex, decision, plan, second, 2, facts, raw, strip_usage, need, race),
+                               second)
+            await race.finish()
+        except asyncio.CancelledError:
+            await race.stop()
+            if hedged and race.winner is None:
+                self.metrics.hedges.labels("cancelled").inc()
+            raise
+        if hedged and race.winner is None:  # won and lost are counted at the claim, before the answer leaves
+            self.metrics.hedges.labels("cancelled").inc()
+        if race.winner is None:
+            last = [*race.failures.values()][-1] if race.failures else None  # the one that failed last
+            await self.give_up(ex, decision, plan.reason, last, len(race.tasks))
+
+    async def _racer(self, ex: Exchange, decision: Decision, plan: failover.Plan, cand: Candidate, tried: int,
+                     facts: RequestFacts, raw: bytes, strip_usage: bool, need: int, race: _Race,
+                     hedge: bool = False) -> None:
+        """One candidate of a hedged request: send, hold until the first token, then, if it is the first there, claim
+        the request (cancelling the other) and relay it. Never raises for the upstream's trouble (``race.failures``
+        says what went wrong)."""
+        up = cand.upstream
+        payload, path = self._payload(ex, cand, raw, facts, strip_usage)
+        if tried == 1:
+            self.attempting(ex, decision, up, tried, plan.reason)
+        relay: Relay | None = None
+        async with self._attempt(ex, up, need, path) as attempt:
+            try:
+                answer = await attempt.send(payload)
+                relay = self._relay(ex, attempt, strip_usage, facts)
+                await relay.first(answer, attempt.first_token_by)
+            except GatewayError as exc:
+                race.failed(cand, attempt.failed(exc))
+                self.metrics.upstream_errors.labels(up.tier, up.name, failover.reason(exc)).inc()
+                return
+            except asyncio.CancelledError:
+                attempt.void()  # lost the race (or the client left): not the upstream's fault
+                if race.winner is not None and race.winner is not cand:
+                    self._lost(up, facts, attempt, relay)
+                raise
+            if not race.claim(cand):
+                attempt.void()
+                return
+            if race.hedged:
+                self.metrics.hedges.labels("won" if hedge else "lost").inc()
+            if tried > 1:  # the second candidate won: label the request with it
+                self.attempting(ex, decision, up, tried, "hedge" if hedge else plan.reason, overhead=False)
+            headers = self._answer_headers(ex, decision, up, "hedge" if hedge else plan.reason, answer)
+            await self._deliver(ex, attempt, answer, headers, relay, decision, facts)
+
+    def _lost(self, up: UpstreamConfig, facts: RequestFacts, attempt: Attempt, relay: Relay | None) -> None:
+        """A racer cancelled because the other produced a token first: count what it may have cost (its usage if it
+        reported any, else the estimated prompt at the input price) and feed its wait to the estimates as a lower
+        bound of its TTFT."""
+        usage = relay.stats.usage if relay is not None else None
+        price = (up.model_prices.get(facts.model) or up.prices)
+        if price is not None:
+            p_in, _, p_out = price.per_token()
+            prompt = usage.get("prompt_tokens", facts.prompt_tokens) if usage else facts.prompt_tokens
+            completion = usage.get("completion_tokens", 0) if usage else 0
+            cost = (prompt if isinstance(prompt, int) else facts.prompt_tokens) * p_in + \
+                (completion if isinstance(completion, int) else 0) * p_out
+            if cost > 0:
+                self.metrics.hedge_cost.labels(up.tier, up.name).inc(cost)
+        if attempt.sent_at is not None:
+            self.estimates.observe_stream(up.name, up.models.get(facts.model, facts.model), self.health.clock(),
+                                          prompt_tokens=facts.prompt_tokens, ttft=time.perf_counter() - attempt.sent_at)
+
+    def _by_deadline(self, decision: Decision, facts: RequestFacts, budget: deadline.Budget) -> Decision:
+        """The decision with its candidates ordered by deadline routing (``gateway.deadline``), counted."""
+        choice = deadline.choose(decision, facts, budget, self.estimates, self.health.clock(), self.explorer)
+        chosen = choice.candidates[0].upstream
+        self.metrics.child(self.metrics.deadline_decisions, chosen.tier, chosen.name, choice.verdict).inc()
+        return dataclasses.replace(decision, candidates=choice.candidates, deadline=choice,
+                                   fallback=choice.fallback or (decision.fallback if choice.candidates[0] ==
+                                                                decision.candidates[0] else None))
 
     def _broke(self, ex: Exchange, attempt: Attempt, stats: StreamStats) -> None:
         """The stream failed after its first token: count it, and tell the upstream's health."""
@@ -420,7 +570,7 @@ class Gateway:
             await ex.write(data)
         return write
 
-    async def _whole(self, ex: Exchange, attempt: Attempt, answer: Answer, headers: Headers,
+    async def _whole(self, ex: Exchange, attempt: Attempt, answer: Answer, headers: Headers, decision: Decision,
                      facts: RequestFacts) -> None:
         """Relay a non-streaming answer untouched after checking it is a JSON object and reading its usage (a bridged
         Responses request: the chat completion as a Response object).
@@ -441,7 +591,10 @@ class Gateway:
         response = bridge.whole_response(parsed, draft) if draft else None  # UpstreamBadResponse: no completion
         attempt.ok()
         usage, time_info = parsed.get("usage"), parsed.get("time_info")
-        ex.record("success", usage=chat_usage(usage) if isinstance(usage, dict) else None,
+        usage = chat_usage(usage) if isinstance(usage, dict) else None
+        if usage is not None and isinstance(completion := usage.get("completion_tokens"), int):
+            self.estimates.observe_length(decision.rule, decision.model, self.health.clock(), completion)
+        ex.record("success", usage=usage,
                   time_info=time_info if isinstance(time_info, dict) else None,
                   processing_ms=answer.headers.get("openai-processing-ms"))
         if ex.kind == "responses":  # kept before the answer leaves: the client's next turn may follow at once
@@ -544,11 +697,12 @@ class Gateway:
             facts = (await self._responses_facts(body, headers, len(raw), refresh=False) if responses
                      else RequestFacts(body, headers, len(raw)))
             decision = self.policy.decide(facts, explain=True)
+            budget = deadline.budget(facts, decision.route)
         except GatewayError as exc:
             return error_response(exc, {})
         except ClientGone:
             return Response(b"", 400)
-        out = {
+        out: dict[str, Any] = {
             "api": "responses" if facts.responses else "chat",
             "tier": decision.tier,
             "rule": decision.rule,
@@ -561,8 +715,79 @@ class Gateway:
             "skipped": [{"upstream": name, "reason": why} for name, why in decision.skipped],
             "facts": facts.as_dict(),
             "trace": list(decision.trace),
+            "deadline": None,
+            "estimates": self._estimates_of(decision, facts),
         }
+        if budget is not None:  # what the request would get, without counting it as explored or probed
+            choice = deadline.choose(decision, facts, budget, self.estimates, self.health.clock(),
+                                     deadline.Explorer(0.0, self.explorer.probe))
+            out["deadline"] = {**choice.as_dict(), "reason": deadline.describe(choice), "fallback": choice.fallback}
+            out["candidates"] = [next(c for c in out["candidates"] if c["upstream"] == cand.upstream.name)
+                                 for cand in choice.candidates]
         return Response(dumps(out), 200, media_type="application/json")
+
+    def _estimates_of(self, decision: Decision, facts: RequestFacts) -> list[dict[str, Any]]:
+        """The live estimate of each candidate, at the request's prompt size, for the route endpoint."""
+        now, out = self.health.clock(), []
+        for c in decision.candidates:
+            est = self.estimates.latency(c.upstream.name, c.upstream_model, now)
+            out.append({"upstream": c.upstream.name, "measured": est is not None, **({} if est is None else {
+                "ttft_p50_ms": round(est.ttft(facts.prompt_tokens, tail=False) * 1000, 1),
+                "ttft_p90_ms": round(est.ttft(facts.prompt_tokens) * 1000, 1),
+                "tokens_per_second_p50": None if est.speed is None else round(est.speed.central, 1),
+                "tokens_per_second_p10": None if est.speed is None else round(est.speed.tail, 1),
+                "samples": est.samples, "age_s": round(est.age, 3)})})
+        return out
+
+    def estimates_json(self) -> bytes:
+        """``GET /v1/tiergate/estimates``: every live estimate (``gateway.estimates``), and the gauges refreshed."""
+        now = self.health.clock()
+        self.metrics.set_estimates(self.estimates.latencies(now))
+        return dumps({"object": "tiergate.estimates", **self.estimates.snapshot(now),
+                      "explore": self.explorer.share, "probe_s": self.explorer.probe})
+
+
+class _Race:
+    """The state of one hedged request (:meth:`Gateway._race`): its racers' tasks, the winner (the first candidate to
+    produce a token), and each failed racer's error. ``settled`` is set at a claim or a failure."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.winner: Candidate | None = None
+        self.hedged = False  # the second candidate was started as a hedge (not as a failover)
+        self.failures: dict[str, GatewayError] = {}
+        self.settled = asyncio.Event()
+
+    def start(self, racer: Any, cand: Candidate) -> None:
+        self.tasks[cand.upstream.name] = asyncio.get_running_loop().create_task(racer)
+
+    def claim(self, cand: Candidate) -> bool:
+        """``cand`` has its first token: it wins unless the other won first; the other is cancelled now."""
+        if self.winner is not None:
+            return False
+        self.winner = cand
+        for name, task in self.tasks.items():
+            if name != cand.upstream.name:
+                task.cancel()
+        self.settled.set()
+        return True
+
+    def failed(self, cand: Candidate, exc: GatewayError) -> None:
+        self.failures[cand.upstream.name] = exc
+        self.settled.set()
+
+    async def finish(self) -> None:
+        """Wait for every racer to end (the winner's stream relayed, the loser closed)."""
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        for task in self.tasks.values():
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]  # a bug in a racer: Gateway.handle answers it
+
+    async def stop(self) -> None:
+        """The request was cancelled (the client left, the drain ran out): cancel every racer and wait for them."""
+        for task in self.tasks.values():
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
 
 def error_response(exc: GatewayError, headers: dict[str, str]) -> Response:

@@ -169,6 +169,11 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
     for path, kind in KINDS.items():  # reached only through HotPath's fallback: wrong methods get a 405
         app.router.routes.append(Route(path, endpoint=gateway.endpoint(kind), methods=["POST"]))
     app.add_route("/v1/tiergate/route", gateway.route, methods=["POST"])
+
+    @app.get("/v1/tiergate/estimates")
+    async def estimates() -> Response:
+        return Response(gateway.estimates_json(), media_type="application/json")
+
     _install_info_routes(app, gateway, registry, multiprocess_dir, listed)
     _install_response_routes(app, gateway)
     _install_error_handlers(app)
@@ -216,6 +221,7 @@ def _install_info_routes(app: FastAPI, gateway: Gateway, registry: CollectorRegi
     async def metrics_endpoint() -> Response:
         metrics.tasks.set(len(asyncio.all_tasks()))
         now = health.clock()
+        metrics.set_estimates(gateway.estimates.latencies(now))
         for name, h in health.by_name.items():
             metrics.set_upstream_state(name, h.state(now), {k: q.remaining for k, q in h.quota.items()
                                                             if q.resets_at > now})

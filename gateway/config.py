@@ -275,11 +275,29 @@ class MatchConfig(_Strict):
 
 
 class RouteConfig(_Strict):
-    """A rule's action: the tier, optionally one upstream of it first, and whether the other tier may serve."""
+    """A rule's action: the tier, optionally one upstream of it first, and whether the other tier may serve.
+
+    deadline_ms / ttft_deadline_ms: a latency budget for the requests the rule matches (whole answer / first token,
+    milliseconds), as if each had sent ``x-tiergate-deadline-ms`` / ``x-tiergate-ttft-deadline-ms`` (a request's own
+    budget wins): the gateway then picks among the candidates by their live estimates (``gateway.deadline``).
+    hedge: streams only, first-token hedging: after this many seconds without a token from the first candidate, start
+    the next one too; the first to produce a token is relayed, the other cancelled. ``p95``: that candidate's live TTFT
+    p95 (``gateway.estimates``; no hedge while it is unmeasured). None: no hedging.
+    """
 
     tier: Tier
     upstream: str | None = None
     fallback: bool = True
+    deadline_ms: float | None = Field(None, gt=0)
+    ttft_deadline_ms: float | None = Field(None, gt=0)
+    hedge: float | Literal["p95"] | None = None
+
+    @field_validator("hedge")
+    @classmethod
+    def _hedge_delay(cls, value: float | str | None) -> float | str | None:
+        if isinstance(value, float | int) and value <= 0:
+            raise ValueError("give a delay in seconds greater than 0, or 'p95'")
+        return value
 
 
 class RuleConfig(_Strict):
@@ -332,6 +350,22 @@ class PassthroughConfig(_Strict):
     models_timeout: float = Field(2.0, gt=0)
 
 
+class EstimatesConfig(_Strict):
+    """Live latency estimates per upstream and model (``gateway.estimates``), read by deadline routing and hedging.
+
+    window: seconds of traffic an estimate reflects (older samples age out; with none left the candidate is
+    unmeasured); samples: the newest samples kept per upstream and model (and per route for completion lengths);
+    explore: the share (0-1) of deadline-routed requests sent instead to a candidate predicted too slow or unmeasured,
+    so that a tier that recovers is noticed (``tiergate_deadline_decisions_total{verdict="explore"}``); probe: seconds
+    between re-measures of an unmeasured candidate (one request is sent to it, whatever its prediction would be).
+    """
+
+    window: float = Field(60.0, gt=0)
+    samples: int = Field(64, ge=1, le=4096)
+    explore: float = Field(0.05, ge=0, le=1)
+    probe: float = Field(10.0, gt=0)
+
+
 class GatewayConfig(_Strict):
     """The whole validated config file."""
 
@@ -350,6 +384,7 @@ class GatewayConfig(_Strict):
     limits: Limits = Limits()
     passthrough: PassthroughConfig = PassthroughConfig()
     response_store: ResponseStore = ResponseStore()
+    estimates: EstimatesConfig = EstimatesConfig()
     long_prompt_tokens: int = Field(32768, ge=1)
     rules: list[RuleConfig] | None = None
 

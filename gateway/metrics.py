@@ -134,6 +134,32 @@ class Metrics:
                                    registry=registry)
         self.pt_bytes_out = Counter(f"{p}_passthrough_response_bytes", "Response body bytes sent to clients.", _E,
                                     registry=registry)
+        # measured routing (gateway.estimates, gateway.deadline, hedging in gateway.api)
+        self.deadline_decisions = Counter(
+            f"{p}_deadline_decisions", "Requests with a latency budget, by the tier and upstream chosen and the "
+            "verdict (meets, fastest, explore, probe, unmeasured).", ("tier", "upstream", "verdict"),
+            registry=registry)
+        self.hedges = Counter(
+            f"{p}_hedges", "First-token hedges started, by outcome: won (the hedge's first token came first and was "
+            "relayed), lost (the first candidate's did; the hedge was cancelled), cancelled (the request ended "
+            "before either produced a token).", ("outcome",), registry=registry)
+        self.hedge_cost = Counter(
+            f"{p}_hedge_cost_usd", "Estimated cost of cancelled hedge losers: their reported usage if any, else the "
+            "estimated prompt at the input price (an upstream may bill a prefill it started).", ("tier", "upstream"),
+            registry=registry)
+        _L = ("upstream", "model")
+        self.est_ttft = Gauge(
+            f"{p}_estimated_ttft_seconds", "Live TTFT estimate at a 1,000-token prompt (the gateway's estimate of "
+            "prompt size): stat p50 (central) or p90 (tail); absent while unmeasured.", (*_L, "stat"),
+            registry=registry, multiprocess_mode="mostrecent")
+        self.est_prefill = Gauge(f"{p}_estimated_ttft_seconds_per_prompt_token", "Slope of the live TTFT estimate: "
+                                 "seconds added per prompt token.", _L, registry=registry,
+                                 multiprocess_mode="mostrecent")
+        self.est_speed = Gauge(f"{p}_estimated_output_tokens_per_second", "Live decode speed estimate: stat p50 "
+                               "(central) or p10 (tail: the slow side).", (*_L, "stat"), registry=registry,
+                               multiprocess_mode="mostrecent")
+        self.est_samples = Gauge(f"{p}_estimate_samples", "TTFT samples in the live estimate's window.", _L,
+                                 registry=registry, multiprocess_mode="mostrecent")
         for tier, upstream, served in routes:
             self.in_flight.labels(tier, upstream)
             for model in sorted(served):
@@ -147,6 +173,22 @@ class Metrics:
             self.upstream_state.labels(upstream, s).set(1.0 if s == state else 0.0)
         for kind, remaining in quota.items():
             self.quota_remaining.labels(upstream, kind).set(remaining)
+
+    def set_estimates(self, latency: Iterable[tuple[str, str, Any]]) -> None:
+        """Publish the live estimates: (upstream, model, ``gateway.estimates.Latency`` or None) each; unmeasured ones
+        have no series (Prometheus: absent, not zero)."""
+        for gauge in (self.est_ttft, self.est_prefill, self.est_speed, self.est_samples):
+            gauge.clear()
+        for upstream, model, est in latency:
+            if est is None:
+                continue
+            self.est_ttft.labels(upstream, model, "p50").set(est.ttft(1000, tail=False))
+            self.est_ttft.labels(upstream, model, "p90").set(est.ttft(1000))
+            self.est_prefill.labels(upstream, model).set(est.per_token)
+            self.est_samples.labels(upstream, model).set(est.samples)
+            if est.speed is not None:
+                self.est_speed.labels(upstream, model, "p50").set(est.speed.central)
+                self.est_speed.labels(upstream, model, "p10").set(est.speed.tail)
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, remembered: a dict lookup instead of prometheus-client's validation and

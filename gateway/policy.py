@@ -209,7 +209,9 @@ class Decision:
     (alias-resolved) model name; candidates: upstreams in the order to try; fallback: why the first candidate
     is not on the chosen tier (``model_not_on_fast_tier``, ``context_window``, ``modality``), or None;
     trace: one line per earlier rule saying why it did not match; skipped: (upstream, reason) left out;
-    index: the 1-based position of the matching rule (0 for the default).
+    index: the 1-based position of the matching rule (0 for the default); route: the matching rule's route (its
+    deadline and hedging settings), or None; deadline: the deadline choice (``gateway.deadline.Choice``) that ordered
+    the candidates when the request had a latency budget, else None.
     """
 
     tier: Tier
@@ -221,6 +223,8 @@ class Decision:
     trace: tuple[str, ...] = ()
     skipped: tuple[tuple[str, str], ...] = ()
     index: int = 0
+    route: RouteConfig | None = None
+    deadline: Any = None
 
 
 class _StrTest:
@@ -443,7 +447,7 @@ class Policy:
             if explain:
                 trace.append(f"rule {i} {rule.name!r}: {_say(failed)}")
         cands, fallback, skipped = self._candidates(facts, model, route)
-        decision = Decision(route.tier, name, reason, model, cands, fallback, tuple(trace), skipped, index)
+        decision = Decision(route.tier, name, reason, model, cands, fallback, tuple(trace), skipped, index, route)
         if facts.responses:
             decision = _responses_route(decision, facts, (u for u in self.config.upstreams if model in u.models))
         return decision
@@ -537,6 +541,59 @@ class Policy:
         every = tuple(Candidate(u, u.models[model]) for u in (*first, *other))
         takes_anything = all(u.context_window is None and len(u.modalities) == 3 for u in (*first, *other))
         return first, other, every, takes_anything
+
+
+def config_warnings(config: GatewayConfig) -> list[str]:
+    """What ``tiergate check-config`` warns about: a config that is valid but cannot do what it says.
+
+    * a rule whose conditions can never hold: a range that no number satisfies (``n: {gt: 5, lt: 2}``), model globs
+      that match no model or alias the gateway serves;
+    * a rule's tier that no upstream serves for a model it matches (those requests always fall back:
+      ``model_not_on_<tier>_tier``);
+    * a model served on one tier only while ``fallback`` is on: failover, spillover and deadline routing can never
+      move its requests to the other tier.
+    """
+    out: list[str] = []
+    names = config.model_names()
+    tiers_of = {m: {u.tier for u in config.upstreams if m in u.models} for m in {m for u in config.upstreams
+                                                                                   for m in u.models}}
+
+    def target(name: str) -> str:
+        alias = config.aliases.get(name)
+        return alias.model if alias else name
+
+    for i, rule in enumerate(config.rules or [], 1):
+        where = f"rule {i} {rule.name!r}"
+        m = rule.match
+        for fact, r in (("prompt_tokens", m.prompt_tokens), ("max_tokens", m.max_tokens), ("n", m.n)):
+            if r is not None and _empty(r):
+                out.append(f"{where}: never matches: no {fact} is {_range_text(r)}")
+        matched = names if m.model is None else [n for n in names if any(fnmatch.fnmatchcase(n, g) for g in m.model)]
+        if m.model is not None and not matched:
+            out.append(f"{where}: never matches: no model the gateway serves matches {m.model}")
+        lacking = sorted({target(n) for n in matched} - {t for t in tiers_of if rule.route.tier in tiers_of[t]})
+        if m.model is not None and lacking:
+            out.append(f"{where}: routes to the {rule.route.tier} tier, but no {rule.route.tier} upstream serves "
+                       f"{', '.join(lacking)}: those requests always fall back (model_not_on_{rule.route.tier}_tier)")
+    if config.fallback:
+        for model in sorted(tiers_of):
+            if len(tiers_of[model]) == 1:
+                (tier,) = tiers_of[model]
+                other = "standard" if tier == "fast" else "fast"
+                out.append(f"model {model}: served on the {tier} tier only: fallback, spillover and deadlines can "
+                           f"never move its requests to the {other} tier (add a {other} upstream serving it)")
+    return out
+
+
+def _empty(r: Range) -> bool:
+    """Whether no number satisfies the range."""
+    lows = [(v, v == r.gt) for v in (r.gt, r.gte) if v is not None]
+    highs = [(v, v == r.lt) for v in (r.lt, r.lte) if v is not None]
+    if not lows or not highs:
+        return False
+    lo, lo_open = max(lows, key=lambda x: (x[0], x[1]))
+    hi, hi_open = min(highs, key=lambda x: (x[0], not x[1]))
+    return lo > hi or (lo == hi and (lo_open or hi_open))
 
 
 def _responses_route(decision: Decision, facts: RequestFacts, served: Iterable[UpstreamConfig]) -> Decision:

@@ -147,6 +147,7 @@ class Relay:
         self._hold_seconds = hold_seconds  # without a ttft deadline: the longest hold (the idle timeout)
         self._error_event: dict[str, Any] | None = None  # an error event that came before any token
         self._events = 0  # data events seen
+        self._first: tuple[bytes, bool, AsyncIterator[bytes]] | None = None  # set by first()
 
     async def run(self, body: StreamBody, write: Write, first_token_by: float | None = None) -> StreamStats:
         """Relay ``body`` to ``write`` until the stream ends (module docstring); returns the stats.
@@ -163,12 +164,27 @@ class Relay:
             never raises (it becomes an in-band error event); exceptions from ``write`` and cancellation
             propagate.
         """
-        stats = self.stats
+        await self.first(body, first_token_by)
+        return await self.rest(write)
+
+    async def first(self, body: StreamBody, first_token_by: float | None = None) -> None:
+        """The first half of :meth:`run`: read until the first token (or the stream's end), writing nothing; then
+        :meth:`rest` relays. Apart, so that two candidates can race to their first token (hedging).
+
+        Raises:
+            GatewayError: as :meth:`run`, before anything was written.
+        """
         if first_token_by is None:
             body.watch_idle()
-        chunks = body.chunks()
-        held, ended, chunks = await self._hold(body, chunks, first_token_by)
+        held, ended, chunks = await self._hold(body, body.chunks(), first_token_by)
         body.watch_idle()
+        self._first = (held, ended, chunks)
+
+    async def rest(self, write: Write) -> StreamStats:
+        """The second half of :meth:`run`, after :meth:`first`: write what was held, relay the rest, end."""
+        stats = self.stats
+        assert self._first is not None, "first() comes before rest()"
+        held, ended, chunks = self._first
         if held:
             await write(held)
         if stats.done:

@@ -27,6 +27,7 @@ import math
 import re
 import socket
 import struct
+import time
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Mapping
 from types import TracebackType
 from typing import Any, Literal, Protocol
@@ -131,6 +132,7 @@ class Attempt:
     Attributes:
         answer: the open answer after :meth:`send`, else None.
         first_token_by: the first-token deadline (an ``asyncio`` loop time), or None.
+        sent_at: when :meth:`send` began (``time.perf_counter()`` seconds; the start of the attempt's own TTFT).
     """
 
     def __init__(self, transport: Transport, upstream: UpstreamConfig, health: Verdicts,
@@ -141,6 +143,7 @@ class Attempt:
         self.health = health
         self.answer: Answer | None = None
         self.first_token_by: float | None = None
+        self.sent_at: float | None = None
         self._transport = transport
         self._clock = clock
         self._need = need_tokens
@@ -181,6 +184,7 @@ class Attempt:
                 the upstream answered another status (its error body read and normalised); the stream checks of
                 :meth:`stream_answer` do not apply yet.
         """
+        self.sent_at = time.perf_counter()
         try:
             async with asyncio.timeout_at(self.first_token_by):
                 answer = self.answer = await self._transport.send(

@@ -21,18 +21,19 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("HTTP surface", ("api", "server")),
     ("the client side of a request", ("exchange",)),
     ("failover planning", ("failover",)),
+    ("deadline routing", ("deadline",)),
     ("routing policy", ("policy",)),
     ("upstream attempts and client", ("upstream",)),
     ("upstream health and conversation state", ("health", "conversations")),
     ("the Responses bridge", ("bridge",)),
     ("SSE relay", ("relay",)),
     ("wire shapes and the SSE scanner", ("wire", "sse")),
-    ("metrics", ("metrics",)),
+    ("metrics and live estimates", ("metrics", "estimates")),
     ("configuration", ("config", "settings")),
     ("the error tree", ("errors",)),
 ]
 # decisions without I/O: routing and failover planning are tested with plain values and a fake clock
-PURE = {"policy", "failover"}
+PURE = {"policy", "failover", "deadline", "estimates"}
 IO_MODULES = {"asyncio", "aiohttp", "socket", "subprocess", "httpx", "uvicorn", "starlette", "fastapi", "os",
               "prometheus_client", "time"}
 RANK = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}

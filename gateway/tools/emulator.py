@@ -35,6 +35,9 @@ drop_after    after N events, reset the connection; stall_after: after N events,
 fault         one of :data:`FAULTS`: a fault from issue 10's bug reports, played on this request
 ============  ==========================================================================
 
+``POST /emulator/config`` with ``{"ttft_ms": 3000}`` and/or ``{"tps": 50}`` changes the defaults of every later
+request (an upstream that starts queueing mid-test); ``GET /emulator/config`` shows them.
+
 With ``timing_log`` (``tiergate emulate --timing-log FILE``) every streamed answer appends one JSON line when it
 ends: ``{"rid", "received", "first_token", "last_token", "token_chunks"}``, times from ``time.perf_counter()``
 (``CLOCK_MONOTONIC``, shared by every process of the machine): when the request was complete and when the write
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -210,7 +214,6 @@ class EmulatorProtocol(asyncio.Protocol):
 
     def __init__(self, emulator: Emulator) -> None:
         self.emulator = emulator
-        self.cfg = emulator.config
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
@@ -219,6 +222,11 @@ class EmulatorProtocol(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.served = 0  # requests received on this connection
         self.number = 0
+
+    @property
+    def cfg(self) -> EmulatorConfig:
+        """The emulator's defaults as they are now (``POST /emulator/config`` changes them)."""
+        return self.emulator.config
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -297,6 +305,9 @@ class EmulatorProtocol(asyncio.Protocol):
     # request handling
     def _handle(self, req: _Request) -> None:
         path = req.url.split(b"?", 1)[0]
+        if path == b"/emulator/config":
+            self._admin(req)
+            return
         under = path.split(b"/v1/", 1)[-1].decode("latin-1")
         if under not in ("chat/completions", "responses") and self.emulator.surface.handle(
                 self, req.method.decode(), under, req.headers, b"".join(req.body)):
@@ -334,6 +345,23 @@ class EmulatorProtocol(asyncio.Protocol):
             if len(made) > 10_000:
                 made.popitem(last=False)
         gen.start()
+
+    def _admin(self, req: _Request) -> None:
+        """``POST /emulator/config`` with ``{"ttft_ms": 3000, "tps": 50}`` (either) changes the defaults of every
+        later request (a TTFT step mid-test: the upstream queues up); ``GET`` shows them."""
+        if req.method == b"POST":
+            try:
+                given = orjson.loads(b"".join(req.body))
+                changes: dict[str, Any] = {"ttft": float(given["ttft_ms"]) / 1000} if "ttft_ms" in given else {}
+                if "tps" in given:
+                    changes["tps"] = float(given["tps"])
+            except (ValueError, TypeError, KeyError):
+                self._reply(400, b'{"error":{"message":"give {\"ttft_ms\": N} and/or {\"tps\": N}","type":'
+                                 b'"invalid_request_error","param":null,"code":null}}')
+                return
+            self.emulator.config = dataclasses.replace(self.emulator.config, **changes)
+        cfg = self.emulator.config
+        self._reply(200, orjson.dumps({"ttft_ms": cfg.ttft * 1000, "tps": cfg.tps, "dialect": cfg.dialect}))
 
     def _fault(self, name: str, body: dict[str, Any], d: dict[str, str]) -> None:
         """Play one of :data:`FAULTS` (chat completions, either dialect)."""

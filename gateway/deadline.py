@@ -1,0 +1,282 @@
+"""Deadline routing: among the candidates the policy allows, the cheapest predicted to meet the request's latency
+budget at the tail estimate, else the fastest. Pure code: estimates and times are passed in.
+
+A request states a budget in milliseconds (README "Deadlines and live estimates"), each part on its own, the first
+found winning: the headers ``x-tiergate-deadline-ms`` (the whole answer) and ``x-tiergate-ttft-deadline-ms`` (its first
+token), the same in ``metadata`` (``deadline_ms``, ``ttft_deadline_ms``; OpenAI's metadata values are strings), or the
+matching rule's ``route: {deadline_ms, ttft_deadline_ms}``. Without a budget nothing here runs.
+
+For each candidate the prediction is, at the tail (``gateway.estimates``): TTFT = the TTFT line at the request's
+prompt size plus the p90 residual; whole answer = TTFT + (completion - 1) / p10 decode speed, where completion is
+``max_tokens`` when given, else the p90 completion length of the route (:data:`DEFAULT_COMPLETION` until measured).
+Its cost is the upstream's ``prices`` (or ``model_prices``) times the estimated prompt and the median completion.
+Then, in this order:
+
+1. **probe**: a candidate that is unmeasured (its estimate aged out, or it never served) gets this request if it was
+   not probed in the last ``estimates.probe`` seconds: a tier is re-measured after its estimate aged;
+2. **meets**: the cheapest candidate whose predictions meet every part of the budget (ties: the faster);
+3. **fastest**: none does: the one with the smallest predicted time (whole answer, else TTFT);
+4. **explore**: a share ``estimates.explore`` of these requests goes instead to a candidate predicted too slow or
+   unmeasured (the stalest first), so that a tier that recovers is noticed before its slow samples age out.
+
+The chosen candidate comes first; the others keep the policy's order behind it for failover. Quota, concurrency and
+health spillover (``gateway.failover``) apply after the choice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.config import RouteConfig, Tier
+from gateway.errors import InvalidRequest
+from gateway.estimates import Estimates, Latency
+from gateway.policy import Candidate, Decision, RequestFacts
+
+DEADLINE_HEADER = "x-tiergate-deadline-ms"
+TTFT_DEADLINE_HEADER = "x-tiergate-ttft-deadline-ms"
+DEFAULT_COMPLETION = 256  # tokens assumed for a request without max_tokens until its route's lengths are measured
+VERDICTS = ("meets", "fastest", "explore", "probe", "unmeasured")
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """A request's latency budget in seconds: ``total`` for the whole answer, ``ttft`` for its first token (either
+    may be None, not both); ``source``: where each came from (``header``, ``metadata``, ``rule``)."""
+
+    total: float | None
+    ttft: float | None
+    source: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"deadline_ms": _ms(self.total), "ttft_deadline_ms": _ms(self.ttft), "source": self.source}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
+def _given(value: object, param: str) -> float | None:
+    """A budget value in milliseconds (a number, or a string of one), as seconds.
+
+    Raises:
+        InvalidRequest: it is not a positive finite number (400 naming ``param``).
+    """
+    if value is None:
+        return None
+    try:
+        ms = float(value) if isinstance(value, str | int | float) and not isinstance(value, bool) else math.nan
+    except ValueError:
+        ms = math.nan
+    if not math.isfinite(ms) or ms <= 0:
+        raise InvalidRequest(f"Invalid value for '{param}': expected a number of milliseconds greater than 0, got "
+                             f"{str(value)[:40]!r}.", param=param, code="invalid_value")
+    return ms / 1000.0
+
+
+def budget(facts: RequestFacts, route: RouteConfig | None) -> Budget | None:
+    """The request's budget (module docstring), or None when it has none.
+
+    Raises:
+        InvalidRequest: a header or metadata value is not a positive number of milliseconds.
+    """
+    headers = facts.headers
+    total = _given(headers.get(DEADLINE_HEADER), DEADLINE_HEADER)
+    ttft = _given(headers.get(TTFT_DEADLINE_HEADER), TTFT_DEADLINE_HEADER)
+    sources = {"header"} if total is not None or ttft is not None else set()
+    meta = facts.body.get("metadata")
+    if isinstance(meta, dict) and (total is None or ttft is None):
+        if total is None and (total := _given(meta.get("deadline_ms"), "metadata.deadline_ms")) is not None:
+            sources.add("metadata")
+        if ttft is None and (ttft := _given(meta.get("ttft_deadline_ms"), "metadata.ttft_deadline_ms")) is not None:
+            sources.add("metadata")
+    if route is not None:
+        if total is None and route.deadline_ms is not None:
+            total = route.deadline_ms / 1000.0
+            sources.add("rule")
+        if ttft is None and route.ttft_deadline_ms is not None:
+            ttft = route.ttft_deadline_ms / 1000.0
+            sources.add("rule")
+    if total is None and ttft is None:
+        return None
+    return Budget(total, ttft, "+".join(s for s in ("header", "metadata", "rule") if s in sources))
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """One candidate's prediction at the tail (seconds; USD), or None where unmeasured. ``meets``: whether it meets
+    the budget (None: cannot tell, unmeasured); ``age``: seconds since its newest TTFT sample (None: unmeasured)."""
+
+    upstream: str
+    tier: Tier
+    ttft: float | None
+    total: float | None
+    cost: float | None
+    meets: bool | None
+    age: float | None
+
+    @property
+    def time(self) -> float:
+        """What "fastest" compares: the whole answer's predicted seconds, else the TTFT's (inf when unmeasured)."""
+        value = self.total if self.total is not None else self.ttft
+        return math.inf if value is None else value
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"upstream": self.upstream, "tier": self.tier, "predicted_ttft_ms": _ms(self.ttft),
+                "predicted_ms": _ms(self.total), "cost_usd": None if self.cost is None else round(self.cost, 8),
+                "meets": self.meets}
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The outcome of deadline routing: the candidates in their new order, the verdict (one of :data:`VERDICTS`),
+    the prediction of each candidate (policy order), the completion tokens assumed (and from where), and the
+    fallback reason when the choice left the rule's tier (``deadline``)."""
+
+    budget: Budget
+    candidates: tuple[Candidate, ...]
+    verdict: str
+    predictions: tuple[Prediction, ...]
+    completion: int
+    completion_source: str
+    fallback: str | None
+
+    def of(self, upstream: str) -> Prediction | None:
+        """The prediction of ``upstream``."""
+        return next((p for p in self.predictions if p.upstream == upstream), None)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.budget.as_dict(), "verdict": self.verdict, "chosen": self.candidates[0].upstream.name,
+                "completion_tokens": self.completion, "completion_tokens_source": self.completion_source,
+                "predictions": [p.as_dict() for p in self.predictions]}
+
+
+class Explorer:
+    """When to send a deadline request elsewhere than its prediction says: a share of them (a credit counter, so
+    that the share holds exactly and tests can count it), and a probe per unmeasured candidate every ``probe``
+    seconds. The only state of deadline routing."""
+
+    def __init__(self, share: float, probe: float) -> None:
+        self.share = share
+        self.probe = probe
+        self._credit = 0.0
+        self._probed: dict[tuple[str, str], float] = {}
+
+    def explore(self) -> bool:
+        """Whether this eligible request is the one to explore with (``share`` of them)."""
+        self._credit += self.share
+        if self._credit >= 1.0:
+            self._credit -= 1.0
+            return True
+        return False
+
+    def probe_due(self, upstream: str, model: str, now: float) -> bool:
+        """Whether the unmeasured ``upstream`` may be probed now; if so, it counts as probed."""
+        key = (upstream, model)
+        last = self._probed.get(key)
+        if last is not None and now - last < self.probe:
+            return False
+        if len(self._probed) > 4096:  # bounded: upstreams x models, but never grow without end
+            self._probed.clear()
+        self._probed[key] = now
+        return True
+
+
+def _price(c: Candidate, model: str) -> tuple[float, float, float] | None:
+    up = c.upstream
+    priced = up.model_prices.get(model) or up.prices
+    return priced.per_token() if priced is not None else None
+
+
+def predict(c: Candidate, est: Latency | None, facts: RequestFacts, model: str, completion_tail: int,
+            completion_central: int, b: Budget) -> Prediction:
+    """One candidate's prediction (module docstring)."""
+    price = _price(c, model)
+    cost = None if price is None else facts.prompt_tokens * price[0] + completion_central * price[2]
+    up = c.upstream
+    if est is None:
+        return Prediction(up.name, up.tier, None, None, cost, None, None)
+    ttft = est.ttft(facts.prompt_tokens)
+    decode = est.decode(completion_tail)
+    total = None if decode is None else ttft + decode
+    meets: bool | None = True
+    if b.ttft is not None and ttft > b.ttft:
+        meets = False
+    if b.total is not None:
+        meets = None if total is None and meets else (meets and total is not None and total <= b.total)
+    return Prediction(up.name, up.tier, ttft, total, cost, meets, est.age)
+
+
+def completion_tokens(facts: RequestFacts, decision: Decision, estimates: Estimates,
+                      now: float) -> tuple[int, int, str]:
+    """(tokens at the tail, tokens at the centre, source) assumed for the request's completion: its ``max_tokens``
+    (``request``), else its route's measured lengths (``measured``), else :data:`DEFAULT_COMPLETION` (``default``)."""
+    if facts.max_tokens is not None:
+        return facts.max_tokens, facts.max_tokens, "request"
+    length = estimates.completion(decision.rule, decision.model, now)
+    if length is None:
+        return DEFAULT_COMPLETION, DEFAULT_COMPLETION, "default"
+    return max(1, round(length.tail)), max(1, round(length.central)), "measured"
+
+
+def choose(decision: Decision, facts: RequestFacts, b: Budget, estimates: Estimates, now: float,
+           explorer: Explorer) -> Choice:
+    """The deadline choice for ``decision``'s candidates (module docstring); ``now`` on the estimates' clock."""
+    tail, central, source = completion_tokens(facts, decision, estimates, now)
+    preds = tuple(predict(c, estimates.latency(c.upstream.name, c.upstream_model, now), facts, decision.model, tail,
+                          central, b) for c in decision.candidates)
+    pick: Prediction | None = None
+    verdict = "unmeasured"
+    unmeasured = [p for p in preds if p.meets is None]
+    for p in unmeasured:
+        cand = decision.candidates[preds.index(p)]
+        if explorer.probe_due(p.upstream, cand.upstream_model, now):
+            pick, verdict = p, "probe"
+            break
+    if pick is None:
+        meeting = [p for p in preds if p.meets]
+        measured = [p for p in preds if p.meets is not None]
+        if meeting:
+            pick, verdict = min(meeting, key=lambda p: (math.inf if p.cost is None else p.cost, p.time)), "meets"
+        elif measured:
+            pick, verdict = min(measured, key=lambda p: p.time), "fastest"
+        else:
+            pick = preds[0]
+        others = [p for p in preds if p is not pick and not p.meets]
+        if others and verdict in ("meets", "fastest") and explorer.explore():
+            # the stalest first: unmeasured, then the oldest newest-sample
+            pick, verdict = max(others, key=lambda p: math.inf if p.age is None else p.age), "explore"
+    i = preds.index(pick)
+    cands = (decision.candidates[i], *decision.candidates[:i], *decision.candidates[i + 1:])
+    fallback = "deadline" if pick.tier != decision.tier else None
+    return Choice(b, cands, verdict, preds, tail, source, fallback)
+
+
+def headers(choice: Choice, upstream: str) -> list[tuple[bytes, bytes]]:
+    """``x-tiergate-deadline`` (the verdict) and ``x-tiergate-predicted-ms`` / ``x-tiergate-predicted-ttft-ms`` for the
+    upstream that served the request (when predicted)."""
+    out = [(b"x-tiergate-deadline", choice.verdict.encode())]
+    p = choice.of(upstream)
+    if p is not None and p.total is not None:
+        out.append((b"x-tiergate-predicted-ms", b"%d" % round(p.total * 1000)))
+    if p is not None and p.ttft is not None:
+        out.append((b"x-tiergate-predicted-ttft-ms", b"%d" % round(p.ttft * 1000)))
+    return out
+
+
+def describe(choice: Choice) -> str:
+    """The choice in one sentence, for ``POST /v1/tiergate/route``."""
+    p = choice.predictions[[q.upstream for q in choice.predictions].index(choice.candidates[0].upstream.name)]
+    b = choice.budget
+    parts = [f"deadline {_ms(b.total):g} ms" if b.total is not None else "",
+             f"TTFT deadline {_ms(b.ttft):g} ms" if b.ttft is not None else ""]
+    want = " and ".join(x for x in parts if x)
+    said = {"meets": "the cheapest candidate predicted to meet it", "fastest": "no candidate is predicted to meet it: "
+            "the fastest", "explore": "exploring a candidate predicted too slow (estimates.explore)",
+            "probe": "re-measuring an unmeasured candidate (estimates.probe)",
+            "unmeasured": "no candidate is measured yet: the policy's first"}[choice.verdict]
+    numbers = (f"predicted {_ms(p.total)} ms whole, {_ms(p.ttft)} ms to first token" if p.ttft is not None
+               else "no prediction")
+    return f"{want} ({b.source}): {said}, {p.upstream} ({numbers})"
+

@@ -1,0 +1,239 @@
+"""Live latency estimates per upstream and model, from the traffic the gateway relays. Pure: every time is passed in.
+
+Three figures are estimated, each from the samples of the last ``window`` seconds (at most ``samples`` of them, the
+newest; README "Deadlines and live estimates"), each with a central value and a tail:
+
+* **TTFT** (seconds from the attempt's request being sent to its first token-bearing chunk) as a function of the
+  prompt size, because prefill grows with the input: a least-squares line ``base + per_token * prompt_tokens``
+  (slope clamped at 0; flat while every sample has about the same size), plus the median (central) or the p90
+  (tail) of the samples' residuals from it. ``prompt_tokens`` is the gateway's own estimate (request bytes / 4),
+  the same figure routing reads when it predicts, so that the line is fitted and used in one unit.
+* **decode speed** (output tokens/s, the gateway's time-per-output-token formula, ``gateway.metrics``): median
+  (central) and p10 (tail: the slow side).
+* **completion length** per route (the matching rule and the model), for requests without ``max_tokens``: median
+  and p90, in tokens.
+
+A series with no sample left in the window is *unmeasured* (None): it aged out, and deadline routing re-measures it
+(``gateway.deadline``). Summaries are computed when asked for and cached until a sample arrives or one ages out, so
+that recording a sample costs an append.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+def quantile(ordered: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of a sorted, non-empty sequence, interpolated linearly between the closest ranks
+    (numpy's default, "method 7" of Hyndman and Fan)."""
+    pos = (len(ordered) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """A central value and a tail of one quantity, from ``samples`` samples, the newest ``age`` seconds old."""
+
+    central: float
+    tail: float
+    samples: int
+    age: float
+
+
+@dataclass(frozen=True, slots=True)
+class Latency:
+    """The latency estimate of one upstream and model (module docstring). Seconds, tokens, tokens per second.
+
+    Attributes:
+        base, per_token: the TTFT line (seconds; seconds per prompt token); residual: its residuals' median and p90
+            (seconds), residual_p95: their p95 (the ``p95`` hedge delay); samples / age: TTFT samples in the
+            window and the newest one's age (seconds).
+        speed: decode tokens/s (central: median, tail: p10), or None when no stream in the window had two or more
+            token-bearing chunks.
+    """
+
+    base: float
+    per_token: float
+    residual: Spread
+    speed: Spread | None
+    residual_p95: float = 0.0
+
+    @property
+    def samples(self) -> int:
+        return self.residual.samples
+
+    @property
+    def age(self) -> float:
+        return self.residual.age
+
+    def ttft(self, prompt_tokens: int, tail: bool = True) -> float:
+        """Predicted TTFT in seconds for a prompt of ``prompt_tokens`` (never below 0)."""
+        r = self.residual.tail if tail else self.residual.central
+        return max(0.0, self.base + self.per_token * prompt_tokens + r)
+
+    def ttft_p95(self, prompt_tokens: int) -> float:
+        """TTFT p95 in seconds for a prompt of ``prompt_tokens`` (the ``hedge: p95`` delay)."""
+        return max(0.0, self.base + self.per_token * prompt_tokens + self.residual_p95)
+
+    def decode(self, tokens: int, tail: bool = True) -> float | None:
+        """Predicted seconds from the first to the last of ``tokens`` output tokens, or None (speed unmeasured)."""
+        if self.speed is None:
+            return None
+        tps = self.speed.tail if tail else self.speed.central
+        return max(0, tokens - 1) / tps if tps > 0 else None
+
+    def as_dict(self, prompt_tokens: Iterable[int] = (100, 1000, 10000)) -> dict[str, Any]:
+        """JSON for ``GET /v1/tiergate/estimates``: the line, the TTFT at a few prompt sizes, and the speed."""
+        return {
+            "ttft": {"samples": self.samples, "age_s": round(self.age, 3), "base_s": round(self.base, 6),
+                     "per_1k_prompt_tokens_s": round(self.per_token * 1000, 6),
+                     "at_prompt_tokens": {str(p): {"p50_s": round(self.ttft(p, tail=False), 4),
+                                                   "p90_s": round(self.ttft(p), 4)} for p in prompt_tokens}},
+            "tokens_per_second": None if self.speed is None else {
+                "samples": self.speed.samples, "age_s": round(self.speed.age, 3),
+                "p50": round(self.speed.central, 2), "p10": round(self.speed.tail, 2)},
+        }
+
+
+class _Series:
+    """The newest samples of one quantity, with a summary cached until it changes or a sample ages out."""
+
+    __slots__ = ("points", "summary", "valid_until")
+
+    def __init__(self, size: int) -> None:
+        self.points: deque[tuple[float, float, float]] = deque(maxlen=size)  # (time, x, y)
+        self.summary: Any = None
+        self.valid_until = -1.0  # the summary is for points as they were; -1: recompute
+
+    def add(self, now: float, x: float, y: float) -> None:
+        self.points.append((now, x, y))
+        self.valid_until = -1.0
+
+    def live(self, now: float, window: float) -> list[tuple[float, float, float]]:
+        """The samples younger than ``window`` (older ones are dropped for good)."""
+        points = self.points
+        while points and now - points[0][0] > window:
+            points.popleft()
+        return list(points)
+
+
+class Estimates:
+    """Every live estimate of one gateway process (module docstring).
+
+    Args:
+        window: seconds of traffic an estimate reflects; samples: the newest samples kept per series.
+    """
+
+    def __init__(self, window: float = 60.0, samples: int = 64) -> None:
+        self.window = window
+        self.size = samples
+        self._ttft: dict[tuple[str, str], _Series] = {}
+        self._speed: dict[tuple[str, str], _Series] = {}
+        self._length: dict[tuple[str, str], _Series] = {}
+
+    def _series(self, table: dict[tuple[str, str], _Series], key: tuple[str, str]) -> _Series:
+        found = table.get(key)
+        if found is None:
+            found = table[key] = _Series(self.size)
+        return found
+
+    # recording (the hot path: an append each)
+
+    def observe_stream(self, upstream: str, model: str, now: float, *, prompt_tokens: int, ttft: float,
+                       speed: float | None = None) -> None:
+        """A stream's first token came ``ttft`` seconds after its request was sent (prompt of ``prompt_tokens``, the
+        gateway's estimate); ``speed``: its decode tokens/s, when it had two token-bearing chunks or more."""
+        key = (upstream, model)
+        self._series(self._ttft, key).add(now, float(prompt_tokens), ttft)
+        if speed is not None and speed > 0:
+            self._series(self._speed, key).add(now, 0.0, speed)
+
+    def observe_length(self, rule: str, model: str, now: float, completion_tokens: int) -> None:
+        """A request that matched ``rule`` for ``model`` produced ``completion_tokens`` output tokens."""
+        self._series(self._length, (rule, model)).add(now, 0.0, float(completion_tokens))
+
+    # reading
+
+    def latency(self, upstream: str, model: str, now: float) -> Latency | None:
+        """The latency estimate of ``upstream`` serving ``model`` at ``now``, or None (unmeasured)."""
+        series = self._ttft.get((upstream, model))
+        if series is None:
+            return None
+        if now <= series.valid_until:
+            cached: Latency | None = series.summary
+            return cached
+        points = series.live(now, self.window)
+        if not points:
+            series.summary, series.valid_until = None, float("inf")  # until a sample comes
+            return None
+        base, slope, resid = _fit(points)
+        speed_series = self._speed.get((upstream, model))
+        speed = _spread(speed_series, now, self.window, low_tail=True) if speed_series is not None else None
+        ordered = sorted(resid)
+        found = Latency(base, slope, Spread(quantile(ordered, 0.5), quantile(ordered, 0.9), len(ordered),
+                                            now - points[-1][0]), speed, quantile(ordered, 0.95))
+        series.summary = found
+        # valid until the oldest sample (of either series) ages out; a new sample resets it
+        oldest = points[0][0]
+        if speed_series is not None and speed_series.points:
+            oldest = min(oldest, speed_series.points[0][0])
+        series.valid_until = oldest + self.window  # speed samples come with TTFT samples: one reset covers both
+        return found
+
+    def completion(self, rule: str, model: str, now: float) -> Spread | None:
+        """Completion tokens of the requests ``rule`` matched for ``model`` (central: median, tail: p90), or None."""
+        series = self._length.get((rule, model))
+        return _spread(series, now, self.window) if series is not None else None
+
+    def latencies(self, now: float) -> list[tuple[str, str, Latency | None]]:
+        """(upstream, model, estimate or None) for every upstream and model ever measured."""
+        return [(u, m, self.latency(u, m, now)) for u, m in sorted(self._ttft)]
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """Every estimate as JSON (``GET /v1/tiergate/estimates``)."""
+        out: dict[str, Any] = {"window_s": self.window, "samples": self.size, "latency": [], "completion_tokens": []}
+        for upstream, model in sorted(self._ttft):
+            est = self.latency(upstream, model, now)
+            out["latency"].append({"upstream": upstream, "model": model, "measured": est is not None,
+                                   **(est.as_dict() if est is not None else {})})
+        for rule, model in sorted(self._length):
+            length = self.completion(rule, model, now)
+            out["completion_tokens"].append({"rule": rule, "model": model, **(
+                {"samples": length.samples, "age_s": round(length.age, 3), "p50": round(length.central, 1),
+                 "p90": round(length.tail, 1)} if length is not None else {"samples": 0})})
+        return out
+
+
+def _spread(series: _Series, now: float, window: float, low_tail: bool = False) -> Spread | None:
+    """The median and p90 (``low_tail``: p10) of a series' y values at ``now``, cached, or None (no live sample)."""
+    if series.valid_until >= 0 and now <= series.valid_until:
+        cached: Spread | None = series.summary
+        return cached
+    points = series.live(now, window)
+    if not points:
+        series.summary, series.valid_until = None, float("inf")
+        return None
+    ordered = sorted(p[2] for p in points)
+    found = Spread(quantile(ordered, 0.5), quantile(ordered, 0.1 if low_tail else 0.9), len(ordered),
+                   now - points[-1][0])
+    series.summary, series.valid_until = found, points[0][0] + window
+    return found
+
+
+def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float, list[float]]:
+    """Least-squares line y = base + slope * x through ``points`` (slope >= 0: prefill never gets faster with a
+    longer prompt; flat when the x values hardly differ), and each point's residual from it."""
+    n = len(points)
+    mx = sum(p[1] for p in points) / n
+    my = sum(p[2] for p in points) / n
+    sxx = sum((p[1] - mx) ** 2 for p in points)
+    slope = 0.0
+    if n >= 3 and sxx > (0.05 * mx) ** 2 * n + 1e-9:  # sizes spread by more than ~5 %: the slope means something
+        slope = max(0.0, sum((p[1] - mx) * (p[2] - my) for p in points) / sxx)
+    base = my - slope * mx
+    return base, slope, [p[2] - base - slope * p[1] for p in points]

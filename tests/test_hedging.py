@@ -1,0 +1,170 @@
+"""First-token hedging over real sockets, with scripted upstreams (byte-exact plans): a fast candidate that stalls
+before its first token loses to the standard one, whose stream is relayed byte for byte while the stalled connection
+is closed within 100 ms; a fast candidate that answers in time wins and the hedge never starts; a hedge that started
+and lost is cancelled; every outcome is counted."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.tools.emulator import EmulatorThread, Plan
+
+from conftest import Proc, chunk, sample, sse, start_gateway
+
+STREAM = sse(chunk(role=True), chunk("Hello"), chunk(" there"), chunk(finish="stop"), chunk(usage=True))
+HEDGE_AFTER = 0.2  # seconds
+
+
+def stream_plan(first_token_after: float, end: str = "ok") -> Plan:
+    """The role chunk at once, then the rest (its first token) after ``first_token_after`` seconds; ``stall``: the
+    role chunk and then silence, the connection kept open."""
+    role, rest = STREAM.split(b"\n\n", 1)
+    if end == "stall":
+        return Plan(parts=[(0, role + b"\n\n")], end="stall")
+    return Plan(parts=[(0, role + b"\n\n"), (first_token_after, rest)])
+
+
+@pytest.fixture(scope="module")
+def ups() -> Iterator[dict[str, EmulatorThread]]:
+    up = {"fast": EmulatorThread(), "standard": EmulatorThread()}
+    yield up
+    for u in up.values():
+        u.stop()
+
+
+@pytest.fixture(scope="module")
+def gw(ups: dict[str, EmulatorThread], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    timeouts = {"connect": 1, "ttft": 5, "idle": 5, "total": 10}
+    cfg: dict[str, Any] = {
+        "upstreams": [
+            {"name": "fast", "tier": "fast", "base_url": ups["fast"].base_url, "timeouts": timeouts,
+             "models": {"m": "m"}, "prices": {"input": 2.0, "output": 8.0}},
+            {"name": "std", "tier": "standard", "base_url": ups["standard"].base_url, "timeouts": timeouts,
+             "models": {"m": "m"}, "prices": {"input": 1.0, "output": 4.0}},
+        ],
+        "rules": [{"name": "agent", "match": {"metadata": {"workload": ["agent"]}},
+                   "route": {"tier": "fast", "hedge": HEDGE_AFTER}}],
+    }
+    proc, _ = start_gateway(cfg, tmp_path_factory.mktemp("hedging"))
+    yield proc
+    proc.stop()
+
+
+def _reset(ups: dict[str, EmulatorThread], fast: Plan, standard: Plan) -> None:
+    for up, plan in ((ups["fast"], fast), (ups["standard"], standard)):
+        up.requests.clear()
+        up.closed_at.clear()
+        up.handler = (lambda p: lambda req: p)(plan)
+
+
+def _ask(gw: Proc) -> tuple[httpx.Response, bytes, float | None]:
+    """Stream one agent request; returns the response, its body bytes, and when (``time.monotonic()``) the first
+    token-bearing line arrived."""
+    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "metadata": {"workload": "agent"},
+            "messages": [{"role": "user", "content": "hi"}]}
+    data, first = b"", None
+    with httpx.stream("POST", f"http://127.0.0.1:{gw.port}/v1/chat/completions", json=body, timeout=10) as r:
+        for piece in r.iter_raw():
+            data += piece
+            if first is None and b"Hello" in data:
+                first = time.monotonic()
+    return r, data, first
+
+
+def _hedges(gw: Proc, outcome: str) -> float:
+    return sample(httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=5).text, "tiergate_hedges_total",
+                  outcome=outcome)
+
+
+def test_a_stalled_fast_candidate_loses_to_the_hedge(gw: Proc, ups: dict[str, EmulatorThread]) -> None:
+    _reset(ups, fast=stream_plan(0, end="stall"), standard=stream_plan(0.05))
+    won = _hedges(gw, "won")
+    r, data, first = _ask(gw)
+    assert r.status_code == 200
+    assert r.headers["x-tiergate-upstream"] == "std" and r.headers["x-tiergate-fallback"] == "hedge"
+    assert data == STREAM  # byte-equal to the standard upstream's stream: one answer, never a mix
+    assert len(ups["fast"].requests) == 1 and len(ups["standard"].requests) == 1
+    # the hedge started after the delay, not before
+    assert ups["standard"].requests[0].at - ups["fast"].requests[0].at >= HEDGE_AFTER * 0.9
+    # the stalled upstream's connection was closed within 100 ms of the winner's first token
+    deadline = time.monotonic() + 2
+    while not ups["fast"].closed_at and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert first is not None and ups["fast"].closed_at, "the stalled connection stayed open"
+    assert ups["fast"].closed_at[0] - first < 0.1
+    assert _hedges(gw, "won") == won + 1
+    text = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=5).text
+    assert sample(text, "tiergate_hedge_cost_usd_total", upstream="fast", missing_ok=False) > 0
+    assert sample(text, "tiergate_fallbacks_total", reason="hedge", to_tier="standard", missing_ok=False) >= 1
+    assert sample(text, "tiergate_requests_total", upstream="std", outcome="success", missing_ok=False) >= 1
+
+
+def test_a_fast_candidate_that_answers_in_time_never_starts_the_hedge(gw: Proc, ups: dict[str, EmulatorThread]) -> None:
+    _reset(ups, fast=stream_plan(0.02), standard=stream_plan(0))
+    counts = [_hedges(gw, o) for o in ("won", "lost", "cancelled")]
+    r, data, _ = _ask(gw)
+    assert r.status_code == 200 and r.headers["x-tiergate-upstream"] == "fast"
+    assert "x-tiergate-fallback" not in r.headers
+    assert data == STREAM
+    time.sleep(HEDGE_AFTER + 0.1)
+    assert ups["standard"].requests == []  # never started
+    assert [_hedges(gw, o) for o in ("won", "lost", "cancelled")] == counts
+
+
+def test_a_hedge_that_started_loses_to_a_late_first_token_and_is_cancelled(gw: Proc,
+                                                                           ups: dict[str, EmulatorThread]) -> None:
+    _reset(ups, fast=stream_plan(HEDGE_AFTER + 0.1), standard=stream_plan(1.0))
+    lost = _hedges(gw, "lost")
+    r, data, first = _ask(gw)
+    assert r.headers["x-tiergate-upstream"] == "fast" and data == STREAM
+    assert len(ups["standard"].requests) == 1  # it started ...
+    deadline = time.monotonic() + 2
+    while not ups["standard"].closed_at and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert first is not None and ups["standard"].closed_at and ups["standard"].closed_at[0] - first < 0.1  # ... and
+    assert _hedges(gw, "lost") == lost + 1  # was cancelled as soon as the fast tier's first token came
+
+
+def test_a_failure_before_the_delay_fails_over_at_once(gw: Proc, ups: dict[str, EmulatorThread]) -> None:
+    err = Plan(status=503, headers={"content-type": "application/json"}, chunked=False,
+               parts=[(0, b'{"error":{"message":"overloaded","type":"server_error","param":null,"code":null}}')])
+    _reset(ups, fast=err, standard=stream_plan(0))
+    t0 = time.monotonic()
+    r, data, _ = _ask(gw)
+    assert r.status_code == 200 and r.headers["x-tiergate-upstream"] == "std" and data == STREAM
+    assert r.headers["x-tiergate-fallback"] == "upstream_5xx"
+    assert ups["standard"].requests[0].at - t0 < HEDGE_AFTER  # no waiting for the hedge delay
+
+
+def test_both_failing_is_one_error_answer(gw: Proc, ups: dict[str, EmulatorThread]) -> None:
+    def err(status: int, delay: float) -> Plan:
+        return Plan(status=status, headers={"content-type": "application/json"}, chunked=False, head_delay=delay,
+                    parts=[(0, b'{"error":{"message":"overloaded","type":"server_error","param":null,"code":null}}')])
+    _reset(ups, fast=err(500, HEDGE_AFTER + 0.15), standard=err(503, 0))  # the hedge fails first, then the fast one
+    cancelled = _hedges(gw, "cancelled")
+    r, data, _ = _ask(gw)
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    assert data.startswith(b'{"error"') and data.count(b'"error"') == 1
+    assert r.headers["x-should-retry"] == "false"  # two upstreams were tried
+    assert _hedges(gw, "cancelled") == cancelled + 1
+
+
+def test_a_client_that_leaves_during_the_race_cancels_both(gw: Proc, ups: dict[str, EmulatorThread]) -> None:
+    _reset(ups, fast=stream_plan(0, end="stall"), standard=stream_plan(0, end="stall"))
+    cancelled = _hedges(gw, "cancelled")
+    body: dict[str, Any] = {"model": "m", "stream": True, "metadata": {"workload": "agent"},
+                            "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"http://127.0.0.1:{gw.port}/v1/chat/completions", json=body, timeout=HEDGE_AFTER + 0.3)
+    deadline = time.monotonic() + 3
+    while (len(ups["fast"].closed_at) < 1 or len(ups["standard"].closed_at) < 1) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ups["fast"].closed_at and ups["standard"].closed_at  # both upstream connections closed
+    assert _hedges(gw, "cancelled") == cancelled + 1
+    text = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=5).text
+    assert sample(text, "tiergate_requests_total", outcome="client_disconnect", missing_ok=False) >= 1
