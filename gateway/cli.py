@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 from gateway.config import TIERS, LoadedConfig, load_config
 from gateway.errors import ConfigError
-from gateway.policy import Policy
+from gateway.policy import Policy, config_warnings
 from gateway.settings import Settings, environ, set_worker_environment
 
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
@@ -240,6 +240,10 @@ def _check(path: Path) -> int:
     for u in cfg.upstreams:
         more = "every other endpoint" if "*" in u.endpoint_paths else ", ".join(u.endpoint_paths) or "nothing else"
         print(f"  {u.name}: chat completions, the Responses API ({u.responses_mode}); {more}")
+    warnings = config_warnings(cfg)
+    if warnings:
+        print("\nwarnings:")
+        print("\n".join(f"  {w}" for w in warnings))
     missing = [f"{u.api_key_env} (upstream {u.name})" for u in cfg.upstreams
                if u.api_key_env and u.name not in loaded.keys]
     if missing:

@@ -128,3 +128,40 @@ def test_shipped_rules_are_the_default_policy_written_out() -> None:
     assert loaded.config.rules is not None
     without = loaded.config.model_copy(update={"rules": None})
     assert [r.model_dump() for r in loaded.config.rules] == [r.model_dump() for r in default_rules(without)]
+
+
+def test_check_config_warnings_on_the_shipped_configs() -> None:
+    """The production config serves every model on both tiers but the one with no fast variant; the demo's one model
+    is on both tiers: nothing to warn about."""
+    out = _cli("check-config", "config/gateway.yaml").stdout
+    warnings = out.split("\nwarnings:\n", 1)[1].split("\n\n", 1)[0].strip().splitlines()
+    assert len(warnings) == 1 and warnings[0].strip().startswith("model gpt-5.6-mini: served on the standard tier only")
+    loaded = load_config(ROOT / "config" / "gateway.yaml", {"CEREBRAS_API_KEY": "a", "OPENAI_API_KEY": "b"})
+    both = {m for m in loaded.config.model_names()
+            if len({u.tier for u in loaded.config.upstreams if m in u.models}) == 2}
+    assert {"gpt-5.6", "gpt-oss-120b"} <= both  # a model string on OpenAI's API, an open-weight model on Cerebras+vLLM
+    fast = next(u for u in loaded.config.upstreams if u.name == "openai-fast")
+    assert fast.models["gpt-5.6"] == "gpt-5.6-sol-fast" and fast.context_window and fast.prices
+    assert "warnings:" not in _cli("check-config", "config/demo.yaml").stdout
+
+
+def test_check_config_warns_about_rules_that_can_never_do_what_they_say(tmp_path: Path) -> None:
+    cfg = _with(upstreams=[*GOOD["upstreams"], {"name": "f2", "tier": "fast", "base_url": "http://127.0.0.1:3/v1",
+                                                "models": {"only-fast": "x"}}],
+                rules=[{"name": "never", "match": {"n": {"gt": 5, "lt": 2}}, "route": {"tier": "standard"}},
+                       {"name": "edge", "match": {"max_tokens": {"gt": 10, "lte": 10}}, "route": {"tier": "fast"}},
+                       {"name": "typo", "match": {"model": ["gpt-5.6-sol-fsat"]}, "route": {"tier": "fast"}},
+                       {"name": "nowhere", "match": {"model": ["only-*"]}, "route": {"tier": "standard"}},
+                       {"name": "fine", "match": {"n": {"gte": 2, "lte": 2}}, "route": {"tier": "standard"}}])
+    proc = _cli("check-config", str(_write(tmp_path, cfg)))
+    assert proc.returncode == 0, proc.stderr  # warnings, not errors: the config is valid
+    out = proc.stdout
+    assert "rule 1 'never': never matches: no n is > 5 and < 2" in out
+    assert "rule 2 'edge': never matches: no max_tokens is > 10 and <= 10" in out
+    assert "rule 3 'typo': never matches: no model the gateway serves matches ['gpt-5.6-sol-fsat']" in out
+    assert ("rule 4 'nowhere': routes to the standard tier, but no standard upstream serves only-fast: those requests "
+            "always fall back (model_not_on_standard_tier)") in out
+    assert "model only-fast: served on the fast tier only" in out
+    assert "'fine'" not in out.split("warnings:", 1)[1]
+    off = _cli("check-config", str(_write(tmp_path, {**cfg, "fallback": False}))).stdout
+    assert "served on the fast tier only" not in off  # no fallback: nothing was promised
