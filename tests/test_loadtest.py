@@ -72,8 +72,20 @@ def test_bench_measures_both_tiers_and_their_cost(priced: Stack, tmp_path: Path)
     lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
     assert "fast" in lines and "standard" in lines and "TTFT p50 ms" in lines["tier"]
     assert f"{fast['cost_usd']:.6f}" in lines["fast"]
+    # the premium question, from the run's own figures: seconds saved per extra dollar
+    for got in (fast, std):
+        assert got["cost_per_request_usd"] == pytest.approx(got["cost_usd"] / 4)
+        assert got["cost_per_1k_output_tokens_usd"] == pytest.approx(got["cost_usd"] * 1000 / 160)
+    prem = report["premium"]
+    assert prem["seconds_saved_per_request"] == pytest.approx(std["duration_mean_s"] - fast["duration_mean_s"])
+    assert prem["seconds_saved_per_request"] > 0.5  # 40 tokens at 50/s after 400 ms against 750/s after 50 ms
+    assert prem["extra_usd_per_request"] == pytest.approx(fast["cost_per_request_usd"] - std["cost_per_request_usd"])
+    assert prem["seconds_saved_per_extra_usd"] == pytest.approx(prem["seconds_saved_per_request"]
+                                                                / prem["extra_usd_per_request"])
+    assert "s saved per extra USD" in proc.stdout.splitlines()[-2] or "s saved per extra USD" in proc.stdout
     page = html.read_text()
-    assert page.count("<svg") == 2 and "<script" not in page and "Time to first token" in page
+    assert page.count("<svg") == 3 and "<script" not in page and "Time to first token" in page
+    assert "Cost per 1,000 output tokens" in page and "s saved per extra USD" in page
     assert "Decode speed" in page and ">fast<" in page and ">standard<" in page
     assert page.count("<circle") == 16  # one dot per request in each chart
     assert "8/8 requests, 0 errors" in proc.stderr  # the progress line

@@ -96,6 +96,12 @@ class TierStats:
     def output_tokens(self) -> int:
         return sum(r.completion_tokens or 0 for r in self.ok)
 
+    @property
+    def mean_duration(self) -> float | None:
+        """Mean seconds from sending a request to its stream's end, over the successful requests."""
+        ok = self.ok
+        return sum(r.duration for r in ok) / len(ok) if ok else None
+
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The ``q`` quantile (0..1) of sorted ``values`` by linear interpolation; None when empty."""
@@ -300,14 +306,46 @@ def summary(stats: list[TierStats], cost: dict[str, float] | None) -> dict[str, 
             "tokens_per_s_p50": percentile(s.tps, 0.5), "tokens_per_s_p95": percentile(s.tps, 0.95),
             "time_per_output_token_p50_s": percentile(s.tpots, 0.5), "output_tokens": s.output_tokens,
             "cost_usd": tier_cost, "unpriced_requests": None if cost is None else cost.get(f"unpriced:{s.name}", 0.0),
+            "duration_mean_s": s.mean_duration,
+            "cost_per_request_usd": tier_cost / len(s.ok) if tier_cost and s.ok else None,
+            "cost_per_1k_output_tokens_usd": tier_cost * 1000 / s.output_tokens if tier_cost and s.output_tokens
+            else None,
         }
     return out
+
+
+def premium(tiers: dict[str, Any]) -> dict[str, Any] | None:
+    """Whether the fast tier earned its premium in this run, from its own figures: per request, the seconds the fast
+    tier saved against the standard one (mean duration), the extra USD it cost (mean cost), and their ratio, seconds
+    saved per extra dollar. None unless both tiers answered and were priced."""
+    fast, std = tiers.get("fast"), tiers.get("standard")
+    if not fast or not std:
+        return None
+    saved = None if fast["duration_mean_s"] is None or std["duration_mean_s"] is None else (
+        std["duration_mean_s"] - fast["duration_mean_s"])
+    f_cost, s_cost = fast["cost_per_request_usd"], std["cost_per_request_usd"]
+    extra = None if f_cost is None or s_cost is None else f_cost - s_cost
+    ratio = saved / extra if saved is not None and extra is not None and extra > 0 else None
+    return {"seconds_saved_per_request": saved, "extra_usd_per_request": extra, "seconds_saved_per_extra_usd": ratio}
+
+
+def premium_line(p: dict[str, Any] | None) -> str:
+    """The premium in words (the table's last line and the chart's caption)."""
+    if p is None or p["seconds_saved_per_request"] is None:
+        return "premium: n/a (the run needs requests answered by both tiers)"
+    text = f"premium: the fast tier saved {p['seconds_saved_per_request']:.2f} s per request"
+    if p["extra_usd_per_request"] is None:
+        return text + "; cost n/a (unpriced, or /metrics unreachable)"
+    text += f" for {p['extra_usd_per_request'] * 1000:+.4f} USD per 1,000 requests"
+    if p["seconds_saved_per_extra_usd"] is not None:
+        text += f": {p['seconds_saved_per_extra_usd']:,.0f} s saved per extra USD"
+    return text
 
 
 def table(stats: list[TierStats], cost: dict[str, float] | None) -> str:
     """The per-tier table printed at the end."""
     rows = [("tier", "requests", "errors", "TTFT p50 ms", "TTFT p95 ms", "tok/s p50", "tok/s p95", "TPOT p50 ms",
-             "out tokens", "cost USD")]
+             "out tokens", "cost USD", "USD/1k out", "USD/req")]
     for name, s in summary(stats, cost).items():
         if cost is None:
             usd = "n/a"
@@ -317,11 +355,16 @@ def table(stats: list[TierStats], cost: dict[str, float] | None) -> str:
             usd = f"{s['cost_usd']:.6f}"
         rows.append((name, str(s["requests"]), str(s["errors"]), _ms(s["ttft_p50_s"]), _ms(s["ttft_p95_s"]),
                      _num(s["tokens_per_s_p50"]), _num(s["tokens_per_s_p95"]),
-                     _ms(s["time_per_output_token_p50_s"]), str(s["output_tokens"]), usd))
+                     _ms(s["time_per_output_token_p50_s"]), str(s["output_tokens"]), usd,
+                     _usd(s["cost_per_1k_output_tokens_usd"]), _usd(s["cost_per_request_usd"])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
              for r in rows]
-    return "\n".join(lines)
+    return "\n".join([*lines, premium_line(premium(summary(stats, cost)))])
+
+
+def _usd(v: float | None) -> str:
+    return "-" if v is None else f"{v:.6f}"
 
 
 # --- the HTML chart -------------------------------------------------------------------------------------------
@@ -395,6 +438,27 @@ def _strip_svg(title: str, unit: str, series: list[tuple[str, str, list[float]]]
     return "".join(parts)
 
 
+def _bars_svg(title: str, unit: str, bars: list[tuple[str, str, float | None]]) -> str:
+    """A horizontal bar per tier (linear scale from 0); a missing value is written as n/a."""
+    w, row_h, left, right, top = 560, 40, 92, 90, 44
+    h = top + row_h * max(1, len(bars)) + 30
+    top_value = max((v for _, _, v in bars if v), default=0.0)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" '
+             f'aria-label="{html.escape(title)}">', f'<text x="{left}" y="20" class="t">{html.escape(title)}</text>',
+             f'<text x="{w - 10}" y="20" class="n" text-anchor="end">lower is cheaper</text>']
+    for i, (name, colour, v) in enumerate(bars):
+        y = top + row_h * i
+        parts.append(f'<text x="{left - 10}" y="{y + 20}" class="l" text-anchor="end">{html.escape(name)}</text>')
+        if v is None or top_value <= 0:
+            parts.append(f'<text x="{left}" y="{y + 20}" class="n">n/a (unpriced)</text>')
+            continue
+        length = (w - left - right) * v / top_value
+        parts.append(f'<rect x="{left}" y="{y + 6}" width="{length:.1f}" height="20" fill="{colour}" '
+                     f'fill-opacity="0.8"/><text x="{left + length + 6:.1f}" y="{y + 20}" class="n">{v:.4g}</text>')
+    parts.append(f'<text x="{left}" y="{h - 10}" class="n">{html.escape(unit)}</text></svg>')
+    return "".join(parts)
+
+
 def render_html(stats: list[TierStats], cost: dict[str, float] | None, meta: dict[str, Any]) -> str:
     """The self-contained report: TTFT and tokens/s per tier as inline SVG, and the table."""
     colours = {s.name: _colour(s.name, i) for i, s in enumerate(stats)}
@@ -402,16 +466,21 @@ def render_html(stats: list[TierStats], cost: dict[str, float] | None, meta: dic
                       [(s.name, colours[s.name], [v * 1000 for v in s.ttfts]) for s in stats], "lower is better")
     tps = _strip_svg("Decode speed", "output tokens per second (client side)",
                      [(s.name, colours[s.name], s.tps) for s in stats], "higher is better")
+    tiers = summary(stats, cost)
+    costs = _bars_svg("Cost per 1,000 output tokens", "USD (from the gateway's tiergate_cost_usd_total)",
+                      [(name, colours[name], t["cost_per_1k_output_tokens_usd"]) for name, t in tiers.items()])
     rows = []
-    for name, s in summary(stats, cost).items():
+    for name, s in tiers.items():
         usd = "n/a" if cost is None else ("unpriced" if s["cost_usd"] in (None, 0) and s["unpriced_requests"] else
                                           f"{(s['cost_usd'] or 0):.6f}")
         rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in (
             name, s["requests"], s["errors"], _ms(s["ttft_p50_s"]), _ms(s["ttft_p95_s"]), _num(s["tokens_per_s_p50"]),
-            _num(s["tokens_per_s_p95"]), _ms(s["time_per_output_token_p50_s"]), s["output_tokens"], usd)) + "</tr>")
+            _num(s["tokens_per_s_p95"]), _ms(s["time_per_output_token_p50_s"]), s["output_tokens"], usd,
+            _usd(s["cost_per_1k_output_tokens_usd"]), _usd(s["cost_per_request_usd"]))) + "</tr>")
     head = "".join(f"<th>{h}</th>" for h in ("tier", "requests", "errors", "TTFT p50 ms", "TTFT p95 ms",
                                               "tokens/s p50", "tokens/s p95", "TPOT p50 ms", "output tokens",
-                                              "cost USD"))
+                                              "cost USD", "USD per 1k output", "USD per request"))
+    verdict = html.escape(premium_line(premium(tiers)))
     info = html.escape(f"{meta['requests']} requests, concurrency {meta['concurrency']}, mix {meta['mix']}, "
                        f"max {meta['max_tokens']} tokens, against {meta['base_url']} at {meta['when']}; "
                        f"{meta['elapsed']:.1f} s")
@@ -420,6 +489,7 @@ def render_html(stats: list[TierStats], cost: dict[str, float] | None, meta: dic
 <style>
 body {{ font: 14px/1.4 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px; color: #222; }}
 h1 {{ font-size: 20px; margin: 0 0 4px; }} p.m {{ color: #555; margin: 0 0 16px; }}
+p.p {{ font-weight: 600; margin: 16px 0 0; }}
 .charts {{ display: flex; flex-wrap: wrap; gap: 16px; }}
 svg {{ background: #fafafa; border: 1px solid #ddd; }}
 svg .t {{ font-size: 15px; font-weight: 600; }} svg .l {{ font-size: 13px; font-weight: 600; }}
@@ -429,7 +499,8 @@ td, th {{ border: 1px solid #ddd; padding: 4px 8px; text-align: right; }} td:fir
 </style></head><body>
 <h1>tiergate bench: fast tier vs standard tier</h1>
 <p class="m">{info}</p>
-<div class="charts">{ttft}{tps}</div>
+<div class="charts">{ttft}{tps}{costs}</div>
+<p class="p">{verdict}</p>
 <table><tr>{head}</tr>{"".join(rows)}</table>
 <p class="m">Each dot is one request; solid mark p50, dashed p95. TTFT: request sent to first token-bearing chunk.
 Decode speed: 1 / ((t_last - t_first) / (completion tokens - first chunk's tokens)), from the stream's usage.</p>
@@ -464,6 +535,7 @@ def main(args: Any) -> int:
         Path(args.out).write_text(render_html(stats, cost, meta), encoding="utf-8")
         print(f"chart: {args.out}")
     if args.json:
-        Path(args.json).write_bytes(orjson.dumps({"meta": meta, "tiers": summary(stats, cost)},
+        tiers = summary(stats, cost)
+        Path(args.json).write_bytes(orjson.dumps({"meta": meta, "tiers": tiers, "premium": premium(tiers)},
                                                  option=orjson.OPT_INDENT_2))
     return 1 if results and all(r.error is not None for r in results) else 0
