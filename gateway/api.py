@@ -121,7 +121,7 @@ class Gateway:
         self.listed: Listing | None = None  # the passthrough upstream's model list (set by create_app)
         est = config.estimates
         self.estimates = Estimates(est.window, est.samples)  # fed by every relayed stream, read by deadlines
-        self.explorer = deadline.Explorer(est.explore, est.probe)
+        self.explorer = deadline.Explorer(est.explore, est.probe, est.window / est.samples)
         self.draining = False
         self._drain_deadline = float("inf")  # loop time
         self._active: set[Exchange] = set()
@@ -390,6 +390,10 @@ class Gateway:
         headers leave with the first write. Nothing raises for the upstream's trouble from here on."""
         up = attempt.upstream
         ex.relay = relay
+        first, sent = relay.stats.t_first_token, attempt.sent_at
+        if first is not None and sent is not None:  # the live TTFT estimate learns at the first token
+            self.estimates.observe_ttft(up.name, up.models.get(decision.model, decision.model), self.health.clock(),
+                                        prompt_tokens=facts.prompt_tokens, ttft=first - sent)
         bridged = isinstance(relay, bridge.BridgeRelay)
         ex.open_stream(headers, "text/event-stream; charset=utf-8" if bridged else answer.content_type)
         write = ex.write if ex.kind == "chat" else self._keeping_write(ex, facts, up, relay)
@@ -412,23 +416,18 @@ class Gateway:
         await ex.end_stream()
 
     def _measured(self, attempt: Attempt, decision: Decision, facts: RequestFacts, stats: StreamStats) -> None:
-        """Feed the live estimates with a stream that ran to its end: its TTFT from the attempt's send, its decode
-        speed (the gateway's formula, ``gateway.metrics``) and its completion length."""
-        first, sent = stats.t_first_token, attempt.sent_at
-        if first is None or sent is None:
-            return
+        """Feed the live estimates with a stream that ran to its end: its decode speed (the gateway's formula,
+        ``gateway.metrics``) and its completion length (its TTFT went in at the first token)."""
         usage = stats.usage
         completion = usage.get("completion_tokens") if usage is not None else None
         if not isinstance(completion, int) or completion < stats.token_chunks:
             completion = stats.token_chunks
-        chunks, last = stats.token_chunks, stats.t_last_token
-        speed = None
-        if chunks >= 2 and last is not None and last > first:
-            speed = completion * (chunks - 1) / ((last - first) * chunks)  # 1 / TPOT
+        chunks, first, last = stats.token_chunks, stats.t_first_token, stats.t_last_token
         now = self.health.clock()
-        up = attempt.upstream
-        self.estimates.observe_stream(up.name, up.models.get(decision.model, decision.model), now,
-                                      prompt_tokens=facts.prompt_tokens, ttft=first - sent, speed=speed)
+        if chunks >= 2 and first is not None and last is not None and last > first:
+            up = attempt.upstream
+            self.estimates.observe_speed(up.name, up.models.get(decision.model, decision.model), now,
+                                         completion * (chunks - 1) / ((last - first) * chunks))  # 1 / TPOT
         self.estimates.observe_length(decision.rule, decision.model, now, completion)
 
     def _hedge_delay(self, decision: Decision, cand: Candidate, facts: RequestFacts) -> float | None:
@@ -526,8 +525,8 @@ class Gateway:
             if cost > 0:
                 self.metrics.hedge_cost.labels(up.tier, up.name).inc(cost)
         if attempt.sent_at is not None:
-            self.estimates.observe_stream(up.name, up.models.get(facts.model, facts.model), self.health.clock(),
-                                          prompt_tokens=facts.prompt_tokens, ttft=time.perf_counter() - attempt.sent_at)
+            self.estimates.observe_ttft(up.name, up.models.get(facts.model, facts.model), self.health.clock(),
+                                        prompt_tokens=facts.prompt_tokens, ttft=time.perf_counter() - attempt.sent_at)
 
     def _by_deadline(self, decision: Decision, facts: RequestFacts, budget: deadline.Budget) -> Decision:
         """The decision with its candidates ordered by deadline routing (``gateway.deadline``), counted."""
@@ -720,7 +719,7 @@ class Gateway:
         }
         if budget is not None:  # what the request would get, without counting it as explored or probed
             choice = deadline.choose(decision, facts, budget, self.estimates, self.health.clock(),
-                                     deadline.Explorer(0.0, self.explorer.probe))
+                                     self.explorer.preview())
             out["deadline"] = {**choice.as_dict(), "reason": deadline.describe(choice), "fallback": choice.fallback}
             out["candidates"] = [next(c for c in out["candidates"] if c["upstream"] == cand.upstream.name)
                                  for cand in choice.candidates]

@@ -355,8 +355,9 @@ class EstimatesConfig(_Strict):
 
     window: seconds of traffic an estimate reflects (older samples age out; with none left the candidate is
     unmeasured); samples: the newest samples kept per upstream and model (and per route for completion lengths);
-    explore: the share (0-1) of deadline-routed requests sent instead to a candidate predicted too slow or unmeasured,
-    so that a tier that recovers is noticed (``tiergate_deadline_decisions_total{verdict="explore"}``); probe: seconds
+    explore: the share (0-1) of deadline-routed requests sent instead to a candidate predicted too slow or unmeasured
+    that no other traffic measures (no sample in the last ``window / samples`` seconds), so that a tier that recovers
+    is noticed (``tiergate_deadline_decisions_total{verdict="explore"}``); probe: seconds
     between re-measures of an unmeasured candidate (one request is sent to it, whatever its prediction would be).
     """
 

@@ -16,8 +16,9 @@ Then, in this order:
    not probed in the last ``estimates.probe`` seconds: a tier is re-measured after its estimate aged;
 2. **meets**: the cheapest candidate whose predictions meet every part of the budget (ties: the faster);
 3. **fastest**: none does: the one with the smallest predicted time (whole answer, else TTFT);
-4. **explore**: a share ``estimates.explore`` of these requests goes instead to a candidate predicted too slow or
-   unmeasured (the stalest first), so that a tier that recovers is noticed before its slow samples age out.
+4. **explore**: a share ``estimates.explore`` of these requests goes instead to a candidate predicted too slow that
+   no other traffic is measuring (no sample in the last ``window / samples`` seconds; the stalest first), so that a
+   tier that recovers is noticed before its slow samples age out.
 
 The chosen candidate comes first; the others keep the policy's order behind it for failover. Quota, concurrency and
 health spillover (``gateway.failover``) apply after the choice.
@@ -155,13 +156,22 @@ class Choice:
 class Explorer:
     """When to send a deadline request elsewhere than its prediction says: a share of them (a credit counter, so
     that the share holds exactly and tests can count it), and a probe per unmeasured candidate every ``probe``
-    seconds. The only state of deadline routing."""
+    seconds. A candidate whose newest sample is younger than ``fresh`` seconds is never explored: other traffic is
+    measuring it already, so exploring it would only miss deadlines. The only state of deadline routing."""
 
-    def __init__(self, share: float, probe: float) -> None:
+    def __init__(self, share: float, probe: float, fresh: float = 1.0) -> None:
         self.share = share
         self.probe = probe
+        self.fresh = fresh  # seconds: a candidate sampled more recently than this is measured by other traffic
         self._credit = 0.0
         self._probed: dict[tuple[str, str], float] = {}
+
+    def preview(self) -> Explorer:
+        """A copy that never explores and whose probes are forgotten after use: what a request would get now, for
+        ``POST /v1/tiergate/route`` (which must not spend a probe or a share)."""
+        copy = Explorer(0.0, self.probe, self.fresh)
+        copy._probed = dict(self._probed)
+        return copy
 
     def explore(self) -> bool:
         """Whether this eligible request is the one to explore with (``share`` of them)."""
@@ -243,10 +253,10 @@ def choose(decision: Decision, facts: RequestFacts, b: Budget, estimates: Estima
             pick, verdict = min(measured, key=lambda p: p.time), "fastest"
         else:
             pick = preds[0]
-        others = [p for p in preds if p is not pick and not p.meets]
+        # measured too slow and measured by nobody else (unmeasured ones are the probe's)
+        others = [p for p in preds if p is not pick and p.meets is False and (p.age or 0.0) >= explorer.fresh]
         if others and verdict in ("meets", "fastest") and explorer.explore():
-            # the stalest first: unmeasured, then the oldest newest-sample
-            pick, verdict = max(others, key=lambda p: math.inf if p.age is None else p.age), "explore"
+            pick, verdict = max(others, key=lambda p: p.age or 0.0), "explore"  # the stalest first
     i = preds.index(pick)
     cands = (decision.candidates[i], *decision.candidates[:i], *decision.candidates[i + 1:])
     fallback = "deadline" if pick.tier != decision.tier else None

@@ -144,14 +144,27 @@ class Estimates:
 
     # recording (the hot path: an append each)
 
+    def observe_ttft(self, upstream: str, model: str, now: float, *, prompt_tokens: int, ttft: float) -> None:
+        """A stream's first token came ``ttft`` seconds after its request was sent (a prompt of ``prompt_tokens``,
+        the gateway's estimate). Recorded at the first token, not at the stream's end: a tier that queues up is seen
+        one decode earlier."""
+        self._series(self._ttft, (upstream, model)).add(now, float(prompt_tokens), ttft)
+
+    def observe_speed(self, upstream: str, model: str, now: float, speed: float) -> None:
+        """A stream that ran to its end decoded at ``speed`` tokens/s (two token-bearing chunks or more)."""
+        if speed > 0:
+            key = (upstream, model)
+            self._series(self._speed, key).add(now, 0.0, speed)
+            ttft = self._ttft.get(key)
+            if ttft is not None:
+                ttft.valid_until = -1.0  # the cached Latency holds the speed too
+
     def observe_stream(self, upstream: str, model: str, now: float, *, prompt_tokens: int, ttft: float,
                        speed: float | None = None) -> None:
-        """A stream's first token came ``ttft`` seconds after its request was sent (prompt of ``prompt_tokens``, the
-        gateway's estimate); ``speed``: its decode tokens/s, when it had two token-bearing chunks or more."""
-        key = (upstream, model)
-        self._series(self._ttft, key).add(now, float(prompt_tokens), ttft)
-        if speed is not None and speed > 0:
-            self._series(self._speed, key).add(now, 0.0, speed)
+        """:meth:`observe_ttft` and, given ``speed``, :meth:`observe_speed`, at once (tests, the simulation)."""
+        self.observe_ttft(upstream, model, now, prompt_tokens=prompt_tokens, ttft=ttft)
+        if speed is not None:
+            self.observe_speed(upstream, model, now, speed)
 
     def observe_length(self, rule: str, model: str, now: float, completion_tokens: int) -> None:
         """A request that matched ``rule`` for ``model`` produced ``completion_tokens`` output tokens."""
@@ -182,7 +195,7 @@ class Estimates:
         oldest = points[0][0]
         if speed_series is not None and speed_series.points:
             oldest = min(oldest, speed_series.points[0][0])
-        series.valid_until = oldest + self.window  # speed samples come with TTFT samples: one reset covers both
+        series.valid_until = oldest + self.window  # observe_speed resets it too
         return found
 
     def completion(self, rule: str, model: str, now: float) -> Spread | None:

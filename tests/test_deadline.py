@@ -78,7 +78,8 @@ def test_a_deadline_moves_requests_off_a_slowed_fast_tier_and_back(tiers: tuple[
         if served[-1] == "emu-standard":
             break
     assert served[-1] == "emu-standard" and len(served) <= 3, served  # moved within a bounded number of requests
-    assert r.headers["x-tiergate-fallback"] == "deadline" and r.headers["x-tiergate-deadline"] == "fastest"
+    # the fastest, or (its estimate aged out while the slow request ran) the probe that re-measured it
+    assert r.headers["x-tiergate-fallback"] == "deadline" and r.headers["x-tiergate-deadline"] in ("fastest", "probe")
     # the explanation names the prediction
     route = httpx.post(f"http://127.0.0.1:{gw.port}/v1/tiergate/route", headers=DEADLINE, timeout=5, json={
         "model": "gpt-5.6", "max_tokens": 60, "metadata": {"workload": "agent"},
@@ -112,6 +113,7 @@ def test_a_deadline_moves_requests_off_a_slowed_fast_tier_and_back(tiers: tuple[
 
 def test_estimates_are_served_as_json_and_gauges(tiers: tuple[Proc, Proc, Proc]) -> None:
     gw = tiers[0]
+    _set_ttft(tiers[1], 50)  # as the emulator starts (whatever an earlier test left)
     _ask(gw)
     _ask(gw, {"x-tiergate-tier": "standard"})
     snap = httpx.get(f"http://127.0.0.1:{gw.port}/v1/tiergate/estimates", timeout=5).json()
