@@ -7,8 +7,10 @@ facts, and the client's bytes go upstream. Each step has its module:
 ====================  =======================================================================================
 read                  :func:`gateway.exchange.read_body`, :func:`gateway.wire.parse_request`
 decide                :meth:`gateway.policy.Policy.decide` (rules -> tier, candidates, explanation)
+by deadline           :func:`gateway.deadline.choose` over :class:`gateway.estimates.Estimates` (a latency budget only)
 plan                  :func:`gateway.failover.plan` (spillover, refusal), :meth:`gateway.failover.Plan.go_on`
-attempt               :class:`gateway.upstream.Attempt` (one owner per upstream attempt: answer, slot, verdict)
+attempt               :class:`gateway.upstream.Attempt` (one owner per upstream attempt: answer, slot, verdict);
+                      with ``hedge``, two racing to their first token (:meth:`Gateway._race`)
 relay or answer       :class:`gateway.relay.Relay` (SSE, byte-exact), or the whole JSON body
 record                :meth:`gateway.exchange.Exchange.record` (once) -> :class:`gateway.metrics.Metrics`
 ====================  =======================================================================================

@@ -83,10 +83,15 @@ def budget(facts: RequestFacts, route: RouteConfig | None) -> Budget | None:
         InvalidRequest: a header or metadata value is not a positive number of milliseconds.
     """
     headers = facts.headers
-    total = _given(headers.get(DEADLINE_HEADER), DEADLINE_HEADER)
-    ttft = _given(headers.get(TTFT_DEADLINE_HEADER), TTFT_DEADLINE_HEADER)
-    sources = {"header"} if total is not None or ttft is not None else set()
+    given_total, given_ttft = headers.get(DEADLINE_HEADER), headers.get(TTFT_DEADLINE_HEADER)
     meta = facts.body.get("metadata")
+    if given_total is None and given_ttft is None and (route is None or (
+            route.deadline_ms is None and route.ttft_deadline_ms is None)) and (
+            not isinstance(meta, dict) or ("deadline_ms" not in meta and "ttft_deadline_ms" not in meta)):
+        return None  # the hot path without a budget: three lookups
+    total = _given(given_total, DEADLINE_HEADER)
+    ttft = _given(given_ttft, TTFT_DEADLINE_HEADER)
+    sources = {"header"} if total is not None or ttft is not None else set()
     if isinstance(meta, dict) and (total is None or ttft is None):
         if total is None and (total := _given(meta.get("deadline_ms"), "metadata.deadline_ms")) is not None:
             sources.add("metadata")

@@ -14,8 +14,8 @@ newest; README "Deadlines and live estimates"), each with a central value and a 
   and p90, in tokens.
 
 A series with no sample left in the window is *unmeasured* (None): it aged out, and deadline routing re-measures it
-(``gateway.deadline``). Summaries are computed when asked for and cached until a sample arrives or one ages out, so
-that recording a sample costs an append.
+(``gateway.deadline``). Summaries are computed when asked for and cached until a sample ages out or, once new samples
+arrived, for at most :data:`REFRESH` seconds, so that recording a sample costs an append and reading one a lookup.
 """
 
 from __future__ import annotations
@@ -100,19 +100,35 @@ class Latency:
         }
 
 
-class _Series:
-    """The newest samples of one quantity, with a summary cached until it changes or a sample ages out."""
+REFRESH = 0.1  # seconds: a summary is recomputed at most this often per series while samples keep coming
 
-    __slots__ = ("points", "summary", "valid_until")
+
+class _Series:
+    """The newest samples of one quantity, with a summary cached until a sample ages out, or, once new samples came,
+    for at most :data:`REFRESH` seconds after it was computed (a busy series costs ~10 us per recompute: this bounds
+    it to ten a second, whatever the request rate)."""
+
+    __slots__ = ("points", "summary", "valid_until", "computed_at")
 
     def __init__(self, size: int) -> None:
         self.points: deque[tuple[float, float, float]] = deque(maxlen=size)  # (time, x, y)
         self.summary: Any = None
-        self.valid_until = -1.0  # the summary is for points as they were; -1: recompute
+        self.valid_until = -1.0  # the summary may be served until then; -1: recompute
+        self.computed_at = 0.0
 
     def add(self, now: float, x: float, y: float) -> None:
         self.points.append((now, x, y))
-        self.valid_until = -1.0
+        self.stale()
+
+    def stale(self) -> None:
+        """New data: recompute at once if there was no summary, else within :data:`REFRESH` of the last one."""
+        if self.summary is None:
+            self.valid_until = -1.0
+        else:
+            self.valid_until = min(self.valid_until, self.computed_at + REFRESH)
+
+    def keep(self, summary: Any, now: float, until: float) -> None:
+        self.summary, self.computed_at, self.valid_until = summary, now, until
 
     def live(self, now: float, window: float) -> list[tuple[float, float, float]]:
         """The samples younger than ``window`` (older ones are dropped for good)."""
@@ -157,7 +173,7 @@ class Estimates:
             self._series(self._speed, key).add(now, 0.0, speed)
             ttft = self._ttft.get(key)
             if ttft is not None:
-                ttft.valid_until = -1.0  # the cached Latency holds the speed too
+                ttft.stale()  # the cached Latency holds the speed too
 
     def observe_stream(self, upstream: str, model: str, now: float, *, prompt_tokens: int, ttft: float,
                        speed: float | None = None) -> None:
@@ -182,7 +198,7 @@ class Estimates:
             return cached
         points = series.live(now, self.window)
         if not points:
-            series.summary, series.valid_until = None, float("inf")  # until a sample comes
+            series.keep(None, now, float("inf"))  # until a sample comes
             return None
         base, slope, resid = _fit(points)
         speed_series = self._speed.get((upstream, model))
@@ -190,12 +206,11 @@ class Estimates:
         ordered = sorted(resid)
         found = Latency(base, slope, Spread(quantile(ordered, 0.5), quantile(ordered, 0.9), len(ordered),
                                             now - points[-1][0]), speed, quantile(ordered, 0.95))
-        series.summary = found
-        # valid until the oldest sample (of either series) ages out; a new sample resets it
+        # valid until the oldest sample (of either series) ages out; new samples shorten it (_Series.stale)
         oldest = points[0][0]
         if speed_series is not None and speed_series.points:
             oldest = min(oldest, speed_series.points[0][0])
-        series.valid_until = oldest + self.window  # observe_speed resets it too
+        series.keep(found, now, oldest + self.window)
         return found
 
     def completion(self, rule: str, model: str, now: float) -> Spread | None:
@@ -229,12 +244,12 @@ def _spread(series: _Series, now: float, window: float, low_tail: bool = False) 
         return cached
     points = series.live(now, window)
     if not points:
-        series.summary, series.valid_until = None, float("inf")
+        series.keep(None, now, float("inf"))
         return None
     ordered = sorted(p[2] for p in points)
     found = Spread(quantile(ordered, 0.5), quantile(ordered, 0.1 if low_tail else 0.9), len(ordered),
                    now - points[-1][0])
-    series.summary, series.valid_until = found, points[0][0] + window
+    series.keep(found, now, points[0][0] + window)
     return found
 
 

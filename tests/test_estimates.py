@@ -109,6 +109,17 @@ def test_the_cached_summary_follows_new_samples() -> None:
     assert est.latency("fast", "m", 0.2) is not first
 
 
+def test_a_busy_series_is_recomputed_at_most_every_refresh_interval() -> None:
+    """Samples arriving faster than REFRESH (0.1 s) are summarised within 0.1 s, not on every read."""
+    est = Estimates(window=1000, samples=64)
+    est.observe_stream("fast", "m", 0.0, prompt_tokens=10, ttft=0.05)
+    first = est.latency("fast", "m", 0.0)
+    est.observe_stream("fast", "m", 0.05, prompt_tokens=10, ttft=3.0)
+    assert est.latency("fast", "m", 0.06) is first
+    later = est.latency("fast", "m", 0.11)
+    assert later is not first and later is not None and later.samples == 2
+
+
 def test_snapshot_is_json_shaped() -> None:
     est = Estimates(window=60, samples=16)
     est.observe_stream("fast", "m", 0.0, prompt_tokens=10, ttft=0.05, speed=700)
