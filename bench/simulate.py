@@ -298,7 +298,6 @@ class Sim:
                 yield env.timeout((tokens - 1) / speed)
             h.settle(None, env.now)
             self.estimates.observe_speed(up.name, cand.upstream_model, env.now, speed)
-            self.estimates.observe_length(decision.rule, decision.model, env.now, tokens)
             p_in, _, p_out = self.prices[up.name]
             return ("ok", t_first, env.now, facts.prompt_tokens * p_in + tokens * p_out)
         except simpy.Interrupt:  # lost the race: cancelled; its wait is a lower bound of its TTFT

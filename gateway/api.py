@@ -430,7 +430,8 @@ class Gateway:
             up = attempt.upstream
             self.estimates.observe_speed(up.name, up.models.get(decision.model, decision.model), now,
                                          completion * (chunks - 1) / ((last - first) * chunks))  # 1 / TPOT
-        self.estimates.observe_length(decision.rule, decision.model, now, completion)
+        if facts.max_tokens is None:  # the lengths predict only requests without a limit: sampled from those
+            self.estimates.observe_length(decision.rule, decision.model, now, completion)
 
     def _hedge_delay(self, decision: Decision, cand: Candidate, facts: RequestFacts) -> float | None:
         """Seconds to wait for ``cand``'s first token before hedging: the route's fixed delay, or ``p95``: its live
@@ -593,7 +594,8 @@ class Gateway:
         attempt.ok()
         usage, time_info = parsed.get("usage"), parsed.get("time_info")
         usage = chat_usage(usage) if isinstance(usage, dict) else None
-        if usage is not None and isinstance(completion := usage.get("completion_tokens"), int):
+        if facts.max_tokens is None and usage is not None and isinstance(completion := usage.get("completion_tokens"),
+                                                                          int):
             self.estimates.observe_length(decision.rule, decision.model, self.health.clock(), completion)
         ex.record("success", usage=usage,
                   time_info=time_info if isinstance(time_info, dict) else None,
