@@ -725,6 +725,9 @@ class Gateway:
             choice = deadline.choose(decision, facts, budget, self.estimates, self.health.clock(),
                                      self.explorer.preview())
             out["deadline"] = {**choice.as_dict(), "reason": deadline.describe(choice), "fallback": choice.fallback}
+            # tier and rule stay the rule's; what serves is the first candidate, and the fallback says why
+            out["fallback"] = choice.fallback or (decision.fallback if choice.candidates[0] == decision.candidates[0]
+                                                  else None)
             out["candidates"] = [next(c for c in out["candidates"] if c["upstream"] == cand.upstream.name)
                                  for cand in choice.candidates]
         return Response(dumps(out), 200, media_type="application/json")

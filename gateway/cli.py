@@ -225,6 +225,12 @@ def _check(path: Path) -> int:
     for i, rule in enumerate(rules, 1):
         target = rule.route.tier + (f" (upstream {rule.route.upstream})" if rule.route.upstream else "")
         other = "" if rule.route.fallback else ", no fallback"
+        r = rule.route
+        other += "".join(f", {name} {value:g} ms" for name, value in (("deadline", r.deadline_ms),
+                                                                      ("TTFT deadline", r.ttft_deadline_ms))
+                         if value is not None)
+        if r.hedge is not None:
+            other += f", hedge after {r.hedge if r.hedge == 'p95' else f'{r.hedge:g} s'}"
         print(f"  {i:>2} {rule.name:<14} {rule.describe()} -> {target}{other}")
     print(f"  {len(rules) + 1:>2} {'default':<14} (every other request) -> {cfg.default_tier}")
     print("\nroutes (client model -> tier/upstream: upstream model id):")

@@ -34,6 +34,7 @@ from gateway.config import RouteConfig, Tier
 from gateway.errors import InvalidRequest
 from gateway.estimates import Estimates, Latency
 from gateway.policy import Candidate, Decision, RequestFacts
+from gateway.wire import dumps
 
 DEADLINE_HEADER = "x-tiergate-deadline-ms"
 TTFT_DEADLINE_HEADER = "x-tiergate-ttft-deadline-ms"
@@ -66,13 +67,14 @@ def _given(value: object, param: str) -> float | None:
     """
     if value is None:
         return None
+    shown = value if isinstance(value, str) else dumps(value).decode()[:40]
     try:
         ms = float(value) if isinstance(value, str | int | float) and not isinstance(value, bool) else math.nan
     except ValueError:
         ms = math.nan
     if not math.isfinite(ms) or ms <= 0:
         raise InvalidRequest(f"Invalid value for '{param}': expected a number of milliseconds greater than 0, got "
-                             f"{str(value)[:40]!r}.", param=param, code="invalid_value")
+                             f"{shown[:40]!r}.", param=param, code="invalid_value")
     return ms / 1000.0
 
 

@@ -152,7 +152,8 @@ def test_check_config_warns_about_rules_that_can_never_do_what_they_say(tmp_path
                        {"name": "edge", "match": {"max_tokens": {"gt": 10, "lte": 10}}, "route": {"tier": "fast"}},
                        {"name": "typo", "match": {"model": ["gpt-5.6-sol-fsat"]}, "route": {"tier": "fast"}},
                        {"name": "nowhere", "match": {"model": ["only-*"]}, "route": {"tier": "standard"}},
-                       {"name": "fine", "match": {"n": {"gte": 2, "lte": 2}}, "route": {"tier": "standard"}}])
+                       {"name": "fine", "match": {"n": {"gte": 2, "lte": 2}},
+                        "route": {"tier": "fast", "deadline_ms": 8000, "hedge": 0.5}}])
     proc = _cli("check-config", str(_write(tmp_path, cfg)))
     assert proc.returncode == 0, proc.stderr  # warnings, not errors: the config is valid
     out = proc.stdout
@@ -163,5 +164,6 @@ def test_check_config_warns_about_rules_that_can_never_do_what_they_say(tmp_path
             "always fall back (model_not_on_standard_tier)") in out
     assert "model only-fast: served on the fast tier only" in out
     assert "'fine'" not in out.split("warnings:", 1)[1]
+    assert "fine           n >= 2 and <= 2 -> fast, deadline 8000 ms, hedge after 0.5 s" in out  # the rule table
     off = _cli("check-config", str(_write(tmp_path, {**cfg, "fallback": False}))).stdout
     assert "served on the fast tier only" not in off  # no fallback: nothing was promised

@@ -85,6 +85,17 @@ def test_a_flat_series_has_no_slope_and_a_falling_one_is_clamped() -> None:
     assert est.latency("b", "m", 10.0).per_token == 0.0  # type: ignore[union-attr]
 
 
+def test_a_narrow_span_of_prompt_sizes_fits_no_slope() -> None:
+    """25-35-token prompts on a flat-TTFT upstream with noise: no slope, so a 20k-token prompt is not predicted from
+    the noise (a fresh user saw 2 s predicted for an upstream whose TTFT is a flat 0.4 s)."""
+    est = Estimates(window=1000, samples=64)
+    for i in range(30):
+        est.observe_stream("std", "m", float(i), prompt_tokens=25 + i % 11, ttft=0.4 + (0.003 if i % 11 > 5 else 0.0))
+    lat = est.latency("std", "m", 30.0)
+    assert lat is not None and lat.per_token == 0.0
+    assert lat.ttft(20000) == pytest.approx(0.403, abs=0.002)
+
+
 def test_decode_speed_tail_is_the_slow_side_and_completion_lengths_per_route() -> None:
     est = Estimates(window=1000, samples=64)
     for i, tps in enumerate([700, 720, 740, 760, 300, 710, 730, 750, 705, 715]):

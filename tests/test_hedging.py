@@ -168,3 +168,35 @@ def test_a_client_that_leaves_during_the_race_cancels_both(gw: Proc, ups: dict[s
     assert _hedges(gw, "cancelled") == cancelled + 1
     text = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=5).text
     assert sample(text, "tiergate_requests_total", outcome="client_disconnect", missing_ok=False) >= 1
+
+
+def test_a_client_that_leaves_after_the_hedges_finish_chunk_still_gets_its_usage_counted(
+        gw: Proc, ups: dict[str, EmulatorThread]) -> None:
+    """SDK loops break on finish_reason; the usage chunk that follows is read for finish_grace (Relay.tail) in the
+    winning racer's task too: the cancel that the client's leaving sends reaches it once, and the request waits."""
+    finish = STREAM.index(b"data: " + chunk(usage=True).encode())
+    head, usage = STREAM[:finish], STREAM[finish:]
+    role, rest = head.split(b"\n\n", 1)
+    _reset(ups, fast=stream_plan(0, end="stall"),
+           standard=Plan(parts=[(0, role + b"\n\n"), (0.02, rest), (0.4, usage)]))
+    before = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=5).text
+    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "metadata": {"workload": "agent"},
+            "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.stream("POST", f"http://127.0.0.1:{gw.port}/v1/chat/completions", json=body, timeout=10) as r:
+        seen = b""
+        for piece in r.iter_raw():
+            seen += piece
+            if b'"finish_reason":"stop"' in seen:
+                break  # and close
+    assert r.headers["x-tiergate-upstream"] == "std"
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        after = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=5).text
+        got = (sample(after, "tiergate_tokens_total", upstream="std", token_type="output")
+               - sample(before, "tiergate_tokens_total", upstream="std", token_type="output"))
+        if got:
+            break
+        time.sleep(0.05)
+    assert got == 3  # the usage chunk's completion_tokens
+    assert (sample(after, "tiergate_requests_total", upstream="std", outcome="success")
+            - sample(before, "tiergate_requests_total", upstream="std", outcome="success")) == 1
