@@ -233,13 +233,15 @@ class Gateway:
         if plan.refusal is not None:
             return await ex.error(plan.refusal, "upstream_unavailable")
         strip_usage = ex.kind == "chat" and ex.stream and not client_wants_usage(body)
-        route = decision.route
-        if ex.stream and route is not None and route.hedge is not None and len(plan.candidates) > 1 \
-                and not plan.queued:
-            return await self._race(ex, decision, plan, facts, raw, strip_usage, need)
         last: GatewayError | None = None
         tried = 0
-        for cand in plan.candidates:
+        rest = plan.candidates
+        if _may_race(ex, decision, plan):
+            raced = await self._race(ex, decision, plan, facts, raw, strip_usage, need)
+            if raced is None:
+                return
+            last, tried, rest = raced
+        for cand in rest:
             up = cand.upstream
             if up.name in plan.queued and not await self.health[up.name].wait_for_slot():
                 last = self.stayed_busy(plan, up)
@@ -251,12 +253,7 @@ class Gateway:
                 try:
                     answer = await attempt.send(payload)
                     headers = self._answer_headers(ex, decision, up, plan.reason, answer)
-                    if ex.stream:
-                        relay = self._relay(ex, attempt, strip_usage, facts)
-                        await relay.first(answer, attempt.first_token_by)
-                        await self._deliver(ex, attempt, answer, headers, relay, decision, facts)
-                    else:
-                        await self._whole(ex, attempt, answer, headers, decision, facts)
+                    await self._answer(ex, attempt, answer, headers, strip_usage, decision, facts)
                     return
                 except GatewayError as exc:
                     last = attempt.failed(exc)
@@ -374,6 +371,21 @@ class Gateway:
             out += deadline.headers(decision.deadline, up.name)
         return [*out, *((k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items())]
 
+    async def _answer(self, ex: Exchange, attempt: Attempt, answer: Answer, headers: Headers, strip_usage: bool,
+                      decision: Decision, facts: RequestFacts) -> None:
+        """Answer with ``attempt``'s 200: a stream held to its first token (:meth:`Relay.first`) then relayed, or the
+        whole answer.
+
+        Raises:
+            GatewayError: before anything was sent (the caller may fail over).
+        """
+        if ex.stream:
+            relay = self._relay(ex, attempt, strip_usage, facts)
+            await relay.first(answer, attempt.first_token_by)
+            await self._deliver(ex, attempt, answer, headers, relay, decision, facts)
+        else:
+            await self._whole(ex, attempt, answer, headers, decision, facts)
+
     def _relay(self, ex: Exchange, attempt: Attempt, strip_usage: bool, facts: RequestFacts) -> Relay:
         """The relay of ``attempt``'s event stream: a :class:`Relay`, or, for a bridged Responses request, the
         bridge's translating relay; with ``ex.relay`` set once it is the answer's (:meth:`_deliver`)."""
@@ -443,11 +455,19 @@ class Gateway:
         return est.ttft_p95(facts.prompt_tokens) if est is not None else None
 
     async def _race(self, ex: Exchange, decision: Decision, plan: failover.Plan, facts: RequestFacts, raw: bytes,
-                    strip_usage: bool, need: int) -> None:
+                    strip_usage: bool, need: int) -> tuple[GatewayError | None, int, list[Candidate]] | None:
         """First-token hedging (README "Hedging"): try the first candidate; when it has produced no token-bearing
-        event after the hedge delay, start the second too. The first to produce a token is relayed and the other
-        is cancelled at once (its attempt's exit closes its connection; its estimated cost is counted). A failure
-        before the delay fails over to the second at once, as without hedging. The client sees one answer."""
+        event after the hedge delay, start the second too, if its health would take a request now (not resting,
+        not at its concurrency limit, quota left: a hedge is extra load, never forced). The first to produce a token
+        is relayed and the other is cancelled at once (its attempt's exit closes its connection; its estimated cost
+        is counted). A failure of the first before the second started fails over to it at once, as without hedging.
+        The client sees one answer.
+
+        Returns:
+            None when a racer answered; else (the last failure, the attempts made, the candidates the failover may
+            still go on to: those after the two when the second's failure allows it); the request is labelled with
+            the upstream that failed last.
+        """
         race = _Race()
         first, second = plan.candidates[0], plan.candidates[1]
         race.start(self._racer(ex, decision, plan, first, 1, facts, raw, strip_usage, need, race), first)
@@ -457,26 +477,34 @@ class Gateway:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay):
                     await race.settled.wait()  # a first token, or a failure
-            if race.winner is None:
-                failed = race.failures.get(first.upstream.name)
-                if failed is None:  # no token within the delay: hedge
-                    hedged = race.hedged = True
+            if race.winner is None and not race.failures:
+                if self.health[second.upstream.name].unavailable(self.health.clock(), need) is None:
+                    hedged = race.hedged = True  # no token within the delay: hedge
                     race.start(self._racer(ex, decision, plan, second, 2, facts, raw, strip_usage, need, race,
                                            hedge=True), second)
-                elif plan.go_on(first, failed):  # it failed first: plain failover
-                    race.start(self._racer(ex, decision, plan, second, 2, facts, raw, strip_usage, need, race),
-                               second)
+                else:
+                    await race.settled.wait()  # the second would refuse: no hedge; the first's token or failure
+            failed = race.failures.get(first.upstream.name)
+            if race.winner is None and len(race.tasks) == 1 and failed is not None and plan.go_on(first, failed):
+                race.start(self._racer(ex, decision, plan, second, 2, facts, raw, strip_usage, need, race), second)
             await race.finish()
         except asyncio.CancelledError:
             await race.stop()
             if hedged and race.winner is None:
                 self.metrics.hedges.labels("cancelled").inc()
             raise
-        if hedged and race.winner is None:  # won and lost are counted at the claim, before the answer leaves
+        if race.winner is not None:
+            return None
+        if hedged:  # won and lost are counted at the claim, before the answer leaves
             self.metrics.hedges.labels("cancelled").inc()
-        if race.winner is None:
-            last = [*race.failures.values()][-1] if race.failures else None  # the one that failed last
-            await self.give_up(ex, decision, plan.reason, last, len(race.tasks))
+        tried = len(race.tasks)
+        if not race.failures:
+            return None, tried, []
+        name, last = [*race.failures.items()][-1]  # the one that failed last
+        up = first.upstream if name == first.upstream.name else second.upstream
+        ex.tier, ex.upstream = up.tier, up.name
+        go_on = tried == 2 and plan.go_on(second, last)
+        return last, tried, plan.candidates[2:] if go_on else []
 
     async def _racer(self, ex: Exchange, decision: Decision, plan: failover.Plan, cand: Candidate, tried: int,
                      facts: RequestFacts, raw: bytes, strip_usage: bool, need: int, race: _Race,
@@ -501,10 +529,11 @@ class Gateway:
             except asyncio.CancelledError:
                 attempt.void()  # lost the race (or the client left): not the upstream's fault
                 if race.winner is not None and race.winner is not cand:
-                    self._lost(up, facts, attempt, relay)
+                    self._lost(up, decision, facts, attempt, relay)
                 raise
-            if not race.claim(cand):
+            if not race.claim(cand):  # a token too, in the same instant as the winner's: lost all the same
                 attempt.void()
+                self._lost(up, decision, facts, attempt, relay)
                 return
             if race.hedged:
                 self.metrics.hedges.labels("won" if hedge else "lost").inc()
@@ -513,32 +542,37 @@ class Gateway:
             headers = self._answer_headers(ex, decision, up, "hedge" if hedge else plan.reason, answer)
             await self._deliver(ex, attempt, answer, headers, relay, decision, facts)
 
-    def _lost(self, up: UpstreamConfig, facts: RequestFacts, attempt: Attempt, relay: Relay | None) -> None:
+    def _lost(self, up: UpstreamConfig, decision: Decision, facts: RequestFacts, attempt: Attempt,
+              relay: Relay | None) -> None:
         """A racer cancelled because the other produced a token first: count what it may have cost (its usage if it
-        reported any, else the estimated prompt at the input price) and feed its wait to the estimates as a lower
-        bound of its TTFT."""
+        reported any, else the estimated prompt at the input price), and, when it waited longer than its measured
+        TTFT estimate's median, feed that wait to the estimate as a lower bound of its TTFT: a tier whose hedges keep
+        winning is then still seen to be slow. A shorter wait (it lost just after the hedge started) says nothing,
+        nor does any wait of an unmeasured upstream (it would become its estimate; the probe measures it)."""
         usage = relay.stats.usage if relay is not None else None
-        price = (up.model_prices.get(facts.model) or up.prices)
+        price = up.model_prices.get(facts.model) or up.prices
         if price is not None:
             p_in, _, p_out = price.per_token()
-            prompt = usage.get("prompt_tokens", facts.prompt_tokens) if usage else facts.prompt_tokens
-            completion = usage.get("completion_tokens", 0) if usage else 0
+            prompt = usage.get("prompt_tokens") if usage else None
+            completion = usage.get("completion_tokens") if usage else None
             cost = (prompt if isinstance(prompt, int) else facts.prompt_tokens) * p_in + \
                 (completion if isinstance(completion, int) else 0) * p_out
             if cost > 0:
                 self.metrics.hedge_cost.labels(up.tier, up.name).inc(cost)
-        if attempt.sent_at is not None:
-            self.estimates.observe_ttft(up.name, up.models.get(facts.model, facts.model), self.health.clock(),
-                                        prompt_tokens=facts.prompt_tokens, ttft=time.perf_counter() - attempt.sent_at)
+        if attempt.sent_at is None:
+            return
+        waited, now = time.perf_counter() - attempt.sent_at, self.health.clock()
+        model = up.models.get(decision.model, decision.model)
+        est = self.estimates.latency(up.name, model, now)
+        if est is not None and waited > est.ttft(facts.prompt_tokens, tail=False):
+            self.estimates.observe_ttft(up.name, model, now, prompt_tokens=facts.prompt_tokens, ttft=waited)
 
     def _by_deadline(self, decision: Decision, facts: RequestFacts, budget: deadline.Budget) -> Decision:
         """The decision with its candidates ordered by deadline routing (``gateway.deadline``), counted."""
         choice = deadline.choose(decision, facts, budget, self.estimates, self.health.clock(), self.explorer)
         chosen = choice.candidates[0].upstream
         self.metrics.child(self.metrics.deadline_decisions, chosen.tier, chosen.name, choice.verdict).inc()
-        return dataclasses.replace(decision, candidates=choice.candidates, deadline=choice,
-                                   fallback=choice.fallback or (decision.fallback if choice.candidates[0] ==
-                                                                decision.candidates[0] else None))
+        return dataclasses.replace(decision, candidates=choice.candidates, deadline=choice, fallback=choice.fallback)
 
     def _broke(self, ex: Exchange, attempt: Attempt, stats: StreamStats) -> None:
         """The stream failed after its first token: count it, and tell the upstream's health."""
@@ -725,9 +759,7 @@ class Gateway:
             choice = deadline.choose(decision, facts, budget, self.estimates, self.health.clock(),
                                      self.explorer.preview())
             out["deadline"] = {**choice.as_dict(), "reason": deadline.describe(choice), "fallback": choice.fallback}
-            # tier and rule stay the rule's; what serves is the first candidate, and the fallback says why
-            out["fallback"] = choice.fallback or (decision.fallback if choice.candidates[0] == decision.candidates[0]
-                                                  else None)
+            out["fallback"] = choice.fallback  # tier and rule stay the rule's; the first candidate is what serves
             out["candidates"] = [next(c for c in out["candidates"] if c["upstream"] == cand.upstream.name)
                                  for cand in choice.candidates]
         return Response(dumps(out), 200, media_type="application/json")
@@ -742,7 +774,7 @@ class Gateway:
                 "ttft_p90_ms": round(est.ttft(facts.prompt_tokens) * 1000, 1),
                 "tokens_per_second_p50": None if est.speed is None else round(est.speed.central, 1),
                 "tokens_per_second_p10": None if est.speed is None else round(est.speed.tail, 1),
-                "samples": est.samples, "age_s": round(est.age, 3)})})
+                "samples": est.samples, "age_s": round(est.age(now), 3)})})
         return out
 
     def estimates_json(self) -> bytes:
@@ -751,6 +783,14 @@ class Gateway:
         self.metrics.set_estimates(self.estimates.latencies(now))
         return dumps({"object": "tiergate.estimates", **self.estimates.snapshot(now),
                       "explore": self.explorer.share, "probe_s": self.explorer.probe})
+
+
+def _may_race(ex: Exchange, decision: Decision, plan: failover.Plan) -> bool:
+    """Whether the request races its candidates (:meth:`Gateway._race`): a stream, its rule hedges, two candidates
+    or more, none to be waited on for a concurrency slot."""
+    route = decision.route
+    return ex.stream and route is not None and route.hedge is not None and len(plan.candidates) > 1 \
+        and not plan.queued
 
 
 class _Race:

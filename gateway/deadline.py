@@ -70,7 +70,7 @@ def _given(value: object, param: str) -> float | None:
     shown = value if isinstance(value, str) else dumps(value).decode()[:40]
     try:
         ms = float(value) if isinstance(value, str | int | float) and not isinstance(value, bool) else math.nan
-    except ValueError:
+    except (ValueError, OverflowError):  # a 400-digit integer is a number too, but not one a float holds
         ms = math.nan
     if not math.isfinite(ms) or ms <= 0:
         raise InvalidRequest(f"Invalid value for '{param}': expected a number of milliseconds greater than 0, got "
@@ -140,7 +140,8 @@ class Prediction:
 class Choice:
     """The outcome of deadline routing: the candidates in their new order, the verdict (one of :data:`VERDICTS`),
     the prediction of each candidate (policy order), the completion tokens assumed (and from where), and the
-    fallback reason when the choice left the rule's tier (``deadline``)."""
+    request's fallback reason: ``deadline`` when the choice left the tier of the policy's first candidate, else the
+    policy's own (``Decision.fallback``)."""
 
     budget: Budget
     candidates: tuple[Candidate, ...]
@@ -207,8 +208,8 @@ def _price(c: Candidate, model: str) -> tuple[float, float, float] | None:
 
 
 def predict(c: Candidate, est: Latency | None, facts: RequestFacts, model: str, completion_tail: int,
-            completion_central: int, b: Budget) -> Prediction:
-    """One candidate's prediction (module docstring)."""
+            completion_central: int, b: Budget, now: float) -> Prediction:
+    """One candidate's prediction (module docstring) at ``now``."""
     price = _price(c, model)
     cost = None if price is None else facts.prompt_tokens * price[0] + completion_central * price[2]
     up = c.upstream
@@ -222,7 +223,7 @@ def predict(c: Candidate, est: Latency | None, facts: RequestFacts, model: str, 
         meets = False
     if b.total is not None:
         meets = None if total is None and meets else (meets and total is not None and total <= b.total)
-    return Prediction(up.name, up.tier, ttft, total, cost, meets, est.age)
+    return Prediction(up.name, up.tier, ttft, total, cost, meets, est.age(now))
 
 
 def completion_tokens(facts: RequestFacts, decision: Decision, estimates: Estimates,
@@ -242,7 +243,7 @@ def choose(decision: Decision, facts: RequestFacts, b: Budget, estimates: Estima
     """The deadline choice for ``decision``'s candidates (module docstring); ``now`` on the estimates' clock."""
     tail, central, source = completion_tokens(facts, decision, estimates, now)
     preds = tuple(predict(c, estimates.latency(c.upstream.name, c.upstream_model, now), facts, decision.model, tail,
-                          central, b) for c in decision.candidates)
+                          central, b, now) for c in decision.candidates)
     pick: Prediction | None = None
     verdict = "unmeasured"
     unmeasured = [p for p in preds if p.meets is None]
@@ -266,7 +267,9 @@ def choose(decision: Decision, facts: RequestFacts, b: Budget, estimates: Estima
             pick, verdict = max(others, key=lambda p: p.age or 0.0), "explore"  # the stalest first
     i = preds.index(pick)
     cands = (decision.candidates[i], *decision.candidates[:i], *decision.candidates[i + 1:])
-    fallback = "deadline" if pick.tier != decision.tier else None
+    # the fallback of the request as the deadline leaves it: the policy's own when the first candidate stays or the
+    # choice stays on its tier (a model served by one tier only: nothing moved), ``deadline`` when it left it
+    fallback = "deadline" if pick.tier != preds[0].tier else decision.fallback
     return Choice(b, cands, verdict, preds, tail, source, fallback)
 
 

@@ -37,12 +37,17 @@ def quantile(ordered: Sequence[float], q: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Spread:
-    """A central value and a tail of one quantity, from ``samples`` samples, the newest ``age`` seconds old."""
+    """A central value and a tail of one quantity, from ``samples`` samples, the newest taken at ``newest`` (on the
+    estimates' clock: a summary is cached, so its age is read against a time, :meth:`age`)."""
 
     central: float
     tail: float
     samples: int
-    age: float
+    newest: float
+
+    def age(self, now: float) -> float:
+        """Seconds since the newest sample at ``now``."""
+        return max(0.0, now - self.newest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +56,8 @@ class Latency:
 
     Attributes:
         base, per_token: the TTFT line (seconds; seconds per prompt token); residual: its residuals' median and p90
-            (seconds), residual_p95: their p95 (the ``p95`` hedge delay); samples / age: TTFT samples in the
-            window and the newest one's age (seconds).
+            (seconds), residual_p95: their p95 (the ``p95`` hedge delay); samples / :meth:`age`: TTFT samples in
+            the window and the newest one's age (seconds).
         speed: decode tokens/s (central: median, tail: p10), or None when no stream in the window had two or more
             token-bearing chunks.
     """
@@ -67,9 +72,9 @@ class Latency:
     def samples(self) -> int:
         return self.residual.samples
 
-    @property
-    def age(self) -> float:
-        return self.residual.age
+    def age(self, now: float) -> float:
+        """Seconds since the newest TTFT sample at ``now``."""
+        return self.residual.age(now)
 
     def ttft(self, prompt_tokens: int, tail: bool = True) -> float:
         """Predicted TTFT in seconds for a prompt of ``prompt_tokens`` (never below 0)."""
@@ -87,15 +92,15 @@ class Latency:
         tps = self.speed.tail if tail else self.speed.central
         return max(0, tokens - 1) / tps if tps > 0 else None
 
-    def as_dict(self, prompt_tokens: Iterable[int] = (100, 1000, 10000)) -> dict[str, Any]:
-        """JSON for ``GET /v1/tiergate/estimates``: the line, the TTFT at a few prompt sizes, and the speed."""
+    def as_dict(self, now: float, prompt_tokens: Iterable[int] = (100, 1000, 10000)) -> dict[str, Any]:
+        """JSON for ``GET /v1/tiergate/estimates`` at ``now``: the line, the TTFT at a few prompt sizes, the speed."""
         return {
-            "ttft": {"samples": self.samples, "age_s": round(self.age, 3), "base_s": round(self.base, 6),
+            "ttft": {"samples": self.samples, "age_s": round(self.age(now), 3), "base_s": round(self.base, 6),
                      "per_1k_prompt_tokens_s": round(self.per_token * 1000, 6),
                      "at_prompt_tokens": {str(p): {"p50_s": round(self.ttft(p, tail=False), 4),
                                                    "p90_s": round(self.ttft(p), 4)} for p in prompt_tokens}},
             "tokens_per_second": None if self.speed is None else {
-                "samples": self.speed.samples, "age_s": round(self.speed.age, 3),
+                "samples": self.speed.samples, "age_s": round(self.speed.age(now), 3),
                 "p50": round(self.speed.central, 2), "p10": round(self.speed.tail, 2)},
         }
 
@@ -205,7 +210,7 @@ class Estimates:
         speed = _spread(speed_series, now, self.window, low_tail=True) if speed_series is not None else None
         ordered = sorted(resid)
         found = Latency(base, slope, Spread(quantile(ordered, 0.5), quantile(ordered, 0.9), len(ordered),
-                                            now - points[-1][0]), speed, quantile(ordered, 0.95))
+                                            points[-1][0]), speed, quantile(ordered, 0.95))
         # valid until the oldest sample (of either series) ages out; new samples shorten it (_Series.stale)
         oldest = points[0][0]
         if speed_series is not None and speed_series.points:
@@ -228,11 +233,11 @@ class Estimates:
         for upstream, model in sorted(self._ttft):
             est = self.latency(upstream, model, now)
             out["latency"].append({"upstream": upstream, "model": model, "measured": est is not None,
-                                   **(est.as_dict() if est is not None else {})})
+                                   **(est.as_dict(now) if est is not None else {})})
         for rule, model in sorted(self._length):
             length = self.completion(rule, model, now)
             out["completion_tokens"].append({"rule": rule, "model": model, **(
-                {"samples": length.samples, "age_s": round(length.age, 3), "p50": round(length.central, 1),
+                {"samples": length.samples, "age_s": round(length.age(now), 3), "p50": round(length.central, 1),
                  "p90": round(length.tail, 1)} if length is not None else {"samples": 0})})
         return out
 
@@ -248,7 +253,7 @@ def _spread(series: _Series, now: float, window: float, low_tail: bool = False) 
         return None
     ordered = sorted(p[2] for p in points)
     found = Spread(quantile(ordered, 0.5), quantile(ordered, 0.1 if low_tail else 0.9), len(ordered),
-                   now - points[-1][0])
+                   points[-1][0])
     series.keep(found, now, points[0][0] + window)
     return found
 

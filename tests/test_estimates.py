@@ -28,7 +28,7 @@ def test_an_unmeasured_series_is_none_and_one_sample_makes_an_estimate() -> None
     assert lat is not None and lat.samples == 1
     assert lat.ttft(100) == pytest.approx(0.05)
     assert lat.decode(101) == pytest.approx(100 / 700)
-    assert lat.age == pytest.approx(0.5)
+    assert lat.age(1.5) == pytest.approx(0.5) and lat.age(31.0) == pytest.approx(30.0)  # read at a time
 
 
 def test_samples_age_out_of_the_window_and_the_estimate_goes_unmeasured() -> None:
@@ -285,3 +285,42 @@ def test_route_config_validates_hedge_and_deadlines() -> None:
     for bad in ({"hedge": 0}, {"hedge": "p99"}, {"deadline_ms": 0}, {"ttft_deadline_ms": -1}):
         with pytest.raises(ValueError):
             RouteConfig.model_validate({"tier": "fast", **bad})
+
+
+def test_a_huge_integer_budget_is_a_400_not_a_crash() -> None:
+    with pytest.raises(InvalidRequest) as err:
+        budget(_facts(metadata={"deadline_ms": 10 ** 400}), None)
+    assert err.value.param == "metadata.deadline_ms"
+    with pytest.raises(InvalidRequest):
+        budget(_facts({"x-tiergate-deadline-ms": "1e400"}), None)
+
+
+def test_a_cached_estimate_still_ages_so_exploration_fires() -> None:
+    """The summary is cached for the window; its age is read against the time of the choice, so a candidate nobody
+    measures becomes explorable once its newest sample is older than ``fresh``."""
+    policy = _policy()
+    f = _facts(metadata={"workload": "agent"}, max_tokens=100)
+    est = _measured(fast_ttft=3.0)  # samples at t = 0..3
+    explorer = Explorer(1.0, probe=1e9, fresh=1.0)
+    est.latency("fast", "m-fast", 3.0)  # cached at t = 3.0
+    c = choose(policy.decide(f), f, Budget(1.5, None, "header"), est, 3.5, explorer)
+    assert c.verdict == "fastest"  # sampled 0.5 s ago: other traffic measures it, no exploring
+    est.observe_stream("std", "m", 5.9, prompt_tokens=100, ttft=0.4, speed=50)  # the chosen one keeps being measured
+    c = choose(policy.decide(f), f, Budget(1.5, None, "header"), est, 6.0, explorer)
+    assert c.verdict == "explore" and c.candidates[0].upstream.name == "fast"
+
+
+def test_a_model_on_one_tier_is_not_moved_by_the_deadline() -> None:
+    """The rule says standard but only the fast tier serves the model: the policy's own fallback stands, the deadline
+    moved nothing (it must not claim ``deadline``)."""
+    cfg = GatewayConfig.model_validate({"upstreams": [
+        {"name": "fast", "tier": "fast", "base_url": "http://x/v1", "models": {"solo": "solo"}},
+        {"name": "std", "tier": "standard", "base_url": "http://y/v1", "models": {"m": "m"}}]})
+    policy = Policy(cfg)
+    f = RequestFacts({"model": "solo", "messages": []}, {"x-tiergate-deadline-ms": "1500"}, 100)
+    d = policy.decide(f)
+    assert d.tier == "standard" and d.fallback == "model_not_on_standard_tier"
+    est = Estimates(60, 16)
+    est.observe_stream("fast", "solo", 0.0, prompt_tokens=25, ttft=0.05, speed=750)
+    c = choose(d, f, Budget(1.5, None, "header"), est, 1.0, NEVER)
+    assert c.candidates[0].upstream.name == "fast" and c.fallback == "model_not_on_standard_tier"

@@ -5,6 +5,7 @@ and lost is cancelled; every outcome is counted."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -43,9 +44,9 @@ def gw(ups: dict[str, EmulatorThread], tmp_path_factory: pytest.TempPathFactory)
     cfg: dict[str, Any] = {
         "upstreams": [
             {"name": "fast", "tier": "fast", "base_url": ups["fast"].base_url, "timeouts": timeouts,
-             "models": {"m": "m"}, "prices": {"input": 2.0, "output": 8.0}},
+             "models": {"m": "m", "m2": "m2"}, "prices": {"input": 2.0, "output": 8.0}},
             {"name": "std", "tier": "standard", "base_url": ups["standard"].base_url, "timeouts": timeouts,
-             "models": {"m": "m"}, "prices": {"input": 1.0, "output": 4.0}},
+             "models": {"m": "m", "m2": "m2"}, "prices": {"input": 1.0, "output": 4.0}},
         ],
         "rules": [{"name": "agent", "match": {"metadata": {"workload": ["agent"]}},
                    "route": {"tier": "fast", "hedge": HEDGE_AFTER}}],
@@ -62,11 +63,11 @@ def _reset(ups: dict[str, EmulatorThread], fast: Plan, standard: Plan) -> None:
         up.handler = (lambda p: lambda req: p)(plan)
 
 
-def _ask(gw: Proc) -> tuple[httpx.Response, bytes, float | None]:
+def _ask(gw: Proc, model: str = "m") -> tuple[httpx.Response, bytes, float | None]:
     """Stream one agent request; returns the response, its body bytes, and when (``time.monotonic()``) the first
     token-bearing line arrived."""
-    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "metadata": {"workload": "agent"},
-            "messages": [{"role": "user", "content": "hi"}]}
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+            "metadata": {"workload": "agent"}, "messages": [{"role": "user", "content": "hi"}]}
     data, first = b"", None
     with httpx.stream("POST", f"http://127.0.0.1:{gw.port}/v1/chat/completions", json=body, timeout=10) as r:
         for piece in r.iter_raw():
@@ -200,3 +201,92 @@ def test_a_client_that_leaves_after_the_hedges_finish_chunk_still_gets_its_usage
     assert got == 3  # the usage chunk's completion_tokens
     assert (sample(after, "tiergate_requests_total", upstream="std", outcome="success")
             - sample(before, "tiergate_requests_total", upstream="std", outcome="success")) == 1
+
+
+def test_a_hedge_that_lost_just_after_it_started_teaches_its_estimate_nothing(
+        gw: Proc, ups: dict[str, EmulatorThread]) -> None:
+    """The fast tier answers 50 ms after the hedge started: the hedge waited 50 ms, which says nothing of its TTFT
+    (the standard tier's is 1 s); it must not become a 50 ms sample that deadline routing would trust."""
+    _reset(ups, fast=stream_plan(HEDGE_AFTER + 0.05), standard=stream_plan(1.0))
+    r, _, _ = _ask(gw, model="m2")
+    assert r.headers["x-tiergate-upstream"] == "fast" and len(ups["standard"].requests) == 1
+    snap = httpx.get(f"http://127.0.0.1:{gw.port}/v1/tiergate/estimates", timeout=5).json()
+    by = {(e["upstream"], e["model"]): e for e in snap["latency"]}
+    assert by[("fast", "m2")]["measured"]
+    assert ("std", "m2") not in by  # no sample: still unmeasured
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, dict[str, EmulatorThread]]]:
+    """Two fast upstreams (f2 takes one request at a time) and a standard one; agent requests hedge after 0.2 s;
+    ``x-hold: f2`` pins a request to f2 without hedging."""
+    up = {name: EmulatorThread() for name in ("f1", "f2", "s")}
+    timeouts = {"connect": 1, "ttft": 5, "idle": 5, "total": 10}
+    cfg: dict[str, Any] = {
+        "max_attempts": 3,
+        "upstreams": [
+            {"name": "f1", "tier": "fast", "base_url": up["f1"].base_url, "timeouts": timeouts, "models": {"m": "m"}},
+            {"name": "f2", "tier": "fast", "base_url": up["f2"].base_url, "timeouts": timeouts, "models": {"m": "m"},
+             "health": {"max_concurrent": 1}},
+            {"name": "s", "tier": "standard", "base_url": up["s"].base_url, "timeouts": timeouts,
+             "models": {"m": "m"}},
+        ],
+        "rules": [{"name": "hold", "match": {"headers": {"x-hold": "f2"}},
+                   "route": {"tier": "fast", "upstream": "f2", "fallback": False}},
+                  {"name": "agent", "match": {"metadata": {"workload": ["agent"]}},
+                   "route": {"tier": "fast", "hedge": HEDGE_AFTER}}],
+    }
+    proc, _ = start_gateway(cfg, tmp_path_factory.mktemp("hedging3"))
+    yield proc, up
+    proc.stop()
+    for u in up.values():
+        u.stop()
+
+
+def _set(up: dict[str, EmulatorThread], **plans: Plan) -> None:
+    for name, plan in plans.items():
+        up[name].requests.clear()
+        up[name].handler = (lambda p: lambda req: p)(plan)
+
+
+def test_when_both_racers_fail_the_failover_goes_on_to_the_third(three: tuple[Proc, dict[str, EmulatorThread]]
+                                                                ) -> None:
+    gw, up = three
+    err = Plan(status=503, headers={"content-type": "application/json"}, chunked=False,
+               parts=[(0, b'{"error":{"message":"overloaded","type":"server_error","param":null,"code":null}}')])
+    _set(up, f1=err, f2=err, s=stream_plan(0))
+    r, data, _ = _ask(gw)
+    assert r.status_code == 200 and data == STREAM
+    assert r.headers["x-tiergate-upstream"] == "s" and r.headers["x-tiergate-fallback"] == "upstream_5xx"
+    assert [len(up[n].requests) for n in ("f1", "f2", "s")] == [1, 1, 1]
+
+
+def test_when_every_candidate_fails_the_error_names_the_last(three: tuple[Proc, dict[str, EmulatorThread]]) -> None:
+    gw, up = three
+
+    def err(delay: float) -> Plan:
+        return Plan(status=503, headers={"content-type": "application/json"}, chunked=False, head_delay=delay,
+                    parts=[(0, b'{"error":{"message":"overloaded","type":"server_error","param":null,"code":null}}')])
+    _set(up, f1=err(0), f2=err(0.05), s=err(0))
+    r, data, _ = _ask(gw)
+    assert r.status_code == 503 and r.headers["x-tiergate-upstream"] == "s" and data.count(b'"error"') == 1
+
+
+def test_no_hedge_goes_to_an_upstream_at_its_concurrency_limit(three: tuple[Proc, dict[str, EmulatorThread]]) -> None:
+    gw, up = three
+    _set(up, f1=stream_plan(0.5), f2=stream_plan(1.2), s=stream_plan(0))
+    before = _hedges(gw, "won") + _hedges(gw, "lost")
+    holder = threading.Thread(target=lambda: httpx.post(
+        f"http://127.0.0.1:{gw.port}/v1/chat/completions", headers={"x-hold": "f2"}, timeout=10,
+        json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "hold"}]}))
+    got: list[tuple[httpx.Response, bytes, float | None]] = []
+    asker = threading.Thread(target=lambda: got.append(_ask(gw)))
+    asker.start()  # planned now, while f2 is free: its candidates are f1, f2, s
+    time.sleep(HEDGE_AFTER / 2)
+    holder.start()  # f2 is at its limit by the time the hedge would start
+    asker.join(5)
+    holder.join(5)
+    r, data, _ = got[0]  # f1 answered at 0.5 s; no hedge was started, to f2 (busy) or anyone
+    assert r.headers["x-tiergate-upstream"] == "f1" and data == STREAM
+    assert len(up["f2"].requests) == 1 and up["s"].requests == []
+    assert _hedges(gw, "won") + _hedges(gw, "lost") == before

@@ -127,5 +127,6 @@ def test_mix_plan_and_percentiles() -> None:
 def test_bench_reads_the_demo_chart_back() -> None:
     # the chart committed from a run against `tiergate demo` is the command's own output
     page = (ROOT / "bench" / "tiergate-bench-demo.html").read_text()
-    assert page.count("<svg") == 2 and "<script" not in page and "tiergate bench" in page
+    assert page.count("<svg") == 3 and "<script" not in page and "tiergate bench" in page
+    assert "Cost per 1,000 output tokens" in page and "s saved per extra USD" in page  # the premium question
 
