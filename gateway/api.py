@@ -224,8 +224,7 @@ class Gateway:
             return await ex.error(exc, "client_error")
         ex.model, ex.stream = decision.model, body.get("stream") is True
         self.metrics.child(self.metrics.decisions, decision.rule, decision.tier).inc()
-        if budget is not None:
-            decision = self._by_deadline(decision, facts, budget)
+        decision = self._by_deadline(decision, facts, budget)
         need = facts.prompt_tokens + (facts.max_tokens or 0)
         plan = failover.plan(decision, self.health, self.health.clock(), need, self.config.max_attempts)
         for cand, why in plan.spilled:
@@ -253,7 +252,12 @@ class Gateway:
                 try:
                     answer = await attempt.send(payload)
                     headers = self._answer_headers(ex, decision, up, plan.reason, answer)
-                    await self._answer(ex, attempt, answer, headers, strip_usage, decision, facts)
+                    if ex.stream:  # inline, not a helper coroutine: each frame is crossed by every chunk's resume
+                        relay = self._relay(ex, attempt, strip_usage, facts)
+                        await relay.first(answer, attempt.first_token_by)
+                        await self._deliver(ex, attempt, answer, headers, relay, decision, facts)
+                    else:
+                        await self._whole(ex, attempt, answer, headers, decision, facts)
                     return
                 except GatewayError as exc:
                     last = attempt.failed(exc)
@@ -370,21 +374,6 @@ class Gateway:
         if decision.deadline is not None:
             out += deadline.headers(decision.deadline, up.name)
         return [*out, *((k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items())]
-
-    async def _answer(self, ex: Exchange, attempt: Attempt, answer: Answer, headers: Headers, strip_usage: bool,
-                      decision: Decision, facts: RequestFacts) -> None:
-        """Answer with ``attempt``'s 200: a stream held to its first token (:meth:`Relay.first`) then relayed, or the
-        whole answer.
-
-        Raises:
-            GatewayError: before anything was sent (the caller may fail over).
-        """
-        if ex.stream:
-            relay = self._relay(ex, attempt, strip_usage, facts)
-            await relay.first(answer, attempt.first_token_by)
-            await self._deliver(ex, attempt, answer, headers, relay, decision, facts)
-        else:
-            await self._whole(ex, attempt, answer, headers, decision, facts)
 
     def _relay(self, ex: Exchange, attempt: Attempt, strip_usage: bool, facts: RequestFacts) -> Relay:
         """The relay of ``attempt``'s event stream: a :class:`Relay`, or, for a bridged Responses request, the
@@ -567,8 +556,11 @@ class Gateway:
         if est is not None and waited > est.ttft(facts.prompt_tokens, tail=False):
             self.estimates.observe_ttft(up.name, model, now, prompt_tokens=facts.prompt_tokens, ttft=waited)
 
-    def _by_deadline(self, decision: Decision, facts: RequestFacts, budget: deadline.Budget) -> Decision:
-        """The decision with its candidates ordered by deadline routing (``gateway.deadline``), counted."""
+    def _by_deadline(self, decision: Decision, facts: RequestFacts, budget: deadline.Budget | None) -> Decision:
+        """The decision with its candidates ordered by deadline routing (``gateway.deadline``), counted; unchanged
+        without a budget."""
+        if budget is None:
+            return decision
         choice = deadline.choose(decision, facts, budget, self.estimates, self.health.clock(), self.explorer)
         chosen = choice.candidates[0].upstream
         self.metrics.child(self.metrics.deadline_decisions, chosen.tier, chosen.name, choice.verdict).inc()
