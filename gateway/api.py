@@ -224,7 +224,7 @@ class Gateway:
             return await ex.error(exc, "client_error")
         ex.model, ex.stream = decision.model, body.get("stream") is True
         self.metrics.child(self.metrics.decisions, decision.rule, decision.tier).inc()
-        decision = self._by_deadline(decision, facts, budget)
+        decision = decision if budget is None else self._by_deadline(decision, facts, budget)
         need = facts.prompt_tokens + (facts.max_tokens or 0)
         plan = failover.plan(decision, self.health, self.health.clock(), need, self.config.max_attempts)
         for cand, why in plan.spilled:
@@ -235,7 +235,7 @@ class Gateway:
         last: GatewayError | None = None
         tried = 0
         rest = plan.candidates
-        if _may_race(ex, decision, plan):
+        if ex.stream and _may_race(decision, plan):
             raced = await self._race(ex, decision, plan, facts, raw, strip_usage, need)
             if raced is None:
                 return
@@ -777,12 +777,11 @@ class Gateway:
                       "explore": self.explorer.share, "probe_s": self.explorer.probe})
 
 
-def _may_race(ex: Exchange, decision: Decision, plan: failover.Plan) -> bool:
-    """Whether the request races its candidates (:meth:`Gateway._race`): a stream, its rule hedges, two candidates
-    or more, none to be waited on for a concurrency slot."""
+def _may_race(decision: Decision, plan: failover.Plan) -> bool:
+    """Whether a stream races its candidates (:meth:`Gateway._race`): its rule hedges, it has two candidates or
+    more, none to be waited on for a concurrency slot."""
     route = decision.route
-    return ex.stream and route is not None and route.hedge is not None and len(plan.candidates) > 1 \
-        and not plan.queued
+    return route is not None and route.hedge is not None and len(plan.candidates) > 1 and not plan.queued
 
 
 class _Race:
