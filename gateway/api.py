@@ -36,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway import bridge, deadline, failover
+from gateway import bridge, deadline, failover, logs
 from gateway.config import GatewayConfig, UpstreamConfig
 from gateway.conversations import Bridged, Native, ResponseStore
 from gateway.errors import (
@@ -137,7 +137,7 @@ class Gateway:
         """Serve one ASGI request of ``kind``: read its body, watch for the client leaving, :meth:`serve` it, and end
         cleanly whatever happens (a client gone, the drain time over, a bug: never a stack trace, never two
         answers)."""
-        ex = Exchange(self.metrics, send, headers_of(scope), kind)
+        ex = Exchange(self.metrics, send, headers_of(scope), kind, scope)
         try:
             raw = await read_body(ex.headers, receive, self.config.limits.max_request_bytes)
         except ClientGone:
@@ -222,13 +222,15 @@ class Gateway:
             budget = deadline.budget(facts, decision.route)
         except GatewayError as exc:
             return await ex.error(exc, "client_error")
-        ex.model, ex.stream = decision.model, body.get("stream") is True
+        ex.model, ex.stream, ex.requested = decision.model, body.get("stream") is True, facts.model
         self.metrics.child(self.metrics.decisions, decision.rule, decision.tier).inc()
         decision = decision if budget is None else self._by_deadline(decision, facts, budget)
         need = facts.prompt_tokens + (facts.max_tokens or 0)
         plan = failover.plan(decision, self.health, self.health.clock(), need, self.config.max_attempts)
         for cand, why in plan.spilled:
             self.metrics.spillovers.labels(cand.upstream.tier, cand.upstream.name, why).inc()
+            logs.event("spillover", request_id=ex.rid, upstream=cand.upstream.name, tier=cand.upstream.tier,
+                       reason=why)
         if plan.refusal is not None:
             return await ex.error(plan.refusal, "upstream_unavailable")
         strip_usage = ex.kind == "chat" and ex.stream and not client_wants_usage(body)
@@ -264,6 +266,7 @@ class Gateway:
                     self.metrics.upstream_errors.labels(up.tier, up.name, failover.reason(exc)).inc()
             if not plan.go_on(cand, last):
                 break
+            logs.event("failover", request_id=ex.rid, upstream=up.name, tier=up.tier, reason=plan.reason)
         await self.give_up(ex, decision, plan.reason, last, tried)
 
     async def _listed(self, facts: RequestFacts) -> Decision:
@@ -349,6 +352,7 @@ class Gateway:
         with it, count the gateway's overhead, and what to count once its answer starts to reach the client (it can
         no longer fail over)."""
         ex.tier, ex.upstream = up.tier, up.name
+        ex.upstream_model, ex.attempts = up.models.get(decision.model, decision.model), tried
         if overhead:
             self.metrics.child(self.metrics.overhead, up.tier).observe(time.perf_counter() - ex.t0)
 
@@ -475,6 +479,8 @@ class Gateway:
                     await race.settled.wait()  # the second would refuse: no hedge; the first's token or failure
             failed = race.failures.get(first.upstream.name)
             if race.winner is None and len(race.tasks) == 1 and failed is not None and plan.go_on(first, failed):
+                logs.event("failover", request_id=ex.rid, upstream=first.upstream.name, tier=first.upstream.tier,
+                           reason=plan.reason)
                 race.start(self._racer(ex, decision, plan, second, 2, facts, raw, strip_usage, need, race), second)
             await race.finish()
         except asyncio.CancelledError:

@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from gateway import __version__, bridge
+from gateway import __version__, bridge, logs
 from gateway.api import KINDS, Gateway, error_response
 from gateway.config import LoadedConfig, load_config
 from gateway.conversations import Bridged, MemoryResponseStore, Native
@@ -295,7 +295,11 @@ def serve_app(loaded: LoadedConfig, settings: Settings, multiprocess_dir: str | 
     """The app as uvicorn's factory builds it in a serving process: :func:`create_app`, plus the client-side limits
     and the drain on SIGTERM (``GATEWAY_DRAIN_TIMEOUT``) of ``settings``. Call it from the factory uvicorn runs."""
     configure_client_limits(settings)
+    logs.configure(settings.log_format or "json", settings.log_level, settings.log_sample)
     app = create_app(loaded, multiprocess_dir=multiprocess_dir)
+    cfg = loaded.config
+    logs.event("config_loaded", path=str(loaded.path), upstreams=[u.name for u in cfg.upstreams],
+               models=cfg.model_names(), rules=len(cfg.rules) if cfg.rules is not None else "default")
     drain_on_exit(app, settings.drain_timeout)
     return app
 

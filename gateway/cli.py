@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from gateway import logs
 from gateway.config import TIERS, LoadedConfig, load_config
 from gateway.errors import ConfigError
 from gateway.policy import Policy, config_warnings
@@ -79,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command in ("serve", "demo"):  # the request log and events (gateway.logs), from before the config
+        fmt = Settings().log_format or ("text" if args.command == "demo" else "json")
+        logs.configure(fmt, args.log_level)
+        args.log_format = fmt
     try:
         if args.command == "serve":
             return _serve(args, load_config(args.config, environ()))
@@ -93,6 +98,7 @@ def _run(args: argparse.Namespace) -> int:
         return _check(args.file)
     except ConfigError as exc:
         print(f"tiergate: {exc}", file=sys.stderr)
+        logs.event("config_rejected", "error", problem=str(exc))
         return 2
 
 
@@ -111,7 +117,7 @@ def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
     from gateway.server import uvicorn_options
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = Settings()
+    settings = Settings().model_copy(update={"log_level": args.log_level, "log_format": args.log_format})
     common = uvicorn_options(args.host, args.port, args.log_level, settings)
     if args.workers < 1:
         raise ConfigError("--workers: must be at least 1")
@@ -124,7 +130,7 @@ def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
         # uvicorn's supervisor shares one listening socket between N worker processes; metrics go through
         # prometheus-client's multiprocess mode so /metrics counts every request exactly once.
         with tempfile.TemporaryDirectory(prefix="tiergate-metrics-") as metrics_dir:
-            set_worker_environment(loaded.path, Path(metrics_dir))
+            set_worker_environment(loaded.path, Path(metrics_dir), settings)
             uvicorn.run("gateway.app:create_app_from_env", factory=True, workers=args.workers, **common)
         return 0
     # a factory, so that the app is built inside uvicorn's serve(), after it installed its signal handlers

@@ -17,6 +17,7 @@ from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
+from gateway import logs
 from gateway.errors import GatewayError, InvalidRequest, PayloadTooLarge, UnsupportedMediaType, error_body
 from gateway.metrics import Metrics
 from gateway.relay import Relay
@@ -46,13 +47,22 @@ class Exchange:
     """
 
     __slots__ = ("t0", "rid", "kind", "headers", "tier", "upstream", "model", "stream", "answered", "recorded",
-                 "relay", "gone_at", "cut", "task", "on_start", "_metrics", "_send", "_start", "_in_flight")
+                 "relay", "gone_at", "cut", "task", "on_start", "scope", "status", "rule", "fallback", "requested",
+                 "upstream_model", "attempts", "_metrics", "_send", "_start", "_in_flight")
 
-    def __init__(self, metrics: Metrics, send: Send, headers: dict[str, str], kind: str) -> None:
+    def __init__(self, metrics: Metrics, send: Send, headers: dict[str, str], kind: str,
+                 scope: Scope | None = None) -> None:
         self.t0 = time.perf_counter()
         self.rid = request_id(headers.get("x-request-id"))
         self.kind = kind
         self.headers = headers
+        self.scope = scope  # for the request log's method and path
+        self.status = 0  # the status answered (0: none)
+        self.rule: str | None = None  # the request log's routing fields (route_headers, Gateway.attempting)
+        self.fallback: str | None = None
+        self.requested: str | None = None  # the model as the client named it
+        self.upstream_model: str | None = None
+        self.attempts = 0
         self.tier = "none"
         self.upstream = "none"
         self.model = "other"
@@ -74,6 +84,7 @@ class Exchange:
     async def error(self, exc: GatewayError, outcome: str, headers: Headers | None = None) -> None:
         """Record ``outcome`` and answer ``exc`` in OpenAI's envelope with its status and headers (no upstream's
         answer reached the client: ``on_start`` is not run)."""
+        self.status = exc.status  # before the record: the log line names the status answered
         self.record(outcome)
         self.on_start = None
         extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
@@ -81,6 +92,7 @@ class Exchange:
 
     async def whole(self, status: int, body: bytes, headers: Headers) -> None:
         """Answer a whole JSON ``body`` with ``status``."""
+        self.status = status
         self._started()
         await self._send({"type": "http.response.start", "status": status,
                           "headers": [*headers, (b"content-type", JSON), (b"content-length", b"%d" % len(body))]})
@@ -94,11 +106,13 @@ class Exchange:
             ctype = EVENT_STREAM
         self._start = {"type": "http.response.start", "status": 200,
                        "headers": [*headers, *STREAM_HEADERS, (b"content-type", ctype)]}
+        self.status = 200
 
     def open_answer(self, status: int, headers: Headers) -> None:
         """Prepare an answer of any shape (a passthrough answer: its status, and ``headers`` as given); its status
         line leaves with the first :meth:`write` or :meth:`end_stream`."""
         self._start = {"type": "http.response.start", "status": status, "headers": headers}
+        self.status = status
 
     async def write(self, data: bytes) -> None:
         """Send stream bytes (the status line first, once)."""
@@ -144,14 +158,33 @@ class Exchange:
             self._in_flight.dec()
         duration = (time.perf_counter() if ended is None else ended) - self.t0
         try:
-            self._emit(outcome, duration, kw)
+            cost = self._emit(outcome, duration, kw)
+            if logs.wanted(outcome):
+                self._log(outcome, duration, kw, cost)
         except Exception:  # bookkeeping never breaks an answer: what an upstream reported is logged instead
             log.exception("recording request %s failed (usage %r)", self.rid, kw.get("usage"))
 
-    def _emit(self, outcome: str, duration: float, kw: dict[str, Any]) -> None:
-        """Write the record (:meth:`Metrics.record`); ``duration`` in seconds."""
-        self._metrics.record(tier=self.tier, upstream=self.upstream, model=self.model, outcome=outcome,
-                             stream=self.stream, duration=duration, **kw)
+    def _emit(self, outcome: str, duration: float, kw: dict[str, Any]) -> float | None:
+        """Write the record (:meth:`Metrics.record`); ``duration`` in seconds. Returns the cost added (USD)."""
+        return self._metrics.record(tier=self.tier, upstream=self.upstream, model=self.model, outcome=outcome,
+                                    stream=self.stream, duration=duration, **kw)
+
+    def _log(self, outcome: str, duration: float, kw: dict[str, Any], cost: float | None) -> None:
+        """The request's line in the request log (``gateway.logs``): never its body or a credential."""
+        usage = kw.get("usage")
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        ttft = kw.get("ttft")
+        scope = self.scope or {}
+        logs.request({
+            "request_id": self.rid, "method": scope.get("method"), "path": scope.get("path"), "status": self.status,
+            "outcome": outcome, "tier": self.tier, "upstream": self.upstream, "rule": self.rule,
+            "fallback": self.fallback, "model": self.requested, "upstream_model": self.upstream_model,
+            "stream": self.stream, "attempts": self.attempts, "ttft_s": None if ttft is None else round(ttft, 6),
+            "duration_s": round(duration, 6),
+            "input_tokens": usage.get("prompt_tokens") if isinstance(usage, dict) else None,
+            "output_tokens": usage.get("completion_tokens") if isinstance(usage, dict) else None,
+            "cached_tokens": details.get("cached_tokens") if isinstance(details, dict) else None,
+            "cost_usd": None if cost is None else round(cost, 9)})
 
     def stream_figures(self) -> dict[str, Any]:
         """What the relay measured so far, as :meth:`Metrics.record` keywords (empty before any relay)."""
@@ -165,6 +198,7 @@ class Exchange:
 
     def route_headers(self, tier: str, upstream: str, rule: str, fallback: str | None) -> Headers:
         """``x-request-id`` and the ``x-tiergate-*`` headers that say what served the request."""
+        self.rule, self.fallback = rule, fallback
         out = [(b"x-request-id", self.rid.encode("latin-1")), (b"x-tiergate-tier", tier.encode()),
                (b"x-tiergate-upstream", upstream.encode()), (b"x-tiergate-rule", rule.encode())]
         if fallback:

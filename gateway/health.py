@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from random import random
 from typing import Any, TypeVar
 
+from gateway import logs
 from gateway.config import UpstreamConfig
 from gateway.errors import GatewayError, UpstreamStatusError
 
@@ -154,6 +155,7 @@ class UpstreamHealth:
         if self.open_until and self.open_until <= now:
             self.open_until = 0.0
             self.half_open = True
+            logs.event("breaker_half_open", upstream=self.name, tier=self.tier)
         if self.half_open:
             self.probe_started = now
         for kind, spent in (("requests", 1), ("tokens", need_tokens)):
@@ -220,6 +222,8 @@ class UpstreamHealth:
 
     def success(self) -> None:
         """An answer that shows the upstream works: close the breaker."""
+        if self.open_until or self.half_open:
+            logs.event("breaker_closed", upstream=self.name, tier=self.tier)
         self.failures = 0
         self.open_until = 0.0
         self.half_open = False
@@ -229,6 +233,8 @@ class UpstreamHealth:
         """A failure the upstream is to blame for; may open the breaker."""
         self.failures += 1
         if self.half_open or self.failures >= self.cfg.failures:
+            logs.event("breaker_opened", "warning", upstream=self.name, tier=self.tier, failures=self.failures,
+                       open_s=self.cfg.open_seconds, after_probe=self.half_open)
             self.open_until = now + self.cfg.open_seconds
             self.half_open = False
             self.probe_started = None
@@ -260,6 +266,8 @@ class UpstreamHealth:
             rest = max(rest, self.cfg.exhausted_cooldown)
         self.cooldown_until = now + rest
         self.exhausted = exhausted
+        logs.event("cooldown_started", "warning", upstream=self.name, tier=self.tier, retry_after_s=round(rest, 3),
+                   quota_exhausted=exhausted)
         if self.half_open:  # the probe got an answer: the upstream is up, only busy
             self.success()
         return rest

@@ -206,8 +206,9 @@ class Metrics:
     def record(self, *, tier: str, upstream: str, model: str, outcome: str, stream: bool, duration: float,
                ttft: float | None = None, decode_time: float | None = None, token_chunks: int = 0,
                usage: dict[str, Any] | None = None, time_info: dict[str, Any] | None = None,
-               processing_ms: str | None = None) -> None:
-        """Record one finished client request (called exactly once per request).
+               processing_ms: str | None = None) -> float | None:
+        """Record one finished client request (called exactly once per request); returns the cost it added (USD), or
+        None (unpriced, or nothing billable).
 
         Args:
             duration: seconds from arrival to last byte; ttft: seconds to the first token (streams);
@@ -218,10 +219,11 @@ class Metrics:
         labels = (tier, upstream, model if model in self.models else "other")
         self.child(self.requests, *labels, outcome).inc()
         if outcome in ("client_error",):
-            return
+            return None
         self.child(self.duration, *labels, "true" if stream else "false").observe(duration)
         if ttft is not None:
             self.child(self.ttft, *labels).observe(ttft)
+        cost = None
         if outcome in BILLABLE and upstream != "none":
             # tokens the upstream reported were billed, however the stream ended (OpenRouter reports usage on
             # its final error chunk); decode speed only from streams that ran to their end
@@ -229,11 +231,13 @@ class Metrics:
                 self._tokens(labels, usage, decode_time if outcome == "success" else None, token_chunks)
             elif outcome == "success":
                 self.child(self.usage_missing, *labels).inc()
-            self._cost(labels, usage, model)
+            cost = self._cost(labels, usage, model)
         self._reported(tier, upstream, time_info, processing_ms)
+        return cost
 
     def record_passthrough(self, *, endpoint: str, tier: str, upstream: str, model: str, outcome: str,
-                           duration: float, bytes_in: int, bytes_out: int, usage: dict[str, Any] | None) -> None:
+                           duration: float, bytes_in: int, bytes_out: int,
+                           usage: dict[str, Any] | None) -> float | None:
         """Record one finished passthrough request (exactly once): count, duration (seconds), body bytes each way,
         and the tokens and cost of its ``usage`` (embeddings, legacy completions) in the families chat uses
         (``tiergate_tokens``, ``tiergate_cost_usd``; labelled with ``model`` if it is a configured name, else
@@ -241,7 +245,7 @@ class Metrics:
         labels = (endpoint, tier, upstream)
         self.child(self.pt_requests, *labels, outcome).inc()
         if outcome == "client_error":
-            return
+            return None
         self.child(self.pt_duration, *labels).observe(duration)
         if bytes_in:
             self.child(self.pt_bytes_in, *labels).inc(bytes_in)
@@ -250,17 +254,18 @@ class Metrics:
         if usage is not None and outcome in BILLABLE and upstream != "none":
             token_labels = (tier, upstream, self.model_label(model))
             self._tokens(token_labels, usage, None, 0)
-            self._cost(token_labels, usage, model)
+            return self._cost(token_labels, usage, model)
+        return None
 
-    def _cost(self, labels: tuple[str, str, str], usage: dict[str, Any] | None, model: str) -> None:
+    def _cost(self, labels: tuple[str, str, str], usage: dict[str, Any] | None, model: str) -> float | None:
         """Add the cost of ``usage`` at the price of ``model`` on the upstream (``model_prices``, else ``prices`` for a
-        configured model), or count the request as unpriced."""
+        configured model) and return it (USD), or count the request as unpriced (None)."""
         price = self.model_prices.get((labels[1], model))
         if price is None and model in self.models:
             price = self.prices.get(labels[1])
         if price is None or usage is None:
             self.child(self.unpriced, *labels).inc()
-            return
+            return None
         prompt = _int(usage.get("prompt_tokens"))
         completion = _int(usage.get("completion_tokens"))
         cached = min(prompt, _detail(usage, "prompt_tokens_details", "cached_tokens"))
@@ -268,6 +273,7 @@ class Metrics:
         cost = (prompt - cached) * p_in + cached * p_cached + completion * p_out
         if cost > 0:
             self.child(self.cost, *labels).inc(cost)
+        return cost
 
     def _tokens(self, labels: tuple[str, str, str], usage: dict[str, Any], decode_time: float | None,
                 chunks: int) -> None:

@@ -98,20 +98,21 @@ class PassExchange(Exchange):
 
     __slots__ = ("endpoint", "bytes_in", "bytes_out", "tail")
 
-    def __init__(self, metrics: Metrics, send: Send, headers: dict[str, str], endpoint: str) -> None:
-        super().__init__(metrics, send, headers, "passthrough")
+    def __init__(self, metrics: Metrics, send: Send, headers: dict[str, str], endpoint: str,
+                 scope: Scope | None = None) -> None:
+        super().__init__(metrics, send, headers, "passthrough", scope)
         self.endpoint = endpoint
         self.bytes_in = 0
         self.bytes_out = 0
         self.tail = b""  # the end of a JSON or SSE answer so far (its usage comes last)
 
-    def _emit(self, outcome: str, duration: float, kw: dict[str, Any]) -> None:
+    def _emit(self, outcome: str, duration: float, kw: dict[str, Any]) -> float | None:
         """Write the record (:meth:`Metrics.record_passthrough`), with the usage at the end of the answer. A client
         that left after an event stream's ``data: [DONE]`` (SDKs stop reading there) had the whole answer: a
         success."""
         if outcome == "client_disconnect" and self.tail.endswith(b"data: [DONE]\n\n"):
             outcome = "success"
-        self._metrics.record_passthrough(endpoint=self.endpoint, tier=self.tier, upstream=self.upstream,
+        return self._metrics.record_passthrough(endpoint=self.endpoint, tier=self.tier, upstream=self.upstream,
                                          model=self.model, outcome=outcome, duration=duration, bytes_in=self.bytes_in,
                                          bytes_out=self.bytes_out, usage=tail_usage(self.tail) if self.tail else None)
 
@@ -183,7 +184,7 @@ class Passthrough:
         """Serve one request under ``/v1``; ``owner``: the upstream that alone can serve it (see
         :meth:`Policy.decide_passthrough`)."""
         path = scope["path"][len("/v1/"):]
-        ex = PassExchange(self.metrics, send, headers_of(scope), endpoint_label(path))
+        ex = PassExchange(self.metrics, send, headers_of(scope), endpoint_label(path), scope)
         gw = self.gateway
         method = scope["method"]
         if method not in _METHODS:  # TRACE would echo the upstream key back; WebDAV and the like are no OpenAI API
@@ -251,7 +252,7 @@ class Passthrough:
             decision = self.gateway.policy.decide_passthrough(path, facts, owner=owner)
         except GatewayError as exc:
             return await ex.error(exc, "client_error", _closing(ex, raw))
-        ex.model = decision.model
+        ex.model, ex.requested = decision.model, facts.model if facts is not None else None
         gw = self.gateway
         self.metrics.child(self.metrics.decisions, decision.rule, decision.tier).inc()
         plan = failover.Plan(list(decision.candidates[:1 if raw is None else self.config.max_attempts]),

@@ -8,7 +8,9 @@ variable               default                   meaning
 GATEWAY_CONFIG         config/gateway.yaml       path of the YAML file with upstreams and routes
 GATEWAY_HOST           127.0.0.1                 address to listen on
 GATEWAY_PORT           8080                      TCP port to listen on
-GATEWAY_LOG_LEVEL      info                      uvicorn/gateway log level
+GATEWAY_LOG_LEVEL      info                      uvicorn/gateway log level (and the events' lowest, gateway.logs)
+GATEWAY_LOG_FORMAT     json (serve), text (demo) the request log and events on stdout: json or text
+GATEWAY_LOG_SAMPLE     1                         share (0-1) of successful requests written to the request log
 GATEWAY_WORKERS        1                         worker processes (``tiergate serve --workers``)
 GATEWAY_MAX_HEAD_BYTES 65536                     largest request line plus headers; larger -> 431
 GATEWAY_HEAD_TIMEOUT   30                        seconds to send a request head; then the connection closes
@@ -40,6 +42,8 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8080
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    log_format: Literal["json", "text"] | None = None  # None: json for serve, text for demo
+    log_sample: float = Field(1.0, ge=0, le=1)
     workers: int = 1
     max_head_bytes: int = Field(64 * 1024, ge=1024)
     head_timeout: float = Field(30.0, gt=0)
@@ -58,14 +62,19 @@ def multiprocess_dir() -> str | None:
     return os.environ.get(MULTIPROC_VAR) or None
 
 
-def set_worker_environment(config: Path, metrics_dir: Path) -> None:
-    """Before spawning workers: hand them the config path and the shared metrics directory.
+def set_worker_environment(config: Path, metrics_dir: Path, settings: Settings | None = None) -> None:
+    """Before spawning workers: hand them the config path, the shared metrics directory and the log settings the
+    command line chose (``--log-level``, the log format).
 
     prometheus-client reads ``PROMETHEUS_MULTIPROC_DIR`` when it is imported, so the variable must be in the
     environment the worker processes inherit (prometheus client_python docs, "Multiprocess Mode").
     """
     os.environ["GATEWAY_CONFIG"] = str(config.resolve())
     os.environ[MULTIPROC_VAR] = str(metrics_dir)
+    if settings is not None:
+        os.environ["GATEWAY_LOG_LEVEL"] = settings.log_level
+        if settings.log_format is not None:
+            os.environ["GATEWAY_LOG_FORMAT"] = settings.log_format
 
 
 def environ() -> dict[str, str]:

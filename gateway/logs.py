@@ -1,0 +1,87 @@
+"""The request log and the gateway's operational events: one structured line each on stdout, through structlog.
+
+Format (``GATEWAY_LOG_FORMAT``): ``json`` (the default of ``tiergate serve``: one JSON object per line, for log
+shippers) or ``text`` (the default of ``tiergate demo``: readable ``key=value``). Process messages (start-up, stack
+traces) stay on stderr through the standard ``logging`` module; stdout carries only these lines.
+
+* **request** (level ``info``): one line per request when it ends, whatever its outcome: :data:`REQUEST_FIELDS`.
+  Never the prompt, the answer or a credential: the fields are numbers, names from the config, and the request id.
+  Successful requests are sampled by ``GATEWAY_LOG_SAMPLE`` (0-1; default 1: every one); every other outcome is
+  always logged. Independent of ``GATEWAY_LOG_LEVEL``, as an access log is.
+* **events** (``warning`` / ``info``, filtered by ``GATEWAY_LOG_LEVEL``): ``breaker_opened``, ``breaker_half_open``,
+  ``breaker_closed``, ``cooldown_started`` (with ``retry_after_s``), ``spillover``, ``failover``, ``config_loaded``,
+  ``config_rejected``.
+
+Until :func:`configure` runs (in-process tests, benches of the ASGI app) nothing is logged and a request costs one
+attribute test.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+from typing import Any, Literal
+
+import orjson
+import structlog
+
+REQUEST_FIELDS = ("request_id", "method", "path", "status", "outcome", "tier", "upstream", "rule", "fallback",
+                  "model", "upstream_model", "stream", "attempts", "ttft_s", "duration_s", "input_tokens",
+                  "output_tokens", "cached_tokens", "cost_usd")
+LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO,
+          "debug": logging.DEBUG}
+
+
+class _Logs:
+    __slots__ = ("access", "events", "sample")
+
+    def __init__(self) -> None:
+        self.access: Any = None  # structlog loggers once configured
+        self.events: Any = None
+        self.sample = 1.0
+
+
+LOGS = _Logs()
+
+
+def configure(fmt: Literal["json", "text"], level: str = "info", sample: float = 1.0) -> None:
+    """Set up both loggers for this process (call once, before serving).
+
+    Args:
+        fmt: ``json`` or ``text``; level: the events' lowest level (``GATEWAY_LOG_LEVEL``); sample: the share of
+            successful requests whose line is written.
+    """
+    processors: list[Any] = [structlog.processors.add_log_level,
+                             structlog.processors.TimeStamper(fmt="iso", utc=True, key="time")]
+    if fmt == "json":
+        processors.append(structlog.processors.JSONRenderer(serializer=orjson.dumps))
+        factory: Any = structlog.BytesLoggerFactory(sys.stdout.buffer)
+    else:
+        processors.append(structlog.dev.ConsoleRenderer(colors=False, sort_keys=False))
+        factory = structlog.PrintLoggerFactory(sys.stdout)
+    LOGS.access = structlog.wrap_logger(factory(), processors=processors,
+                                        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    LOGS.events = structlog.wrap_logger(factory(), processors=processors,
+                                        wrapper_class=structlog.make_filtering_bound_logger(
+                                            LEVELS.get(level.lower(), logging.INFO)))
+    LOGS.sample = sample
+
+
+def wanted(outcome: str) -> bool:
+    """Whether a request that ended with ``outcome`` gets a line: logging is configured, and it is not a success
+    sampled out (asked before the line's fields are gathered: a sampled-out request costs this call)."""
+    return LOGS.access is not None and (outcome != "success" or LOGS.sample >= 1.0 or random.random() < LOGS.sample)
+
+
+def request(fields: dict[str, Any]) -> None:
+    """Write one request line (``fields``: :data:`REQUEST_FIELDS`, None for what the request never reached); the
+    caller asked :func:`wanted` first."""
+    LOGS.access.info("request", **fields)
+
+
+def event(name: str, level: str = "info", **fields: Any) -> None:
+    """Write one operational event (module docstring), if logging is configured and ``level`` passes."""
+    events = LOGS.events
+    if events is not None:
+        getattr(events, level)(name, **fields)
