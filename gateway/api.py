@@ -214,6 +214,7 @@ class Gateway:
         """
         try:
             body = parse_request(ex.kind, raw)
+            ex.requested = body["model"]  # for the request log, also when the model is unknown
             facts = await self._facts(ex, body, len(raw))  # a Responses continuation: what the store knows of it
             try:
                 decision = self.policy.decide(facts)
@@ -222,7 +223,7 @@ class Gateway:
             budget = deadline.budget(facts, decision.route)
         except GatewayError as exc:
             return await ex.error(exc, "client_error")
-        ex.model, ex.stream, ex.requested = decision.model, body.get("stream") is True, facts.model
+        ex.model, ex.stream = decision.model, body.get("stream") is True
         self.metrics.child(self.metrics.decisions, decision.rule, decision.tier).inc()
         decision = decision if budget is None else self._by_deadline(decision, facts, budget)
         need = facts.prompt_tokens + (facts.max_tokens or 0)

@@ -34,12 +34,14 @@ LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": loggi
 
 
 class _Logs:
-    __slots__ = ("access", "events", "sample")
+    __slots__ = ("access", "events", "sample", "stamp", "render")
 
     def __init__(self) -> None:
-        self.access: Any = None  # structlog loggers once configured
-        self.events: Any = None
+        self.access: Any = None  # once configured: the request log's structlog logger (BytesLogger / PrintLogger)
+        self.events: Any = None  # the events' bound logger (level-filtered)
         self.sample = 1.0
+        self.stamp: Any = None  # the request line's processors, called directly (see request())
+        self.render: Any = None
 
 
 LOGS = _Logs()
@@ -58,10 +60,10 @@ def configure(fmt: Literal["json", "text"], level: str = "info", sample: float =
         processors.append(structlog.processors.JSONRenderer(serializer=orjson.dumps))
         factory: Any = structlog.BytesLoggerFactory(sys.stdout.buffer)
     else:
-        processors.append(structlog.dev.ConsoleRenderer(colors=False, sort_keys=False))
+        processors.append(structlog.dev.ConsoleRenderer(colors=False, sort_keys=False, timestamp_key="time"))
         factory = structlog.PrintLoggerFactory(sys.stdout)
-    LOGS.access = structlog.wrap_logger(factory(), processors=processors,
-                                        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    LOGS.access = factory()
+    LOGS.stamp, LOGS.render = processors[1], processors[2]
     LOGS.events = structlog.wrap_logger(factory(), processors=processors,
                                         wrapper_class=structlog.make_filtering_bound_logger(
                                             LEVELS.get(level.lower(), logging.INFO)))
@@ -76,8 +78,15 @@ def wanted(outcome: str) -> bool:
 
 def request(fields: dict[str, Any]) -> None:
     """Write one request line (``fields``: :data:`REQUEST_FIELDS`, None for what the request never reached); the
-    caller asked :func:`wanted` first."""
-    LOGS.access.info("request", **fields)
+    caller asked :func:`wanted` first.
+
+    The line goes through structlog's own time stamper, renderer and logger, called directly rather than through a
+    bound logger: measured, the bound logger's plumbing (context copy, keyword re-packing, level dispatch) was
+    ~4 of the line's ~7 us, and an access line needs none of it (its level is fixed and it has no context).
+    """
+    fields["event"] = "request"
+    fields["level"] = "info"
+    LOGS.access.msg(LOGS.render(None, "info", LOGS.stamp(None, "info", fields)))
 
 
 def event(name: str, level: str = "info", **fields: Any) -> None:

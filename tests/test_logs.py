@@ -124,6 +124,7 @@ def test_a_client_error_is_logged_with_its_status(gw: Proc) -> None:
     assert r.status_code == 404
     line = _line(gw, "rid-bad")
     assert line["outcome"] == "client_error" and line["status"] == 404 and line["upstream"] == "none"
+    assert line["model"] == "nope"  # as the client named it
 
 
 def test_a_failover_is_an_event_and_a_line_naming_the_fallback(gw: Proc) -> None:
