@@ -36,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway import bridge, deadline, failover, logs
+from gateway import bridge, deadline, failover, logs, tracing
 from gateway.config import GatewayConfig, UpstreamConfig
 from gateway.conversations import Bridged, Native, ResponseStore
 from gateway.errors import (
@@ -154,6 +154,8 @@ class Gateway:
                                            headers={"retry-after": "1"}), "gateway_draining",
                            [(b"x-request-id", ex.rid.encode()), CLOSE])
             return
+        if tracing.TRACING.tracer is not None:
+            ex.span = tracing.start_request(ex.headers, scope["method"], scope["path"], "chat")
         watch = Watch(ex, receive)
         ex.task = asyncio.current_task()  # begin(), inline on the hot path
         watch.task = asyncio.get_running_loop().create_task(watch._run())
@@ -168,6 +170,8 @@ class Gateway:
         finally:
             self._active.discard(ex)  # end(), inline
             watch.task.cancel()
+            if ex.span is not None:
+                tracing.end_request(ex.span, ex)
 
     def drain_over(self) -> bool:
         """The drain time ran out: a request that arrives now is answered 503."""
@@ -283,8 +287,12 @@ class Gateway:
                             param="model")
 
     def _attempt(self, ex: Exchange, up: UpstreamConfig, need: int, path: str) -> Attempt:
+        span = trace = None
+        if ex.span is not None:
+            span, trace = tracing.start_attempt(ex.span, "chat", up, up.models.get(ex.model, ex.model))
         return Attempt(self.transport, up, self.health[up.name], self.health.clock, need_tokens=need, stream=ex.stream,
-                       request_id=ex.rid, path=path, client_key=ex.headers.get("authorization"))
+                       request_id=ex.rid, path=path, client_key=ex.headers.get("authorization"), span=span,
+                       trace=trace)
 
     async def _facts(self, ex: Exchange, body: dict[str, Any], size: int) -> RequestFacts:
         """The request's facts; for a Responses request, with what the store knows of the response it continues.
@@ -399,6 +407,8 @@ class Gateway:
         up = attempt.upstream
         ex.relay = relay
         first, sent = relay.stats.t_first_token, attempt.sent_at
+        if attempt.span is not None:
+            tracing.first_token(attempt.span)
         if first is not None and sent is not None:  # the live TTFT estimate learns at the first token
             self.estimates.observe_ttft(up.name, up.models.get(decision.model, decision.model), self.health.clock(),
                                         prompt_tokens=facts.prompt_tokens, ttft=first - sent)
@@ -413,6 +423,8 @@ class Gateway:
                 if relay.stats.error:  # it had already failed (an agent may close on response.failed)
                     self._broke(ex, attempt, relay.stats)
             raise
+        if attempt.span is not None:
+            tracing.usage(attempt.span, stats.usage, None)
         if stats.error:
             self._broke(ex, attempt, stats)
         else:
@@ -627,6 +639,8 @@ class Gateway:
         attempt.ok()
         usage, time_info = parsed.get("usage"), parsed.get("time_info")
         usage = chat_usage(usage) if isinstance(usage, dict) else None
+        if attempt.span is not None:
+            tracing.usage(attempt.span, usage, parsed.get("model"))
         if facts.max_tokens is None and usage is not None and isinstance(completion := usage.get("completion_tokens"),
                                                                           int):
             self.estimates.observe_length(decision.rule, decision.model, self.health.clock(), completion)

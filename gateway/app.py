@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from gateway import __version__, bridge, logs
+from gateway import __version__, bridge, logs, tracing
 from gateway.api import KINDS, Gateway, error_response
 from gateway.config import LoadedConfig, load_config
 from gateway.conversations import Bridged, MemoryResponseStore, Native
@@ -159,6 +159,7 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
             yield
         finally:
             await pool.stop()
+            tracing.shutdown()  # flush the spans still batched
             if multiprocess_dir:
                 multiprocess.mark_process_dead(os.getpid(), multiprocess_dir)  # type: ignore[no-untyped-call]
 
@@ -296,6 +297,7 @@ def serve_app(loaded: LoadedConfig, settings: Settings, multiprocess_dir: str | 
     and the drain on SIGTERM (``GATEWAY_DRAIN_TIMEOUT``) of ``settings``. Call it from the factory uvicorn runs."""
     configure_client_limits(settings)
     logs.configure(settings.log_format or "json", settings.log_level, settings.log_sample)
+    tracing.configure(settings.otel_traces_exporter)
     app = create_app(loaded, multiprocess_dir=multiprocess_dir)
     cfg = loaded.config
     logs.event("config_loaded", path=str(loaded.path), upstreams=[u.name for u in cfg.upstreams],

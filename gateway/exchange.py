@@ -48,7 +48,7 @@ class Exchange:
 
     __slots__ = ("t0", "rid", "kind", "headers", "tier", "upstream", "model", "stream", "answered", "recorded",
                  "relay", "gone_at", "cut", "task", "on_start", "scope", "status", "rule", "fallback", "requested",
-                 "upstream_model", "attempts", "_metrics", "_send", "_start", "_in_flight")
+                 "upstream_model", "attempts", "outcome", "span", "_metrics", "_send", "_start", "_in_flight")
 
     def __init__(self, metrics: Metrics, send: Send, headers: dict[str, str], kind: str,
                  scope: Scope | None = None) -> None:
@@ -63,6 +63,8 @@ class Exchange:
         self.requested: str | None = None  # the model as the client named it
         self.upstream_model: str | None = None
         self.attempts = 0
+        self.outcome: str | None = None  # as recorded
+        self.span: Any = None  # the request's trace span (gateway.tracing), or None
         self.tier = "none"
         self.upstream = "none"
         self.model = "other"
@@ -154,6 +156,7 @@ class Exchange:
         if self.recorded:
             return
         self.recorded = True
+        self.outcome = outcome
         if self._in_flight is not None:
             self._in_flight.dec()
         duration = (time.perf_counter() if ended is None else ended) - self.t0

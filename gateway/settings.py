@@ -17,6 +17,8 @@ GATEWAY_HEAD_TIMEOUT   30                        seconds to send a request head;
 GATEWAY_BODY_TIMEOUT   120                       seconds to send a request body; then 408
 GATEWAY_KEEPALIVE_TIMEOUT 75                     seconds an idle client connection stays open
 GATEWAY_DRAIN_TIMEOUT  60                        on SIGTERM, seconds in-flight requests may run on
+OTEL_TRACES_EXPORTER   (unset: no traces)        otlp or console: OpenTelemetry traces (gateway.tracing; the
+                                                 otel extra); the exporter reads the other OTEL_* variables
 =====================  ========================  ==============================================
 
 Upstream API keys are not settings: the YAML names the variable that holds each key
@@ -52,6 +54,8 @@ class Settings(BaseSettings):
     # nginx's 75 s: a client that reuses a connection the server has just closed gets a connection error
     keepalive_timeout: float = Field(75.0, gt=0)
     drain_timeout: float = Field(60.0, ge=0)
+    # OpenTelemetry's own variable (gateway.tracing): otlp, console, or none/unset (no traces)
+    otel_traces_exporter: str | None = Field(None, validation_alias="OTEL_TRACES_EXPORTER")
 
 
 MULTIPROC_VAR = "PROMETHEUS_MULTIPROC_DIR"

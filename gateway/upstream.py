@@ -37,7 +37,7 @@ import orjson
 from pydantic import SecretStr
 from yarl import URL
 
-from gateway import __version__
+from gateway import __version__, tracing
 from gateway.config import UpstreamConfig
 from gateway.errors import (
     GatewayError,
@@ -102,7 +102,8 @@ class Transport(Protocol):
     async def stop(self) -> None: ...
     async def send(self, upstream: UpstreamConfig, body: Body, *, stream: bool, request_id: str,
                    path: str = "/chat/completions", method: str = "POST",
-                   forward: Mapping[str, str] | None = None, client_key: str | None = None) -> Answer: ...
+                   forward: Mapping[str, str] | None = None, client_key: str | None = None,
+                   trace: str | None = None) -> Answer: ...
 
 
 class Verdicts(Protocol):
@@ -127,7 +128,8 @@ class Attempt:
         method; forward: for a passthrough request, the client's headers (:data:`FORWARD_HEADERS` cross; any 2xx
         is then an answer, and the upstream's timeouts bound connect and silence, never the whole exchange);
         client_key: the client's ``Authorization`` value, sent instead of the upstream's key when the upstream
-        says ``pass_client_key`` (else ignored: the client's key never reaches an upstream).
+        says ``pass_client_key`` (else ignored: the client's key never reaches an upstream); span / trace: the
+        attempt's trace span and the ``traceparent`` sent upstream (``gateway.tracing``), or None.
 
     Attributes:
         answer: the open answer after :meth:`send`, else None.
@@ -138,8 +140,11 @@ class Attempt:
     def __init__(self, transport: Transport, upstream: UpstreamConfig, health: Verdicts,
                  clock: Callable[[], float], *, need_tokens: int, stream: bool, request_id: str,
                  path: str, method: str = "POST", forward: Mapping[str, str] | None = None,
-                 client_key: str | None = None) -> None:
+                 client_key: str | None = None, span: Any = None, trace: str | None = None) -> None:
         self.upstream = upstream
+        self.span = span  # the attempt's trace span (gateway.tracing), or None
+        self._trace = trace
+        self._error: BaseException | None = None
         self.health = health
         self.answer: Answer | None = None
         self.first_token_by: float | None = None
@@ -167,6 +172,8 @@ class Attempt:
                         tb: TracebackType | None) -> None:
         if isinstance(exc, GatewayError):
             self.failed(exc)
+        if self.span is not None:
+            tracing.end_attempt(self.span, exc or self._error)
         answer, self.answer = self.answer, None
         if answer is not None:
             if self._complete:
@@ -189,7 +196,7 @@ class Attempt:
             async with asyncio.timeout_at(self.first_token_by):
                 answer = self.answer = await self._transport.send(
                     self.upstream, body, stream=self._stream, request_id=self._rid, path=self._path,
-                    method=self._method, forward=self._forward, client_key=self._client_key)
+                    method=self._method, forward=self._forward, client_key=self._client_key, trace=self._trace)
         except TimeoutError as err:
             raise UpstreamTimeout(f"No first token from the upstream within {self.upstream.timeouts.ttft:g} s.",
                                   code="upstream_ttft_timeout") from err
@@ -211,6 +218,7 @@ class Attempt:
 
     def failed(self, exc: GatewayError) -> GatewayError:
         """The attempt failed with ``exc`` (told to the upstream's health once); returns ``exc``."""
+        self._error = exc
         if not self._verdict:
             self._verdict = True
             self.health.settle(exc, self._clock())
@@ -529,7 +537,8 @@ class UpstreamPool:
 
     async def send(self, upstream: UpstreamConfig, body: Body, *, stream: bool, request_id: str,
                    path: str = "/chat/completions", method: str = "POST",
-                   forward: Mapping[str, str] | None = None, client_key: str | None = None) -> UpstreamResponse:
+                   forward: Mapping[str, str] | None = None, client_key: str | None = None,
+                   trace: str | None = None) -> UpstreamResponse:
         """Send ``body`` to the upstream's ``path`` (under its base URL, query string included) and wait for the
         status line.
 
@@ -570,6 +579,8 @@ class UpstreamPool:
         auth = client_key if upstream.pass_client_key else self._auth.get(upstream.name)
         if auth:
             headers["Authorization"] = auth
+        if trace:
+            headers["traceparent"] = trace  # W3C Trace Context: the attempt's span (gateway.tracing)
         # a passthrough path is sent as the client encoded it (yarl would otherwise re-quote and normalise it)
         url: str | URL = upstream.base_url + path if forward is None else URL(upstream.base_url + path, encoded=True)
         skip = SKIP_FORWARDED if forward is not None else None  # no content type or accept of aiohttp's own making

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("the Responses bridge", ("bridge",)),
     ("SSE relay", ("relay",)),
     ("wire shapes and the SSE scanner", ("wire", "sse")),
-    ("metrics, live estimates and the request log", ("metrics", "estimates", "logs")),
+    ("metrics, live estimates, the request log and traces", ("metrics", "estimates", "logs", "tracing")),
     ("configuration", ("config", "settings")),
     ("the error tree", ("errors",)),
 ]

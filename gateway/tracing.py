@@ -1,0 +1,153 @@
+"""OpenTelemetry traces, optional (``pip install 'tiergate[otel]'``), following the GenAI semantic conventions.
+
+On when ``OTEL_TRACES_EXPORTER`` is ``otlp`` or ``console`` (the standard variable; unset or ``none``: off, and a
+request pays one ``is None`` test per span it would have had). The OTLP exporter reads the other standard variables
+itself (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ``_HEADERS``, ...) and the resource
+``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES`` (``service.name`` defaults to ``tiergate``).
+
+Spans, for ``POST /v1/chat/completions`` and ``/v1/responses`` (OpenTelemetry semantic conventions for generative AI
+systems, "GenAI spans"; HTTP semantic conventions):
+
+* the request (kind ``SERVER``), continued from the client's W3C ``traceparent`` / ``tracestate`` when it sent one,
+  named ``{gen_ai.operation.name} {gen_ai.request.model}`` (``chat gpt-5.6``): ``http.request.method``,
+  ``url.path``, ``http.response.status_code``, ``gen_ai.operation.name``, ``gen_ai.request.model``, and the
+  gateway's ``tiergate.tier``, ``tiergate.upstream``, ``tiergate.rule``, ``tiergate.fallback``,
+  ``tiergate.outcome``; status ``ERROR`` with ``error.type`` unless the outcome is a success;
+* one child per upstream attempt (kind ``CLIENT``), whose context is sent upstream as ``traceparent``:
+  ``gen_ai.provider.name`` (the upstream's dialect: ``openai``, ``cerebras``), ``gen_ai.request.model`` (the id sent
+  upstream), ``gen_ai.response.model``, ``gen_ai.usage.input_tokens`` / ``output_tokens``, ``server.address`` /
+  ``server.port``, ``tiergate.upstream``, ``tiergate.tier``; an event ``gen_ai.first_token`` when the first
+  token-bearing event arrived; ``error.type`` when it failed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+from urllib.parse import urlsplit
+
+from gateway import __version__
+
+log = logging.getLogger("tiergate")
+
+
+class _Tracing:
+    __slots__ = ("tracer", "propagator", "provider", "api")
+
+    def __init__(self) -> None:
+        self.tracer: Any = None  # an opentelemetry Tracer once configured; None: tracing is off
+        self.propagator: Any = None
+        self.provider: Any = None
+        self.api: Any = None  # the opentelemetry.trace module
+
+
+TRACING = _Tracing()
+
+
+def configure(exporter: str | None, span_exporter: Any = None) -> bool:
+    """Turn tracing on for this process with ``exporter`` (``otlp``, ``console``; None or ``none``: off), or with a
+    given ``span_exporter`` (tests: the SDK's ``InMemorySpanExporter``, exported at once). Returns whether it is on.
+
+    Without the ``otel`` extra installed, a configured exporter is logged once and tracing stays off.
+    """
+    if span_exporter is None and exporter in (None, "", "none"):
+        return False
+    try:
+        from opentelemetry import trace
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    except ImportError:
+        log.warning("OTEL_TRACES_EXPORTER=%s but the otel extra is not installed (pip install 'tiergate[otel]'): "
+                    "no traces", exporter)
+        return False
+    provider = TracerProvider(resource=Resource.create({"service.name": "tiergate"}).merge(Resource.create()))
+    if span_exporter is not None:
+        provider.add_span_processor(SimpleSpanProcessor(span_exporter))
+    elif exporter == "console":
+        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+    elif exporter == "otlp":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    else:
+        log.warning("OTEL_TRACES_EXPORTER=%s is not one the gateway knows (otlp, console, none): no traces", exporter)
+        return False
+    TRACING.provider = provider
+    TRACING.tracer = provider.get_tracer("tiergate", __version__)
+    TRACING.propagator = TraceContextTextMapPropagator()
+    TRACING.api = trace
+    return True
+
+
+def shutdown() -> None:
+    """Flush and stop the exporter (at the app's shutdown)."""
+    if TRACING.provider is not None:
+        TRACING.provider.shutdown()
+
+
+def start_request(headers: dict[str, str], method: str, path: str, operation: str) -> Any:
+    """The request's span, continued from the client's ``traceparent`` (``headers``: lower-case names)."""
+    t = TRACING
+    parent = t.propagator.extract(headers)
+    return t.tracer.start_span(operation, context=parent, kind=t.api.SpanKind.SERVER, attributes={
+        "http.request.method": method, "url.path": path, "gen_ai.operation.name": operation})
+
+
+def end_request(span: Any, ex: Any) -> None:
+    """End the request's span with what the request did (``ex``: the ``gateway.exchange.Exchange``)."""
+    model = ex.requested
+    if model:
+        span.update_name(f"{span.name} {model}")
+        span.set_attribute("gen_ai.request.model", model)
+    span.set_attributes({"http.response.status_code": ex.status, "tiergate.tier": ex.tier,
+                         "tiergate.upstream": ex.upstream, "tiergate.outcome": ex.outcome or "none"})
+    if ex.rule:
+        span.set_attribute("tiergate.rule", ex.rule)
+    if ex.fallback:
+        span.set_attribute("tiergate.fallback", ex.fallback)
+    if ex.outcome not in ("success", None):
+        span.set_attribute("error.type", ex.outcome)
+        span.set_status(TRACING.api.Status(TRACING.api.StatusCode.ERROR))
+    span.end()
+
+
+def start_attempt(parent: Any, operation: str, upstream: Any, model: str) -> tuple[Any, str]:
+    """An upstream attempt's span under the request's ``parent`` span, and the ``traceparent`` to send upstream."""
+    t = TRACING
+    url = urlsplit(upstream.base_url)
+    span = t.tracer.start_span(f"{operation} {model}", context=t.api.set_span_in_context(parent),
+                               kind=t.api.SpanKind.CLIENT, attributes={
+                                   "gen_ai.operation.name": operation, "gen_ai.provider.name": upstream.dialect,
+                                   "gen_ai.request.model": model, "server.address": url.hostname or "",
+                                   "server.port": url.port or (443 if url.scheme == "https" else 80),
+                                   "tiergate.upstream": upstream.name, "tiergate.tier": upstream.tier})
+    carrier: dict[str, str] = {}
+    t.propagator.inject(carrier, context=t.api.set_span_in_context(span))
+    return span, carrier.get("traceparent", "")
+
+
+def first_token(span: Any) -> None:
+    """The attempt's first token-bearing event arrived."""
+    span.add_event("gen_ai.first_token")
+
+
+def usage(span: Any, usage: dict[str, Any] | None, response_model: Any) -> None:
+    """The attempt's usage (chat-completions terms) and the model the upstream says answered."""
+    if isinstance(response_model, str):
+        span.set_attribute("gen_ai.response.model", response_model)
+    if usage:
+        for key, name in (("prompt_tokens", "gen_ai.usage.input_tokens"),
+                          ("completion_tokens", "gen_ai.usage.output_tokens")):
+            value = usage.get(key)
+            if isinstance(value, int):
+                span.set_attribute(name, value)
+
+
+def end_attempt(span: Any, error: BaseException | None) -> None:
+    """End an attempt's span; a failure (or a cancel: the client left, a hedge lost) sets ``error.type``."""
+    if error is not None:
+        span.set_attribute("error.type", getattr(error, "code", None) or type(error).__name__)
+        span.set_status(TRACING.api.Status(TRACING.api.StatusCode.ERROR))
+    span.end()
