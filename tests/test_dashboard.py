@@ -162,3 +162,19 @@ def test_provisioning_and_compose_agree() -> None:
     scrape = yaml.safe_load((ROOT / "config" / "prometheus.yml").read_text())["scrape_configs"]
     assert scrape[0]["static_configs"][0]["targets"] == ["gateway:8080"]
     assert "--host" in compose["gateway"]["command"] and "0.0.0.0" in compose["gateway"]["command"]
+
+
+def test_compose_runs_one_image_and_waits_on_health() -> None:
+    """Every Tiergate service runs the image `gateway` builds; nothing starts on a sleep; the build context leaves out
+    the virtualenv, the git history and the benchmark's output."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    ours = {name: svc for name, svc in compose.items() if "tiergate" in str(svc.get("command", ""))}
+    assert set(ours) == {"gateway", "traffic", "gateway-real"}
+    assert {svc["image"] for svc in ours.values()} == {"tiergate:local"}
+    assert "build" not in compose["traffic"]
+    for name in ("traffic", "prometheus"):
+        assert compose[name]["depends_on"] == {"gateway": {"condition": "service_healthy"}}
+    assert not " ".join(compose["traffic"]["command"]).split("-c ", 1)[1].startswith("sleep")  # no head start
+    assert "HEALTHCHECK" in (ROOT / "Dockerfile").read_text()
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "bench/out"} <= set(ignored)
