@@ -201,6 +201,8 @@ class Gateway:
     async def crashed(self, ex: Exchange, scope: Scope) -> None:
         """A bug: log it and answer like the rest of the app, never with a stack trace, never twice."""
         log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+        if not ex.answered:
+            ex.status = 500
         ex.record("gateway_error")
         if not ex.answered:
             with contextlib.suppress(RuntimeError):  # uvicorn refuses a second status line: nothing to add
@@ -361,7 +363,8 @@ class Gateway:
         with it, count the gateway's overhead, and what to count once its answer starts to reach the client (it can
         no longer fail over)."""
         ex.tier, ex.upstream = up.tier, up.name
-        ex.upstream_model, ex.attempts = up.models.get(decision.model, decision.model), tried
+        ex.upstream_model = up.models.get(decision.model) or (None if decision.model == "other" else decision.model)
+        ex.attempts = tried
         if overhead:
             self.metrics.child(self.metrics.overhead, up.tier).observe(time.perf_counter() - ex.t0)
 
@@ -511,6 +514,7 @@ class Gateway:
         name, last = [*race.failures.items()][-1]  # the one that failed last
         up = first.upstream if name == first.upstream.name else second.upstream
         ex.tier, ex.upstream = up.tier, up.name
+        ex.upstream_model, ex.attempts = up.models.get(decision.model, decision.model), tried
         go_on = tried == 2 and plan.go_on(second, last)
         return last, tried, plan.candidates[2:] if go_on else []
 
@@ -644,6 +648,7 @@ class Gateway:
         if facts.max_tokens is None and usage is not None and isinstance(completion := usage.get("completion_tokens"),
                                                                           int):
             self.estimates.observe_length(decision.rule, decision.model, self.health.clock(), completion)
+        ex.status = 200  # before the record: the log line names the status answered
         ex.record("success", usage=usage,
                   time_info=time_info if isinstance(time_info, dict) else None,
                   processing_ms=answer.headers.get("openai-processing-ms"))

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from pydantic import ValidationError
+
 from gateway import logs
 from gateway.config import TIERS, LoadedConfig, load_config
 from gateway.errors import ConfigError
@@ -28,7 +30,12 @@ DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen subcommand; returns the process exit code."""
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValidationError as exc:  # a bad GATEWAY_* variable: named, exit 2, never a traceback
+        problems = "; ".join(f"GATEWAY_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}" for e in exc.errors())
+        print(f"tiergate: invalid environment: {problems}", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(prog="tiergate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -26,6 +26,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
@@ -179,6 +180,10 @@ class UpstreamConfig(_Strict):
     def _http_url(cls, value: str) -> str:
         if not value.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
+        try:
+            urlsplit(value).port  # noqa: B018 - urllib checks the port when it is read
+        except ValueError as exc:
+            raise ValueError(f"bad port: {exc}") from exc
         return value.rstrip("/")
 
 

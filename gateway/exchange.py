@@ -161,9 +161,9 @@ class Exchange:
             self._in_flight.dec()
         duration = (time.perf_counter() if ended is None else ended) - self.t0
         try:
-            cost = self._emit(outcome, duration, kw)
-            if logs.wanted(outcome):
-                self._log(outcome, duration, kw, cost)
+            cost = self._emit(outcome, duration, kw)  # may settle the outcome (self.outcome) and the usage (kw)
+            if logs.wanted(self.outcome or outcome):
+                self._log(self.outcome or outcome, duration, kw, cost)
         except Exception:  # bookkeeping never breaks an answer: what an upstream reported is logged instead
             log.exception("recording request %s failed (usage %r)", self.rid, kw.get("usage"))
 

@@ -112,9 +112,11 @@ class PassExchange(Exchange):
         success."""
         if outcome == "client_disconnect" and self.tail.endswith(b"data: [DONE]\n\n"):
             outcome = "success"
+        self.outcome = outcome  # the request log says what the metrics say
+        usage = kw["usage"] = tail_usage(self.tail) if self.tail else None
         return self._metrics.record_passthrough(endpoint=self.endpoint, tier=self.tier, upstream=self.upstream,
-                                         model=self.model, outcome=outcome, duration=duration, bytes_in=self.bytes_in,
-                                         bytes_out=self.bytes_out, usage=tail_usage(self.tail) if self.tail else None)
+                                                model=self.model, outcome=outcome, duration=duration,
+                                                bytes_in=self.bytes_in, bytes_out=self.bytes_out, usage=usage)
 
 
 class Upload:

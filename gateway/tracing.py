@@ -22,6 +22,7 @@ systems, "GenAI spans"; HTTP semantic conventions):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 from urllib.parse import urlsplit
@@ -101,8 +102,10 @@ def end_request(span: Any, ex: Any) -> None:
     if model:
         span.update_name(f"{span.name} {model}")
         span.set_attribute("gen_ai.request.model", model)
-    span.set_attributes({"http.response.status_code": ex.status, "tiergate.tier": ex.tier,
-                         "tiergate.upstream": ex.upstream, "tiergate.outcome": ex.outcome or "none"})
+    span.set_attributes({"tiergate.tier": ex.tier, "tiergate.upstream": ex.upstream,
+                         "tiergate.outcome": ex.outcome or "none"})
+    if ex.status:  # none when the client left before any answer
+        span.set_attribute("http.response.status_code", ex.status)
     if ex.rule:
         span.set_attribute("tiergate.rule", ex.rule)
     if ex.fallback:
@@ -113,10 +116,11 @@ def end_request(span: Any, ex: Any) -> None:
     span.end()
 
 
-def start_attempt(parent: Any, operation: str, upstream: Any, model: str) -> tuple[Any, str]:
-    """An upstream attempt's span under the request's ``parent`` span, and the ``traceparent`` to send upstream."""
+def start_attempt(parent: Any, operation: str, upstream: Any, model: str) -> tuple[Any, dict[str, str]]:
+    """An upstream attempt's span under the request's ``parent`` span, and the W3C Trace Context headers to send
+    upstream (``traceparent``, and ``tracestate`` when the client sent one)."""
     t = TRACING
-    url = urlsplit(upstream.base_url)
+    url = urlsplit(upstream.base_url)  # validated at start-up (gateway.config): its port is a port
     span = t.tracer.start_span(f"{operation} {model}", context=t.api.set_span_in_context(parent),
                                kind=t.api.SpanKind.CLIENT, attributes={
                                    "gen_ai.operation.name": operation, "gen_ai.provider.name": upstream.dialect,
@@ -125,7 +129,7 @@ def start_attempt(parent: Any, operation: str, upstream: Any, model: str) -> tup
                                    "tiergate.upstream": upstream.name, "tiergate.tier": upstream.tier})
     carrier: dict[str, str] = {}
     t.propagator.inject(carrier, context=t.api.set_span_in_context(span))
-    return span, carrier.get("traceparent", "")
+    return span, carrier
 
 
 def first_token(span: Any) -> None:
@@ -146,8 +150,11 @@ def usage(span: Any, usage: dict[str, Any] | None, response_model: Any) -> None:
 
 
 def end_attempt(span: Any, error: BaseException | None) -> None:
-    """End an attempt's span; a failure (or a cancel: the client left, a hedge lost) sets ``error.type``."""
-    if error is not None:
+    """End an attempt's span: a failure sets ``error.type`` and the ``ERROR`` status; a cancel (the client left, a
+    hedge lost, the drain ran out) is not the upstream's failure: ``tiergate.cancelled`` only."""
+    if isinstance(error, asyncio.CancelledError):
+        span.set_attribute("tiergate.cancelled", True)
+    elif error is not None:
         span.set_attribute("error.type", getattr(error, "code", None) or type(error).__name__)
         span.set_status(TRACING.api.Status(TRACING.api.StatusCode.ERROR))
     span.end()

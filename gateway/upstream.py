@@ -103,7 +103,7 @@ class Transport(Protocol):
     async def send(self, upstream: UpstreamConfig, body: Body, *, stream: bool, request_id: str,
                    path: str = "/chat/completions", method: str = "POST",
                    forward: Mapping[str, str] | None = None, client_key: str | None = None,
-                   trace: str | None = None) -> Answer: ...
+                   trace: Mapping[str, str] | None = None) -> Answer: ...
 
 
 class Verdicts(Protocol):
@@ -129,7 +129,7 @@ class Attempt:
         is then an answer, and the upstream's timeouts bound connect and silence, never the whole exchange);
         client_key: the client's ``Authorization`` value, sent instead of the upstream's key when the upstream
         says ``pass_client_key`` (else ignored: the client's key never reaches an upstream); span / trace: the
-        attempt's trace span and the ``traceparent`` sent upstream (``gateway.tracing``), or None.
+        attempt's trace span and the W3C Trace Context headers sent upstream (``gateway.tracing``), or None.
 
     Attributes:
         answer: the open answer after :meth:`send`, else None.
@@ -140,7 +140,7 @@ class Attempt:
     def __init__(self, transport: Transport, upstream: UpstreamConfig, health: Verdicts,
                  clock: Callable[[], float], *, need_tokens: int, stream: bool, request_id: str,
                  path: str, method: str = "POST", forward: Mapping[str, str] | None = None,
-                 client_key: str | None = None, span: Any = None, trace: str | None = None) -> None:
+                 client_key: str | None = None, span: Any = None, trace: Mapping[str, str] | None = None) -> None:
         self.upstream = upstream
         self.span = span  # the attempt's trace span (gateway.tracing), or None
         self._trace = trace
@@ -538,7 +538,7 @@ class UpstreamPool:
     async def send(self, upstream: UpstreamConfig, body: Body, *, stream: bool, request_id: str,
                    path: str = "/chat/completions", method: str = "POST",
                    forward: Mapping[str, str] | None = None, client_key: str | None = None,
-                   trace: str | None = None) -> UpstreamResponse:
+                   trace: Mapping[str, str] | None = None) -> UpstreamResponse:
         """Send ``body`` to the upstream's ``path`` (under its base URL, query string included) and wait for the
         status line.
 
@@ -580,7 +580,7 @@ class UpstreamPool:
         if auth:
             headers["Authorization"] = auth
         if trace:
-            headers["traceparent"] = trace  # W3C Trace Context: the attempt's span (gateway.tracing)
+            headers.update(trace)  # W3C Trace Context: the attempt's span (gateway.tracing)
         # a passthrough path is sent as the client encoded it (yarl would otherwise re-quote and normalise it)
         url: str | URL = upstream.base_url + path if forward is None else URL(upstream.base_url + path, encoded=True)
         skip = SKIP_FORWARDED if forward is not None else None  # no content type or accept of aiohttp's own making

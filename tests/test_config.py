@@ -167,3 +167,9 @@ def test_check_config_warns_about_rules_that_can_never_do_what_they_say(tmp_path
     assert "fine           n >= 2 and <= 2 -> fast, deadline 8000 ms, hedge after 0.5 s" in out  # the rule table
     off = _cli("check-config", str(_write(tmp_path, {**cfg, "fallback": False}))).stdout
     assert "served on the fast tier only" not in off  # no fallback: nothing was promised
+
+
+def test_a_base_url_with_a_bad_port_is_refused_at_start_up(tmp_path: Path) -> None:
+    cfg = _with(upstreams=[{**GOOD["upstreams"][0], "base_url": "http://127.0.0.1:99999/v1"}, GOOD["upstreams"][1]])
+    proc = _cli("check-config", str(_write(tmp_path, cfg)))
+    assert proc.returncode == 2 and "base_url" in proc.stderr and "bad port" in proc.stderr

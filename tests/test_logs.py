@@ -24,6 +24,9 @@ SECRET_ANSWER = "PLANTED-ANSWER-do-not-log-9c2d"
 UPSTREAM_KEY = "sk-upstream-PLANTED-9f8e7d6c5b4a"
 OK = sse(chunk(role=True), chunk(SECRET_ANSWER), chunk(finish="stop"), chunk(usage=True))
 ERR = (b'{"error":{"message":"overloaded","type":"server_error","param":null,"code":null}}')
+WHOLE = orjson.dumps({"id": "x", "object": "chat.completion", "created": 1, "model": "m", "choices": [
+    {"index": 0, "message": {"role": "assistant", "content": SECRET_ANSWER}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}})
 
 
 def _plans(case: str, tier: str) -> Plan:
@@ -46,7 +49,10 @@ def _plans(case: str, tier: str) -> Plan:
 def ups() -> Iterator[dict[str, EmulatorThread]]:
     def handler(tier: str) -> Any:
         def answer(req: Received) -> Plan:
-            return _plans(orjson.loads(req.body).get("x_case", ""), tier)
+            body = orjson.loads(req.body)
+            if body.get("stream") is not True and not body.get("x_case"):
+                return Plan(headers={"content-type": "application/json"}, chunked=False, parts=[(0, WHOLE)])
+            return _plans(body.get("x_case", ""), tier)
         return answer
     up = {"fast": EmulatorThread(handler("fast")), "standard": EmulatorThread(handler("standard"))}
     yield up
@@ -118,6 +124,25 @@ def test_a_success_is_one_json_line_with_every_field(gw: Proc) -> None:
     assert line["cost_usd"] == pytest.approx((5 * 2 + 3 * 8) / 1e6)
 
 
+def test_a_whole_answer_is_logged_with_its_status(gw: Proc) -> None:
+    assert _ask(gw, "", "rid-whole", stream=False).status_code == 200
+    line = _line(gw, "rid-whole")
+    assert line["status"] == 200 and line["outcome"] == "success" and line["stream"] is False
+
+
+def test_a_bad_log_setting_is_named_with_exit_2(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    for name, value in (("GATEWAY_LOG_SAMPLE", "2"), ("GATEWAY_LOG_FORMAT", "xml")):
+        run = subprocess.run([sys.executable, "-m", "gateway", "check-config", "config/demo.yaml"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=30, env={**os.environ, name: value})
+        assert run.returncode == 2 and "Traceback" not in run.stderr
+        assert run.stderr.startswith(f"tiergate: invalid environment: {name}:"), run.stderr
+
+
 def test_a_client_error_is_logged_with_its_status(gw: Proc) -> None:
     r = httpx.post(f"http://127.0.0.1:{gw.port}/v1/chat/completions", timeout=5, headers={"x-request-id": "rid-bad"},
                    json={"model": "nope", "messages": [{"role": "user", "content": "x"}]})
@@ -164,8 +189,8 @@ def test_breaker_and_cooldown_events(gw: Proc) -> None:
 def test_no_secret_reaches_the_log(gw: Proc, ups: dict[str, EmulatorThread]) -> None:
     """Planted in the prompt, the answer, the client's Authorization and Cookie, and the upstream's key (which the
     upstream did receive): none of them is in anything the gateway wrote."""
-    _ask(gw, "", "rid-secret-1", stream=False)
-    _ask(gw, "", "rid-secret-2")
+    assert _ask(gw, "", "rid-secret-1", stream=False).status_code == 200
+    assert _ask(gw, "", "rid-secret-2").status_code == 200
     _line(gw, "rid-secret-2")
     assert any(r.headers.get("authorization") == f"Bearer {UPSTREAM_KEY}" for r in ups["fast"].requests)
     text = gw.log.read_text(errors="replace")
@@ -219,3 +244,18 @@ def test_a_rejected_config_is_an_event(tmp_path: Path) -> None:
     assert run.returncode == 2 and "invalid config" in run.stderr
     ev = json.loads(run.stdout.strip().splitlines()[-1])
     assert ev["event"] == "config_rejected" and ev["level"] == "error" and str(bad) in ev["problem"]
+
+
+def test_a_passthrough_request_is_a_line_with_its_usage(stack: Any) -> None:
+    """The rest of /v1 is logged too: an embeddings call with the usage its answer reported."""
+    r = httpx.post(stack.base_url + "/embeddings", timeout=5, headers={"x-request-id": "rid-embed"},
+                   json={"model": "text-embedding-3-small", "input": "hello"})
+    assert r.status_code == 200
+    line = _line(stack.gateway, "rid-embed")
+    assert line["path"] == "/v1/embeddings" and line["outcome"] == "success" and line["status"] == 200
+    assert line["upstream"] == "emu-standard" and line["model"] == "text-embedding-3-small"
+    assert line["input_tokens"] == r.json()["usage"]["prompt_tokens"] > 0
+    r = httpx.get(stack.base_url + "/files", timeout=5, headers={"x-request-id": "rid-files"})
+    assert r.status_code == 200
+    line = _line(stack.gateway, "rid-files")
+    assert line["method"] == "GET" and line["model"] is None and line["upstream_model"] is None

@@ -53,7 +53,8 @@ async def test_a_request_is_a_server_span_with_one_client_span_per_attempt(spans
     try:
         got = await Asgi(app).post("/v1/chat/completions", {
             "model": "m", "stream": True, "x_case": "failover", "stream_options": {"include_usage": True},
-            "messages": [{"role": "user", "content": "x"}]}, headers={"traceparent": CLIENT_TRACE})
+            "messages": [{"role": "user", "content": "x"}]}, headers={"traceparent": CLIENT_TRACE,
+                                                                     "tracestate": "vendor=abc"})
         assert got.status == 200 and got.headers["x-tiergate-upstream"] == "fast"
     finally:
         await transport.stop()
@@ -82,6 +83,7 @@ async def test_a_request_is_a_server_span_with_one_client_span_per_attempt(spans
     assert s["gen_ai.usage.output_tokens"] == 3
     assert [e.name for e in served.events] == ["gen_ai.first_token"]
     # each attempt's own context went upstream as traceparent (W3C Trace Context)
+    assert {r.headers.get("tracestate") for r in transport.requests} == {"vendor=abc"}  # passed on with it
     sent = [r.headers.get("traceparent") for r in transport.requests]
     assert sent == [f"00-{failed.context.trace_id:032x}-{failed.context.span_id:016x}-01",
                     f"00-{served.context.trace_id:032x}-{served.context.span_id:016x}-01"]
@@ -142,3 +144,20 @@ def test_traceparent_reaches_the_upstream_over_sockets(tmp_path: Any) -> None:
         assert '"name": "chat gpt-5.6"' in proc.log.read_text()  # the console exporter flushed at shutdown
     finally:
         up.stop()
+
+
+async def test_a_client_that_left_is_a_cancelled_attempt_not_an_error(spans: InMemorySpanExporter) -> None:
+    app, transport = await _app(lambda req: Plan(parts=[(0, OK.split(b"\n\n", 1)[0] + b"\n\n"),
+                                                        (0.01, OK.split(b"\n\n", 2)[1] + b"\n\n")], end="stall"))
+    try:
+        got = await Asgi(app).post("/v1/chat/completions", {"model": "m", "stream": True,
+                                                             "messages": [{"role": "user", "content": "x"}]},
+                                   leave_when=lambda body: b"Hel" in body)
+        assert got.status == 200
+    finally:
+        await transport.stop()
+    client = next(s for s in spans.get_finished_spans() if s.kind == SpanKind.CLIENT)
+    assert dict(client.attributes or {})["tiergate.cancelled"] is True
+    assert client.status.status_code != StatusCode.ERROR
+    server = next(s for s in spans.get_finished_spans() if s.kind == SpanKind.SERVER)
+    assert dict(server.attributes or {})["tiergate.outcome"] == "client_disconnect"

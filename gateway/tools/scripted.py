@@ -120,7 +120,7 @@ class ScriptedTransport:
     async def send(self, upstream: UpstreamConfig, body: Body, *, stream: bool, request_id: str,
                    path: str = "/chat/completions", method: str = "POST",
                    forward: Mapping[str, str] | None = None, client_key: str | None = None,
-                   trace: str | None = None) -> ScriptedAnswer:
+                   trace: Mapping[str, str] | None = None) -> ScriptedAnswer:
         """Play the handler's plan for this request up to its status line.
 
         Raises:
@@ -135,7 +135,7 @@ class ScriptedTransport:
         if forward or client_key:  # a passthrough request, or the client's own key: what would cross
             headers = {**(forward or {}), **headers, **({"authorization": client_key} if client_key else {})}
         if trace:
-            headers["traceparent"] = trace
+            headers.update(trace)
         received = Received(method, upstream.base_url + path, headers, body, time.monotonic())
         if self.record:
             self.requests.append(received)
