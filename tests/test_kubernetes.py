@@ -1,0 +1,104 @@
+"""The Kubernetes manifests (``deploy/kubernetes``): every kustomization renders with ``kubectl kustomize`` and every
+object validates against the Kubernetes schemas (``kubernetes-validate``, strict: no unknown fields); the gateway's
+probes, drain and hardening; the native sidecar beside an app that only changes its base URL; the shipped config
+is valid."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from conftest import ROOT
+
+DEPLOY = ROOT / "deploy" / "kubernetes"
+KUSTOMIZATIONS = sorted(p.parent for p in DEPLOY.glob("*/kustomization.yaml"))
+K8S_VERSION = "1.32.0"  # kubectl's own (its kustomize renders the files)
+CRDS = {("monitoring.coreos.com/v1", "PodMonitor")}  # the Prometheus Operator's: no schema in the core set
+
+
+def render(path: Path) -> list[dict[str, Any]]:
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is needed to render the kustomizations (.ci/run checks that it is installed)"
+    out = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def test_there_are_a_base_and_a_sidecar() -> None:
+    assert {p.name for p in KUSTOMIZATIONS} == {"base", "config", "sidecar"}
+
+
+@pytest.mark.parametrize("path", KUSTOMIZATIONS, ids=lambda p: p.name)
+def test_each_kustomization_renders_and_validates(path: Path) -> None:
+    docs = render(path)
+    assert docs
+    for doc in docs:
+        if (doc["apiVersion"], doc["kind"]) in CRDS:
+            assert doc["spec"]["podMetricsEndpoints"][0]["path"] == "/metrics"
+            continue
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)  # raises on any schema error
+
+
+def _pod(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    deployment = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == name)
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()  # it selects its pods
+    return deployment["spec"]["template"]["spec"]
+
+
+def _hardened(pod: dict[str, Any], container: dict[str, Any]) -> None:
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001
+    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                            "capabilities": {"drop": ["ALL"]}}
+    assert "memory" in container["resources"]["limits"] and container["resources"]["requests"]["cpu"]
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert {"/etc/tiergate", "/tmp"} <= mounts  # the config, and the one writable place
+
+
+def test_the_base_deploys_the_gateway_with_probes_drain_and_hardening() -> None:
+    docs = render(DEPLOY / "base")
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "Service", "PodDisruptionBudget", "PodMonitor", "ConfigMap"} <= kinds
+    assert not any(d["kind"] == "Secret" for d in docs)  # keys are the operator's Secret, never in the repository
+    pod = _pod(docs, "tiergate")
+    (gw,) = pod["containers"]
+    _hardened(pod, gw)
+    assert gw["readinessProbe"]["httpGet"]["path"] == "/readyz" and gw["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert gw["envFrom"] == [{"secretRef": {"name": "tiergate-keys"}}]
+    env = {e["name"]: e["value"] for e in gw["env"]}
+    assert pod["terminationGracePeriodSeconds"] > int(env["GATEWAY_DRAIN_TIMEOUT"])  # the drain fits in the grace
+    assert "--host" in gw["args"] and "0.0.0.0" in gw["args"]
+    config = next(d for d in docs if d["kind"] == "ConfigMap")
+    volume = next(v for v in pod["volumes"] if v["name"] == "config")
+    assert volume["configMap"]["name"] == config["metadata"]["name"]  # the generated (hashed) name, rolled on change
+    pdb = next(d for d in docs if d["kind"] == "PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"] == next(
+        d for d in docs if d["kind"] == "Deployment")["spec"]["selector"]["matchLabels"]
+
+
+def test_the_sidecar_is_native_and_the_app_only_changes_its_base_url() -> None:
+    docs = render(DEPLOY / "sidecar")
+    pod = _pod(docs, "example-app")
+    (sidecar,) = pod["initContainers"]
+    assert sidecar["name"] == "tiergate" and sidecar["restartPolicy"] == "Always"  # native sidecar (1.29+)
+    assert sidecar["startupProbe"]["httpGet"]["path"] == "/readyz"  # the app starts once the gateway is ready
+    assert sidecar["args"][sidecar["args"].index("--host") + 1] == "127.0.0.1"  # loopback only
+    _hardened(pod, sidecar)
+    (app,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in app["env"]}
+    assert env["OPENAI_BASE_URL"] == "http://127.0.0.1:8080/v1"
+    assert "envFrom" not in app  # the app never holds an upstream key
+
+
+def test_the_shipped_kubernetes_config_is_valid() -> None:
+    run = subprocess.run([sys.executable, "-m", "gateway", "check-config", str(DEPLOY / "config" / "gateway.yaml")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    assert "warnings:" not in run.stdout
