@@ -173,6 +173,11 @@ class Gateway:
             if ex.span is not None:
                 tracing.end_request(ex.span, ex)
 
+    def in_flight(self) -> int:
+        """Requests this gateway is serving now (the chat-completions and Responses endpoints', and the passthrough's
+        that registered)."""
+        return len(self._active)
+
     def drain_over(self) -> bool:
         """The drain time ran out: a request that arrives now is answered 503."""
         return self.draining and asyncio.get_running_loop().time() >= self._drain_deadline

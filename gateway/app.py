@@ -31,6 +31,7 @@ from gateway.api import KINDS, Gateway, error_response
 from gateway.config import LoadedConfig, load_config
 from gateway.conversations import Bridged, MemoryResponseStore, Native
 from gateway.errors import (
+    ConfigError,
     GatewayError,
     InvalidRequest,
     MethodNotAllowed,
@@ -43,7 +44,7 @@ from gateway.metrics import Metrics
 from gateway.passthrough import Passthrough, UpstreamModels
 from gateway.policy import Policy
 from gateway.server import configure as configure_client_limits
-from gateway.server import drain_on_exit
+from gateway.server import drain_on_exit, reload_on_hup
 from gateway.settings import Settings, environ, multiprocess_dir
 from gateway.upstream import Transport, UpstreamPool
 
@@ -64,17 +65,69 @@ class HotPath:
     per-request CPU; the endpoints handle their own errors (``Gateway.handle``).
     """
 
-    def __init__(self, app: FastAPI, gateway: Gateway, passthrough: Passthrough | None) -> None:
+    def __init__(self, app: FastAPI, gateway: Gateway, loaded: LoadedConfig | None = None) -> None:
         self.app = app
         self.state = app.state
-        self.gateway = gateway
-        self.passthrough = passthrough
+        self.loaded = loaded  # where a reload reads the config again (None: no reload, e.g. an injected transport)
+        self.retiring: set[Gateway] = set()  # replaced by a reload, serving what they had in flight
+        self._drain: float | None = None  # the drain timeout, once shutdown began
+        self._retiring_tasks: set[asyncio.Task[None]] = set()
+        self._install(gateway)
+
+    def _install(self, gateway: Gateway) -> None:
+        """Make ``gateway`` the one new requests reach: every attribute at once (no await between them, so no request
+        sees half of a swap); requests in flight keep the gateway they started on."""
+        self.gateway = self.state.gateway = gateway
+        self.passthrough = Passthrough(gateway) if gateway.config.passthrough_upstream is not None else None
         self.routes = {path: gateway.endpoint(kind) for path, kind in KINDS.items()}
         self.own_models = frozenset(f"/v1/models/{m}" for m in gateway.config.model_names())
 
     def begin_drain(self, timeout: float) -> None:
-        """Shutdown began: see :meth:`Gateway.begin_drain`."""
-        self.gateway.begin_drain(timeout)
+        """Shutdown began: see :meth:`Gateway.begin_drain` (the gateways a reload replaced drain too)."""
+        self._drain = timeout
+        for gw in (self.gateway, *self.retiring):
+            gw.begin_drain(timeout)
+
+    async def reload(self) -> bool:
+        """``SIGHUP``: read the config file again. A valid one is swapped in at once (new requests use it; requests in
+        flight, streams included, finish on the old one, whose upstream connections close when they are done;
+        metrics keep counting; health state, live estimates and stored conversations carry over); an invalid one is
+        rejected with the message start-up would give and the old one stays. Returns whether it was swapped in."""
+        if self.loaded is None:
+            return False
+        try:
+            loaded = load_config(self.loaded.path, environ())
+        except ConfigError as exc:
+            log.error("reload rejected, the running config stays: %s", exc)
+            logs.event("config_rejected", "error", problem=str(exc), reload=True)
+            return False
+        old = self.gateway
+        pool = UpstreamPool(loaded.config.upstreams, loaded.keys)
+        await pool.start()
+        new = _gateway(loaded, old.metrics, pool, previous=old)
+        self.loaded = loaded
+        self._install(new)
+        if self._drain is not None:
+            new.begin_drain(self._drain)
+        self.retiring.add(old)
+        logs.event("config_loaded", path=str(loaded.path), upstreams=[u.name for u in loaded.config.upstreams],
+                   models=loaded.config.model_names(), reload=True)
+        task = asyncio.get_running_loop().create_task(self._retire(old))
+        self._retiring_tasks.add(task)
+        task.add_done_callback(self._retiring_tasks.discard)
+        return True
+
+    async def _retire(self, old: Gateway) -> None:
+        """Close a replaced gateway's upstream connections once its last request ended."""
+        while old.in_flight():
+            await asyncio.sleep(0.05)
+        await old.transport.stop()
+        self.retiring.discard(old)
+
+    async def stop(self) -> None:
+        """Shutdown: close every gateway's upstream connections."""
+        for gw in (self.gateway, *self.retiring):
+            await gw.transport.stop()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -145,11 +198,8 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
                       model_prices={(u.name, m): p.per_token() for u in config.upstreams
                                     for m, p in u.model_prices.items()})
     pool = transport if transport is not None else UpstreamPool(config.upstreams, loaded.keys)
-    health = Health(config.upstreams)
-    bounds = config.response_store
-    store = MemoryResponseStore(bounds.max_items, bounds.max_bytes, bounds.ttl)
-    gateway = Gateway(config, policy if policy is not None else Policy(config), pool, metrics, health, store)
-    listed = gateway.listed = UpstreamModels(gateway)
+    gateway = _gateway(loaded, metrics, pool, policy=policy)
+    hot: HotPath | None = None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -158,7 +208,8 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
         try:
             yield
         finally:
-            await pool.stop()
+            assert hot is not None
+            await hot.stop()
             tracing.shutdown()  # flush the spans still batched
             if multiprocess_dir:
                 multiprocess.mark_process_dead(os.getpid(), multiprocess_dir)  # type: ignore[no-untyped-call]
@@ -168,24 +219,59 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
                   openapi_url=None, redirect_slashes=False)
     app.state.gateway = gateway
     for path, kind in KINDS.items():  # reached only through HotPath's fallback: wrong methods get a 405
-        app.router.routes.append(Route(path, endpoint=gateway.endpoint(kind), methods=["POST"]))
-    app.add_route("/v1/tiergate/route", gateway.route, methods=["POST"])
+        app.router.routes.append(Route(path, endpoint=_current(app, kind), methods=["POST"]))
+
+    async def route(request: Request) -> Response:
+        current: Gateway = app.state.gateway
+        return await current.route(request)
+    app.add_route("/v1/tiergate/route", route, methods=["POST"])
 
     @app.get("/v1/tiergate/estimates")
     async def estimates() -> Response:
-        return Response(gateway.estimates_json(), media_type="application/json")
+        return Response(app.state.gateway.estimates_json(), media_type="application/json")
 
-    _install_info_routes(app, gateway, registry, multiprocess_dir, listed)
-    _install_response_routes(app, gateway)
+    _install_info_routes(app, registry, multiprocess_dir)
+    _install_response_routes(app)
     _install_error_handlers(app)
-    return HotPath(app, gateway, Passthrough(gateway) if config.passthrough_upstream is not None else None)
+    hot = HotPath(app, gateway, loaded if transport is None and policy is None else None)
+    return hot
 
 
-def _install_info_routes(app: FastAPI, gateway: Gateway, registry: CollectorRegistry,
-                         multiprocess_dir: str | None, listed: UpstreamModels) -> None:
+def _gateway(loaded: LoadedConfig, metrics: Metrics, transport: Transport, *, policy: Policy | None = None,
+             previous: Gateway | None = None) -> Gateway:
+    """The request path of one config. After a reload (``previous``: the gateway it replaces) the metrics' label sets
+    follow the new config, and the health state of each upstream that stays, the live estimates, the exploration
+    state and the stored conversations carry over."""
+    config = loaded.config
+    if previous is not None:
+        metrics.reconfigure(config.model_names(), [(u.tier, u.name, u.models) for u in config.upstreams],
+                            {u.name: u.prices.per_token() for u in config.upstreams if u.prices is not None},
+                            {(u.name, m): p.per_token() for u in config.upstreams for m, p in u.model_prices.items()})
+    health = Health(config.upstreams)
+    if previous is not None:
+        health.carry(previous.health)
+        store = previous.store
+    else:
+        bounds = config.response_store
+        store = MemoryResponseStore(bounds.max_items, bounds.max_bytes, bounds.ttl)
+    gateway = Gateway(config, policy if policy is not None else Policy(config), transport, metrics, health, store)
+    if previous is not None:
+        gateway.estimates, gateway.explorer = previous.estimates, previous.explorer
+    gateway.listed = UpstreamModels(gateway)
+    return gateway
+
+
+def _current(app: FastAPI, kind: str) -> Any:
+    """An endpoint that serves ``kind`` with the gateway current at the time of the request (reloads swap it)."""
+    async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
+        await app.state.gateway.handle(scope, receive, send, kind=kind)
+    return endpoint
+
+
+def _install_info_routes(app: FastAPI, registry: CollectorRegistry, multiprocess_dir: str | None) -> None:
     """``/v1/models`` (OpenAPI ``Model``: the configured models and aliases, then what the passthrough upstream
-    lists, cached), ``/healthz``, ``/readyz`` and ``/metrics``: off the hot path."""
-    config, metrics, health = gateway.config, gateway.metrics, gateway.health
+    lists, cached), ``/healthz``, ``/readyz`` and ``/metrics``: off the hot path; each reads the gateway current at
+    the time of the request (``app.state.gateway``: a reload swaps it)."""
     created = int(time.time())
 
     def model_object(name: str) -> dict[str, object]:
@@ -193,15 +279,18 @@ def _install_info_routes(app: FastAPI, gateway: Gateway, registry: CollectorRegi
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> Response:
-        own = config.model_names()
+        gateway: Gateway = app.state.gateway
+        own = gateway.config.model_names()
         data = [model_object(m) for m in own]
         mine = set(own)
+        listed = gateway.listed
+        assert isinstance(listed, UpstreamModels)
         data += [m for m in await listed.models() if m["id"] not in mine]
         return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
     @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])  # ids may contain "/" (wire contract §5)
     async def model(model: str) -> Response:
-        if model not in config.model_names():
+        if model not in app.state.gateway.config.model_names():
             return error_response(ModelNotFound(f"The model `{model}` does not exist or you do not have access to "
                                                 "it.", param="model"), {})
         return Response(orjson.dumps(model_object(model)), media_type="application/json")
@@ -212,6 +301,7 @@ def _install_info_routes(app: FastAPI, gateway: Gateway, registry: CollectorRegi
 
     @app.api_route("/readyz", methods=["GET", "HEAD"])
     async def readyz() -> Response:
+        gateway: Gateway = app.state.gateway
         if gateway.draining:
             return Response(b'{"status":"draining"}', 503, media_type="application/json")
         if gateway.transport.ready:
@@ -220,6 +310,8 @@ def _install_info_routes(app: FastAPI, gateway: Gateway, registry: CollectorRegi
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics_endpoint() -> Response:
+        gateway: Gateway = app.state.gateway
+        metrics, health = gateway.metrics, gateway.health
         metrics.tasks.set(len(asyncio.all_tasks()))
         now = health.clock()
         metrics.set_estimates(gateway.estimates.latencies(now))
@@ -233,13 +325,13 @@ def _install_info_routes(app: FastAPI, gateway: Gateway, registry: CollectorRegi
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _install_response_routes(app: FastAPI, gateway: Gateway) -> None:
+def _install_response_routes(app: FastAPI) -> None:
     """``GET`` / ``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` for the responses the gateway
     made through its bridge (OpenAI API reference "Get a model response", "Delete a model response", "List input
     items"). Others are their upstream's: 404 here."""
 
     async def bridged(response_id: str) -> Bridged | Response:
-        record = await gateway.store.get(response_id)
+        record = await app.state.gateway.store.get(response_id)
         if isinstance(record, Bridged):
             return record
         if isinstance(record, Native):
@@ -261,7 +353,7 @@ def _install_response_routes(app: FastAPI, gateway: Gateway) -> None:
         found = await bridged(response_id)
         if isinstance(found, Response):
             return found
-        await gateway.store.delete(response_id)
+        await app.state.gateway.store.delete(response_id)
         return Response(orjson.dumps({"id": response_id, "object": "response", "deleted": True}),
                         media_type="application/json")
 
@@ -303,6 +395,7 @@ def serve_app(loaded: LoadedConfig, settings: Settings, multiprocess_dir: str | 
     logs.event("config_loaded", path=str(loaded.path), upstreams=[u.name for u in cfg.upstreams],
                models=cfg.model_names(), rules=len(cfg.rules) if cfg.rules is not None else "default")
     drain_on_exit(app, settings.drain_timeout)
+    reload_on_hup(app)
     return app
 
 

@@ -281,6 +281,16 @@ class Health:
         self.by_name = {u.name: UpstreamHealth(u) for u in upstreams}
         self.clock = clock
 
+    def carry(self, previous: Health) -> None:
+        """After a reload: each upstream that stays keeps its breaker, cooldown and quota estimate (its requests in
+        flight stay counted on the old one, which they release)."""
+        for name, h in self.by_name.items():
+            old = previous.by_name.get(name)
+            if old is not None:
+                h.failures, h.open_until, h.half_open = old.failures, old.open_until, old.half_open
+                h.probe_started, h.cooldown_until, h.exhausted = old.probe_started, old.cooldown_until, old.exhausted
+                h.quota = dict(old.quota)
+
     def __getitem__(self, name: str) -> UpstreamHealth:
         return self.by_name[name]
 

@@ -174,6 +174,19 @@ class Metrics:
         for kind, remaining in quota.items():
             self.quota_remaining.labels(upstream, kind).set(remaining)
 
+    def reconfigure(self, models: Iterable[str], routes: Iterable[tuple[str, str, Iterable[str]]],
+                    prices: Mapping[str, tuple[float, float, float]],
+                    model_prices: Mapping[tuple[str, str], tuple[float, float, float]]) -> None:
+        """A reloaded config: the label sets and prices follow it (the families and their counts stay: a counter
+        never goes back); the new routes' series are initialised as at start-up."""
+        self.models = frozenset(models)
+        self.prices = dict(prices)
+        self.model_prices = dict(model_prices)
+        for tier, upstream, served in routes:
+            self.in_flight.labels(tier, upstream)
+            for model in sorted(served):
+                self.requests.labels(tier, upstream, model, "success")
+
     def set_estimates(self, latency: Iterable[tuple[str, str, Any]]) -> None:
         """Publish the live estimates: (upstream, model, ``gateway.estimates.Latency`` or None) each; unmeasured ones
         have no series (Prometheus: absent, not zero)."""

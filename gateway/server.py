@@ -206,6 +206,26 @@ def drain_on_exit(app: Any, timeout: float) -> None:
             signal.signal(sig, handler)
 
 
+def reload_on_hup(app: Any) -> None:
+    """On SIGHUP, run ``app.reload()`` (:meth:`gateway.app.HotPath.reload`) on this event loop: a config change
+    without a restart. Call it from the app factory, like :func:`drain_on_exit`. Outside the main thread it does
+    nothing; with ``--workers N`` the signal goes to uvicorn's supervisor, which replaces each worker with one that
+    read the file again, the old one draining (uvicorn's ``Multiprocess.restart_all``)."""
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task[Any]] = set()
+
+    def start() -> None:
+        task = loop.create_task(app.reload())
+        tasks.add(task)  # held until done: a task nobody references may be collected mid-run
+        task.add_done_callback(tasks.discard)
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        loop.call_soon_threadsafe(start)
+
+    with contextlib.suppress(ValueError):  # signal.signal works only in the main thread
+        signal.signal(signal.SIGHUP, handler)
+
+
 def uvicorn_options(host: str, port: int, log_level: str, settings: Settings) -> dict[str, Any]:
     """uvicorn's settings for serving the gateway (``uvicorn.Config`` keywords): uvloop, the guarded protocol, no
     access log or proxy-header middleware on the hot path, the keep-alive and drain of ``settings``."""
