@@ -63,7 +63,9 @@ def configure(exporter: str | None, span_exporter: Any = None) -> bool:
         log.warning("OTEL_TRACES_EXPORTER=%s but the otel extra is not installed (pip install 'tiergate[otel]'): "
                     "no traces", exporter)
         return False
-    provider = TracerProvider(resource=Resource.create({"service.name": "tiergate"}).merge(Resource.create()))
+    # service.name tiergate unless OTEL_SERVICE_NAME (or service.name in OTEL_RESOURCE_ATTRIBUTES) says otherwise:
+    # Resource.create merges the environment's over the attributes given
+    provider = TracerProvider(resource=Resource.create({"service.name": "tiergate"}))
     if span_exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(span_exporter))
     elif exporter == "console":

@@ -73,7 +73,8 @@ def test_the_base_deploys_the_gateway_with_probes_drain_and_hardening() -> None:
     assert gw["readinessProbe"]["httpGet"]["path"] == "/readyz" and gw["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert gw["envFrom"] == [{"secretRef": {"name": "tiergate-keys"}}]
     env = {e["name"]: e["value"] for e in gw["env"]}
-    assert pod["terminationGracePeriodSeconds"] > int(env["GATEWAY_DRAIN_TIMEOUT"])  # the drain fits in the grace
+    pre_stop = int(gw["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert pod["terminationGracePeriodSeconds"] > pre_stop + int(env["GATEWAY_DRAIN_TIMEOUT"])  # the drain fits
     assert "--host" in gw["args"] and "0.0.0.0" in gw["args"]
     config = next(d for d in docs if d["kind"] == "ConfigMap")
     volume = next(v for v in pod["volumes"] if v["name"] == "config")
@@ -88,7 +89,11 @@ def test_the_sidecar_is_native_and_the_app_only_changes_its_base_url() -> None:
     pod = _pod(docs, "example-app")
     (sidecar,) = pod["initContainers"]
     assert sidecar["name"] == "tiergate" and sidecar["restartPolicy"] == "Always"  # native sidecar (1.29+)
-    assert sidecar["startupProbe"]["httpGet"]["path"] == "/readyz"  # the app starts once the gateway is ready
+    # the app starts once the gateway is ready; probed on loopback, where it listens (an httpGet probe goes to the
+    # pod's IP and would never pass)
+    assert "http://127.0.0.1:8080/readyz" in " ".join(sidecar["startupProbe"]["exec"]["command"])
+    assert "http://127.0.0.1:8080/healthz" in " ".join(sidecar["livenessProbe"]["exec"]["command"])
+    assert not any("httpGet" in sidecar[p] for p in ("startupProbe", "readinessProbe", "livenessProbe"))
     assert sidecar["args"][sidecar["args"].index("--host") + 1] == "127.0.0.1"  # loopback only
     _hardened(pod, sidecar)
     (app,) = pod["containers"]

@@ -63,6 +63,7 @@ async def test_a_request_is_a_server_span_with_one_client_span_per_attempt(spans
     clients = [s for s in finished if s.kind == SpanKind.CLIENT]
     assert len(server) == 1 and len(clients) == 2
     req = server[0]
+    assert req.resource.attributes["service.name"] == "tiergate"  # unless OTEL_SERVICE_NAME says otherwise
     assert req.name == "chat m" and format(req.context.trace_id, "032x") == CLIENT_TRACE.split("-")[1]
     assert req.parent is not None and format(req.parent.span_id, "016x") == CLIENT_TRACE.split("-")[2]
     a = dict(req.attributes or {})
