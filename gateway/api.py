@@ -52,7 +52,7 @@ from gateway.errors import (
 from gateway.estimates import Estimates
 from gateway.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of, read_body
 from gateway.health import Health
-from gateway.metrics import Metrics
+from gateway.metrics import Metrics, decode_speed
 from gateway.policy import Candidate, Continuation, Decision, Policy, RequestFacts
 from gateway.relay import Relay, StreamStats, Write
 from gateway.upstream import Answer, Attempt, Transport
@@ -450,12 +450,13 @@ class Gateway:
         completion = usage.get("completion_tokens") if usage is not None else None
         if not isinstance(completion, int) or completion < stats.token_chunks:
             completion = stats.token_chunks
-        chunks, first, last = stats.token_chunks, stats.t_first_token, stats.t_last_token
+        first, last = stats.t_first_token, stats.t_last_token
         now = self.health.clock()
-        if chunks >= 2 and first is not None and last is not None and last > first:
+        speed = (decode_speed(last - first, stats.token_chunks, completion) if first is not None and last is not None
+                 else None)
+        if speed is not None:
             up = attempt.upstream
-            self.estimates.observe_speed(up.name, up.models.get(decision.model, decision.model), now,
-                                         completion * (chunks - 1) / ((last - first) * chunks))  # 1 / TPOT
+            self.estimates.observe_speed(up.name, up.models.get(decision.model, decision.model), now, speed)
         if facts.max_tokens is None:  # the lengths predict only requests without a limit: sampled from those
             self.estimates.observe_length(decision.rule, decision.model, now, completion)
 
@@ -567,9 +568,9 @@ class Gateway:
         winning is then still seen to be slow. A shorter wait (it lost just after the hedge started) says nothing,
         nor does any wait of an unmeasured upstream (it would become its estimate; the probe measures it)."""
         usage = relay.stats.usage if relay is not None else None
-        price = up.model_prices.get(facts.model) or up.prices
+        price = deadline.price(up, decision.model)
         if price is not None:
-            p_in, _, p_out = price.per_token()
+            p_in, _, p_out = price
             prompt = usage.get("prompt_tokens") if usage else None
             completion = usage.get("completion_tokens") if usage else None
             cost = (prompt if isinstance(prompt, int) else facts.prompt_tokens) * p_in + \
@@ -584,11 +585,8 @@ class Gateway:
         if est is not None and waited > est.ttft(facts.prompt_tokens, tail=False):
             self.estimates.observe_ttft(up.name, model, now, prompt_tokens=facts.prompt_tokens, ttft=waited)
 
-    def _by_deadline(self, decision: Decision, facts: RequestFacts, budget: deadline.Budget | None) -> Decision:
-        """The decision with its candidates ordered by deadline routing (``gateway.deadline``), counted; unchanged
-        without a budget."""
-        if budget is None:
-            return decision
+    def _by_deadline(self, decision: Decision, facts: RequestFacts, budget: deadline.Budget) -> Decision:
+        """The decision with its candidates ordered by deadline routing (``gateway.deadline``), counted."""
         choice = deadline.choose(decision, facts, budget, self.estimates, self.health.clock(), self.explorer)
         chosen = choice.candidates[0].upstream
         self.metrics.child(self.metrics.deadline_decisions, chosen.tier, chosen.name, choice.verdict).inc()

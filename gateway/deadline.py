@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.config import RouteConfig, Tier
+from gateway.config import RouteConfig, Tier, UpstreamConfig
 from gateway.errors import InvalidRequest
 from gateway.estimates import Estimates, Latency
 from gateway.policy import Candidate, Decision, RequestFacts
@@ -201,8 +201,9 @@ class Explorer:
         return True
 
 
-def _price(c: Candidate, model: str) -> tuple[float, float, float] | None:
-    up = c.upstream
+def price(up: UpstreamConfig, model: str) -> tuple[float, float, float] | None:
+    """(input, cached input, output) USD per token of ``model`` (the configured name) on ``up``: its
+    ``model_prices`` entry, else its ``prices``; None when unpriced (as ``gateway.metrics`` prices a request)."""
     priced = up.model_prices.get(model) or up.prices
     return priced.per_token() if priced is not None else None
 
@@ -210,8 +211,8 @@ def _price(c: Candidate, model: str) -> tuple[float, float, float] | None:
 def predict(c: Candidate, est: Latency | None, facts: RequestFacts, model: str, completion_tail: int,
             completion_central: int, b: Budget, now: float) -> Prediction:
     """One candidate's prediction (module docstring) at ``now``."""
-    price = _price(c, model)
-    cost = None if price is None else facts.prompt_tokens * price[0] + completion_central * price[2]
+    priced = price(c.upstream, model)
+    cost = None if priced is None else facts.prompt_tokens * priced[0] + completion_central * priced[2]
     up = c.upstream
     if est is None:
         return Prediction(up.name, up.tier, None, None, cost, None, None)
@@ -287,7 +288,8 @@ def headers(choice: Choice, upstream: str) -> list[tuple[bytes, bytes]]:
 
 def describe(choice: Choice) -> str:
     """The choice in one sentence, for ``POST /v1/tiergate/route``."""
-    p = choice.predictions[[q.upstream for q in choice.predictions].index(choice.candidates[0].upstream.name)]
+    p = choice.of(choice.candidates[0].upstream.name)
+    assert p is not None
     b = choice.budget
     parts = [f"deadline {_ms(b.total):g} ms" if b.total is not None else "",
              f"TTFT deadline {_ms(b.ttft):g} ms" if b.ttft is not None else ""]

@@ -160,6 +160,10 @@ class Metrics:
                                multiprocess_mode="mostrecent")
         self.est_samples = Gauge(f"{p}_estimate_samples", "TTFT samples in the live estimate's window.", _L,
                                  registry=registry, multiprocess_mode="mostrecent")
+        self._initialise(routes)
+
+    def _initialise(self, routes: Iterable[tuple[str, str, Iterable[str]]]) -> None:
+        """Create the series of ``routes`` before any traffic (at start-up, and for a reloaded config's new routes)."""
         for tier, upstream, served in routes:
             self.in_flight.labels(tier, upstream)
             for model in sorted(served):
@@ -182,10 +186,7 @@ class Metrics:
         self.models = frozenset(models)
         self.prices = dict(prices)
         self.model_prices = dict(model_prices)
-        for tier, upstream, served in routes:
-            self.in_flight.labels(tier, upstream)
-            for model in sorted(served):
-                self.requests.labels(tier, upstream, model, "success")
+        self._initialise(routes)
 
     def set_estimates(self, latency: Iterable[tuple[str, str, Any]]) -> None:
         """Publish the live estimates: (upstream, model, ``gateway.estimates.Latency`` or None) each; unmeasured ones
@@ -297,10 +298,10 @@ class Metrics:
         for token_type, n in zip(TOKEN_TYPES, (prompt, completion, cached, reasoning), strict=True):
             if n:
                 self.child(self.tokens, *labels, token_type).inc(n)
-        if decode_time is not None and chunks >= 2 and completion >= chunks and decode_time > 0:
-            tpot = decode_time * chunks / (completion * (chunks - 1))  # = decode / (completion - 1) at 1 per chunk
-            self.child(self.tpot, *labels).observe(tpot)
-            self.child(self.tps, *labels).observe(1.0 / tpot)
+        speed = decode_speed(decode_time, chunks, completion) if decode_time is not None else None
+        if speed is not None:
+            self.child(self.tpot, *labels).observe(1.0 / speed)
+            self.child(self.tps, *labels).observe(speed)
 
     def _reported(self, tier: str, upstream: str, time_info: dict[str, Any] | None, processing_ms: str | None) -> None:
         if time_info:
@@ -311,6 +312,15 @@ class Metrics:
         elif processing_ms:
             with contextlib.suppress(ValueError):
                 self.child(self.upstream_reported, tier, upstream, "total").observe(float(processing_ms) / 1000.0)
+
+
+def decode_speed(decode_time: float, token_chunks: int, completion_tokens: int) -> float | None:
+    """Decode tokens/s by the module docstring's definition: 1 / time per output token, where time per output token
+    is ``decode_time * token_chunks / (completion_tokens * (token_chunks - 1))`` (= decode / (completion - 1) at one
+    token per chunk). None with fewer than 2 token-bearing chunks, fewer tokens than chunks, or no decode time."""
+    if token_chunks < 2 or completion_tokens < token_chunks or decode_time <= 0:
+        return None
+    return completion_tokens * (token_chunks - 1) / (decode_time * token_chunks)
 
 
 def _int(value: object) -> int:
