@@ -15,9 +15,13 @@ the upstream can refuse it:
 * ``quota_requests`` / ``quota_tokens``: the remaining requests or tokens last reported in
   ``x-ratelimit-remaining-*`` headers (OpenAI: ``-requests``/``-tokens`` with Go-duration resets such as
   ``6m0s``; Cerebras: ``-requests-day``/``-tokens-minute`` with resets in seconds), minus what this gateway
-  sent since, would not cover the request's estimated prompt plus ``max_tokens`` with ``quota_reserve``
+  sent after the request whose answer reported them (those the upstream had not counted yet: requests still in
+  flight included), would not cover the request's estimated prompt plus ``max_tokens`` with ``quota_reserve``
   left over. The estimate is dropped when the reported reset time passes.
 * ``concurrency``: ``max_concurrent`` requests are already in flight to it.
+
+Replicas that share state (``gateway.shared``) tell each other their cooldowns and breaker transitions through a
+:class:`Listener`, and apply the others' with the ``shared_*`` methods (which tell no listener).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from random import random
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from gateway import logs
 from gateway.config import UpstreamConfig
@@ -65,6 +69,28 @@ def parse_retry_after(headers: Mapping[str, str]) -> float | None:
             except ValueError:
                 continue
     return None
+
+
+def quota_report(headers: Mapping[str, str]) -> dict[str, tuple[float, float]]:
+    """The tightest window of each kind an answer's ``x-ratelimit-remaining-*`` / ``-reset-*`` headers report:
+    ``{"requests" | "tokens": (remaining, seconds to its reset)}``; a window without a readable reset is taken for
+    the per-minute one both OpenAI and Cerebras use (60 s)."""
+    seen: dict[str, tuple[float, float]] = {}
+    for name, value in headers.items():
+        if not name.startswith("x-ratelimit-remaining-"):
+            continue
+        suffix = name[len("x-ratelimit-remaining-"):]  # requests, tokens, requests-day, tokens-minute, ...
+        kind = suffix.split("-", 1)[0]
+        if kind not in ("requests", "tokens"):
+            continue
+        try:
+            remaining = float(value)
+        except ValueError:
+            continue
+        reset = parse_reset(headers.get(f"x-ratelimit-reset-{suffix}", ""))
+        if kind not in seen or remaining < seen[kind][0]:
+            seen[kind] = (remaining, 60.0 if reset is None else reset)
+    return seen
 
 
 def retry_wait(headers: Mapping[str, str]) -> float | None:
@@ -103,6 +129,19 @@ class _Quota:
     resets_at: float  # monotonic seconds; the estimate is void after it
 
 
+Mark = tuple[int, int]  # (requests, tokens) sent to an upstream so far, its own included: see UpstreamHealth.start
+
+
+class Listener(Protocol):
+    """Told of the transitions other replicas should know (``gateway.shared``); times are the health clock's."""
+
+    def rested(self, upstream: str, kind: str, until: float, exhausted: bool) -> None:
+        """Rests until ``until``: ``kind`` ``cooldown`` (a 429; ``exhausted``: the quota is) or ``open`` (breaker)."""
+
+    def closed(self, upstream: str) -> None:
+        """The breaker closed: a request worked."""
+
+
 class UpstreamHealth:
     """The state of one upstream (see the module docstring). Times are ``time.monotonic()`` seconds."""
 
@@ -119,6 +158,9 @@ class UpstreamHealth:
         self.in_flight = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self.quota: dict[str, _Quota] = {}  # "requests" | "tokens" -> the tightest reported window
+        self.sent = (0, 0)  # requests and tokens (estimated) sent so far, for the marks of start()
+        self.reports_quota = False  # some answer (here or, shared, another replica's) carried rate-limit headers
+        self.listener: Listener | None = None
 
     def state(self, now: float) -> str:
         """``closed``, ``open``, ``half_open`` or ``cooldown`` (for the state gauge)."""
@@ -149,9 +191,14 @@ class UpstreamHealth:
                 return f"quota_{kind}"
         return None
 
-    def start(self, now: float, need_tokens: int) -> None:
-        """A request is being sent: count it in flight and against the quota estimate; take the probe slot."""
+    def start(self, now: float, need_tokens: int) -> Mark:
+        """A request is being sent: count it in flight and against the quota estimate; take the probe slot.
+
+        Returns:
+            its mark: what had been sent with it; give it back with its answer's headers (:meth:`observe_headers`).
+        """
         self.in_flight += 1
+        self.sent = (self.sent[0] + 1, self.sent[1] + need_tokens)
         if self.open_until and self.open_until <= now:
             self.open_until = 0.0
             self.half_open = True
@@ -162,6 +209,7 @@ class UpstreamHealth:
             q = self.quota.get(kind)
             if q is not None:
                 q.remaining -= spent
+        return self.sent
 
     def finish(self) -> None:
         """The request is over (whatever its result); wakes the first request waiting for a slot."""
@@ -198,32 +246,27 @@ class UpstreamHealth:
                     waiter.cancel()
         return True
 
-    def observe_headers(self, headers: Mapping[str, str], now: float) -> None:
-        """Update the quota estimate from ``x-ratelimit-remaining-*`` / ``x-ratelimit-reset-*`` headers."""
-        seen: dict[str, _Quota] = {}
-        for name, value in headers.items():
-            if not name.startswith("x-ratelimit-remaining-"):
-                continue
-            suffix = name[len("x-ratelimit-remaining-"):]  # requests, tokens, requests-day, tokens-minute, ...
-            kind = suffix.split("-", 1)[0]
-            if kind not in ("requests", "tokens"):
-                continue
-            try:
-                remaining = float(value)
-            except ValueError:
-                continue
-            reset = parse_reset(headers.get(f"x-ratelimit-reset-{suffix}", ""))
-            if reset is None:
-                reset = 60.0  # no (readable) reset: assume the per-minute window both OpenAI and Cerebras use
-            q = _Quota(remaining, now + reset)
-            if kind not in seen or q.remaining < seen[kind].remaining:
-                seen[kind] = q
-        self.quota.update(seen)
+    def observe_headers(self, headers: Mapping[str, str], now: float, mark: Mark | None = None) -> None:
+        """Update the quota estimate from an answer's ``x-ratelimit-remaining-*`` / ``-reset-*`` headers.
+
+        The upstream counted the requests it had received when it answered (OpenAI and Cerebras count a request
+        when it arrives), so what was sent after this answer's request (``mark``, from :meth:`start`) is taken
+        off what it reports: those requests are in flight, or their answers were read already.
+        """
+        report = quota_report(headers)
+        if not report:
+            return
+        self.reports_quota = True
+        for kind, (remaining, reset) in report.items():
+            since = 0 if mark is None else max(0, self.sent[kind == "tokens"] - mark[kind == "tokens"])
+            self.quota[kind] = _Quota(remaining - since, now + reset)
 
     def success(self) -> None:
         """An answer that shows the upstream works: close the breaker."""
         if self.open_until or self.half_open:
             logs.event("breaker_closed", upstream=self.name, tier=self.tier)
+            if self.listener is not None:
+                self.listener.closed(self.name)
         self.failures = 0
         self.open_until = 0.0
         self.half_open = False
@@ -238,6 +281,8 @@ class UpstreamHealth:
             self.open_until = now + self.cfg.open_seconds
             self.half_open = False
             self.probe_started = None
+            if self.listener is not None:
+                self.listener.rested(self.name, "open", self.open_until, False)
 
     def settle(self, exc: GatewayError | None, now: float) -> None:
         """One attempt's verdict, told once when it ends: None (it worked) or what it failed with. A 429 starts a
@@ -268,9 +313,33 @@ class UpstreamHealth:
         self.exhausted = exhausted
         logs.event("cooldown_started", "warning", upstream=self.name, tier=self.tier, retry_after_s=round(rest, 3),
                    quota_exhausted=exhausted)
+        if self.listener is not None:
+            self.listener.rested(self.name, "cooldown", self.cooldown_until, exhausted)
         if self.half_open:  # the probe got an answer: the upstream is up, only busy
             self.success()
         return rest
+
+    # what other replicas report (gateway.shared): applied without telling the listener back
+
+    def shared_rest(self, kind: str, until: float, exhausted: bool) -> None:
+        """Another replica's cooldown (``kind`` ``cooldown``) or open breaker (``open``) until ``until``."""
+        if kind == "cooldown" and until > self.cooldown_until:
+            self.cooldown_until, self.exhausted = until, exhausted
+        elif kind == "open" and until > self.open_until:
+            self.open_until, self.half_open, self.probe_started = until, False, None
+
+    def shared_closed(self) -> None:
+        """Another replica's request worked after its breaker opened: the upstream is up."""
+        listener, self.listener = self.listener, None
+        try:
+            self.success()
+        finally:
+            self.listener = listener
+
+    def shared_quota(self, kind: str, remaining: float, resets_at: float) -> None:
+        """The shared estimate of ``kind`` (every replica's reservations counted), void after ``resets_at``."""
+        self.reports_quota = True
+        self.quota[kind] = _Quota(remaining, resets_at)
 
 
 class Health:
@@ -281,6 +350,11 @@ class Health:
         self.by_name = {u.name: UpstreamHealth(u) for u in upstreams}
         self.clock = clock
 
+    def listen(self, listener: Listener | None) -> None:
+        """Tell ``listener`` every upstream's cooldowns and breaker transitions from now on (None: nobody)."""
+        for h in self.by_name.values():
+            h.listener = listener
+
     def carry(self, previous: Health) -> None:
         """After a reload: each upstream that stays keeps its breaker, cooldown and quota estimate (its requests in
         flight stay counted on the old one, which they release)."""
@@ -289,7 +363,7 @@ class Health:
             if old is not None:
                 h.failures, h.open_until, h.half_open = old.failures, old.open_until, old.half_open
                 h.probe_started, h.cooldown_until, h.exhausted = old.probe_started, old.cooldown_until, old.exhausted
-                h.quota = dict(old.quota)
+                h.quota, h.sent, h.reports_quota = dict(old.quota), old.sent, old.reports_quota
 
     def __getitem__(self, name: str) -> UpstreamHealth:
         return self.by_name[name]
@@ -331,7 +405,7 @@ class Untracked:
     def finish(self) -> None:
         """Nothing to give back."""
 
-    def observe_headers(self, headers: Mapping[str, str], now: float) -> None:
+    def observe_headers(self, headers: Mapping[str, str], now: float, mark: Any = None) -> None:
         """Nothing is read."""
 
     def settle(self, exc: GatewayError | None, now: float) -> None:

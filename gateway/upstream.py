@@ -110,9 +110,9 @@ class Verdicts(Protocol):
     """What an attempt tells an upstream's health (:class:`gateway.health.UpstreamHealth`, or
     :data:`gateway.health.UNTRACKED`)."""
 
-    def start(self, now: float, need_tokens: int) -> None: ...
+    def start(self, now: float, need_tokens: int) -> Any: ...
     def finish(self) -> None: ...
-    def observe_headers(self, headers: Mapping[str, str], now: float) -> None: ...
+    def observe_headers(self, headers: Mapping[str, str], now: float, mark: Any = None) -> None: ...
     def settle(self, exc: GatewayError | None, now: float) -> None: ...
 
 
@@ -160,9 +160,10 @@ class Attempt:
         self._client_key = client_key if upstream.pass_client_key else None
         self._complete = False
         self._verdict = False
+        self._mark: Any = None
 
     async def __aenter__(self) -> Attempt:
-        self.health.start(self._clock(), self._need)
+        self._mark = self.health.start(self._clock(), self._need)
         ttft = self.upstream.timeouts.ttft if self._stream else None
         if ttft:
             self.first_token_by = asyncio.get_running_loop().time() + ttft
@@ -200,7 +201,7 @@ class Attempt:
         except TimeoutError as err:
             raise UpstreamTimeout(f"No first token from the upstream within {self.upstream.timeouts.ttft:g} s.",
                                   code="upstream_ttft_timeout") from err
-        self.health.observe_headers(answer.headers, self._clock())
+        self.health.observe_headers(answer.headers, self._clock(), self._mark)
         if answer.status != 200 and not (self._forward is not None and 200 <= answer.status < 300):
             if 300 <= answer.status < 400:  # a redirect to the upstream's own hosts, or a 304 to a request never
                 # made conditional: nothing a client of the gateway can follow or use

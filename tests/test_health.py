@@ -87,6 +87,21 @@ def test_quota_estimate_counts_down_and_spills_before_the_limit() -> None:
     assert h.unavailable(60.5, 600) is None  # the tokens window reset too
 
 
+def test_a_report_is_taken_minus_what_was_sent_after_its_request() -> None:
+    h = UpstreamHealth(upstream())
+    first = h.start(0.0, 300)
+    h.start(0.0, 200)  # sent while the first was in flight: the first's report cannot count it
+    h.start(0.0, 100)
+    h.observe_headers({"x-ratelimit-remaining-tokens": "5000", "x-ratelimit-reset-tokens": "1m0s",
+                       "x-ratelimit-remaining-requests": "50", "x-ratelimit-reset-requests": "1m0s"}, 0.1, first)
+    assert h.quota["tokens"].remaining == 5000 - 300 and h.quota["requests"].remaining == 50 - 2
+    last = h.start(0.2, 50)
+    h.observe_headers({"x-ratelimit-remaining-tokens": "4350"}, 0.3, last)  # nothing sent after it
+    assert h.quota["tokens"].remaining == 4350
+    h.observe_headers({"x-ratelimit-remaining-tokens": "9000"}, 0.4)  # no mark (an untracked caller): as reported
+    assert h.quota["tokens"].remaining == 9000
+
+
 def test_cerebras_day_and_minute_headers_use_the_tightest_window() -> None:
     h = UpstreamHealth(upstream())
     h.observe_headers({"x-ratelimit-limit-requests-day": "14400", "x-ratelimit-remaining-requests-day": "5",
