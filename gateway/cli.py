@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     emulate.add_argument("--ttft", type=float, help="time to first token in seconds (fast 0.05, standard 0.4)")
     emulate.add_argument("--dialect", choices=("openai", "cerebras"), help="fast: cerebras, standard: openai")
     emulate.add_argument("--fixtures", type=Path, help="recorded transcripts (default ../shared/fixtures/upstream)")
+    emulate.add_argument("--tokens-per-minute", type=int, help="one per-minute token budget for every caller, "
+                         "reported in rate-limit headers; over it: 429 (default: no limit)")
     emulate.add_argument("--exit-with-parent", action="store_true", help="stop when the process that started it ends")
     emulate.add_argument("--timing-log", type=Path,
                          help="append when each streamed answer's request came and its first and last token left")
@@ -150,7 +152,7 @@ def _emulate(args: argparse.Namespace) -> int:
     from gateway.tools.emulator import EmulatorConfig, run
 
     cfg = EmulatorConfig.for_tier(args.tier, tps=args.tps, ttft=args.ttft, dialect=args.dialect,
-                                  fixtures=args.fixtures)
+                                  fixtures=args.fixtures, tokens_per_minute=args.tokens_per_minute or None)
     print(f"emulated {args.tier} tier on http://{args.host}:{args.port}/v1: {cfg.tps:g} tokens/s, "
           f"TTFT {cfg.ttft * 1000:g} ms, {cfg.dialect} dialect", flush=True)
     run(cfg, args.host, args.port, parent=os.getppid() if args.exit_with_parent else None, timing_log=args.timing_log)

@@ -6,6 +6,7 @@ JSON schema until a tool result comes back, then text; ``n``; token limits (``le
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -130,3 +131,25 @@ def test_a_follow_up_to_a_response_the_emulator_never_made_is_refused(emu: dict[
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "previous_response_not_found"
     made = _post(up, "/responses", input="x").json()["id"]
     assert _post(up, "/responses", input="y", previous_response_id=made).status_code == 200
+
+
+@pytest.mark.parametrize(("dialect", "suffix", "reset"), [("openai", "", r"\d+\.\d{3}s"),
+                                                          ("cerebras", "-minute", r"\d+\.\d{3}")])
+def test_a_token_budget_is_shared_by_every_caller_and_reported(dialect: str, suffix: str, reset: str) -> None:
+    emu = EmulatorThread(config=EmulatorConfig(dialect=dialect, ttft=0.001, tps=10_000, tokens_per_minute=2500))
+    try:
+        body = {"model": "m", "max_tokens": 1000, "messages": [{"role": "user", "content": "[[emulate tokens=2]]"}]}
+        cost = 1000 + len(json.dumps(body["messages"], separators=(",", ":"))) // 4
+        first, second, third = (_post(emu, "/chat/completions", **body) for _ in range(3))
+        assert first.status_code == second.status_code == 200
+        assert int(first.headers[f"x-ratelimit-remaining-tokens{suffix}"]) == 2500 - cost
+        assert int(second.headers[f"x-ratelimit-remaining-tokens{suffix}"]) == 2500 - 2 * cost
+        assert first.headers[f"x-ratelimit-limit-tokens{suffix}"] == "2500"
+        assert re.fullmatch(reset, first.headers[f"x-ratelimit-reset-tokens{suffix}"])
+        assert third.status_code == 429  # the rest does not cover a third: refused, and not charged
+        assert int(third.headers[f"x-ratelimit-remaining-tokens{suffix}"]) == 2500 - 2 * cost
+        off = httpx.post(emu.base_url.removesuffix("/v1") + "/emulator/config", json={"tokens_per_minute": 0})
+        assert off.json()["tokens_per_minute"] is None
+        assert _post(emu, "/chat/completions", **body).status_code == 200
+    finally:
+        emu.stop()

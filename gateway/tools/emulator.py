@@ -38,6 +38,14 @@ fault         one of :data:`FAULTS`: a fault from issue 10's bug reports, played
 ``POST /emulator/config`` with ``{"ttft_ms": 3000}`` and/or ``{"tps": 50}`` changes the defaults of every later
 request (an upstream that starts queueing mid-test); ``GET /emulator/config`` shows them.
 
+With ``tokens_per_minute`` (``--tokens-per-minute``, or ``{"tokens_per_minute": N}`` on the admin endpoint; 0 turns
+it off) the emulator keeps one per-minute token budget for everyone who calls it, as OpenAI and Cerebras do per
+organisation: each chat-completions or Responses request is charged when it arrives (its messages' JSON bytes / 4,
+plus its ``max_tokens``), every answer reports what is left in the dialect's rate-limit headers (OpenAI:
+``x-ratelimit-*-tokens`` with resets such as ``12.5s``; Cerebras: ``x-ratelimit-*-tokens-minute`` in seconds), and a
+request the rest does not cover is answered 429. The window starts with the first request and restarts a minute
+after it started.
+
 With ``timing_log`` (``tiergate emulate --timing-log FILE``) every streamed answer appends one JSON line when it
 ends: ``{"rid", "received", "first_token", "last_token", "token_chunks"}``, times from ``time.perf_counter()``
 (``CLOCK_MONOTONIC``, shared by every process of the machine): when the request was complete and when the write
@@ -115,6 +123,7 @@ class EmulatorConfig:
     dialect: str = "cerebras"
     fixtures: Path = Path("../shared/fixtures/upstream")
     max_tokens: int = 4096
+    tokens_per_minute: int | None = None  # one shared budget of every caller (module docstring); None: no limit
 
     @classmethod
     def for_tier(cls, tier: str, **overrides: Any) -> EmulatorConfig:
@@ -183,6 +192,7 @@ class Emulator:
         # OpenAI refuses it, so that a gateway that starts a conversation afresh is caught
         self.responses_made: OrderedDict[str, None] = OrderedDict()
         self.surface = Surface()  # files, batches, ... (the rest of the /v1 surface)
+        self.window: tuple[float, int] = (0.0, 0)  # the token budget's window: (its start, loop time; tokens spent)
         self._log: TextIO | None = timing_log.open("a", buffering=1) if timing_log else None
 
     def protocol(self) -> EmulatorProtocol:
@@ -222,6 +232,7 @@ class EmulatorProtocol(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.served = 0  # requests received on this connection
         self.number = 0
+        self.rate_headers: list[tuple[bytes, bytes]] = []  # the budget's headers for the answer being written
 
     @property
     def cfg(self) -> EmulatorConfig:
@@ -326,6 +337,8 @@ class EmulatorProtocol(asyncio.Protocol):
         if "status" in d:
             self._error(int(d["status"]), d)
             return
+        if self.cfg.tokens_per_minute and not self._charge(body):
+            return
         previous = body.get("previous_response_id")
         if path.endswith(b"/responses") and previous is not None and previous not in self.emulator.responses_made:
             self._reply(400, orjson.dumps({"error": {"message": f"Previous response with id '{previous}' not found.",
@@ -346,6 +359,31 @@ class EmulatorProtocol(asyncio.Protocol):
                 made.popitem(last=False)
         gen.start()
 
+    def _charge(self, body: dict[str, Any]) -> bool:
+        """Charge the request to the token budget (module docstring); False when it was answered 429 instead."""
+        budget, emu, now = self.cfg.tokens_per_minute or 0, self.emulator, self.loop.time()
+        start, spent = emu.window
+        if now - start >= 60.0:
+            start, spent = now, 0
+        limit = next((v for k in ("max_completion_tokens", "max_tokens", "max_output_tokens")
+                      if isinstance(v := body.get(k), int) and not isinstance(v, bool) and v > 0), 0)
+        cost = len(orjson.dumps(body.get("messages", body.get("input", [])))) // 4 + limit
+        fits = spent + cost <= budget
+        emu.window = (start, spent + cost if fits else spent)
+        left, reset = budget - emu.window[1], start + 60.0 - now
+        if self.cfg.dialect == "openai":
+            names, when = (b"x-ratelimit-limit-tokens", b"x-ratelimit-remaining-tokens",
+                           b"x-ratelimit-reset-tokens"), b"%.3fs" % reset
+        else:
+            names, when = (b"x-ratelimit-limit-tokens-minute", b"x-ratelimit-remaining-tokens-minute",
+                           b"x-ratelimit-reset-tokens-minute"), b"%.3f" % reset
+        self.rate_headers = [(names[0], b"%d" % budget), (names[1], b"%d" % left), (names[2], when)]
+        if not fits:
+            self._reply(429, _TPM if self.cfg.dialect != "openai" else orjson.dumps({"error": {
+                "message": f"Rate limit reached for tokens per min (TPM): Limit {budget}, Used {spent}, Requested "
+                           f"{cost}.", "type": "tokens", "param": None, "code": "rate_limit_exceeded"}}))
+        return fits
+
     def _admin(self, req: _Request) -> None:
         """``POST /emulator/config`` with ``{"ttft_ms": 3000, "tps": 50}`` (either) changes the defaults of every
         later request (a TTFT step mid-test: the upstream queues up); ``GET`` shows them."""
@@ -355,13 +393,18 @@ class EmulatorProtocol(asyncio.Protocol):
                 changes: dict[str, Any] = {"ttft": float(given["ttft_ms"]) / 1000} if "ttft_ms" in given else {}
                 if "tps" in given:
                     changes["tps"] = float(given["tps"])
+                if "tokens_per_minute" in given:
+                    changes["tokens_per_minute"] = int(given["tokens_per_minute"]) or None
+                    self.emulator.window = (0.0, 0)
             except (ValueError, TypeError, KeyError):
-                self._reply(400, b'{"error":{"message":"give {\"ttft_ms\": N} and/or {\"tps\": N}","type":'
+                self._reply(400, b'{"error":{"message":"give {\"ttft_ms\": N}, {\"tps\": N} and/or '
+                                 b'{\"tokens_per_minute\": N}","type":'
                                  b'"invalid_request_error","param":null,"code":null}}')
                 return
             self.emulator.config = dataclasses.replace(self.emulator.config, **changes)
         cfg = self.emulator.config
-        self._reply(200, orjson.dumps({"ttft_ms": cfg.ttft * 1000, "tps": cfg.tps, "dialect": cfg.dialect}))
+        self._reply(200, orjson.dumps({"ttft_ms": cfg.ttft * 1000, "tps": cfg.tps, "dialect": cfg.dialect,
+                                       "tokens_per_minute": cfg.tokens_per_minute}))
 
     def _fault(self, name: str, body: dict[str, Any], d: dict[str, str]) -> None:
         """Play one of :data:`FAULTS` (chat completions, either dialect)."""
@@ -419,13 +462,15 @@ class EmulatorProtocol(asyncio.Protocol):
             return
         head = [b"HTTP/1.1 %d %s" % (status, REASONS.get(status, b"Status")), b"content-type: " + ctype,
                 b"content-length: %d" % len(body), b"x-request-id: emu_%x" % id(body)]
-        head += [k + b": " + v for k, v in extra or ()]
+        head += [k + b": " + v for k, v in [*(extra or ()), *self.rate_headers]]
+        self.rate_headers = []
         self.transport.write(b"\r\n".join(head) + b"\r\n\r\n" + body)
 
     def _start_chunked(self, status: int, ctype: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
         if self.transport is not None:
             reason = REASONS.get(status, b"OK")
-            more = b"".join(k + b": " + v + b"\r\n" for k, v in extra or ())
+            more = b"".join(k + b": " + v + b"\r\n" for k, v in [*(extra or ()), *self.rate_headers])
+            self.rate_headers = []
             self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n"
                                  b"x-request-id: emu_%x\r\n%s\r\n" % (status, reason, ctype, id(self), more))
             req = self.current
