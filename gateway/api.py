@@ -44,6 +44,7 @@ from gateway.errors import (
     GatewayError,
     InvalidRequest,
     ModelNotFound,
+    RateLimited,
     UpstreamBadResponse,
     UpstreamsResting,
     UpstreamUnavailable,
@@ -55,7 +56,8 @@ from gateway.health import Health
 from gateway.metrics import Metrics, decode_speed
 from gateway.policy import Candidate, Continuation, Decision, Policy, RequestFacts
 from gateway.relay import Relay, StreamStats, Write
-from gateway.upstream import Answer, Attempt, Transport
+from gateway.shared import Admission, SharedState, SharedVerdicts
+from gateway.upstream import Answer, Attempt, Transport, Verdicts
 from gateway.wire import (
     chat_usage,
     client_wants_usage,
@@ -124,6 +126,7 @@ class Gateway:
         est = config.estimates
         self.estimates = Estimates(est.window, est.samples)  # fed by every relayed stream, read by deadlines
         self.explorer = deadline.Explorer(est.explore, est.probe, est.window / est.samples)
+        self.shared: SharedState | None = None  # state shared with other replicas (gateway.shared), or None
         self.draining = False
         self._drain_deadline = float("inf")  # loop time
         self._active: set[Exchange] = set()
@@ -238,7 +241,7 @@ class Gateway:
         self.metrics.child(self.metrics.decisions, decision.rule, decision.tier).inc()
         decision = decision if budget is None else self._by_deadline(decision, facts, budget)
         need = facts.prompt_tokens + (facts.max_tokens or 0)
-        plan = failover.plan(decision, self.health, self.health.clock(), need, self.config.max_attempts)
+        plan, admitted = await self._plan(decision, need)
         for cand, why in plan.spilled:
             self.metrics.spillovers.labels(cand.upstream.tier, cand.upstream.name, why).inc()
             logs.event("spillover", request_id=ex.rid, upstream=cand.upstream.name, tier=cand.upstream.tier,
@@ -250,19 +253,20 @@ class Gateway:
         tried = 0
         rest = plan.candidates
         if ex.stream and _may_race(decision, plan):
-            raced = await self._race(ex, decision, plan, facts, raw, strip_usage, need)
+            raced = await self._race(ex, decision, plan, facts, raw, strip_usage, need, admitted)
             if raced is None:
                 return
             last, tried, rest = raced
         for cand in rest:
             up = cand.upstream
-            if up.name in plan.queued and not await self.health[up.name].wait_for_slot():
-                last = self.stayed_busy(plan, up)
+            verdicts = await self._admitted(plan, cand, need, admitted)
+            if isinstance(verdicts, GatewayError):
+                last = verdicts
                 continue
             tried += 1
             payload, path = self._payload(ex, cand, raw, facts, strip_usage)
             self.attempting(ex, decision, up, tried, plan.reason)
-            async with self._attempt(ex, up, need, path) as attempt:
+            async with self._attempt(ex, up, need, path, verdicts) as attempt:
                 try:
                     answer = await attempt.send(payload)
                     headers = self._answer_headers(ex, decision, up, plan.reason, answer)
@@ -293,11 +297,62 @@ class Gateway:
         raise ModelNotFound(f"The model `{facts.model}` does not exist or you do not have access to it.",
                             param="model")
 
-    def _attempt(self, ex: Exchange, up: UpstreamConfig, need: int, path: str) -> Attempt:
+    async def _plan(self, decision: Decision, need: int) -> tuple[failover.Plan, dict[str, Admission | None]]:
+        """The request's candidates (``failover.plan``, from the local health); with shared state, its first candidate
+        admitted by the shared quota estimate (``gateway.shared``): one the estimate refuses now looks short locally
+        too, so planning again spills it over (every candidate short: the first is tried anyway, as without Redis).
+
+        Returns:
+            the plan, and the admissions made (upstream name -> the :class:`Admission`, or None: Redis asked nothing).
+        """
+        plan = failover.plan(decision, self.health, self.health.clock(), need, self.config.max_attempts)
+        admitted: dict[str, Admission | None] = {}
+        for _ in decision.candidates:  # bounded: each refusal takes one candidate out
+            if self.shared is None or not plan.candidates:
+                break
+            first = plan.candidates[0]
+            admission = await self.shared.admit(self.health[first.upstream.name], need)
+            if admission is None or admission.ok:
+                admitted[first.upstream.name] = admission
+                break
+            again = failover.plan(decision, self.health, self.health.clock(), need, self.config.max_attempts)
+            if not again.candidates or again.candidates[0] is first:
+                admitted[first.upstream.name] = None
+                break
+            plan = again
+        return plan, admitted
+
+    async def _admitted(self, plan: failover.Plan, cand: Candidate, need: int,
+                        admitted: dict[str, Admission | None]) -> Verdicts | GatewayError:
+        """What an attempt to ``cand`` tells (its upstream's health; with shared state, the shared estimate too), once
+        it may go: after a wait for a concurrency slot (``plan.queued``), and, with shared state, once the shared
+        quota estimate admitted its ``need`` tokens (:meth:`_plan` admitted the first candidate). A later candidate
+        that may not go is spilled over (counted; the answer if nothing else serves), but the last one, which is
+        tried anyway (the upstream judges)."""
+        up = cand.upstream
+        health = self.health[up.name]
+        if up.name in plan.queued and not await health.wait_for_slot():
+            return self.stayed_busy(plan, up)
+        if self.shared is None:
+            return health
+        if up.name in admitted:
+            admission = admitted.pop(up.name)
+            return SharedVerdicts(health, self.shared, admission if admission is not None and admission.ok else None)
+        admission = await self.shared.admit(health, need)
+        if admission is None or admission.ok or cand is plan.candidates[-1]:
+            return SharedVerdicts(health, self.shared, admission if admission is not None and admission.ok else None)
+        why = f"quota_{admission.refused}"
+        self.metrics.spillovers.labels(up.tier, up.name, why).inc()
+        logs.event("spillover", upstream=up.name, tier=up.tier, reason=why, shared=True)
+        plan.reason = plan.reason or f"spillover_{why}"
+        return RateLimited(f"The shared quota estimate of every upstream for this model is short ({why}).",
+                           headers={"retry-after": "1"})
+
+    def _attempt(self, ex: Exchange, up: UpstreamConfig, need: int, path: str, verdicts: Verdicts) -> Attempt:
         span = trace = None
         if ex.span is not None:
             span, trace = tracing.start_attempt(ex.span, "chat", up, up.models.get(ex.model, ex.model))
-        return Attempt(self.transport, up, self.health[up.name], self.health.clock, need_tokens=need, stream=ex.stream,
+        return Attempt(self.transport, up, verdicts, self.health.clock, need_tokens=need, stream=ex.stream,
                        request_id=ex.rid, path=path, client_key=ex.headers.get("authorization"), span=span,
                        trace=trace)
 
@@ -470,7 +525,8 @@ class Gateway:
         return est.ttft_p95(facts.prompt_tokens) if est is not None else None
 
     async def _race(self, ex: Exchange, decision: Decision, plan: failover.Plan, facts: RequestFacts, raw: bytes,
-                    strip_usage: bool, need: int) -> tuple[GatewayError | None, int, list[Candidate]] | None:
+                    strip_usage: bool, need: int,
+                    admitted: dict[str, Admission | None]) -> tuple[GatewayError | None, int, list[Candidate]] | None:
         """First-token hedging (README "Hedging"): try the first candidate; when it has produced no token-bearing
         event after the hedge delay, start the second too, if its health would take a request now (not resting,
         not at its concurrency limit, quota left: a hedge is extra load, never forced). The first to produce a token
@@ -485,7 +541,7 @@ class Gateway:
         """
         race = _Race()
         first, second = plan.candidates[0], plan.candidates[1]
-        race.start(self._racer(ex, decision, plan, first, 1, facts, raw, strip_usage, need, race), first)
+        race.start(self._racer(ex, decision, plan, first, 1, facts, raw, strip_usage, need, race, admitted), first)
         delay = self._hedge_delay(decision, first, facts)
         hedged = False
         try:
@@ -496,14 +552,15 @@ class Gateway:
                 if self.health[second.upstream.name].unavailable(self.health.clock(), need) is None:
                     hedged = race.hedged = True  # no token within the delay: hedge
                     race.start(self._racer(ex, decision, plan, second, 2, facts, raw, strip_usage, need, race,
-                                           hedge=True), second)
+                                           admitted, hedge=True), second)
                 else:
                     await race.settled.wait()  # the second would refuse: no hedge; the first's token or failure
             failed = race.failures.get(first.upstream.name)
             if race.winner is None and len(race.tasks) == 1 and failed is not None and plan.go_on(first, failed):
                 logs.event("failover", request_id=ex.rid, upstream=first.upstream.name, tier=first.upstream.tier,
                            reason=plan.reason)
-                race.start(self._racer(ex, decision, plan, second, 2, facts, raw, strip_usage, need, race), second)
+                race.start(self._racer(ex, decision, plan, second, 2, facts, raw, strip_usage, need, race, admitted),
+                           second)
             await race.finish()
         except asyncio.CancelledError:
             await race.stop()
@@ -526,7 +583,7 @@ class Gateway:
 
     async def _racer(self, ex: Exchange, decision: Decision, plan: failover.Plan, cand: Candidate, tried: int,
                      facts: RequestFacts, raw: bytes, strip_usage: bool, need: int, race: _Race,
-                     hedge: bool = False) -> None:
+                     admitted: dict[str, Admission | None], hedge: bool = False) -> None:
         """One candidate of a hedged request: send, hold until the first token, then, if it is the first there, claim
         the request (cancelling the other) and relay it. Never raises for the upstream's trouble (``race.failures``
         says what went wrong)."""
@@ -535,7 +592,11 @@ class Gateway:
         if tried == 1:
             self.attempting(ex, decision, up, tried, plan.reason)
         relay: Relay | None = None
-        async with self._attempt(ex, up, need, path) as attempt:
+        verdicts = await self._admitted(plan, cand, need, admitted)
+        if isinstance(verdicts, GatewayError):
+            race.failed(cand, verdicts)
+            return
+        async with self._attempt(ex, up, need, path, verdicts) as attempt:
             try:
                 answer = await attempt.send(payload)
                 relay = self._relay(ex, attempt, strip_usage, facts)

@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 from gateway import __version__, bridge, logs, tracing
 from gateway.api import KINDS, Gateway, error_response
 from gateway.config import LoadedConfig, load_config
-from gateway.conversations import Bridged, MemoryResponseStore, Native
+from gateway.conversations import Bridged, MemoryResponseStore, Native, ResponseStore
 from gateway.errors import (
     ConfigError,
     GatewayError,
@@ -46,6 +46,7 @@ from gateway.policy import Policy
 from gateway.server import configure as configure_client_limits
 from gateway.server import drain_on_exit, reload_on_hup
 from gateway.settings import Settings, environ, multiprocess_dir
+from gateway.shared import SharedResponseStore, SharedState
 from gateway.upstream import Transport, UpstreamPool
 
 log = logging.getLogger("tiergate")
@@ -198,18 +199,24 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
                       model_prices={(u.name, m): p.per_token() for u in config.upstreams
                                     for m, p in u.model_prices.items()})
     pool = transport if transport is not None else UpstreamPool(config.upstreams, loaded.keys)
-    gateway = _gateway(loaded, metrics, pool, policy=policy)
+    shared = (SharedState(loaded.redis_url, config.state, metrics, response_ttl=config.response_store.ttl)
+              if loaded.redis_url is not None else None)
+    gateway = _gateway(loaded, metrics, pool, policy=policy, shared=shared)
     hot: HotPath | None = None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await pool.start()
+        if shared is not None:
+            await shared.start()  # connects in the background: start-up never waits for Redis
         freeze_startup_objects()
         try:
             yield
         finally:
             assert hot is not None
             await hot.stop()
+            if shared is not None:
+                await shared.stop()
             tracing.shutdown()  # flush the spans still batched
             if multiprocess_dir:
                 multiprocess.mark_process_dead(os.getpid(), multiprocess_dir)  # type: ignore[no-untyped-call]
@@ -238,23 +245,30 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
 
 
 def _gateway(loaded: LoadedConfig, metrics: Metrics, transport: Transport, *, policy: Policy | None = None,
-             previous: Gateway | None = None) -> Gateway:
+             previous: Gateway | None = None, shared: SharedState | None = None) -> Gateway:
     """The request path of one config. After a reload (``previous``: the gateway it replaces) the metrics' label sets
     follow the new config, and the health state of each upstream that stays, the live estimates, the exploration
-    state and the stored conversations carry over."""
+    state, the stored conversations and the link to the shared state carry over (a changed ``state:`` takes a
+    restart)."""
     config = loaded.config
     if previous is not None:
         metrics.reconfigure(config.model_names(), [(u.tier, u.name, u.models) for u in config.upstreams],
                             {u.name: u.prices.per_token() for u in config.upstreams if u.prices is not None},
                             {(u.name, m): p.per_token() for u in config.upstreams for m, p in u.model_prices.items()})
     health = Health(config.upstreams)
+    store: ResponseStore
     if previous is not None:
         health.carry(previous.health)
-        store = previous.store
+        store, shared = previous.store, previous.shared
     else:
         bounds = config.response_store
         store = MemoryResponseStore(bounds.max_items, bounds.max_bytes, bounds.ttl)
+        if shared is not None:
+            store = SharedResponseStore(store, shared)
     gateway = Gateway(config, policy if policy is not None else Policy(config), transport, metrics, health, store)
+    if shared is not None:
+        shared.attach(health)
+        gateway.shared = shared
     if previous is not None:
         gateway.estimates, gateway.explorer = previous.estimates, previous.explorer
     gateway.listed = UpstreamModels(gateway)

@@ -372,6 +372,38 @@ class EstimatesConfig(_Strict):
     probe: float = Field(10.0, gt=0)
 
 
+class StateConfig(_Strict):
+    """State shared by replicas through Redis (``gateway.shared``): quota estimates with every replica's reservations,
+    429 cooldowns, breaker transitions and the Responses store. Off without a URL: each process keeps its own.
+
+    redis_url: ``redis://[:password@]host:port/db`` (``rediss://`` for TLS, ``unix://`` for a socket); the environment
+    variable ``GATEWAY_REDIS_URL`` gives it instead, and wins (a password then stays out of the file, in a Secret;
+    see :func:`load_config`); timeout: seconds the gateway waits for
+    Redis on a request's path before it goes on with its local state (then it stops asking until Redis answers a
+    ping again); retry: seconds between those pings; key_prefix: the prefix of every key and of the channel, so
+    that several gateways may share one Redis.
+    """
+
+    redis_url: str | None = None
+    timeout: float = Field(0.1, gt=0, le=10)
+    retry: float = Field(1.0, gt=0, le=60)
+    key_prefix: str = Field("tiergate", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, v: str | None) -> str | None:
+        if v is not None and not _redis_url(v):
+            raise ValueError("expected a redis://, rediss:// or unix:// URL")
+        return v
+
+
+REDIS_URL_VAR = "GATEWAY_REDIS_URL"
+
+
+def _redis_url(url: str) -> bool:
+    return urlsplit(url).scheme in ("redis", "rediss", "unix")
+
+
 class GatewayConfig(_Strict):
     """The whole validated config file."""
 
@@ -391,6 +423,7 @@ class GatewayConfig(_Strict):
     passthrough: PassthroughConfig = PassthroughConfig()
     response_store: ResponseStore = ResponseStore()
     estimates: EstimatesConfig = EstimatesConfig()
+    state: StateConfig = StateConfig()
     long_prompt_tokens: int = Field(32768, ge=1)
     rules: list[RuleConfig] | None = None
 
@@ -452,12 +485,16 @@ class LoadedConfig:
         path: the file it came from.
         config: the validated :class:`GatewayConfig`.
         keys: upstream name -> API key (absent when ``api_key_env`` is null).
+        redis_url: where the shared state is (``GATEWAY_REDIS_URL``, else ``state.redis_url``), or None (each process
+            keeps its own).
     """
 
-    def __init__(self, path: Path, config: GatewayConfig, keys: dict[str, SecretStr]) -> None:
+    def __init__(self, path: Path, config: GatewayConfig, keys: dict[str, SecretStr],
+                 redis_url: SecretStr | None = None) -> None:
         self.path = path
         self.config = config
         self.keys = keys
+        self.redis_url = redis_url
 
 
 def load_config(path: Path, environ: Mapping[str, str] | None = None, *, require_keys: bool = True) -> LoadedConfig:
@@ -498,7 +535,11 @@ def load_config(path: Path, environ: Mapping[str, str] | None = None, *, require
                            f"is not set (it holds the API key of upstream {upstream.name!r})")
     if missing and require_keys:
         raise ConfigError(f"{path}: missing API keys:\n" + "\n".join(missing))
-    return LoadedConfig(path, config, keys)
+    url = env.get(REDIS_URL_VAR) or config.state.redis_url  # the environment wins (12-factor), as for keys
+    if url and not _redis_url(url):
+        raise ConfigError(f"{path}: {REDIS_URL_VAR}: expected a redis://, rediss:// or unix:// URL (it says where "
+                          "the replicas share state)")
+    return LoadedConfig(path, config, keys, SecretStr(url) if url else None)
 
 
 def _describe(exc: ValidationError) -> str:

@@ -160,6 +160,17 @@ class Metrics:
                                multiprocess_mode="mostrecent")
         self.est_samples = Gauge(f"{p}_estimate_samples", "TTFT samples in the live estimate's window.", _L,
                                  registry=registry, multiprocess_mode="mostrecent")
+        # replicas' shared state (gateway.shared)
+        self.shared_up = Gauge(f"{p}_shared_state_up", "1 while the Redis the replicas share state through answers, 0 "
+                               "while this process goes on with its local state; absent without state.redis_url.", (),
+                               registry=registry, multiprocess_mode="livemin")
+        self.shared_errors = Counter(
+            f"{p}_shared_state_errors", "Redis operations that failed or outlasted state.timeout, by operation "
+            "(admit, observe, rest, store, subscribe, ping): the gateway went on with its local state.", ("op",),
+            registry=registry)
+        self.shared_dropped = Counter(f"{p}_shared_state_dropped", "Updates for the other replicas not sent because "
+                                      "Redis was unreachable (cooldowns, breaker transitions, quota reports).", (),
+                                      registry=registry)
         self._initialise(routes)
 
     def _initialise(self, routes: Iterable[tuple[str, str, Iterable[str]]]) -> None:

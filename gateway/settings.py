@@ -17,6 +17,8 @@ GATEWAY_HEAD_TIMEOUT   30                        seconds to send a request head;
 GATEWAY_BODY_TIMEOUT   120                       seconds to send a request body; then 408
 GATEWAY_KEEPALIVE_TIMEOUT 75                     seconds an idle client connection stays open
 GATEWAY_DRAIN_TIMEOUT  60                        on SIGTERM, seconds in-flight requests may run on
+GATEWAY_REDIS_URL      (unset: state.redis_url)  Redis the replicas share state through (gateway.shared); read
+                                                 with the API keys by the config loader, and wins over the file
 OTEL_TRACES_EXPORTER   (unset: no traces)        otlp or console: OpenTelemetry traces (gateway.tracing; the
                                                  otel extra); the exporter reads the other OTEL_* variables
 =====================  ========================  ==============================================

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -99,10 +101,10 @@ class Stack:
 
 
 def emulator(tier: str, tmp: Path, *, dialect: str | None = None, tps: float | None = None,
-             ttft: float | None = None) -> Proc:
-    """Start ``tiergate emulate`` on a free port."""
+             ttft: float | None = None, extra: tuple[str, ...] = ()) -> Proc:
+    """Start ``tiergate emulate [extra...]`` on a free port."""
     port = free_port()
-    args = ["emulate", "--tier", tier, "--port", str(port), "--fixtures", str(FIXTURES)]
+    args = ["emulate", "--tier", tier, "--port", str(port), "--fixtures", str(FIXTURES), *extra]
     if dialect:
         args += ["--dialect", dialect]
     if tps:
@@ -232,3 +234,62 @@ def chunk(content: str | None = None, *, role: bool = False, finish: str | None 
 def fast_directive(**kw: Any) -> str:
     """An emulator directive string, e.g. ``fast_directive(tokens=5)`` -> ``[[emulate tokens=5]]``."""
     return "[[emulate " + " ".join(f"{k}={v}" for k, v in kw.items()) + "]]"
+
+
+class RedisServer:
+    """A real ``redis-server`` (Debian's package, installed by ``.ci/run``) on a loopback port, without persistence;
+    :meth:`kill`, :meth:`pause` / :meth:`resume` (SIGSTOP / SIGCONT: a Redis that answers nothing) and :meth:`start`
+    again on the same port for the fault tests."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port = free_port()
+        self.tmp = tmp
+        self.popen: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        """Start it (again) and wait until it answers PING."""
+        log = (self.tmp / f"redis-{self.port}.log").open("ab")
+        self.popen = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                       "--appendonly", "no", "--dir", str(self.tmp)], stdout=log,
+                                      stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(64).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server on {self.port} did not answer PING")
+
+    def kill(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(5)
+
+    def pause(self) -> None:
+        assert self.popen is not None
+        self.popen.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.popen is not None
+        self.popen.send_signal(signal.SIGCONT)
+
+
+needs_redis = pytest.mark.skipif(
+    shutil.which("redis-server") is None and not os.environ.get("CI"),
+    reason="redis-server is not installed (apt-get install redis-server; .ci/run does)")
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A fresh ``redis-server`` for one test."""
+    server = RedisServer(tmp_path)
+    yield server
+    server.kill()  # SIGKILL ends a stopped process too

@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("deadline routing", ("deadline",)),
     ("routing policy", ("policy",)),
     ("upstream attempts and client", ("upstream",)),
+    ("state shared by replicas (Redis)", ("shared",)),
     ("upstream health and conversation state", ("health", "conversations")),
     ("the Responses bridge", ("bridge",)),
     ("SSE relay", ("relay",)),

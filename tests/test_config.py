@@ -56,6 +56,10 @@ def _with(**changes: Any) -> dict[str, Any]:
          "no fast upstream serves"),
         (_with(workloads={"batch": "slow"}), "workloads.batch"),
         (_with(max_attempts=0), "max_attempts"),
+        (_with(state={"redis_url": "http://redis:6379"}), "state.redis_url"),
+        (_with(state={"redis_url": "redis://r:6379", "timeout": 0}), "state.timeout"),
+        (_with(state={"key_prefix": "a b"}), "state.key_prefix"),
+        (_with(state={"redis_url_env": "X"}), "state.redis_url_env"),
     ],
 )
 def test_bad_config_names_file_field_and_problem(tmp_path: Path, data: Any, needle: str) -> None:
@@ -73,6 +77,19 @@ def test_missing_key_is_a_startup_error_naming_the_variable(tmp_path: Path) -> N
     loaded = load_config(path, {"F_KEY": "sk-secret"})
     assert loaded.keys["f"].get_secret_value() == "sk-secret"
     assert "sk-secret" not in repr(loaded.keys)
+
+
+def test_the_redis_url_comes_from_the_environment_first_then_the_file(tmp_path: Path) -> None:
+    plain = load_config(_write(tmp_path, GOOD), {"F_KEY": "k"})
+    assert plain.redis_url is None  # off: each process keeps its own state
+    path = _write(tmp_path, _with(state={"redis_url": "redis://from-file:6379/0"}))
+    assert load_config(path, {"F_KEY": "k"}).redis_url.get_secret_value() == "redis://from-file:6379/0"
+    env = {"F_KEY": "k", "GATEWAY_REDIS_URL": "rediss://:secret@from-env:6380/1"}
+    loaded = load_config(path, env)
+    assert loaded.redis_url.get_secret_value() == "rediss://:secret@from-env:6380/1"
+    assert "secret" not in repr(loaded.redis_url)  # a SecretStr: never printed
+    with pytest.raises(ConfigError, match="GATEWAY_REDIS_URL"):
+        load_config(path, {"F_KEY": "k", "GATEWAY_REDIS_URL": "redis-host:6379"})
 
 
 def test_missing_file(tmp_path: Path) -> None:

@@ -1,0 +1,615 @@
+"""State the replicas of one deployment share through Redis (``state:`` in the config; README "Replicas").
+
+Without it each process keeps its own picture of the upstreams, and one replica's 429 teaches the others nothing.
+With it (redis-py's asyncio client; any Redis 6.2 or newer):
+
+* **Quota estimates.** Per upstream, the remaining requests and tokens as the last answer reported them, minus every
+  replica's reservations made after that answer's request (those the upstream had not counted yet). Keys
+  ``{prefix}:{upstream}:quota:{kind}`` (a float that expires at the reported reset) and ``...:sent:{kind}`` (the
+  running total of reservations, whose value at an attempt's reservation is its *mark*). Before an attempt to an
+  upstream that reports rate limits, :meth:`SharedState.admit` checks the estimate and reserves the request's
+  estimated tokens in one atomic script: one round trip per attempt, awaited (refused: the request spills over as it
+  does when its local estimate is short). The answer's report is written by another script, not awaited.
+* **Cooldowns and breaker transitions.** A replica's 429 cooldown or opened breaker goes to the hash
+  ``...:rest`` (until its end) and, like a closed breaker, to the channel ``{prefix}:events``; every replica applies
+  the others' to its own :class:`gateway.health.Health` (its ``shared_*`` methods), so planning stays local and pure.
+  A replica that starts, or finds Redis again, reads the hashes first. Not awaited by any request.
+* **The Responses store** (:class:`SharedResponseStore`): every bridged conversation and every native response's
+  upstream, so a follow-up may reach any replica.
+
+Redis unreachable, or slower than ``state.timeout``: the operation is abandoned, counted
+(``tiergate_shared_state_errors_total``) and logged once; the replica goes on with its local state (its own traffic
+keeps its estimates, as without Redis), asks Redis nothing on a request's path until a ping answers again (every
+``state.retry`` seconds), then reads the shared state again and subscribes again. No request fails because of Redis,
+and none waits for it longer than ``state.timeout``; the per-chunk path never touches it.
+
+Times cross processes as wall-clock seconds (``time.time()``: replicas need synchronised clocks, as Kubernetes nodes
+have); each replica turns them into its own health clock. Keys carry the upstream in a hash tag, so each script's keys
+share a Redis Cluster slot (the Responses store's chain walk reads keys it finds on the way: one Redis, or a cluster
+with the store on one node).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from pydantic import SecretStr
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from gateway import logs
+from gateway.config import StateConfig
+from gateway.conversations import Bridged, MemoryResponseStore, Native, Record
+from gateway.errors import GatewayError
+from gateway.health import Health, Mark, UpstreamHealth, quota_report
+from gateway.metrics import Metrics
+
+log = logging.getLogger("tiergate")
+FAILURES = (RedisError, OSError, TimeoutError)
+KINDS = ("requests", "tokens")
+MAX_PENDING = 10_000  # updates queued for Redis; past it they are dropped (and counted), never held in memory
+DAY_MS = 86_400_000
+IN_FLIGHT_S = 120.0  # a reservation whose answer never reports (a replica died) leaves the in-flight set after this
+
+# The keys of one upstream's quota scripts: quota requests, quota tokens (the estimates), sent requests, sent tokens
+# (running totals of reservations), the in-flight set (members "{sent tokens}:{tokens}", scored by when they leave it
+# if nothing removes them: a replica that died mid-flight), and its totals (a hash: r, t).
+_LAND = """
+local function land(member)
+  if member ~= '' and redis.call('ZREM', KEYS[5], member) == 1 then
+    redis.call('HINCRBY', KEYS[6], 'r', -1)
+    redis.call('HINCRBY', KEYS[6], 't', -tonumber(string.match(member, ':(%d+)$')))
+  end
+end
+"""
+
+# ARGV: tokens needed, requests kept, tokens kept, ms the totals live, the reservation's end (wall seconds), now (wall).
+# Returns {admitted 1|0, refused kind index 1|2 (0), remaining requests ('' unknown), its ms to reset, remaining
+# tokens, its ms, sent requests, sent tokens, requests in flight before it, tokens in flight before it} (floats as
+# strings: a Lua number would reach Redis' reply as an integer).
+_ADMIT = _LAND + """
+for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', ARGV[6])) do land(member) end
+local need = {1, tonumber(ARGV[1])}
+local keep = {tonumber(ARGV[2]), tonumber(ARGV[3])}
+local rem = {redis.call('GET', KEYS[1]), redis.call('GET', KEYS[2])}
+for i = 1, 2 do
+  if rem[i] and tonumber(rem[i]) - need[i] < keep[i] then
+    return {0, i, rem[1] or '', redis.call('PTTL', KEYS[1]), rem[2] or '', redis.call('PTTL', KEYS[2]), '', '', '', ''}
+  end
+end
+for i = 1, 2 do
+  if rem[i] then rem[i] = redis.call('INCRBYFLOAT', KEYS[i], -need[i]) end
+end
+local s1 = redis.call('INCRBY', KEYS[3], need[1])
+local s2 = redis.call('INCRBY', KEYS[4], need[2])
+local ahead = redis.call('HMGET', KEYS[6], 'r', 't')
+redis.call('ZADD', KEYS[5], ARGV[5], s2 .. ':' .. need[2])
+redis.call('HINCRBY', KEYS[6], 'r', 1)
+redis.call('HINCRBY', KEYS[6], 't', need[2])
+for k = 3, 6 do redis.call('PEXPIRE', KEYS[k], ARGV[4]) end
+return {1, 0, rem[1] or '', redis.call('PTTL', KEYS[1]), rem[2] or '', redis.call('PTTL', KEYS[2]), s1, s2,
+        ahead[1] or '0', ahead[2] or '0'}
+"""
+
+# ARGV: per kind (requests, tokens) the reported remaining ('' none), ms to its reset, what the report leaves out ('':
+# unknown); then the channel, this replica, the upstream, the attempt's in-flight member (''), its mark in sent
+# tokens (''). The upstream counted what had reached it when it answered. Left out, as far as the gateway can tell:
+# what was reserved after this attempt (the sent totals past its mark), and what was in flight when it was reserved
+# (it may have reached the upstream after this attempt; counting it twice is the safe error, and its own report
+# corrects it): the attempt passes the latter, and its mark. A report without a mark (its attempt reserved nothing:
+# no estimate yet, or Redis was away) only starts an estimate where there is none. Publishes the estimates when one of
+# them rose (a new window: replicas that spilled over on a short estimate learn it; a fall they learn from their own
+# admissions). Returns the estimates set ('' for a kind left as it was).
+_OBSERVE = _LAND + """
+land(ARGV[10])
+local out, ms, rose = {'', ''}, {'', ''}, false
+for i = 1, 2 do
+  local reported, ahead = ARGV[3 * i - 2], ARGV[3 * i]
+  local old = redis.call('GET', KEYS[i])
+  if reported ~= '' and (ahead ~= '' or not old) then
+    local since = 0
+    if ahead ~= '' then
+      local mark = (i == 1) and ARGV[11] or ARGV[12]
+      since = math.max(0, tonumber(redis.call('GET', KEYS[i + 2]) or '0') - tonumber(mark)) + tonumber(ahead)
+    end
+    local value = tonumber(reported) - since
+    redis.call('SET', KEYS[i], tostring(value), 'PX', ARGV[3 * i - 1])
+    if (not old) or tonumber(old) < value then rose = true end
+    out[i], ms[i] = tostring(value), ARGV[3 * i - 1]
+  end
+end
+if rose then
+  redis.call('PUBLISH', ARGV[7], cjson.encode({r = ARGV[8], u = ARGV[9], e = 'quota', q = out, ms = ms}))
+end
+return out
+"""
+
+# ARGV: the in-flight member of an attempt that ended without a report.
+_LANDED = _LAND + """
+land(ARGV[1])
+return 1
+"""
+
+# KEYS: the rest hash. ARGV: field (cooldown | open | closed), until (wall seconds), exhausted (0|1), channel, message.
+_REST = """
+if ARGV[1] == 'closed' then
+  redis.call('HDEL', KEYS[1], 'open')
+else
+  if tonumber(ARGV[2]) > tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0') then
+    redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+    if ARGV[1] == 'cooldown' then redis.call('HSET', KEYS[1], 'exhausted', ARGV[3]) end
+  end
+  local latest = math.max(tonumber(redis.call('HGET', KEYS[1], 'cooldown') or '0'),
+                          tonumber(redis.call('HGET', KEYS[1], 'open') or '0'))
+  redis.call('PEXPIREAT', KEYS[1], math.ceil(latest * 1000))
+end
+redis.call('PUBLISH', ARGV[4], ARGV[5])
+return 1
+"""
+
+# ARGV: key prefix, response id, ms to live again (0: a look, no refresh), most links. Returns the records' data from
+# the newest back to the first turn, or nil when a link is missing (expired or deleted).
+_HISTORY = """
+local out, id = {}, ARGV[2]
+while id and id ~= '' do
+  local key = ARGV[1] .. ':response:' .. id
+  local rec = redis.call('HMGET', key, 'data', 'previous')
+  if not rec[1] or #out >= tonumber(ARGV[4]) then return false end
+  out[#out + 1] = rec[1]
+  if tonumber(ARGV[3]) > 0 then redis.call('PEXPIRE', key, ARGV[3]) end
+  id = rec[2]
+end
+return out
+"""
+
+
+@dataclass
+class Admission:
+    """What :meth:`SharedState.admit` decided: ``ok`` (reserved; ``mark`` is the attempt's, for its answer's report),
+    else ``refused`` (``requests`` or ``tokens``: the shared estimate does not cover the request)."""
+
+    ok: bool
+    refused: str | None = None
+    mark: Mark | None = None
+    member: str | None = None  # its entry in the in-flight set
+    ahead: tuple[int, int] = (0, 0)  # requests and tokens in flight when it was reserved (its report may miss them)
+
+
+class SharedState:
+    """One process's link to the shared state (module docstring). Start it with :meth:`start` in the app's lifespan;
+    :meth:`attach` it to each :class:`Health` the app builds (a reload builds a new one).
+
+    Args:
+        url: the Redis URL (a secret: it may hold a password); cfg: ``state:``; metrics: where its errors are counted.
+
+    Attributes:
+        up: Redis answered the last operation (False from start until the first ping answers).
+        replica: this process's name in the messages (host, pid, random), so that it skips its own.
+    """
+
+    def __init__(self, url: SecretStr, cfg: StateConfig, metrics: Metrics, *, wall: Callable[[], float] = time.time,
+                 response_ttl: float = 3600.0) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.wall = wall
+        self.response_ttl = response_ttl
+        self.prefix = cfg.key_prefix
+        self.channel = f"{self.prefix}:events"
+        self.replica = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
+        slow = max(cfg.timeout, 1.0)  # off the request path (connects, the subscriber); asyncio.timeout bounds the rest
+        self.redis: Redis = Redis.from_url(url.get_secret_value(), socket_timeout=slow, socket_connect_timeout=slow,
+                                           retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self._admit = self.redis.register_script(_ADMIT)
+        self._observe = self.redis.register_script(_OBSERVE)
+        self._landed = self.redis.register_script(_LANDED)
+        self._rest = self.redis.register_script(_REST)
+        self._history = self.redis.register_script(_HISTORY)
+        self.up = False
+        self.health: Health | None = None
+        self._pending: list[tuple[str, Callable[[Pipeline], Any], Callable[[Any], None] | None]] = []
+        self.on_deleted: list[Callable[[str], None]] = []  # told the ids other replicas deleted
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._said_down = False
+        metrics.shared_up.set(0)
+
+    # lifecycle
+
+    def attach(self, health: Health) -> None:
+        """Apply the other replicas' state to ``health`` and tell them its transitions (a reload's new one replaces the
+        old, whose upstreams it carried over)."""
+        if self.health is not None:
+            self.health.listen(None)
+        self.health = health
+        health.listen(self)
+
+    async def start(self) -> None:
+        """Start the subscriber (which connects, reads the shared state and subscribes in the background: start-up never
+        waits for Redis) and the writer."""
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._subscriber()), loop.create_task(self._writer())]
+
+    async def stop(self) -> None:
+        """Stop both tasks and close the connections (updates still queued are dropped)."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, *FAILURES):
+                pass
+        self._tasks = []
+        with contextlib.suppress(*FAILURES):
+            await self.redis.aclose()
+
+    # the request path
+
+    async def admit(self, h: UpstreamHealth, need_tokens: int) -> Admission | None:
+        """Reserve an attempt's request and ``need_tokens`` against ``h``'s shared estimate (module docstring), keeping
+        its ``quota_reserve``; the reply also refreshes ``h``'s local estimate.
+
+        Returns:
+            the :class:`Admission`, or None: nothing was asked (Redis is away, or no answer of the upstream ever
+            reported rate limits) or no answer came within ``state.timeout`` (the local estimate decides alone).
+        """
+        if not self.up or not h.reports_quota:
+            return None
+        keep = h.cfg.quota_reserve
+        try:
+            async with asyncio.timeout(self.cfg.timeout):
+                wall = self.wall()
+                reply = await self._admit(keys=self._quota_keys(h.name),
+                                          args=[need_tokens, keep.get("requests", 0), keep.get("tokens", 0), DAY_MS,
+                                                repr(wall + IN_FLIGHT_S), repr(wall)])
+        except FAILURES as exc:
+            self._failed("admit", exc)
+            return None
+        ok = reply[0] == 1
+        now = self._now()
+        for i, kind in enumerate(KINDS):
+            value, ttl = reply[2 + 2 * i], int(reply[3 + 2 * i])
+            if value not in (b"", "") and ttl > 0:  # admitted: the attempt's start() takes its own share off again
+                h.shared_quota(kind, float(value) + ((1 if i == 0 else need_tokens) if ok else 0), now + ttl / 1000)
+        if not ok:
+            return Admission(False, KINDS[int(reply[1]) - 1])
+        return Admission(True, mark=(int(reply[6]), int(reply[7])), member=f"{int(reply[7])}:{need_tokens}",
+                         ahead=(int(reply[8]), int(reply[9])))
+
+    def observed(self, h: UpstreamHealth, headers: Mapping[str, str], admission: Admission | None) -> None:
+        """An answer of ``h``'s upstream came: its rate-limit report, if any, and the end of its reservation's flight
+        are queued for the writer, not awaited. ``admission``: the attempt's (None: it reserved nothing in Redis)."""
+        report = quota_report(headers)
+        mark = admission.mark if admission is not None else None
+        if not report:
+            if admission is not None and admission.member is not None:
+                self.landed(h.name, admission.member)
+            return
+        args: list[Any] = []
+        for i, kind in enumerate(KINDS):
+            if kind in report:
+                remaining, reset = report[kind]
+                args += [repr(remaining), max(1, int(reset * 1000)), "" if admission is None else admission.ahead[i]]
+            else:
+                args += ["", 1, ""]
+        args += [self.channel, self.replica, h.name, "", "", ""] if admission is None or mark is None else \
+            [self.channel, self.replica, h.name, admission.member or "", mark[0], mark[1]]
+        keys = self._quota_keys(h.name)
+
+        def applied(reply: Any) -> None:
+            now = self._now()
+            for i, kind in enumerate(KINDS):
+                if reply[i] not in (b"", ""):
+                    h.shared_quota(kind, float(reply[i]), now + report[kind][1])
+        # evalsha in a pipeline: redis-py's Script would ask SCRIPT EXISTS before every batch (the subscriber loads
+        # the scripts whenever it connects; a Redis that lost them fails the batch, and the reconnect loads them)
+        self._queue("observe", lambda pipe: pipe.evalsha(self._observe.sha, 6, *keys, *args), applied)
+
+    def landed(self, upstream: str, member: str) -> None:
+        """An admitted attempt ended without a report (an error, a cancel): its reservation leaves the in-flight set."""
+        keys = self._quota_keys(upstream)
+        self._queue("observe", lambda pipe: pipe.evalsha(self._landed.sha, 6, *keys, member))
+
+    # gateway.health.Listener: this replica's transitions, for the others
+
+    def rested(self, upstream: str, kind: str, until: float, exhausted: bool) -> None:
+        """``upstream`` rests (``kind`` ``cooldown`` or ``open``) until ``until`` (the health clock's time)."""
+        wall = self.wall() + (until - self._now())
+        message = orjson.dumps({"r": self.replica, "u": upstream, "e": kind, "until": wall, "x": exhausted})
+        self._queue("rest", lambda pipe: pipe.evalsha(self._rest.sha, 1, self._key(upstream, "rest"), kind, repr(wall),
+                                                      int(exhausted), self.channel, message))
+
+    def closed(self, upstream: str) -> None:
+        """``upstream``'s breaker closed."""
+        message = orjson.dumps({"r": self.replica, "u": upstream, "e": "closed"})
+        self._queue("rest", lambda pipe: pipe.evalsha(self._rest.sha, 1, self._key(upstream, "rest"), "closed", "0", 0,
+                                                      self.channel, message))
+
+    # the Responses store (SharedResponseStore): awaited, bounded by state.timeout
+
+    async def call(self, op: str, make: Callable[[Redis], Any]) -> tuple[bool, Any]:
+        """Run ``make(redis)`` (an awaitable) within ``state.timeout``: (True, its reply), or (False, None) when Redis
+        is away or failed (counted)."""
+        if not self.up:
+            return False, None
+        try:
+            async with asyncio.timeout(self.cfg.timeout):
+                return True, await make(self.redis)
+        except FAILURES as exc:
+            self._failed(op, exc)
+            return False, None
+
+    def history_script(self, response_id: str, refresh_ms: int, most: int) -> Any:
+        """The chain walk of a conversation (see ``_HISTORY``), as an awaitable."""
+        return self._history(args=[self.prefix, response_id, refresh_ms, most])
+
+    def forget(self, response_id: str) -> None:
+        """Tell the other replicas to drop their local copy of a deleted response (queued, not awaited)."""
+        message = orjson.dumps({"r": self.replica, "e": "deleted", "id": response_id})
+        self._queue("store", lambda pipe: pipe.publish(self.channel, message))
+
+    # inside
+
+    def _key(self, upstream: str, what: str) -> str:
+        return f"{self.prefix}:{{{upstream}}}:{what}"  # the hash tag: one Redis Cluster slot per upstream
+
+    def _quota_keys(self, upstream: str) -> list[str]:
+        return [*(self._key(upstream, f"quota:{k}") for k in KINDS), *(self._key(upstream, f"sent:{k}") for k in KINDS),
+                self._key(upstream, "inflight"), self._key(upstream, "inflight:n")]
+
+    def _now(self) -> float:
+        return self.health.clock() if self.health is not None else time.monotonic()
+
+    def _local(self, wall: float) -> float:
+        """A wall-clock time from another replica as a time of this replica's health clock."""
+        return self._now() + (wall - self.wall())
+
+    def _queue(self, op: str, add: Callable[[Pipeline], Any], then: Callable[[Any], None] | None = None) -> None:
+        if not self.up or len(self._pending) >= MAX_PENDING:
+            self.metrics.shared_dropped.inc()
+            return
+        self._pending.append((op, add, then))
+        self._wake.set()
+
+    async def _writer(self) -> None:
+        """Send what is queued, everything queued at once in one pipeline (one round trip however many)."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch, self._pending = self._pending, []
+            if not batch:
+                continue
+            if not self.up:
+                self.metrics.shared_dropped.inc(len(batch))
+                continue
+            pipe = self.redis.pipeline(transaction=False)
+            for _, add, _ in batch:
+                add(pipe)
+            try:
+                async with asyncio.timeout(self.cfg.timeout):
+                    replies = await pipe.execute(raise_on_error=False)
+            except FAILURES as exc:
+                self._failed(batch[0][0], exc)
+                self.metrics.shared_dropped.inc(len(batch))
+                continue
+            for (op, _, then), reply in zip(batch, replies, strict=False):
+                if isinstance(reply, Exception):
+                    self._failed(op, reply)
+                elif then is not None:
+                    then(reply)
+
+    async def _subscriber(self) -> None:
+        """Until stopped: connect, read the shared state, subscribe and apply every message; when Redis goes away,
+        ping every ``state.retry`` seconds until it answers, then again."""
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                async with asyncio.timeout(max(self.cfg.timeout, 1.0) * 2):
+                    await self.redis.ping()
+                    await pubsub.subscribe(self.channel)
+                    await self._resync()
+                    if self._said_down:  # the pool's connections are from before: each would fail once
+                        await self.redis.connection_pool.disconnect()
+                self._restored()
+                while self.up:
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is not None and message.get("type") == "message":
+                        self._apply(message["data"])
+            except FAILURES as exc:
+                self._failed("subscribe" if self.up else "ping", exc)
+            finally:
+                with contextlib.suppress(*FAILURES):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await asyncio.sleep(self.cfg.retry)
+
+    async def _resync(self) -> None:
+        """Read every upstream's shared cooldown, breaker and quota estimate into the local health."""
+        health = self.health
+        names = list(health.by_name) if health is not None else []
+        pipe = self.redis.pipeline(transaction=False)
+        for script in (self._admit, self._observe, self._landed, self._rest, self._history):
+            pipe.script_load(script.script)
+        for name in names:
+            pipe.hgetall(self._key(name, "rest"))
+            for key in self._quota_keys(name)[:2]:
+                pipe.get(key)
+                pipe.pttl(key)
+        replies = (await pipe.execute())[5:]
+        now = self._now()
+        for i, name in enumerate(names):
+            rest, q = replies[5 * i], replies[5 * i + 1:5 * i + 5]
+            assert health is not None
+            h = health.by_name[name]
+            for field in (b"cooldown", b"open"):
+                if field in rest:
+                    h.shared_rest(field.decode(), self._local(float(rest[field])), rest.get(b"exhausted") == b"1")
+            for j, kind in enumerate(KINDS):
+                value, ttl = q[2 * j], q[2 * j + 1]
+                if value is not None and ttl > 0:
+                    h.shared_quota(kind, float(value), now + ttl / 1000)
+
+    def _apply(self, data: bytes) -> None:
+        """Apply another replica's message to the local health (or the Responses store's local copies)."""
+        try:
+            m = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        if not isinstance(m, dict) or m.get("r") == self.replica or self.health is None:
+            return
+        kind = m.get("e")
+        if kind == "deleted":
+            for listener in self.on_deleted:
+                listener(str(m.get("id")))
+            return
+        h = self.health.by_name.get(str(m.get("u")))
+        if h is None:
+            return
+        if kind in ("cooldown", "open"):
+            h.shared_rest(kind, self._local(float(m["until"])), bool(m.get("x")))
+            logs.event("shared_rest", upstream=h.name, tier=h.tier, kind=kind,
+                       until_s=round(float(m["until"]) - self.wall(), 3), replica=m.get("r"))
+        elif kind == "closed":
+            h.shared_closed()
+        elif kind == "quota":
+            now = self._now()
+            for i, q in enumerate(KINDS):
+                value, ms = m["q"][i], m["ms"][i]
+                if value != "" and ms != "":
+                    h.shared_quota(q, float(value), now + float(ms) / 1000)
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        """An operation failed: count it; the first failure since Redis last answered marks it away and is logged."""
+        self.metrics.shared_errors.labels(op).inc()
+        if self.up or not self._said_down:
+            self._said_down = True
+            logs.event("shared_state_unavailable", "warning", op=op, error=f"{type(exc).__name__}: {exc}",
+                       retry_s=self.cfg.retry)
+            log.warning("shared state (Redis) unavailable (%s: %s): going on with local state, retrying every %g s",
+                        op, exc, self.cfg.retry)
+        self.up = False
+        self.metrics.shared_up.set(0)
+
+    def _restored(self) -> None:
+        if self._said_down:
+            logs.event("shared_state_restored")
+            log.warning("shared state (Redis) answers again")
+        self._said_down = False
+        self.up = True
+        self.metrics.shared_up.set(1)
+
+
+class SharedVerdicts:
+    """An attempt's verdicts (``gateway.upstream.Verdicts``) told to its upstream's local health, and its answer's
+    rate-limit report also to the shared estimate (with the attempt's admission mark)."""
+
+    __slots__ = ("local", "shared", "admission", "reported")
+
+    def __init__(self, local: UpstreamHealth, shared: SharedState, admission: Admission | None) -> None:
+        self.local, self.shared, self.admission = local, shared, admission
+        self.reported = False
+
+    def start(self, now: float, need_tokens: int) -> Mark:
+        return self.local.start(now, need_tokens)
+
+    def finish(self) -> None:
+        self.local.finish()
+        if not self.reported and self.admission is not None and self.admission.member is not None:
+            self.shared.landed(self.local.name, self.admission.member)
+
+    def observe_headers(self, headers: Mapping[str, str], now: float, mark: Any = None) -> None:
+        self.local.observe_headers(headers, now, mark)
+        self.reported = True
+        self.shared.observed(self.local, headers, self.admission)
+
+    def settle(self, exc: GatewayError | None, now: float) -> None:
+        self.local.settle(exc, now)
+
+
+class SharedResponseStore:
+    """A :class:`gateway.conversations.ResponseStore` that keeps every record in Redis (``{prefix}:response:{id}``, a
+    hash of its JSON and the id it continues, living ``response_store.ttl`` after it was put or last continued) and in
+    this process's :class:`MemoryResponseStore` too, which answers while Redis is away. Redis holds the records of
+    every replica; its own ``maxmemory`` bounds them (``response_store.max_*`` bound the local copy)."""
+
+    def __init__(self, local: MemoryResponseStore, shared: SharedState) -> None:
+        self.local = local
+        self.shared = shared
+        self.ttl_ms = max(1, int(local.ttl * 1000))
+        shared.on_deleted = [self._drop_local]
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+    def _drop_local(self, response_id: str) -> None:
+        self.local._drop(response_id)
+
+    def _key(self, response_id: str) -> str:
+        return f"{self.shared.prefix}:response:{response_id}"
+
+    async def get(self, response_id: str) -> Record | None:
+        ok, data = await self.shared.call("store", lambda r: r.hget(self._key(response_id), "data"))
+        if ok and data is not None:
+            return _record(data)
+        return await self.local.get(response_id)
+
+    async def history(self, response_id: str, refresh: bool = True) -> list[dict[str, Any]] | None:
+        ok, chain = await self.shared.call("store", lambda r: self.shared.history_script(
+            response_id, self.ttl_ms if refresh else 0, self.local.max_items))
+        if not ok or not chain:
+            return await self.local.history(response_id, refresh)
+        items: list[dict[str, Any]] = []
+        for data in reversed(chain):
+            record = _record(data)
+            if not isinstance(record, Bridged):
+                return None
+            items += record.input
+            items += record.response.get("output") or []
+        return items
+
+    async def put(self, response_id: str, record: Record) -> bool:
+        if not await self.local.put(response_id, record):
+            return False
+        data = orjson.dumps({"k": "b", "response": record.response, "input": record.input,
+                             "previous": record.previous, "size": record.size} if isinstance(record, Bridged)
+                            else {"k": "n", "upstream": record.upstream})
+        previous = record.previous if isinstance(record, Bridged) else None
+        key = self._key(response_id)
+
+        def write(r: Redis) -> Any:
+            pipe = r.pipeline(transaction=True)
+            pipe.hset(key, mapping={"data": data, "previous": previous or ""})
+            pipe.pexpire(key, self.ttl_ms)
+            return pipe.execute()
+        await self.shared.call("store", write)
+        return True
+
+    async def delete(self, response_id: str) -> bool:
+        here = await self.local.delete(response_id)
+        ok, gone = await self.shared.call("store", lambda r: r.delete(self._key(response_id)))
+        if ok:
+            self.shared.forget(response_id)
+        return here or bool(gone)
+
+
+def _record(data: bytes) -> Record | None:
+    """A stored record from its JSON (None when it is not one of ours)."""
+    try:
+        raw = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    if raw.get("k") == "n":
+        return Native(str(raw["upstream"]))
+    if raw.get("k") == "b":
+        return Bridged(raw["response"], raw["input"], raw.get("previous"), int(raw.get("size", 0)))
+    return None

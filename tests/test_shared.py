@@ -1,0 +1,225 @@
+"""State shared by replicas through a real ``redis-server`` (``gateway.shared``), in one process: two or three
+:class:`SharedState` objects on one Redis play the replicas, each with its own :class:`Health`.
+
+The three-gateway-process test against one rate-limited upstream is ``tests/test_replicas.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+from pydantic import SecretStr
+
+from gateway.config import StateConfig, UpstreamConfig
+from gateway.conversations import Bridged, MemoryResponseStore, Native
+from gateway.health import Health, UpstreamHealth
+from gateway.metrics import Metrics
+from gateway.shared import Admission, SharedResponseStore, SharedState, SharedVerdicts
+
+from conftest import RedisServer, needs_redis, sample
+
+pytestmark = needs_redis
+FAST = UpstreamConfig.model_validate({"name": "fast", "tier": "fast", "base_url": "http://127.0.0.1:1/v1",
+                                      "models": {"m": "m"}, "health": {"failures": 2, "open_seconds": 30}})
+
+
+class Replica:
+    """One replica's shared state, health and metrics."""
+
+    def __init__(self, url: str, **state: Any) -> None:
+        self.registry = CollectorRegistry()
+        self.metrics = Metrics(self.registry, ["m"], [])
+        self.health = Health([FAST])
+        self.shared = SharedState(SecretStr(url), StateConfig(redis_url=url, **{"timeout": 0.2, "retry": 0.2,
+                                                                                **state}), self.metrics)
+        self.shared.attach(self.health)
+
+    @property
+    def h(self) -> UpstreamHealth:
+        return self.health["fast"]
+
+    def metric(self, name: str, **labels: str) -> float:
+        from prometheus_client import generate_latest
+        return sample(generate_latest(self.registry).decode(), name, **labels)
+
+
+async def until(check: Callable[[], bool], timeout: float = 3.0) -> None:
+    """Wait (bounded) until ``check()`` holds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def replicas(redis_server: RedisServer) -> AsyncIterator[Callable[..., Awaitable[Replica]]]:
+    made: list[Replica] = []
+
+    async def make(**state: Any) -> Replica:
+        r = Replica(redis_server.url, **state)
+        await r.shared.start()
+        await until(lambda: r.shared.up)
+        made.append(r)
+        return r
+    yield make
+    for r in made:
+        await r.shared.stop()
+
+
+def report(tokens: int, requests: int = 1000, reset: str = "30") -> dict[str, str]:
+    """Cerebras-style rate-limit headers."""
+    return {"x-ratelimit-remaining-tokens-minute": str(tokens), "x-ratelimit-reset-tokens-minute": reset,
+            "x-ratelimit-remaining-requests-day": str(requests), "x-ratelimit-reset-requests-day": "3600"}
+
+
+async def observed(r: Replica, headers: dict[str, str], admission: Admission | None = None) -> None:
+    """Tell ``r`` an answer's headers as an attempt would, and wait for its writer to send them."""
+    SharedVerdicts(r.h, r.shared, admission).observe_headers(headers, r.health.clock())
+    await until(lambda: not r.shared._pending)
+    await asyncio.sleep(0.05)
+
+
+async def test_concurrent_admissions_of_three_replicas_never_overshoot_the_shared_estimate(
+        replicas: Callable[..., Awaitable[Replica]]) -> None:
+    a, b, c = await replicas(), await replicas(), await replicas()
+    await observed(a, report(10_000))
+    await until(lambda: b.h.reports_quota and c.h.reports_quota)  # the first report reaches the others
+    admissions = await asyncio.gather(*(r.shared.admit(r.h, 1000) for r in (a, b, c) * 8))  # 24 at once
+    assert all(x is not None for x in admissions)
+    assert sum(x.ok for x in admissions if x is not None) == 10  # 10,000 tokens: exactly ten of 1,000
+    refused = [x for x in admissions if x is not None and not x.ok]
+    assert {x.refused for x in refused} == {"tokens"}
+    keys = a.shared._quota_keys("fast")
+    assert float(await a.shared.redis.get(keys[1])) == 0
+    assert await a.shared.redis.zcard(keys[4]) == 10  # in flight until their answers report
+    assert await a.shared.redis.hgetall(keys[5]) == {b"r": b"10", b"t": b"10000"}
+    # a replica refused once holds the shared estimate locally: its next plan spills over without asking Redis
+    assert any(r.h.unavailable(r.health.clock(), 1000) == "quota_tokens" for r in (a, b, c))
+
+
+async def test_a_report_is_taken_minus_what_was_reserved_after_it_and_what_was_in_flight_before(
+        replicas: Callable[..., Awaitable[Replica]]) -> None:
+    a, b = await replicas(), await replicas()
+    await observed(a, report(10_000, requests=100))
+    await until(lambda: b.h.reports_quota)
+    first = await a.shared.admit(a.h, 500)
+    assert first is not None and first.ok and first.mark is not None
+    for _ in range(3):  # sent after a's request, not counted in the report its answer carries
+        x = await b.shared.admit(b.h, 1000)
+        assert x is not None and x.ok
+    await observed(a, report(9_500, requests=99), first)
+    raw = await a.shared.redis.get(a.shared._quota_keys("fast")[1])
+    assert float(raw) == 9_500 - 3 * 1000
+    assert float(await a.shared.redis.get(a.shared._quota_keys("fast")[0])) == 99 - 3
+    # b's three are still in flight when a reserves again: they may reach the upstream after a's request, so a's
+    # report is taken minus them too (the safe error; their own reports correct it)
+    again = await a.shared.admit(a.h, 500)
+    assert again is not None and again.ok and again.ahead == (3, 3000)
+    await observed(a, report(5_000, requests=90), again)
+    assert float(await a.shared.redis.get(a.shared._quota_keys("fast")[1])) == 5_000 - 3000
+    # a report without a mark (its attempt reserved nothing) never overwrites a standing estimate
+    await observed(b, report(50_000))
+    assert float(await a.shared.redis.get(a.shared._quota_keys("fast")[1])) == 2_000
+
+
+async def test_a_cooldown_an_opened_and_a_closed_breaker_reach_the_other_replicas(
+        replicas: Callable[..., Awaitable[Replica]]) -> None:
+    a, b = await replicas(), await replicas()
+    now = a.health.clock()
+    a.h.rate_limited({"retry-after": "20"}, now)
+    await until(lambda: b.h.unavailable(b.health.clock(), 1) == "cooldown")
+    assert b.h.cooldown_until - b.health.clock() == pytest.approx(20, abs=1)
+    late = await replicas()  # started after the 429: reads the rest hash
+    assert late.h.unavailable(late.health.clock(), 1) == "cooldown"
+    a.h.failure(now)
+    a.h.failure(now)  # failures: 2 -> open
+    await until(lambda: b.h.state(b.health.clock()) == "open")
+    assert b.h.open_until - b.health.clock() == pytest.approx(30, abs=1)
+    a.h.success()
+    await until(lambda: b.h.state(b.health.clock()) != "open")
+    assert b.h.open_until == 0 and not b.h.half_open
+
+
+async def test_a_rising_report_reaches_replicas_that_spilled_over_on_a_short_estimate(
+        replicas: Callable[..., Awaitable[Replica]]) -> None:
+    a, b = await replicas(), await replicas()
+    await observed(a, report(100))
+    await until(lambda: "tokens" in b.h.quota)
+    assert b.h.unavailable(b.health.clock(), 1000) == "quota_tokens"
+    x = await a.shared.admit(a.h, 50)
+    assert x is not None and x.ok
+    await observed(a, report(40_000), x)  # a new window: more than before
+    await until(lambda: b.h.unavailable(b.health.clock(), 1000) is None)
+
+
+async def test_redis_killed_then_back_the_replica_goes_on_locally_and_returns(
+        replicas: Callable[..., Awaitable[Replica]], redis_server: RedisServer,
+        caplog: pytest.LogCaptureFixture) -> None:
+    a = await replicas()
+    await observed(a, report(10_000))
+    redis_server.kill()
+    t0 = time.monotonic()
+    assert await a.shared.admit(a.h, 100) is None  # refused connection: at once, no wait
+    assert time.monotonic() - t0 < 0.2
+    assert not a.shared.up and a.metric("tiergate_shared_state_up") == 0
+    assert a.metric("tiergate_shared_state_errors_total", op="admit") == 1
+    assert await a.shared.admit(a.h, 100) is None  # away: not asked again
+    assert a.metric("tiergate_shared_state_errors_total", op="admit") == 1
+    a.h.rate_limited({"retry-after": "5"}, a.health.clock())  # dropped for the others, kept here
+    assert a.h.unavailable(a.health.clock(), 1) == "cooldown"
+    assert a.metric("tiergate_shared_state_dropped_total") >= 1
+    assert sum("shared state (Redis) unavailable" in r.message for r in caplog.records) == 1  # logged once
+    redis_server.start()
+    await until(lambda: a.shared.up, timeout=5)
+    assert a.metric("tiergate_shared_state_up") == 1
+    x = await a.shared.admit(a.h, 100)  # Redis lost everything: no shared estimate, so admitted
+    assert x is not None and x.ok
+
+
+async def test_a_redis_that_answers_nothing_costs_a_request_at_most_the_timeout(
+        replicas: Callable[..., Awaitable[Replica]], redis_server: RedisServer) -> None:
+    a = await replicas(timeout=0.1)
+    await observed(a, report(10_000))
+    redis_server.pause()
+    try:
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(a.shared.admit(a.h, 100) for _ in range(5)))
+        waited = time.monotonic() - t0
+        assert results == [None] * 5 and not a.shared.up
+        assert waited < 0.1 + 0.1  # one bounded wait for those in flight, then none
+        t1 = time.monotonic()
+        assert await a.shared.admit(a.h, 100) is None
+        assert time.monotonic() - t1 < 0.01
+    finally:
+        redis_server.resume()
+    await until(lambda: a.shared.up, timeout=5)
+
+
+async def test_the_responses_store_is_shared_and_a_delete_reaches_every_replica(
+        replicas: Callable[..., Awaitable[Replica]], redis_server: RedisServer) -> None:
+    a, b = await replicas(), await replicas()
+    sa = SharedResponseStore(MemoryResponseStore(100, 10**6, 60), a.shared)
+    sb = SharedResponseStore(MemoryResponseStore(100, 10**6, 60), b.shared)
+    first = Bridged({"id": "resp_1", "output": [{"type": "message", "id": "m1"}]}, [{"type": "message", "id": "u1"}],
+                    None, 100)
+    second = Bridged({"id": "resp_2", "output": [{"type": "message", "id": "m2"}]}, [{"type": "message", "id": "u2"}],
+                     "resp_1", 100)
+    assert await sa.put("resp_1", first) and await sa.put("resp_2", second)
+    assert await sa.put("resp_n", Native("openai"))
+    assert await sb.get("resp_n") == Native("openai")
+    got = await sb.get("resp_2")
+    assert isinstance(got, Bridged) and got.previous == "resp_1"
+    history = await sb.history("resp_2")
+    assert [i["id"] for i in history or []] == ["u1", "m1", "u2", "m2"]
+    assert await sb.delete("resp_1")
+    await until(lambda: len(sa.local) == 2)  # a's local copy dropped by b's message
+    assert await sa.get("resp_1") is None
+    assert await sa.history("resp_2") is None  # a link is gone: no silent fresh start
+    redis_server.kill()  # away: each replica's own copy answers
+    assert await sa.get("resp_2") == second
+    assert await sb.get("resp_2") is None
