@@ -45,6 +45,7 @@ def ms_summary(values_ns: Sequence[int]) -> dict[str, Any]:
 REFERENCES: dict[str, str] = {
     "minproxy": "a minimal Python proxy: uvicorn + aiohttp, bench/minproxy.py",
     "nginx": "proxy_buffering off",
+    "redis": "Tiergate itself with state.redis_url: replicas' shared state in a local redis-server (--redis)",
 }
 
 

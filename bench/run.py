@@ -399,8 +399,9 @@ def run_once(args: argparse.Namespace, sizes: Sizes, out: Path, idx: int, pin: b
     py = sys.executable
     suffix = f"-{idx}" if args.repeat > 1 else ""
     with procs.Children() as kids:
-        up = kids.start("upstream", procs.pin_prefix(0 if pin else None) + [py, "-m", "bench.upstream", "--port", "0"],
-                        out / f"upstream{suffix}.log", cwd=ROOT)
+        up = kids.start("upstream", procs.pin_prefix(0 if pin else None) + [
+            py, "-m", "bench.upstream", "--port", "0", *(["--ratelimit-headers"] if args.redis else [])],
+            out / f"upstream{suffix}.log", cwd=ROOT)
         up_port = procs.wait_upstream_ready(up)
         procs.wait_http_ready(up, f"http://127.0.0.1:{up_port}/healthz")
         cfg = out / f"gateway{suffix}.yaml"
@@ -435,6 +436,21 @@ def run_once(args: argparse.Namespace, sizes: Sizes, out: Path, idx: int, pin: b
             procs.wait_http_ready(mp, f"http://127.0.0.1:{mp_port}/healthz")
             targets.append(Target("minproxy", f"http://127.0.0.1:{mp_port}/v1/chat/completions", [mp.pid]))
             started.append(f"minproxy :{mp_port} (pid {mp.pid})")
+        if args.redis:  # the same gateway, its state shared through a redis-server beside the upstream (CPU 0)
+            rd_port = procs.free_port()
+            rd = kids.start("redis-server", procs.pin_prefix(0 if pin else None) + [
+                "redis-server", "--port", str(rd_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                out / f"redis{suffix}.log")
+            rcfg = out / f"gateway-redis{suffix}.yaml"
+            rcfg.write_text(procs.gateway_config(up_port, f"redis://127.0.0.1:{rd_port}/0"))
+            rg_port = procs.free_port()
+            rg = kids.start("tiergate-redis", procs.pin_prefix(1 if pin else None) + [
+                py, "-m", "gateway", "serve", "--config", str(rcfg), "--host", "127.0.0.1", "--port", str(rg_port),
+                "--log-level", "warning"], out / f"gateway-redis{suffix}.log", cwd=ROOT, env=env)
+            procs.wait_http_ready(rg, f"http://127.0.0.1:{rg_port}/healthz")
+            time.sleep(0.5)  # it has connected to Redis (in the background: start-up never waits for it)
+            targets.append(Target("redis", f"http://127.0.0.1:{rg_port}/v1/chat/completions", [rg.pid]))
+            started.append(f"tiergate+redis :{rg_port} (pid {rg.pid}, redis-server :{rd_port} pid {rd.pid})")
         if procs.NGINX.exists() and not args.no_nginx:
             ng_port = procs.free_port()
             ng_dir = (out / f"nginx{suffix}").resolve()
@@ -476,7 +492,8 @@ def reference_status(args: argparse.Namespace) -> dict[str, str]:
     """Per reference proxy: "measured", or why it was skipped (recorded in bench.json's meta)."""
     return {"minproxy": "skipped (--no-minproxy)" if args.no_minproxy else "measured",
             "nginx": "skipped (--no-nginx)" if args.no_nginx else
-            "measured" if procs.NGINX.exists() else f"skipped ({procs.NGINX} not installed)"}
+            "measured" if procs.NGINX.exists() else f"skipped ({procs.NGINX} not installed)",
+            "redis": "measured" if args.redis else "skipped (no --redis)"}
 
 
 def markdown(meta: dict[str, Any], rows: list[report.Row], runs: list[dict[str, Any]], repeat: int) -> str:
@@ -550,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the gateway with `tiergate serve --workers N` (its CPU figures then sum every worker; "
                         "use with --no-pin, or every worker shares the proxy's one core)")
     p.add_argument("--no-nginx", action="store_true", help="skip nginx even when installed")
+    p.add_argument("--redis", action="store_true", help="also measure the gateway with state.redis_url (a local "
+                   "redis-server) and make the upstream send rate-limit headers (every target sees them)")
     p.add_argument("--render", type=Path, metavar="BENCH_JSON",
                    help="only rebuild bench.md (into --out) from an earlier bench.json; runs nothing")
     args = p.parse_args(argv)

@@ -21,6 +21,10 @@ For ``bench.passthrough``: ``POST /v1/embeddings`` answers one base64 embedding 
 chunked; ``POST /v1/files`` reads its body (any content type) and answers its size as JSON.
 
 ``GET /healthz`` answers 200. The connection is HTTP/1.1 keep-alive, one request at a time.
+
+``--ratelimit-headers``: every chat completion answer carries OpenAI's ``x-ratelimit-*`` headers (a budget that never
+runs out), as OpenAI's own answers do, so that the gateway's quota bookkeeping (with ``state.redis_url``, its Redis
+round trips) is measured too (``bench.run --redis``).
 """
 
 from __future__ import annotations
@@ -38,9 +42,13 @@ import httptools
 import orjson
 
 _now_ns = time.monotonic_ns
-_HEAD_STREAM = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
-                b"transfer-encoding: chunked\r\nx-request-id: bench\r\n\r\n")
+_HEAD_STREAM = [b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+                b"transfer-encoding: chunked\r\nx-request-id: bench\r\n\r\n"]
+_EXTRA = [b""]  # headers every answer adds (--ratelimit-headers)
 _CREATED = int(time.time())
+_RATELIMIT = (b"x-ratelimit-limit-requests: 100000000\r\nx-ratelimit-remaining-requests: 99999999\r\n"
+              b"x-ratelimit-reset-requests: 1ms\r\nx-ratelimit-limit-tokens: 100000000000\r\n"
+              b"x-ratelimit-remaining-tokens: 99999999999\r\nx-ratelimit-reset-tokens: 6m0s\r\n")
 
 
 def _chunk(model: bytes, delta: bytes, finish: bytes = b"null") -> bytes:
@@ -164,7 +172,7 @@ class UpstreamProtocol(asyncio.Protocol):
             usage = isinstance(options, dict) and options.get("include_usage") is True
             if self.transport is None:
                 return
-            self.transport.write(_HEAD_STREAM)
+            self.transport.write(_HEAD_STREAM[0])
             self.stream = _Stream(self, model, max(1, tokens), max(tps, 0.001), usage)
             self.stream.tick()
             return
@@ -200,8 +208,8 @@ class UpstreamProtocol(asyncio.Protocol):
     def _reply(self, status: int, body: bytes) -> None:
         if self.transport is not None:
             self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                                 b"x-request-id: bench\r\n\r\n%s" % (status, b"OK" if status == 200 else b"Error",
-                                                                    len(body), body))
+                                 b"x-request-id: bench\r\n%s\r\n%s" % (status, b"OK" if status == 200 else b"Error",
+                                                                      len(body), _EXTRA[0], body))
 
 
 async def _serve(host: str, port: int) -> None:
@@ -219,7 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.upstream", description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed as READY <port>)")
+    p.add_argument("--ratelimit-headers", action="store_true", help="OpenAI's x-ratelimit-* headers on every answer")
     args = p.parse_args(argv)
+    if args.ratelimit_headers:
+        _EXTRA[0] = _RATELIMIT
+        _HEAD_STREAM[0] = _HEAD_STREAM[0][:-2] + _RATELIMIT + b"\r\n"
     if args.host not in ("127.0.0.1", "::1", "localhost"):
         p.error("the bench upstream listens on loopback only")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -199,8 +199,7 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
                       model_prices={(u.name, m): p.per_token() for u in config.upstreams
                                     for m, p in u.model_prices.items()})
     pool = transport if transport is not None else UpstreamPool(config.upstreams, loaded.keys)
-    shared = (SharedState(loaded.redis_url, config.state, metrics, response_ttl=config.response_store.ttl)
-              if loaded.redis_url is not None else None)
+    shared = SharedState(loaded.redis_url, config.state, metrics) if loaded.redis_url is not None else None
     gateway = _gateway(loaded, metrics, pool, policy=policy, shared=shared)
     hot: HotPath | None = None
 

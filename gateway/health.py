@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import re
 import time
 from collections import deque
@@ -46,6 +47,7 @@ SOFT_REASONS = frozenset({"quota_requests", "quota_tokens", "concurrency"})  # e
 T = TypeVar("T")
 
 
+@functools.lru_cache(maxsize=1024)  # one per answer with rate-limit headers; the values repeat ("6m0s", "1ms", ...)
 def parse_reset(value: str) -> float | None:
     """Seconds from a rate-limit reset header: ``1.5`` (Cerebras), ``6m0s``, ``120ms``, ``1m19.156s`` (OpenAI)."""
     value = value.strip()
@@ -253,7 +255,10 @@ class UpstreamHealth:
         when it arrives), so what was sent after this answer's request (``mark``, from :meth:`start`) is taken
         off what it reports: those requests are in flight, or their answers were read already.
         """
-        report = quota_report(headers)
+        self.observe_report(quota_report(headers), now, mark)
+
+    def observe_report(self, report: dict[str, tuple[float, float]], now: float, mark: Mark | None = None) -> None:
+        """:meth:`observe_headers` with the headers already read (:func:`quota_report`)."""
         if not report:
             return
         self.reports_quota = True

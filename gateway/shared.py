@@ -17,6 +17,10 @@ With it (redis-py's asyncio client; any Redis 6.2 or newer):
 * **The Responses store** (:class:`SharedResponseStore`): every bridged conversation and every native response's
   upstream, so a follow-up may reach any replica.
 
+Every command a request or an update sends in one event-loop turn goes in one pipeline (one round trip on one
+connection, however many requests are in flight): measured, that and packing each script's arguments into one string
+halved the CPU a request spends on Redis (``bench/RESULTS.md``).
+
 Redis unreachable, or slower than ``state.timeout``: the operation is abandoned, counted
 (``tiergate_shared_state_errors_total``) and logged once; the replica goes on with its local state (its own traffic
 keeps its estimates, as without Redis), asks Redis nothing on a request's path until a ping answers again (every
@@ -59,86 +63,96 @@ from gateway.metrics import Metrics
 log = logging.getLogger("tiergate")
 FAILURES = (RedisError, OSError, TimeoutError)
 KINDS = ("requests", "tokens")
-MAX_PENDING = 10_000  # updates queued for Redis; past it they are dropped (and counted), never held in memory
+MAX_PENDING = 10_000  # commands asked in one event-loop turn; past it they are dropped (and counted)
 DAY_MS = 86_400_000
 IN_FLIGHT_S = 120.0  # a reservation whose answer never reports (a replica died) leaves the in-flight set after this
 
-# The keys of one upstream's quota scripts: quota requests, quota tokens (the estimates), sent requests, sent tokens
+# The keys of one upstream's quota scripts, K[1..6] under the one key they declare (the upstream's base, whose hash tag
+# puts them all in its Redis Cluster slot): quota requests, quota tokens (the estimates), sent requests, sent tokens
 # (running totals of reservations), the in-flight set (members "{sent tokens}:{tokens}", scored by when they leave it
-# if nothing removes them: a replica that died mid-flight), and its totals (a hash: r, t).
-_LAND = """
+# if nothing removes them: a replica that died mid-flight), and its totals (a hash: r, t). Their arguments A[...] come
+# in one string, joined by the unit separator: measured, redis-py's packing of each argument was most of the CPU a
+# request spent on Redis (18 arguments each, twice per request).
+QUOTA_KEYS = (":quota:requests", ":quota:tokens", ":sent:requests", ":sent:tokens", ":inflight", ":inflight:n")
+SEP = "\x1f"
+_PROLOGUE = ("local K, A = {}, {}\n"
+             "for i, suffix in ipairs({" + ", ".join(f"'{k}'" for k in QUOTA_KEYS) + "}) do\n"
+             "  K[i] = KEYS[1] .. suffix\nend\n"
+             "for v in string.gmatch(ARGV[1] .. '\\31', '([^\\31]*)\\31') do A[#A + 1] = v end\n")
+_LAND = _PROLOGUE + """
 local function land(member)
-  if member ~= '' and redis.call('ZREM', KEYS[5], member) == 1 then
-    redis.call('HINCRBY', KEYS[6], 'r', -1)
-    redis.call('HINCRBY', KEYS[6], 't', -tonumber(string.match(member, ':(%d+)$')))
+  if member ~= '' and redis.call('ZREM', K[5], member) == 1 then
+    redis.call('HINCRBY', K[6], 'r', -1)
+    redis.call('HINCRBY', K[6], 't', -tonumber(string.match(member, ':(%d+)$')))
   end
 end
 """
 
-# ARGV: tokens needed, requests kept, tokens kept, ms the totals live, the reservation's end (wall seconds), now (wall).
+# A: tokens needed, requests kept, tokens kept, ms the totals live, the reservation's end (wall seconds), now (wall).
 # Returns {admitted 1|0, refused kind index 1|2 (0), remaining requests ('' unknown), its ms to reset, remaining
 # tokens, its ms, sent requests, sent tokens, requests in flight before it, tokens in flight before it} (floats as
 # strings: a Lua number would reach Redis' reply as an integer).
 _ADMIT = _LAND + """
-for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', ARGV[6])) do land(member) end
-local need = {1, tonumber(ARGV[1])}
-local keep = {tonumber(ARGV[2]), tonumber(ARGV[3])}
-local rem = {redis.call('GET', KEYS[1]), redis.call('GET', KEYS[2])}
+for _, member in ipairs(redis.call('ZRANGEBYSCORE', K[5], '-inf', A[6])) do land(member) end
+local need = {1, tonumber(A[1])}
+local keep = {tonumber(A[2]), tonumber(A[3])}
+local rem = {redis.call('GET', K[1]), redis.call('GET', K[2])}
 for i = 1, 2 do
   if rem[i] and tonumber(rem[i]) - need[i] < keep[i] then
-    return {0, i, rem[1] or '', redis.call('PTTL', KEYS[1]), rem[2] or '', redis.call('PTTL', KEYS[2]), '', '', '', ''}
+    return {0, i, rem[1] or '', redis.call('PTTL', K[1]), rem[2] or '', redis.call('PTTL', K[2]), '', '', '', ''}
   end
 end
 for i = 1, 2 do
-  if rem[i] then rem[i] = redis.call('INCRBYFLOAT', KEYS[i], -need[i]) end
+  if rem[i] then rem[i] = redis.call('INCRBYFLOAT', K[i], -need[i]) end
 end
-local s1 = redis.call('INCRBY', KEYS[3], need[1])
-local s2 = redis.call('INCRBY', KEYS[4], need[2])
-local ahead = redis.call('HMGET', KEYS[6], 'r', 't')
-redis.call('ZADD', KEYS[5], ARGV[5], s2 .. ':' .. need[2])
-redis.call('HINCRBY', KEYS[6], 'r', 1)
-redis.call('HINCRBY', KEYS[6], 't', need[2])
-for k = 3, 6 do redis.call('PEXPIRE', KEYS[k], ARGV[4]) end
-return {1, 0, rem[1] or '', redis.call('PTTL', KEYS[1]), rem[2] or '', redis.call('PTTL', KEYS[2]), s1, s2,
+local s1 = redis.call('INCRBY', K[3], need[1])
+local s2 = redis.call('INCRBY', K[4], need[2])
+local ahead = redis.call('HMGET', K[6], 'r', 't')
+redis.call('ZADD', K[5], A[5], s2 .. ':' .. need[2])
+redis.call('HINCRBY', K[6], 'r', 1)
+redis.call('HINCRBY', K[6], 't', need[2])
+for k = 3, 6 do redis.call('PEXPIRE', K[k], A[4]) end
+return {1, 0, rem[1] or '', redis.call('PTTL', K[1]), rem[2] or '', redis.call('PTTL', K[2]), s1, s2,
         ahead[1] or '0', ahead[2] or '0'}
 """
 
-# ARGV: per kind (requests, tokens) the reported remaining ('' none), ms to its reset, what the report leaves out ('':
+# A: per kind (requests, tokens) the reported remaining ('' none), ms to its reset, what the report leaves out ('':
 # unknown); then the channel, this replica, the upstream, the attempt's in-flight member (''), its mark in sent
 # tokens (''). The upstream counted what had reached it when it answered. Left out, as far as the gateway can tell:
 # what was reserved after this attempt (the sent totals past its mark), and what was in flight when it was reserved
 # (it may have reached the upstream after this attempt; counting it twice is the safe error, and its own report
 # corrects it): the attempt passes the latter, and its mark. A report without a mark (its attempt reserved nothing:
 # no estimate yet, or Redis was away) only starts an estimate where there is none. Publishes the estimates when one of
-# them rose (a new window: replicas that spilled over on a short estimate learn it; a fall they learn from their own
-# admissions). Returns the estimates set ('' for a kind left as it was).
+# them began or more than doubled (a new window, a refill: replicas that spilled over on a short estimate learn it;
+# a fall they learn from their own admissions, and a small rise does not move a spill decision). Returns the
+# estimates set ('' for a kind left as it was).
 _OBSERVE = _LAND + """
-land(ARGV[10])
+land(A[10])
 local out, ms, rose = {'', ''}, {'', ''}, false
 for i = 1, 2 do
-  local reported, ahead = ARGV[3 * i - 2], ARGV[3 * i]
-  local old = redis.call('GET', KEYS[i])
+  local reported, ahead = A[3 * i - 2], A[3 * i]
+  local old = redis.call('GET', K[i])
   if reported ~= '' and (ahead ~= '' or not old) then
     local since = 0
     if ahead ~= '' then
-      local mark = (i == 1) and ARGV[11] or ARGV[12]
-      since = math.max(0, tonumber(redis.call('GET', KEYS[i + 2]) or '0') - tonumber(mark)) + tonumber(ahead)
+      local mark = (i == 1) and A[11] or A[12]
+      since = math.max(0, tonumber(redis.call('GET', K[i + 2]) or '0') - tonumber(mark)) + tonumber(ahead)
     end
     local value = tonumber(reported) - since
-    redis.call('SET', KEYS[i], tostring(value), 'PX', ARGV[3 * i - 1])
-    if (not old) or tonumber(old) < value then rose = true end
-    out[i], ms[i] = tostring(value), ARGV[3 * i - 1]
+    redis.call('SET', K[i], tostring(value), 'PX', A[3 * i - 1])
+    if (not old) or tonumber(old) * 2 < value then rose = true end
+    out[i], ms[i] = tostring(value), A[3 * i - 1]
   end
 end
 if rose then
-  redis.call('PUBLISH', ARGV[7], cjson.encode({r = ARGV[8], u = ARGV[9], e = 'quota', q = out, ms = ms}))
+  redis.call('PUBLISH', A[7], cjson.encode({r = A[8], u = A[9], e = 'quota', q = out, ms = ms}))
 end
 return out
 """
 
-# ARGV: the in-flight member of an attempt that ended without a report.
+# A: the in-flight member of an attempt that ended without a report.
 _LANDED = _LAND + """
-land(ARGV[1])
+land(A[1])
 return 1
 """
 
@@ -176,6 +190,21 @@ return out
 
 
 @dataclass
+class _Ask:
+    """Commands for the next pipeline: ``add`` queues them; ``future`` (an awaiting request) gets their replies, else
+    ``then`` gets the first one."""
+
+    op: str
+    add: Callable[[Pipeline], Any]
+    future: asyncio.Future[list[Any]] | None
+    then: Callable[[Any], None] | None = None
+
+
+class _Failed(Exception):
+    """The pipeline carrying an ask failed (counted there)."""
+
+
+@dataclass
 class Admission:
     """What :meth:`SharedState.admit` decided: ``ok`` (reserved; ``mark`` is the attempt's, for its answer's report),
     else ``refused`` (``requests`` or ``tokens``: the shared estimate does not cover the request)."""
@@ -192,19 +221,19 @@ class SharedState:
     :meth:`attach` it to each :class:`Health` the app builds (a reload builds a new one).
 
     Args:
-        url: the Redis URL (a secret: it may hold a password); cfg: ``state:``; metrics: where its errors are counted.
+        url: the Redis URL (a secret: it may hold a password); cfg: ``state:``; metrics: where its errors are counted;
+        wall: the wall clock (seconds) times cross processes in.
 
     Attributes:
         up: Redis answered the last operation (False from start until the first ping answers).
         replica: this process's name in the messages (host, pid, random), so that it skips its own.
     """
 
-    def __init__(self, url: SecretStr, cfg: StateConfig, metrics: Metrics, *, wall: Callable[[], float] = time.time,
-                 response_ttl: float = 3600.0) -> None:
+    def __init__(self, url: SecretStr, cfg: StateConfig, metrics: Metrics, *,
+                 wall: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.wall = wall
-        self.response_ttl = response_ttl
         self.prefix = cfg.key_prefix
         self.channel = f"{self.prefix}:events"
         self.replica = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
@@ -218,9 +247,9 @@ class SharedState:
         self._history = self.redis.register_script(_HISTORY)
         self.up = False
         self.health: Health | None = None
-        self._pending: list[tuple[str, Callable[[Pipeline], Any], Callable[[Any], None] | None]] = []
         self.on_deleted: list[Callable[[str], None]] = []  # told the ids other replicas deleted
-        self._wake = asyncio.Event()
+        self._asks: list[_Ask] = []  # commands for the next pipeline (one per event-loop turn)
+        self._flushes: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._said_down = False
         metrics.shared_up.set(0)
@@ -237,19 +266,16 @@ class SharedState:
 
     async def start(self) -> None:
         """Start the subscriber (which connects, reads the shared state and subscribes in the background: start-up never
-        waits for Redis) and the writer."""
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._subscriber()), loop.create_task(self._writer())]
+        waits for Redis)."""
+        self._tasks = [asyncio.get_running_loop().create_task(self._subscriber())]
 
     async def stop(self) -> None:
-        """Stop both tasks and close the connections (updates still queued are dropped)."""
-        for task in self._tasks:
+        """Stop the subscriber and the pipelines in flight, and close the connections (updates still queued are
+        dropped)."""
+        tasks = [*self._tasks, *self._flushes]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except (asyncio.CancelledError, *FAILURES):
-                pass
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks = []
         with contextlib.suppress(*FAILURES):
             await self.redis.aclose()
@@ -266,16 +292,13 @@ class SharedState:
         """
         if not self.up or not h.reports_quota:
             return None
-        keep = h.cfg.quota_reserve
-        try:
-            async with asyncio.timeout(self.cfg.timeout):
-                wall = self.wall()
-                reply = await self._admit(keys=self._quota_keys(h.name),
-                                          args=[need_tokens, keep.get("requests", 0), keep.get("tokens", 0), DAY_MS,
-                                                repr(wall + IN_FLIGHT_S), repr(wall)])
-        except FAILURES as exc:
-            self._failed("admit", exc)
+        keep, wall, base = h.cfg.quota_reserve, self.wall(), self._base(h.name)
+        args = f"{need_tokens}{SEP}{keep.get('requests', 0)}{SEP}{keep.get('tokens', 0)}{SEP}{DAY_MS}{SEP}" \
+               f"{wall + IN_FLIGHT_S!r}{SEP}{wall!r}"
+        done, replies = await self.ask("admit", lambda pipe: pipe.evalsha(self._admit.sha, 1, base, args))
+        if not done:
             return None
+        reply = replies[0]
         ok = reply[0] == 1
         now = self._now()
         for i, kind in enumerate(KINDS):
@@ -287,10 +310,10 @@ class SharedState:
         return Admission(True, mark=(int(reply[6]), int(reply[7])), member=f"{int(reply[7])}:{need_tokens}",
                          ahead=(int(reply[8]), int(reply[9])))
 
-    def observed(self, h: UpstreamHealth, headers: Mapping[str, str], admission: Admission | None) -> None:
-        """An answer of ``h``'s upstream came: its rate-limit report, if any, and the end of its reservation's flight
-        are queued for the writer, not awaited. ``admission``: the attempt's (None: it reserved nothing in Redis)."""
-        report = quota_report(headers)
+    def observed(self, h: UpstreamHealth, report: dict[str, tuple[float, float]], admission: Admission | None) -> None:
+        """An answer of ``h``'s upstream came: its rate-limit report (``gateway.health.quota_report``; empty: none),
+        and the end of its reservation's flight, go with the next pipeline, not awaited. ``admission``: the attempt's
+        (None: it reserved nothing in Redis)."""
         mark = admission.mark if admission is not None else None
         if not report:
             if admission is not None and admission.member is not None:
@@ -305,7 +328,7 @@ class SharedState:
                 args += ["", 1, ""]
         args += [self.channel, self.replica, h.name, "", "", ""] if admission is None or mark is None else \
             [self.channel, self.replica, h.name, admission.member or "", mark[0], mark[1]]
-        keys = self._quota_keys(h.name)
+        base, joined = self._base(h.name), SEP.join(map(str, args))
 
         def applied(reply: Any) -> None:
             now = self._now()
@@ -314,12 +337,12 @@ class SharedState:
                     h.shared_quota(kind, float(reply[i]), now + report[kind][1])
         # evalsha in a pipeline: redis-py's Script would ask SCRIPT EXISTS before every batch (the subscriber loads
         # the scripts whenever it connects; a Redis that lost them fails the batch, and the reconnect loads them)
-        self._queue("observe", lambda pipe: pipe.evalsha(self._observe.sha, 6, *keys, *args), applied)
+        self._queue("observe", lambda pipe: pipe.evalsha(self._observe.sha, 1, base, joined), applied)
 
     def landed(self, upstream: str, member: str) -> None:
         """An admitted attempt ended without a report (an error, a cancel): its reservation leaves the in-flight set."""
-        keys = self._quota_keys(upstream)
-        self._queue("observe", lambda pipe: pipe.evalsha(self._landed.sha, 6, *keys, member))
+        base = self._base(upstream)
+        self._queue("observe", lambda pipe: pipe.evalsha(self._landed.sha, 1, base, member))
 
     # gateway.health.Listener: this replica's transitions, for the others
 
@@ -336,23 +359,35 @@ class SharedState:
         self._queue("rest", lambda pipe: pipe.evalsha(self._rest.sha, 1, self._key(upstream, "rest"), "closed", "0", 0,
                                                       self.channel, message))
 
-    # the Responses store (SharedResponseStore): awaited, bounded by state.timeout
+    # one pipeline per event-loop turn: what every request of the turn asks goes in one round trip, on one connection
 
-    async def call(self, op: str, make: Callable[[Redis], Any]) -> tuple[bool, Any]:
-        """Run ``make(redis)`` (an awaitable) within ``state.timeout``: (True, its reply), or (False, None) when Redis
-        is away or failed (counted)."""
+    async def ask(self, op: str, add: Callable[[Pipeline], Any]) -> tuple[bool, list[Any]]:
+        """Send the commands ``add(pipeline)`` queues with everything else asked in this event-loop turn, and wait
+        for their replies within ``state.timeout``.
+
+        Returns:
+            (True, the replies of the commands ``add`` queued), or (False, []) when Redis is away, failed, answered
+            one of them with an error (a lost script after a restart included) or was too slow: counted, and the
+            caller goes on with its local state.
+        """
         if not self.up:
-            return False, None
+            return False, []
+        ask = _Ask(op, add, asyncio.get_running_loop().create_future())
+        self._send(ask)
+        assert ask.future is not None
         try:
             async with asyncio.timeout(self.cfg.timeout):
-                return True, await make(self.redis)
-        except FAILURES as exc:
+                replies = await ask.future
+        except TimeoutError as exc:
             self._failed(op, exc)
-            return False, None
+            return False, []
+        except _Failed:
+            return False, []  # counted where the pipeline failed
+        return True, replies
 
-    def history_script(self, response_id: str, refresh_ms: int, most: int) -> Any:
-        """The chain walk of a conversation (see ``_HISTORY``), as an awaitable."""
-        return self._history(args=[self.prefix, response_id, refresh_ms, most])
+    def history_command(self, pipe: Pipeline, response_id: str, refresh_ms: int, most: int) -> Any:
+        """Queue the chain walk of a conversation (see ``_HISTORY``) in ``pipe``."""
+        return pipe.evalsha(self._history.sha, 0, self.prefix, response_id, refresh_ms, most)
 
     def forget(self, response_id: str) -> None:
         """Tell the other replicas to drop their local copy of a deleted response (queued, not awaited)."""
@@ -362,11 +397,14 @@ class SharedState:
     # inside
 
     def _key(self, upstream: str, what: str) -> str:
-        return f"{self.prefix}:{{{upstream}}}:{what}"  # the hash tag: one Redis Cluster slot per upstream
+        return f"{self._base(upstream)}:{what}"
+
+    def _base(self, upstream: str) -> str:
+        """The key every key of ``upstream`` starts with (its hash tag: one Redis Cluster slot per upstream)."""
+        return f"{self.prefix}:{{{upstream}}}"
 
     def _quota_keys(self, upstream: str) -> list[str]:
-        return [*(self._key(upstream, f"quota:{k}") for k in KINDS), *(self._key(upstream, f"sent:{k}") for k in KINDS),
-                self._key(upstream, "inflight"), self._key(upstream, "inflight:n")]
+        return [self._base(upstream) + suffix for suffix in QUOTA_KEYS]
 
     def _now(self) -> float:
         return self.health.clock() if self.health is not None else time.monotonic()
@@ -376,38 +414,62 @@ class SharedState:
         return self._now() + (wall - self.wall())
 
     def _queue(self, op: str, add: Callable[[Pipeline], Any], then: Callable[[Any], None] | None = None) -> None:
-        if not self.up or len(self._pending) >= MAX_PENDING:
+        """Send ``add``'s commands with the next pipeline, not awaited (``then`` gets the first reply); dropped (and
+        counted) while Redis is away."""
+        if not self.up:
             self.metrics.shared_dropped.inc()
             return
-        self._pending.append((op, add, then))
-        self._wake.set()
+        self._send(_Ask(op, add, None, then))
 
-    async def _writer(self) -> None:
-        """Send what is queued, everything queued at once in one pipeline (one round trip however many)."""
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            batch, self._pending = self._pending, []
-            if not batch:
-                continue
-            if not self.up:
-                self.metrics.shared_dropped.inc(len(batch))
-                continue
-            pipe = self.redis.pipeline(transaction=False)
-            for _, add, _ in batch:
-                add(pipe)
-            try:
-                async with asyncio.timeout(self.cfg.timeout):
-                    replies = await pipe.execute(raise_on_error=False)
-            except FAILURES as exc:
-                self._failed(batch[0][0], exc)
-                self.metrics.shared_dropped.inc(len(batch))
-                continue
-            for (op, _, then), reply in zip(batch, replies, strict=False):
-                if isinstance(reply, Exception):
-                    self._failed(op, reply)
-                elif then is not None:
-                    then(reply)
+    def _send(self, ask: _Ask) -> None:
+        if len(self._asks) >= MAX_PENDING:
+            self._refuse(ask)
+            return
+        self._asks.append(ask)
+        if len(self._asks) == 1:  # the first of this turn: one pipeline will carry them all
+            task = asyncio.get_running_loop().create_task(self._flush())
+            self._flushes.add(task)
+            task.add_done_callback(self._flushes.discard)
+
+    async def _flush(self) -> None:
+        """Send every command asked so far in one pipeline (several pipelines may be in flight: each takes a
+        connection from the pool) and hand each asker its replies."""
+        batch, self._asks = self._asks, []
+        pipe = self.redis.pipeline(transaction=False)
+        counts = []
+        for ask in batch:
+            before = len(pipe.command_stack)
+            ask.add(pipe)
+            counts.append(len(pipe.command_stack) - before)
+        try:
+            replies = await pipe.execute(raise_on_error=False)
+        except FAILURES as exc:
+            self._failed(batch[0].op, exc)
+            for ask in batch:
+                self._refuse(ask)
+            return
+        at = 0
+        for ask, n in zip(batch, counts, strict=True):
+            self._answer(ask, replies[at:at + n])
+            at += n
+
+    def _answer(self, ask: _Ask, replies: list[Any]) -> None:
+        error = next((r for r in replies if isinstance(r, Exception)), None)
+        if error is not None:
+            self._failed(ask.op, error)
+            self._refuse(ask)
+        elif ask.future is not None:
+            if not ask.future.done():
+                ask.future.set_result(replies)
+        elif ask.then is not None and replies:
+            ask.then(replies[0])
+
+    def _refuse(self, ask: _Ask) -> None:
+        """An ask that will get no reply: its awaiting request goes on locally; an update is counted as dropped."""
+        if ask.future is None:
+            self.metrics.shared_dropped.inc()
+        elif not ask.future.done():
+            ask.future.set_exception(_Failed())
 
     async def _subscriber(self) -> None:
         """Until stopped: connect, read the shared state, subscribe and apply every message; when Redis goes away,
@@ -528,9 +590,10 @@ class SharedVerdicts:
             self.shared.landed(self.local.name, self.admission.member)
 
     def observe_headers(self, headers: Mapping[str, str], now: float, mark: Any = None) -> None:
-        self.local.observe_headers(headers, now, mark)
+        report = quota_report(headers)
+        self.local.observe_report(report, now, mark)
         self.reported = True
-        self.shared.observed(self.local, headers, self.admission)
+        self.shared.observed(self.local, report, self.admission)
 
     def settle(self, exc: GatewayError | None, now: float) -> None:
         self.local.settle(exc, now)
@@ -558,15 +621,16 @@ class SharedResponseStore:
         return f"{self.shared.prefix}:response:{response_id}"
 
     async def get(self, response_id: str) -> Record | None:
-        ok, data = await self.shared.call("store", lambda r: r.hget(self._key(response_id), "data"))
-        if ok and data is not None:
-            return _record(data)
+        ok, replies = await self.shared.ask("store", lambda pipe: pipe.hget(self._key(response_id), "data"))
+        if ok and replies[0] is not None:
+            return _record(replies[0])
         return await self.local.get(response_id)
 
     async def history(self, response_id: str, refresh: bool = True) -> list[dict[str, Any]] | None:
-        ok, chain = await self.shared.call("store", lambda r: self.shared.history_script(
-            response_id, self.ttl_ms if refresh else 0, self.local.max_items))
-        if not ok or not chain:
+        ok, replies = await self.shared.ask("store", lambda pipe: self.shared.history_command(
+            pipe, response_id, self.ttl_ms if refresh else 0, self.local.max_items))
+        chain = replies[0] if ok else None
+        if not chain:
             return await self.local.history(response_id, refresh)
         items: list[dict[str, Any]] = []
         for data in reversed(chain):
@@ -586,20 +650,18 @@ class SharedResponseStore:
         previous = record.previous if isinstance(record, Bridged) else None
         key = self._key(response_id)
 
-        def write(r: Redis) -> Any:
-            pipe = r.pipeline(transaction=True)
+        def write(pipe: Pipeline) -> None:  # awaited: a follow-up may reach another replica as soon as it answers
             pipe.hset(key, mapping={"data": data, "previous": previous or ""})
             pipe.pexpire(key, self.ttl_ms)
-            return pipe.execute()
-        await self.shared.call("store", write)
+        await self.shared.ask("store", write)
         return True
 
     async def delete(self, response_id: str) -> bool:
         here = await self.local.delete(response_id)
-        ok, gone = await self.shared.call("store", lambda r: r.delete(self._key(response_id)))
+        ok, replies = await self.shared.ask("store", lambda pipe: pipe.delete(self._key(response_id)))
         if ok:
             self.shared.forget(response_id)
-        return here or bool(gone)
+        return here or bool(ok and replies[0])
 
 
 def _record(data: bytes) -> Record | None:

@@ -31,8 +31,8 @@ def render(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-def test_there_are_a_base_and_a_sidecar() -> None:
-    assert {p.name for p in KUSTOMIZATIONS} == {"base", "config", "sidecar"}
+def test_there_are_a_base_a_sidecar_and_replicas() -> None:
+    assert {p.name for p in KUSTOMIZATIONS} == {"base", "config", "sidecar", "replicas"}
 
 
 @pytest.mark.parametrize("path", KUSTOMIZATIONS, ids=lambda p: p.name)
@@ -100,6 +100,26 @@ def test_the_sidecar_is_native_and_the_app_only_changes_its_base_url() -> None:
     env = {e["name"]: e.get("value") for e in app["env"]}
     assert env["OPENAI_BASE_URL"] == "http://127.0.0.1:8080/v1"
     assert "envFrom" not in app  # the app never holds an upstream key
+
+
+def test_the_replicas_share_one_redis_that_only_the_gateway_reaches() -> None:
+    docs = render(DEPLOY / "replicas")
+    gateway = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "tiergate")
+    assert gateway["spec"]["replicas"] == 3
+    env = {e["name"]: e.get("value") for e in _pod(docs, "tiergate")["containers"][0]["env"]}
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "tiergate-redis")
+    port = service["spec"]["ports"][0]["port"]
+    assert env["GATEWAY_REDIS_URL"] == f"redis://tiergate-redis:{port}/0"  # the Service's name and port
+    redis = _pod(docs, "tiergate-redis")
+    assert service["spec"]["selector"].items() <= \
+        next(d for d in docs if d["metadata"]["name"] == "tiergate-redis" and d["kind"] == "Deployment")[
+            "spec"]["template"]["metadata"]["labels"].items()
+    container = redis["containers"][0]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True and redis["securityContext"]["runAsNonRoot"]
+    assert "--save" in container["args"] and "--maxmemory" in container["args"]  # a bounded cache, no persistence
+    policy = next(d for d in docs if d["kind"] == "NetworkPolicy")
+    allowed = policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    assert allowed.items() <= gateway["spec"]["template"]["metadata"]["labels"].items()  # the gateway's pods only
 
 
 def test_the_shipped_kubernetes_config_is_valid() -> None:

@@ -80,7 +80,7 @@ def report(tokens: int, requests: int = 1000, reset: str = "30") -> dict[str, st
 async def observed(r: Replica, headers: dict[str, str], admission: Admission | None = None) -> None:
     """Tell ``r`` an answer's headers as an attempt would, and wait for its writer to send them."""
     SharedVerdicts(r.h, r.shared, admission).observe_headers(headers, r.health.clock())
-    await until(lambda: not r.shared._pending)
+    await until(lambda: not r.shared._asks and not r.shared._flushes)
     await asyncio.sleep(0.05)
 
 
@@ -98,8 +98,10 @@ async def test_concurrent_admissions_of_three_replicas_never_overshoot_the_share
     assert float(await a.shared.redis.get(keys[1])) == 0
     assert await a.shared.redis.zcard(keys[4]) == 10  # in flight until their answers report
     assert await a.shared.redis.hgetall(keys[5]) == {b"r": b"10", b"t": b"10000"}
-    # a replica refused once holds the shared estimate locally: its next plan spills over without asking Redis
-    assert any(r.h.unavailable(r.health.clock(), 1000) == "quota_tokens" for r in (a, b, c))
+    # a replica refused holds the shared estimate locally: its next plan spills over without asking Redis
+    for r in (a, b, c):
+        x = await r.shared.admit(r.h, 1000)
+        assert x is not None and not x.ok and r.h.unavailable(r.health.clock(), 1000) == "quota_tokens"
 
 
 async def test_a_report_is_taken_minus_what_was_reserved_after_it_and_what_was_in_flight_before(
