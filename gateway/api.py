@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -43,6 +44,7 @@ from gateway.errors import (
     GatewayDraining,
     GatewayError,
     InvalidRequest,
+    KeyNotAllowed,
     ModelNotFound,
     RateLimited,
     UpstreamBadResponse,
@@ -53,6 +55,7 @@ from gateway.errors import (
 from gateway.estimates import Estimates
 from gateway.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of, read_body
 from gateway.health import Health
+from gateway.keys import Key, Ledger, MemoryLedger, Refusal, Spend
 from gateway.metrics import Metrics, decode_speed
 from gateway.policy import Candidate, Continuation, Decision, Policy, RequestFacts
 from gateway.relay import Relay, StreamStats, Write
@@ -127,6 +130,7 @@ class Gateway:
         self.estimates = Estimates(est.window, est.samples)  # fed by every relayed stream, read by deadlines
         self.explorer = deadline.Explorer(est.explore, est.probe, est.window / est.samples)
         self.shared: SharedState | None = None  # state shared with other replicas (gateway.shared), or None
+        self.ledger: Ledger = MemoryLedger(time.time)  # what gateway keys spent (auth:; shared: a SharedLedger)
         self.draining = False
         self._drain_deadline = float("inf")  # loop time
         self._active: set[Exchange] = set()
@@ -241,13 +245,13 @@ class Gateway:
         self.metrics.child(self.metrics.decisions, decision.rule, decision.tier).inc()
         decision = decision if budget is None else self._by_deadline(decision, facts, budget)
         need = facts.prompt_tokens + (facts.max_tokens or 0)
-        plan, admitted = await self._plan(decision, need)
+        decision, plan, admitted = await self._plan(ex, decision, facts, need)
         for cand, why in plan.spilled:
             self.metrics.spillovers.labels(cand.upstream.tier, cand.upstream.name, why).inc()
             logs.event("spillover", request_id=ex.rid, upstream=cand.upstream.name, tier=cand.upstream.tier,
                        reason=why)
         if plan.refusal is not None:
-            return await ex.error(plan.refusal, "upstream_unavailable")
+            return await ex.error(plan.refusal, plan.outcome)
         strip_usage = ex.kind == "chat" and ex.stream and not client_wants_usage(body)
         last: GatewayError | None = None
         tried = 0
@@ -297,14 +301,22 @@ class Gateway:
         raise ModelNotFound(f"The model `{facts.model}` does not exist or you do not have access to it.",
                             param="model")
 
-    async def _plan(self, decision: Decision, need: int) -> tuple[failover.Plan, dict[str, Admission | None]]:
-        """The request's candidates (``failover.plan``, from the local health); with shared state, its first candidate
-        admitted by the shared quota estimate (``gateway.shared``): one the estimate refuses now looks short locally
-        too, so planning again spills it over (every candidate short: the first is tried anyway, as without Redis).
+    async def _plan(self, ex: Exchange, decision: Decision, facts: RequestFacts,
+                    need: int) -> tuple[Decision, failover.Plan, dict[str, Admission | None]]:
+        """The request's candidates (``failover.plan``, from the local health), after its gateway key's say
+        (:meth:`_keyed`); with shared state, its first candidate admitted by the shared quota estimate
+        (``gateway.shared``): one the estimate refuses now looks short locally too, so planning again spills it over
+        (every candidate short: the first is tried anyway, as without Redis).
 
         Returns:
-            the plan, and the admissions made (upstream name -> the :class:`Admission`, or None: Redis asked nothing).
+            the decision (its candidates as the key allows them), the plan (a refusal, when the key refuses the
+            request), and the admissions made (upstream name -> the :class:`Admission`, or None: Redis asked nothing).
         """
+        if ex.key is not None:
+            decision, refusal = await self._keyed(ex, ex.key, decision, facts, need)
+            if refusal is not None:
+                outcome = "key_limit" if refusal.status == 429 else "client_error"
+                return decision, failover.Plan([], refusal=refusal, outcome=outcome), {}
         plan = failover.plan(decision, self.health, self.health.clock(), need, self.config.max_attempts)
         admitted: dict[str, Admission | None] = {}
         for _ in decision.candidates:  # bounded: each refusal takes one candidate out
@@ -320,7 +332,49 @@ class Gateway:
                 admitted[first.upstream.name] = None
                 break
             plan = again
-        return plan, admitted
+        return decision, plan, admitted
+
+    async def _keyed(self, ex: Exchange, key: Key, decision: Decision, facts: RequestFacts,
+                     need: int) -> tuple[Decision, GatewayError | None]:
+        """What the request's gateway key allows (``gateway.keys``): the candidates on its ``tiers``
+        (``x-tiergate-fallback: key_tier`` when that moves the first), then a reservation against its limits, at the
+        fast level too when the first candidate is on the fast tier; a fast allowance short sends the request to the
+        standard tier (``key_allowance``). Returns the decision, and the refusal (403: no tier it may use serves the
+        model; 429: a limit) or None (``ex.hold`` then holds the reservation).
+        """
+        allowed = tuple(c for c in decision.candidates if c.upstream.tier in key.cfg.tiers)
+        if not allowed:
+            return decision, KeyNotAllowed(f"The gateway key '{key.name}' may use the {' and '.join(key.cfg.tiers)} "
+                                           f"tier, and no upstream there serves `{decision.model}`.", param="model")
+        if allowed[0] is not decision.candidates[0]:
+            self.metrics.key_downgrades.labels(key.name, "key_tier").inc()
+            decision = dataclasses.replace(decision, candidates=allowed, fallback="key_tier")
+        spend = Spend(1.0, float(need), self._estimated_cost(allowed[0], decision, facts))
+        held = await self.ledger.reserve(key, spend, allowed[0].upstream.tier == "fast")
+        if isinstance(held, Refusal) and held.level == "fast":
+            rest = tuple(c for c in allowed if c.upstream.tier != "fast")
+            if not rest:
+                return decision, RateLimited(f"The gateway key '{key.name}' has spent its fast-tier allowance "
+                                             f"({held.limit}), and only the fast tier serves `{decision.model}`.",
+                                             headers={"retry-after": str(max(1, math.ceil(held.retry_after)))})
+            self.metrics.key_downgrades.labels(key.name, "key_allowance").inc()
+            decision = dataclasses.replace(decision, candidates=rest, fallback="key_allowance")
+            spend.usd = self._estimated_cost(rest[0], decision, facts)
+            held = await self.ledger.reserve(key, spend, False)
+        if isinstance(held, Refusal):
+            self.metrics.key_refusals.labels(key.name, held.limit).inc()
+            return decision, held.error(key)
+        ex.hold = held
+        return decision, None
+
+    @staticmethod
+    def _estimated_cost(cand: Candidate, decision: Decision, facts: RequestFacts) -> float:
+        """USD a request is expected to cost on ``cand``: its estimated prompt, and its ``max_tokens`` (else
+        ``deadline.DEFAULT_COMPLETION``), at the upstream's prices (0 when unpriced)."""
+        priced = deadline.price(cand.upstream, decision.model)
+        if priced is None:
+            return 0.0
+        return float(facts.prompt_tokens * priced[0] + (facts.max_tokens or deadline.DEFAULT_COMPLETION) * priced[2])
 
     async def _admitted(self, plan: failover.Plan, cand: Candidate, need: int,
                         admitted: dict[str, Admission | None]) -> Verdicts | GatewayError:
@@ -363,16 +417,17 @@ class Gateway:
             InvalidRequest: ``previous_response_id`` names a response the gateway made that expired or was deleted
                 (400 ``previous_response_not_found``, as OpenAI answers; never a silent fresh start).
         """
+        defaults = ex.key.cfg.metadata if ex.key is not None else None
         if ex.kind != "responses":
-            return RequestFacts(body, ex.headers, size)
-        return await self._responses_facts(body, ex.headers, size, refresh=True)
+            return RequestFacts(body, ex.headers, size, defaults=defaults)
+        return await self._responses_facts(body, ex.headers, size, refresh=True, defaults=defaults)
 
     async def _responses_facts(self, body: dict[str, Any], headers: dict[str, str], size: int,
-                               refresh: bool) -> RequestFacts:
+                               refresh: bool, defaults: dict[str, str] | None = None) -> RequestFacts:
         cont = await self._continuation(body, refresh)
         if cont is not None and cont.history:
             size += len(dumps(list(cont.history)))  # the conversation goes upstream too: routing counts it
-        return RequestFacts(body, headers, size, responses=True, continuation=cont)
+        return RequestFacts(body, headers, size, responses=True, continuation=cont, defaults=defaults)
 
     async def _continuation(self, body: dict[str, Any], refresh: bool) -> Continuation | None:
         previous = body.get("previous_response_id")

@@ -37,16 +37,19 @@ from gateway.errors import (
     MethodNotAllowed,
     ModelNotFound,
     ResponseNotFound,
+    Unauthorized,
     UnknownURL,
 )
+from gateway.exchange import KEY_SCOPE
 from gateway.health import Health
+from gateway.keys import Keys, MemoryLedger
 from gateway.metrics import Metrics
 from gateway.passthrough import Passthrough, UpstreamModels
 from gateway.policy import Policy
 from gateway.server import configure as configure_client_limits
 from gateway.server import drain_on_exit, reload_on_hup
 from gateway.settings import Settings, environ, multiprocess_dir
-from gateway.shared import SharedResponseStore, SharedState
+from gateway.shared import SharedLedger, SharedResponseStore, SharedState
 from gateway.upstream import Transport, UpstreamPool
 
 log = logging.getLogger("tiergate")
@@ -79,6 +82,8 @@ class HotPath:
         """Make ``gateway`` the one new requests reach: every attribute at once (no await between them, so no request
         sees half of a swap); requests in flight keep the gateway they started on."""
         self.gateway = self.state.gateway = gateway
+        auth = gateway.config.auth
+        self.keys = Keys(auth) if auth is not None else None  # gateway keys (gateway.keys), or None: no auth
         self.passthrough = Passthrough(gateway) if gateway.config.passthrough_upstream is not None else None
         self.routes = {path: gateway.endpoint(kind) for path, kind in KINDS.items()}
         self.own_models = frozenset(f"/v1/models/{m}" for m in gateway.config.model_names())
@@ -132,6 +137,12 @@ class HotPath:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            if self.keys is not None and scope["path"].startswith("/v1/"):
+                try:
+                    scope[KEY_SCOPE] = self.keys.authenticate(scope["headers"])
+                except Unauthorized as exc:
+                    await self._unauthorized(exc, scope, receive, send)
+                    return
             if scope["method"] == "POST":
                 endpoint = self.routes.get(scope["path"])
                 if endpoint is not None:
@@ -143,6 +154,14 @@ class HotPath:
                     await self.passthrough(scope, receive, send, owner if isinstance(owner, str) else None)
                     return
         await self.app(scope, receive, send)
+
+    async def _unauthorized(self, exc: Unauthorized, scope: Scope, receive: Receive, send: Send) -> None:
+        """A ``/v1`` request without a known gateway key: OpenAI's 401, before its body is read (so the connection
+        closes after it); counted and logged by reason, never with the key."""
+        self.gateway.metrics.auth_failures.labels(exc.reason).inc()
+        logs.event("auth_failed", reason=exc.reason, method=scope["method"], path=scope["path"])
+        response = error_response(exc, {"www-authenticate": 'Bearer realm="tiergate"', "connection": "close"})
+        await response(scope, receive, send)
 
     async def _passes(self, scope: Scope) -> str | bool:
         """Whether a ``/v1`` request is the passthrough's: False (the gateway's own path), True, or the name of the
@@ -268,8 +287,9 @@ def _gateway(loaded: LoadedConfig, metrics: Metrics, transport: Transport, *, po
     if shared is not None:
         shared.attach(health)
         gateway.shared = shared
+        gateway.ledger = SharedLedger(shared, MemoryLedger(time.time))
     if previous is not None:
-        gateway.estimates, gateway.explorer = previous.estimates, previous.explorer
+        gateway.estimates, gateway.explorer, gateway.ledger = previous.estimates, previous.explorer, previous.ledger
     gateway.listed = UpstreamModels(gateway)
     return gateway
 

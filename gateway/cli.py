@@ -61,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     emulate.add_argument("--timing-log", type=Path,
                          help="append when each streamed answer's request came and its first and last token left")
 
+    keys = sub.add_parser("keys", help="gateway keys (auth:): make one")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    add = keys_sub.add_parser("add", help="print a new gateway key once, and the config line that admits it")
+    add.add_argument("name", help="the key's name in metrics and the request log (letters, digits, _ . -)")
+    add.add_argument("--tiers", default="fast,standard", help="tiers it may use, comma-separated (default both)")
+
     check = sub.add_parser("check-config", help="validate a config file and print the resolved routes")
     check.add_argument("file", type=Path)
 
@@ -104,11 +110,32 @@ def _run(args: argparse.Namespace) -> int:
             from gateway.tools.loadtest import main as bench_main
 
             return bench_main(args)
+        if args.command == "keys":
+            return _keys_add(args.name, args.tiers)
         return _check(args.file)
     except ConfigError as exc:
         print(f"tiergate: {exc}", file=sys.stderr)
         logs.event("config_rejected", "error", problem=str(exc))
         return 2
+
+
+def _keys_add(name: str, tiers: str) -> int:
+    """``tiergate keys add NAME``: a new key on stdout, once (the config keeps only its SHA-256)."""
+    from gateway.config import KeyConfig
+    from gateway.keys import digest, new_key
+
+    key = new_key()
+    try:
+        entry = KeyConfig(name=name, sha256=digest(key), tiers=[t.strip() for t in tiers.split(",") if t.strip()])
+    except ValidationError as exc:
+        print(f"tiergate: keys add: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}", file=sys.stderr)
+        return 2
+    print(f"# the gateway key of {name!r}, shown this once (give it to the client as its OPENAI_API_KEY):")
+    print(key)
+    print("# add this entry under auth.keys in the config (or to auth.keys_file), then reload (SIGHUP):")
+    tier_list = ", ".join(entry.tiers)
+    print(f"- {{name: {entry.name}, sha256: {entry.sha256}, tiers: [{tier_list}]}}")
+    return 0
 
 
 def _listen_flags(p: argparse.ArgumentParser, settings: Settings) -> None:
@@ -126,6 +153,10 @@ def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
     from gateway.server import uvicorn_options
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if loaded.config.auth is None and args.host not in ("127.0.0.1", "::1", "localhost"):
+        logging.getLogger("gateway").warning(
+            "listening on %s without auth: anyone who reaches the port spends the upstream keys; configure gateway "
+            "keys (auth:, tiergate keys add NAME) or listen on 127.0.0.1", args.host)
     settings = Settings().model_copy(update={"log_level": args.log_level, "log_format": args.log_format})
     common = uvicorn_options(args.host, args.port, args.log_level, settings)
     if args.workers < 1:

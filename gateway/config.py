@@ -397,6 +397,54 @@ class StateConfig(_Strict):
         return v
 
 
+class KeyLimits(_Strict):
+    """What one gateway key may spend (``gateway.keys``; None: no limit). Minutes are fixed windows (the current UTC
+    minute), days and months UTC calendar ones; tokens are the request's estimate (prompt bytes / 4 plus its
+    ``max_tokens``) while it runs, then its usage; USD from its usage at the serving upstream's ``prices``, as
+    ``tiergate_cost_usd_total``."""
+
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+    usd_per_day: float | None = Field(None, gt=0)
+    usd_per_month: float | None = Field(None, gt=0)
+
+
+class KeyConfig(_Strict):
+    """One gateway key (``auth.keys``).
+
+    name: how metrics and the request log name it (never the key itself); sha256: the hex SHA-256 of the key
+    (``tiergate keys add NAME`` makes a key and prints this line); tiers: the tiers its requests may use (a request
+    for another is served by one of these, ``x-tiergate-fallback: key_tier``); metadata: defaults routing reads as if
+    the client had sent them in ``metadata`` (the client's own win); limits: requests, tokens and USD it may spend
+    (over them: 429); fast: its allowance on the fast tier (over it, its requests spill to the standard tier,
+    ``x-tiergate-fallback: key_allowance``).
+    """
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    tiers: list[Tier] = Field(default_factory=lambda: list(TIERS), min_length=1)
+    metadata: dict[str, str] = {}
+    limits: KeyLimits = KeyLimits()
+    fast: KeyLimits = KeyLimits()
+
+
+class AuthConfig(_Strict):
+    """Gateway keys (``gateway.keys``): with this section every ``/v1`` request must carry one (``Authorization:
+    Bearer`` or ``api-key``). keys: the keys; keys_file: a YAML file with more (a list of the same entries, e.g. a
+    mounted Secret), read with the config (and again on ``SIGHUP``)."""
+
+    keys: list[KeyConfig] = []
+    keys_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _unique(self) -> AuthConfig:
+        for what in ("name", "sha256"):
+            seen = [getattr(k, what) for k in self.keys]
+            if len(set(seen)) < len(seen):
+                raise ValueError(f"each key needs its own {what}")
+        return self
+
+
 REDIS_URL_VAR = "GATEWAY_REDIS_URL"
 
 
@@ -424,6 +472,7 @@ class GatewayConfig(_Strict):
     response_store: ResponseStore = ResponseStore()
     estimates: EstimatesConfig = EstimatesConfig()
     state: StateConfig = StateConfig()
+    auth: AuthConfig | None = None
     long_prompt_tokens: int = Field(32768, ge=1)
     rules: list[RuleConfig] | None = None
 
@@ -459,6 +508,14 @@ class GatewayConfig(_Strict):
                 raise ValueError(f"aliases.{alias}.model: no upstream serves {target.model!r}")
             if target.tier and not any(target.model in u.models for u in self.upstreams if u.tier == target.tier):
                 raise ValueError(f"aliases.{alias}: no {target.tier} upstream serves {target.model!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _keys_stay_here(self) -> GatewayConfig:
+        passing = [u.name for u in self.upstreams if u.pass_client_key]
+        if self.auth is not None and passing:
+            raise ValueError(f"auth: with gateway keys the client's Authorization is its gateway key, which never "
+                             f"reaches an upstream; pass_client_key is set on {', '.join(passing)}")
         return self
 
     @property
@@ -517,6 +574,7 @@ def load_config(path: Path, environ: Mapping[str, str] | None = None, *, require
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, got {type(raw).__name__}")
+    _read_keys_file(path, raw)
     try:
         config = GatewayConfig.model_validate(raw)
     except ValidationError as exc:
@@ -540,6 +598,24 @@ def load_config(path: Path, environ: Mapping[str, str] | None = None, *, require
         raise ConfigError(f"{path}: {REDIS_URL_VAR}: expected a redis://, rediss:// or unix:// URL (it says where "
                           "the replicas share state)")
     return LoadedConfig(path, config, keys, SecretStr(url) if url else None)
+
+
+def _read_keys_file(path: Path, raw: dict[str, object]) -> None:
+    """Add the entries of ``auth.keys_file`` (relative to the config file's folder) to ``auth.keys`` in ``raw``, so that
+    they are validated with the rest (their field paths then count on from the file's own keys)."""
+    auth = raw.get("auth")
+    if not isinstance(auth, dict) or not auth.get("keys_file"):
+        return
+    where = path.parent / str(auth["keys_file"])
+    try:
+        extra = yaml.safe_load(where.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: auth.keys_file: cannot read {where}: {exc.strerror or exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: auth.keys_file: {where} is not valid YAML: {exc}") from exc
+    if not isinstance(extra, list):
+        raise ConfigError(f"{path}: auth.keys_file: {where} must hold a list of keys")
+    auth["keys"] = [*(auth.get("keys") or []), *extra]
 
 
 def _describe(exc: ValidationError) -> str:

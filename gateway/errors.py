@@ -171,6 +171,37 @@ class RateLimited(GatewayError):
     code = "rate_limit_exceeded"
 
 
+class Unauthorized(GatewayError):
+    """401: ``auth:`` is configured and the request carries no gateway key, or one the gateway does not know (OpenAI's
+    answer to a wrong API key: the SDK raises ``AuthenticationError``)."""
+
+    status = 401
+    error_type = "invalid_request_error"
+    code = "invalid_api_key"
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason  # missing | malformed | unknown: the tiergate_auth_failures_total label
+
+
+class KeyNotAllowed(GatewayError):
+    """403: the request's gateway key may not use any tier that serves its model (the SDK raises
+    ``PermissionDeniedError``)."""
+
+    status = 403
+    error_type = "invalid_request_error"
+    code = "tier_not_allowed"
+
+
+class KeyOverBudget(GatewayError):
+    """429 ``insufficient_quota``: the gateway key spent its budget for the day or month (waiting seconds does not
+    help: ``x-should-retry: false``)."""
+
+    status = 429
+    error_type = "insufficient_quota"
+    code = "insufficient_quota"
+
+
 class GatewayDraining(GatewayError):
     """503: the gateway is shutting down and its drain time ran out before this request was answered."""
 

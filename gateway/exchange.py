@@ -19,10 +19,12 @@ from starlette.types import Message, Receive, Scope, Send
 
 from gateway import logs
 from gateway.errors import GatewayError, InvalidRequest, PayloadTooLarge, UnsupportedMediaType, error_body
-from gateway.metrics import Metrics
+from gateway.keys import Hold, Key
+from gateway.metrics import BILLABLE, Metrics
 from gateway.relay import Relay
 
 JSON = b"application/json"
+KEY_SCOPE = "tiergate.key"  # the ASGI scope entry that holds a request's authenticated gateway key
 EVENT_STREAM = b"text/event-stream; charset=utf-8"
 STREAM_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 CLOSE = (b"connection", b"close")
@@ -48,7 +50,8 @@ class Exchange:
 
     __slots__ = ("t0", "rid", "kind", "headers", "tier", "upstream", "model", "stream", "answered", "recorded",
                  "relay", "gone_at", "cut", "task", "on_start", "scope", "status", "rule", "fallback", "requested",
-                 "upstream_model", "attempts", "outcome", "span", "_metrics", "_send", "_start", "_in_flight")
+                 "upstream_model", "attempts", "outcome", "span", "key", "hold", "_metrics", "_send", "_start",
+                 "_in_flight")
 
     def __init__(self, metrics: Metrics, send: Send, headers: dict[str, str], kind: str,
                  scope: Scope | None = None) -> None:
@@ -65,6 +68,8 @@ class Exchange:
         self.attempts = 0
         self.outcome: str | None = None  # as recorded
         self.span: Any = None  # the request's trace span (gateway.tracing), or None
+        self.key: Key | None = (scope or {}).get(KEY_SCOPE)  # its gateway key (auth:), authenticated by the app
+        self.hold: Hold | None = None  # what it reserved against its key (gateway.keys), settled by record()
         self.tier = "none"
         self.upstream = "none"
         self.model = "other"
@@ -162,6 +167,8 @@ class Exchange:
         duration = (time.perf_counter() if ended is None else ended) - self.t0
         try:
             cost = self._emit(outcome, duration, kw)  # may settle the outcome (self.outcome) and the usage (kw)
+            if self.key is not None:
+                self._charge(self.key, self.outcome or outcome, kw.get("usage"), cost)
             if logs.wanted(self.outcome or outcome):
                 self._log(self.outcome or outcome, duration, kw, cost)
         except Exception:  # bookkeeping never breaks an answer: what an upstream reported is logged instead
@@ -172,6 +179,27 @@ class Exchange:
         return self._metrics.record(tier=self.tier, upstream=self.upstream, model=self.model, outcome=outcome,
                                     stream=self.stream, duration=duration, **kw)
 
+    def _charge(self, key: Key, outcome: str, usage: Any, cost: float | None) -> None:
+        """Count the request against its key (metrics) and settle its hold with its usage and cost; without usage,
+        a billable outcome keeps what it reserved, any other gives it back."""
+        m = self._metrics
+        m.key_requests.labels(key.name, outcome).inc()
+        tokens = None
+        if isinstance(usage, dict):
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(prompt, int) and isinstance(completion, int):
+                tokens = prompt + completion
+                m.key_tokens.labels(key.name, "input").inc(prompt)
+                m.key_tokens.labels(key.name, "output").inc(completion)
+        if cost:
+            m.key_cost.labels(key.name).inc(cost)
+        hold = self.hold
+        if hold is not None:
+            if tokens is None:
+                tokens = int(hold.spend.tokens) if outcome in BILLABLE else 0
+            hold.settle(tokens, cost if cost is not None else (hold.spend.usd if outcome in BILLABLE else 0.0),
+                        self.tier)
+
     def _log(self, outcome: str, duration: float, kw: dict[str, Any], cost: float | None) -> None:
         """The request's line in the request log (``gateway.logs``): never its body or a credential."""
         usage = kw.get("usage")
@@ -180,6 +208,7 @@ class Exchange:
         scope = self.scope or {}
         logs.request({
             "request_id": self.rid, "method": scope.get("method"), "path": scope.get("path"), "status": self.status,
+            "key": self.key.name if self.key is not None else None,
             "outcome": outcome, "tier": self.tier, "upstream": self.upstream, "rule": self.rule,
             "fallback": self.fallback, "model": self.requested, "upstream_model": self.upstream_model,
             "stream": self.stream, "attempts": self.attempts, "ttft_s": None if ttft is None else round(ttft, 6),

@@ -39,7 +39,8 @@ class Plan:
             becomes the reason of the last failure as attempts fail over.
         queued: names of the candidates to wait on for a concurrency slot (``health.queue_seconds``).
         spilled: (candidate, why) for each candidate passed over now (``tiergate_spillovers_total``).
-        refusal: the answer when every candidate rests (then ``candidates`` is empty).
+        refusal: the answer when every candidate rests, or when the request's gateway key refuses it (then
+            ``candidates`` is empty); outcome: its ``tiergate_requests_total`` outcome.
     """
 
     candidates: list[Candidate]
@@ -47,6 +48,7 @@ class Plan:
     queued: frozenset[str] = frozenset()
     spilled: list[tuple[Candidate, str]] = field(default_factory=list)
     refusal: GatewayError | None = None
+    outcome: str = "upstream_unavailable"
 
     def go_on(self, failed: Candidate, exc: GatewayError) -> bool:
         """After ``failed``'s attempt failed with ``exc``: may the next candidate still serve the request? Records

@@ -160,6 +160,22 @@ class Metrics:
                                multiprocess_mode="mostrecent")
         self.est_samples = Gauge(f"{p}_estimate_samples", "TTFT samples in the live estimate's window.", _L,
                                  registry=registry, multiprocess_mode="mostrecent")
+        # gateway keys (gateway.keys): labelled by the key's name from the config, never the key
+        self.key_requests = Counter(f"{p}_key_requests", "Requests by gateway key and outcome.", ("key", "outcome"),
+                                    registry=registry)
+        self.key_tokens = Counter(f"{p}_key_tokens", "Tokens from upstream usage by gateway key and type (input, "
+                                  "output).", ("key", "token_type"), registry=registry)
+        self.key_cost = Counter(f"{p}_key_cost_usd", "Cost in USD by gateway key (as tiergate_cost_usd_total).",
+                                ("key",), registry=registry)
+        self.key_refusals = Counter(f"{p}_key_refusals", "Requests refused (429) by their gateway key's limits, by "
+                                    "the limit (requests_per_minute, tokens_per_minute, usd_per_day, usd_per_month).",
+                                    ("key", "limit"), registry=registry)
+        self.key_downgrades = Counter(f"{p}_key_downgrades", "Requests served by another tier than routing chose "
+                                      "because of their gateway key: key_tier (the key may not use it), "
+                                      "key_allowance (its fast-tier allowance is spent).", ("key", "reason"),
+                                      registry=registry)
+        self.auth_failures = Counter(f"{p}_auth_failures", "Requests answered 401 (auth: configured), by reason: "
+                                     "missing, malformed, unknown.", ("reason",), registry=registry)
         # replicas' shared state (gateway.shared)
         self.shared_up = Gauge(f"{p}_shared_state_up", "1 while the Redis the replicas share state through answers, 0 "
                                "while this process goes on with its local state; absent without state.redis_url.", (),

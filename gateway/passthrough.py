@@ -47,6 +47,7 @@ from gateway.errors import (
 )
 from gateway.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of, read_body
 from gateway.health import UNTRACKED
+from gateway.keys import Refusal, Spend
 from gateway.metrics import Metrics
 from gateway.policy import Candidate, Decision, RequestFacts
 from gateway.upstream import Answer, Attempt, Body, field_value
@@ -182,6 +183,19 @@ class Passthrough:
         self.config = gateway.config
         self.metrics = gateway.metrics
 
+    async def _keyed(self, ex: PassExchange) -> bool:
+        """Count the request against its gateway key's limits (one request now; its usage and cost when it is
+        recorded); False when a limit refused it (answered 429)."""
+        if ex.key is None:
+            return True
+        held = await self.gateway.ledger.reserve(ex.key, Spend(1.0, 0.0, 0.0), False)
+        if isinstance(held, Refusal):
+            self.metrics.key_refusals.labels(ex.key.name, held.limit).inc()
+            await ex.error(held.error(ex.key), "key_limit", [(b"x-request-id", ex.rid.encode()), CLOSE])
+            return False
+        ex.hold = held
+        return True
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send, owner: str | None = None) -> None:
         """Serve one request under ``/v1``; ``owner``: the upstream that alone can serve it (see
         :meth:`Policy.decide_passthrough`)."""
@@ -204,6 +218,8 @@ class Passthrough:
             await ex.error(GatewayDraining("The gateway is shutting down; retry the request.",
                                            headers={"retry-after": "1"}), "gateway_draining",
                            [(b"x-request-id", ex.rid.encode()), CLOSE])
+            return
+        if not await self._keyed(ex):
             return
         limits = self.config.limits
         declared = ex.headers.get("content-length")

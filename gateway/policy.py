@@ -91,10 +91,13 @@ class RequestFacts:
         size: the request body's length in bytes (for the prompt-size estimate).
         responses: the body is a Responses API request (``POST /v1/responses``).
         continuation: for a Responses request with ``previous_response_id``, what the gateway knows of it.
+        defaults: ``metadata`` read as if the client had sent it, under what it did send (its gateway key's).
     """
 
     def __init__(self, body: Mapping[str, Any], headers: Mapping[str, str], size: int = 0, *,
-                 responses: bool = False, continuation: Continuation | None = None) -> None:
+                 responses: bool = False, continuation: Continuation | None = None,
+                 defaults: Mapping[str, str] | None = None) -> None:
+        self.defaults = defaults
         self.body = body
         self.headers = headers
         self.size = size
@@ -120,7 +123,8 @@ class RequestFacts:
     @_lazy
     def metadata(self) -> dict[str, Any]:
         value = self.body.get("metadata")
-        return value if isinstance(value, dict) else {}
+        given = value if isinstance(value, dict) else {}
+        return {**self.defaults, **given} if self.defaults else given
 
     @_lazy
     def tier_header(self) -> str | None:

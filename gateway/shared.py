@@ -58,6 +58,7 @@ from gateway.config import StateConfig
 from gateway.conversations import Bridged, MemoryResponseStore, Native, Record
 from gateway.errors import GatewayError
 from gateway.health import Health, Mark, UpstreamHealth, quota_report
+from gateway.keys import DIMENSIONS, Hold, Key, MemoryLedger, Refusal, Spend, bounded, windows
 from gateway.metrics import Metrics
 
 log = logging.getLogger("tiergate")
@@ -189,6 +190,24 @@ return out
 """
 
 
+# KEYS: one counter per limit of a gateway key (gateway.keys: level, dimension, window id). ARGV: per key its limit,
+# the amount to add and its ms to live. All or nothing: {1} when every limit leaves room, else {0, the first that does
+# not} and nothing is added.
+_KEY_RESERVE = """
+for i = 1, #KEYS do
+  if tonumber(redis.call('GET', KEYS[i]) or '0') + tonumber(ARGV[3 * i - 1]) > tonumber(ARGV[3 * i - 2]) then
+    return {0, i}
+  end
+end
+for i = 1, #KEYS do
+  redis.call('INCRBYFLOAT', KEYS[i], ARGV[3 * i - 1])
+  redis.call('PEXPIRE', KEYS[i], ARGV[3 * i])
+end
+return {1}
+"""
+WINDOW_MS = {"minute": 120_000, "day": 2 * DAY_MS, "month": 32 * DAY_MS}  # a counter outlives its window a little
+
+
 @dataclass
 class _Ask:
     """Commands for the next pipeline: ``add`` queues them; ``future`` (an awaiting request) gets their replies, else
@@ -245,6 +264,7 @@ class SharedState:
         self._landed = self.redis.register_script(_LANDED)
         self._rest = self.redis.register_script(_REST)
         self._history = self.redis.register_script(_HISTORY)
+        self._key_reserve = self.redis.register_script(_KEY_RESERVE)
         self.up = False
         self.health: Health | None = None
         self.on_deleted: list[Callable[[str], None]] = []  # told the ids other replicas deleted
@@ -500,14 +520,14 @@ class SharedState:
         health = self.health
         names = list(health.by_name) if health is not None else []
         pipe = self.redis.pipeline(transaction=False)
-        for script in (self._admit, self._observe, self._landed, self._rest, self._history):
+        for script in (self._admit, self._observe, self._landed, self._rest, self._history, self._key_reserve):
             pipe.script_load(script.script)
         for name in names:
             pipe.hgetall(self._key(name, "rest"))
             for key in self._quota_keys(name)[:2]:
                 pipe.get(key)
                 pipe.pttl(key)
-        replies = (await pipe.execute())[5:]
+        replies = (await pipe.execute())[6:]
         now = self._now()
         for i, name in enumerate(names):
             rest, q = replies[5 * i], replies[5 * i + 1:5 * i + 5]
@@ -675,3 +695,51 @@ def _record(data: bytes) -> Record | None:
     if raw.get("k") == "b":
         return Bridged(raw["response"], raw["input"], raw.get("previous"), int(raw.get("size", 0)))
     return None
+
+
+class SharedLedger:
+    """A ``gateway.keys.Ledger`` whose counts every replica shares (``{prefix}:{key:NAME}:{level}:{dimension}:{window}:
+    {id}`` counters, one hash slot per key): a reservation is one atomic script in the request's pipeline, a
+    settlement a queued write. While Redis is away, ``local`` counts this replica's requests alone (a settlement goes
+    where its reservation was made)."""
+
+    def __init__(self, shared: SharedState, local: MemoryLedger) -> None:
+        self.shared = shared
+        self.local = local
+
+    def _counter(self, key: Key, level: str, dim: str, window: str, at: str) -> str:
+        return f"{self.shared.prefix}:{{key:{key.name}}}:{level}:{dim}:{window}:{at}"
+
+    async def reserve(self, key: Key, spend: Spend, fast: bool) -> Hold | Refusal:
+        """See ``gateway.keys.MemoryLedger.reserve``."""
+        at = windows(self.local.wall())
+        levels = ("all", "fast") if fast else ("all",)
+        limits = bounded(key, levels)
+        if not limits:
+            return Hold(key, levels, spend, {w: at[w][0] for w in at}, self)
+        counters = [self._counter(key, level, dim, window, at[window][0]) for level, dim, window, _ in limits]
+        args: list[Any] = []
+        for _, dim, window, limit in limits:
+            args += [repr(limit), repr(spend.get(dim)), WINDOW_MS[window]]
+        done, replies = await self.shared.ask("keys", lambda pipe: pipe.evalsha(
+            self.shared._key_reserve.sha, len(counters), *counters, *args))
+        if not done:
+            return self.local.take(key, spend, fast, at)
+        if replies[0][0] == 0:
+            level, dim, window, _ = limits[int(replies[0][1]) - 1]
+            return Refusal(level, next(a for d, w, a in DIMENSIONS if d == dim and w == window), at[window][1])
+        return Hold(key, levels, spend, {w: at[w][0] for w in at}, self)
+
+    def settle(self, hold: Hold, used: Spend, fast: bool) -> None:
+        """See ``gateway.keys.MemoryLedger.settle`` (queued, not awaited)."""
+        changes = []
+        for level, dim, window, _ in bounded(hold.key, hold.levels):
+            delta = (used.get(dim) if level == "all" or fast else 0.0) - hold.spend.get(dim)
+            if delta:
+                changes.append((self._counter(hold.key, level, dim, window, hold.at[window]), delta))
+
+        def add(pipe: Pipeline) -> None:
+            for counter, delta in changes:
+                pipe.incrbyfloat(counter, delta)
+        if changes:
+            self.shared._queue("keys", add)

@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("routing policy", ("policy",)),
     ("upstream attempts and client", ("upstream",)),
     ("state shared by replicas (Redis)", ("shared",)),
+    ("gateway keys and what they may spend", ("keys",)),
     ("upstream health and conversation state", ("health", "conversations")),
     ("the Responses bridge", ("bridge",)),
     ("SSE relay", ("relay",)),
@@ -34,7 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("the error tree", ("errors",)),
 ]
 # decisions without I/O: routing and failover planning are tested with plain values and a fake clock
-PURE = {"policy", "failover", "deadline", "estimates"}
+PURE = {"policy", "failover", "deadline", "estimates", "keys"}
 IO_MODULES = {"asyncio", "aiohttp", "socket", "subprocess", "httpx", "uvicorn", "starlette", "fastapi", "os",
               "prometheus_client", "time"}
 RANK = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}

@@ -1,0 +1,240 @@
+"""Gateway keys: who may use the gateway, which tiers, and how much (``auth:``; README "Keys, tiers and budgets").
+
+Pure code, no I/O (the Redis ledger that replicas share is ``gateway.shared.SharedLedger``).
+
+* **Authentication** (:class:`Keys`): with ``auth:`` configured every ``/v1`` request carries a gateway key, as OpenAI's
+  own clients send theirs (``Authorization: Bearer <key>``) or as Azure-style clients do (``api-key: <key>``). The
+  config holds only each key's SHA-256 (keys are 256 random bits, so a fast hash is the right one: nothing to guess
+  from it); a request's key is hashed, looked up, and compared in constant time (``hmac.compare_digest``). Missing,
+  malformed or unknown: OpenAI's 401 envelope, ``invalid_api_key``.
+* **Limits** (:class:`MemoryLedger`): per key, requests and tokens per UTC minute and USD per UTC day and month, over
+  all its requests (``limits``: over them, 429) and over those the fast tier serves (``fast``: over them, the request
+  is served by the standard tier). A request reserves before it is sent (one request, its estimated tokens, its
+  estimated cost at the first candidate's prices), and its :class:`Hold` is settled when it is recorded (its usage,
+  its cost, the tier that served it): concurrent requests never overshoot a limit by more than what is in flight.
+"""
+
+from __future__ import annotations
+
+import calendar
+import hashlib
+import hmac
+import math
+import secrets
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Protocol
+
+from gateway.config import AuthConfig, KeyConfig, KeyLimits
+from gateway.errors import GatewayError, KeyOverBudget, RateLimited, Unauthorized
+
+KEY_PREFIX = "tg-"
+LEVELS = ("all", "fast")  # limits over every request of a key, and its allowance on the fast tier
+# (dimension, window, the KeyLimits field that bounds it)
+DIMENSIONS = (("requests", "minute", "requests_per_minute"), ("tokens", "minute", "tokens_per_minute"),
+              ("usd", "day", "usd_per_day"), ("usd", "month", "usd_per_month"))
+
+
+def new_key() -> str:
+    """A new gateway key: ``tg-`` and 256 random bits, URL-safe base64 (46 characters)."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def digest(key: str) -> str:
+    """The hex SHA-256 of ``key``: what the config keeps (``auth.keys[].sha256``)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def masked(token: str) -> str:
+    """A key as error messages show it: its first and last four characters (OpenAI's "sk-abc***wxyz")."""
+    return f"{token[:6]}***{token[-4:]}" if len(token) > 12 else "***"
+
+
+@dataclass(frozen=True)
+class Key:
+    """An authenticated key: its ``name`` and its config (never the key itself)."""
+
+    name: str
+    cfg: KeyConfig
+
+
+class Keys:
+    """The configured keys, by hash (``auth:``)."""
+
+    def __init__(self, auth: AuthConfig) -> None:
+        self.by_hash = {k.sha256: Key(k.name, k) for k in auth.keys}
+        self.names = [k.name for k in auth.keys]
+
+    def authenticate(self, headers: Iterable[tuple[bytes, bytes]]) -> Key:
+        """The key of a request with these (ASGI, lower-case) headers.
+
+        Raises:
+            Unauthorized: no ``Authorization: Bearer`` or ``api-key`` header (``reason`` ``missing``), one that is not a
+                bearer token (``malformed``), or a key the config does not hold (``unknown``); the message shows at
+                most a masked key (OpenAI API reference, "Authentication").
+        """
+        token = None
+        for name, value in headers:
+            if name == b"authorization":
+                scheme, _, rest = value.decode("latin-1").strip().partition(" ")
+                if scheme.lower() != "bearer" or not rest.strip():
+                    raise Unauthorized("malformed", "The Authorization header must be 'Bearer <gateway key>'.")
+                token = rest.strip()
+            elif name == b"api-key" and token is None:
+                token = value.decode("latin-1").strip()
+        if not token:
+            raise Unauthorized("missing", "You didn't provide an API key. Send your gateway key as 'Authorization: "
+                                           "Bearer <key>' (the OpenAI SDKs do, from OPENAI_API_KEY).")
+        hashed = digest(token)
+        found = self.by_hash.get(hashed)
+        if found is None or not hmac.compare_digest(found.cfg.sha256, hashed):
+            raise Unauthorized("unknown", f"Incorrect API key provided: {masked(token)}.")
+        return found
+
+
+def metadata_defaults(key: Key, metadata: Mapping[str, object]) -> dict[str, object]:
+    """The key's default ``metadata`` under the request's own (the client's values win)."""
+    return {**key.cfg.metadata, **metadata}
+
+
+@dataclass
+class Spend:
+    """What a request counts against a key: requests, tokens, USD."""
+
+    requests: float = 1.0
+    tokens: float = 0.0
+    usd: float = 0.0
+
+    def get(self, dim: str) -> float:
+        return float(getattr(self, dim))
+
+
+def windows(now: float) -> dict[str, tuple[str, float]]:
+    """Each window's id at wall-clock time ``now`` (seconds) and the seconds to its end: ``minute``, ``day``,
+    ``month`` (UTC)."""
+    t = datetime.fromtimestamp(now, UTC)
+    minute = int(now // 60)
+    day_end = (int(now // 86400) + 1) * 86400
+    month_end = calendar.timegm((t.year + (t.month == 12), t.month % 12 + 1, 1, 0, 0, 0))
+    return {"minute": (str(minute), (minute + 1) * 60 - now), "day": (f"{t:%Y-%m-%d}", day_end - now),
+            "month": (f"{t:%Y-%m}", month_end - now)}
+
+
+def limits_of(key: Key, level: str) -> KeyLimits:
+    return key.cfg.limits if level == "all" else key.cfg.fast
+
+
+def bounded(key: Key, levels: Iterable[str]) -> list[tuple[str, str, str, float]]:
+    """(level, dimension, window, limit) of every limit the key has at ``levels``."""
+    out = []
+    for level in levels:
+        lim = limits_of(key, level)
+        for dim, window, attr in DIMENSIONS:
+            value = getattr(lim, attr)
+            if value is not None:
+                out.append((level, dim, window, float(value)))
+    return out
+
+
+@dataclass
+class Refusal:
+    """A reservation refused: the ``level`` (``all`` or ``fast``), the limit's field name, and the seconds until its
+    window ends."""
+
+    level: str
+    limit: str
+    retry_after: float
+
+    def error(self, key: Key) -> GatewayError:
+        """The answer to a refusal at level ``all`` (module docstring)."""
+        if self.limit.startswith("usd"):
+            period = "day" if self.limit == "usd_per_day" else "month"
+            return KeyOverBudget(f"The gateway key '{key.name}' has spent its budget for this {period} "
+                                 f"({self.limit}); ask its owner to raise it.",
+                                 headers={"x-should-retry": "false"})
+        what = "requests" if self.limit == "requests_per_minute" else "tokens"
+        retry = max(1, math.ceil(self.retry_after))
+        return RateLimited(f"The gateway key '{key.name}' is over its {what} per minute ({self.limit}); retry in "
+                           f"{retry} s.", headers={"retry-after": str(retry)})
+
+
+@dataclass
+class Hold:
+    """A request's reservation against its key: settle it once, when the request is recorded.
+
+    Attributes:
+        key: the key; levels: those charged (``all``, and ``fast`` when it was reserved for the fast tier);
+        spend: what was reserved; at: the window ids it was reserved in; ledger: where it is settled.
+    """
+
+    key: Key
+    levels: tuple[str, ...]
+    spend: Spend
+    at: dict[str, str]
+    ledger: Ledger
+    settled: bool = field(default=False)
+
+    def settle(self, tokens: float, usd: float, tier: str) -> None:
+        """The request ended: it used ``tokens`` and cost ``usd`` on ``tier`` (the fast allowance is given back when
+        another tier served it)."""
+        if self.settled:
+            return
+        self.settled = True
+        self.ledger.settle(self, Spend(1.0, tokens, usd), fast=tier == "fast")
+
+
+class Ledger(Protocol):
+    """Where keys' spending is counted: :class:`MemoryLedger`, or ``gateway.shared.SharedLedger`` across replicas."""
+
+    async def reserve(self, key: Key, spend: Spend, fast: bool) -> Hold | Refusal: ...
+    def settle(self, hold: Hold, used: Spend, fast: bool) -> None: ...
+
+
+class MemoryLedger:
+    """A :class:`Ledger` in this process (module docstring). ``wall``: the wall clock (``time.time``, seconds)."""
+
+    def __init__(self, wall: Callable[[], float]) -> None:
+        self.wall = wall
+        self.counts: dict[tuple[str, str, str, str], tuple[str, float]] = {}  # (key, level, dim, window) -> (id, n)
+
+    def used(self, key: str, level: str, dim: str, window: str, at: str) -> float:
+        """What ``key`` has used (and holds) of ``dim`` at ``level`` in window ``at``."""
+        found = self.counts.get((key, level, dim, window))
+        return found[1] if found is not None and found[0] == at else 0.0
+
+    async def reserve(self, key: Key, spend: Spend, fast: bool) -> Hold | Refusal:
+        """Reserve ``spend`` at level ``all`` and, when ``fast``, ``fast``: every limit must leave room for it (the
+        first that does not is the refusal; nothing is reserved then)."""
+        return self.take(key, spend, fast, windows(self.wall()))
+
+    def take(self, key: Key, spend: Spend, fast: bool, at: dict[str, tuple[str, float]]) -> Hold | Refusal:
+        """:meth:`reserve` at the windows ``at`` (:func:`windows`)."""
+        levels = ("all", "fast") if fast else ("all",)
+        limits = bounded(key, levels)
+        for level, dim, window, limit in limits:
+            if self.used(key.name, level, dim, window, at[window][0]) + spend.get(dim) > limit:
+                return Refusal(level, _field(dim, window), at[window][1])
+        for level, dim, window, _ in limits:
+            self._add(key.name, level, dim, window, at[window][0], spend.get(dim))
+        return Hold(key, levels, spend, {w: at[w][0] for w in at}, self)
+
+    def settle(self, hold: Hold, used: Spend, fast: bool) -> None:
+        """Replace what ``hold`` reserved by what the request ``used`` (in the windows it was reserved in), at each
+        level it charged; the fast level gives it all back when ``fast`` is false."""
+        for level, dim, window, _ in bounded(hold.key, hold.levels):
+            delta = (used.get(dim) if level == "all" or fast else 0.0) - hold.spend.get(dim)
+            self._add(hold.key.name, level, dim, window, hold.at[window], delta)
+
+    def _add(self, key: str, level: str, dim: str, window: str, at: str, n: float) -> None:
+        slot = (key, level, dim, window)
+        found = self.counts.get(slot)
+        if found is None or found[0] != at:
+            if found is not None and found[0] > at:
+                return  # a settlement for a window already over: nothing counts there any more
+            found = (at, 0.0)
+        self.counts[slot] = (at, max(0.0, found[1] + n))
+
+
+def _field(dim: str, window: str) -> str:
+    return next(attr for d, w, attr in DIMENSIONS if d == dim and w == window)
