@@ -346,14 +346,18 @@ class Gateway:
         if not allowed:
             return decision, KeyNotAllowed(f"The gateway key '{key.name}' may use the {' and '.join(key.cfg.tiers)} "
                                            f"tier, and no upstream there serves `{decision.model}`.", param="model")
-        if allowed[0] is not decision.candidates[0]:
-            self.metrics.key_downgrades.labels(key.name, "key_tier").inc()
-            decision = dataclasses.replace(decision, candidates=allowed, fallback="key_tier")
+        if len(allowed) < len(decision.candidates):  # failover too stays on the tiers it may use
+            moved = allowed[0] is not decision.candidates[0]
+            if moved:
+                self.metrics.key_downgrades.labels(key.name, "key_tier").inc()
+            decision = dataclasses.replace(decision, candidates=allowed,
+                                           fallback="key_tier" if moved else decision.fallback)
         spend = Spend(1.0, float(need), self._estimated_cost(allowed[0], decision, facts))
         held = await self.ledger.reserve(key, spend, allowed[0].upstream.tier == "fast")
         if isinstance(held, Refusal) and held.level == "fast":
             rest = tuple(c for c in allowed if c.upstream.tier != "fast")
             if not rest:
+                self.metrics.key_refusals.labels(key.name, held.limit).inc()
                 return decision, RateLimited(f"The gateway key '{key.name}' has spent its fast-tier allowance "
                                              f"({held.limit}), and only the fast tier serves `{decision.model}`.",
                                              headers={"retry-after": str(max(1, math.ceil(held.retry_after)))})

@@ -329,3 +329,18 @@ def test_serve_on_a_public_address_without_auth_warns(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_failover_stays_on_the_tiers_a_key_may_use(upstreams: tuple[EmulatorThread, EmulatorThread],
+                                                   tmp_path: Path) -> None:
+    gw, _ = start_gateway(_config(*upstreams, max_attempts=2), tmp_path)
+    try:
+        failing = [{"role": "user", "content": "[[emulate status=500]] hi"}]
+        for name, tier in (("product", "fast"), ("batch", "standard")):
+            r = httpx.post(f"http://127.0.0.1:{gw.port}/v1/chat/completions",
+                           headers={"authorization": f"Bearer {KEYS[name]}"},
+                           json={"model": "gpt-5.6", "max_tokens": 4, "messages": failing}, timeout=10)
+            # product: standard's 500 fails over to the fast tier (which answers 500 too); batch: never the fast tier
+            assert r.headers["x-tiergate-tier"] == tier, (name, r.headers)
+    finally:
+        gw.stop()
