@@ -112,7 +112,7 @@ async def test_a_budget_refuses_with_insufficient_quota_and_the_fast_allowance_i
 
 # --- real gateway processes ------------------------------------------------------------------------------------------
 
-KEYS = {name: new_key() for name in ("product", "batch", "rpm", "budget", "allowance", "shared")}
+KEYS = {name: new_key() for name in ("product", "batch", "rpm", "budget", "allowance", "shared", "shared-budget")}
 PRICE = {"input": 1000.0, "output": 1000.0}  # USD per million tokens: a request costs cents, so budgets bite fast
 
 
@@ -136,6 +136,7 @@ def _config(fast: EmulatorThread, standard: EmulatorThread, **extra: Any) -> dic
             key("budget", limits={"usd_per_day": 0.25}),
             key("allowance", fast={"tokens_per_minute": 2500}),
             key("shared", limits={"requests_per_minute": 6}),
+            key("shared-budget", limits={"usd_per_day": 0.3}),
         ]},
         **extra,
     }
@@ -301,6 +302,21 @@ def test_two_replicas_share_one_keys_limit_through_redis(upstreams: tuple[Emulat
                 return [r.status_code for r in answers]
         codes = asyncio.run(burst())
         assert codes.count(200) == 6 and codes.count(429) == 6  # 6 a minute for the key, whichever replica serves
+
+        async def spend() -> list[int]:  # ~0.04 USD reserved, ~0.03 spent each: one replica alone would pass 0.3
+            async with httpx.AsyncClient(timeout=10) as c:
+                answers = await asyncio.gather(*(c.post(
+                    f"http://127.0.0.1:{gateways[i % 2].port}/v1/chat/completions",
+                    headers={"authorization": f"Bearer {KEYS['shared-budget']}"},
+                    json={"model": "gpt-5.6", "max_tokens": 30,
+                          "messages": [{"role": "user", "content": "[[emulate tokens=25]] hi"}]})
+                    for i in range(24)))
+                return [r.status_code for r in answers]
+        spent_codes = asyncio.run(spend()) + asyncio.run(spend())
+        assert spent_codes.count(429) >= 1
+        spent = sum(sample(httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text, "tiergate_key_cost_usd_total",
+                           key="shared-budget") for gw in gateways)
+        assert 0.15 < spent <= 0.3  # one budget for both replicas
     finally:
         for gw in gateways:
             gw.stop()
