@@ -6,7 +6,8 @@ Starts the bench upstream on CPU 0 and the gateway on CPU 1 (as ``bench.run`` do
 ``python -m bench.trace gateway ...``, which builds the app with ``time.perf_counter()`` probes at its seams (a
 policy and an upstream pool that time themselves, passed to ``create_app``, and an ASGI wrapper) and serves it
 with the gateway's own uvicorn settings; then sends ``--requests`` 4-token streams one at a time, first straight to
-the upstream, then through the gateway, and prints the medians (microseconds):
+the upstream, then through the gateway, and prints the p50, p99 and maximum of each (microseconds), then, for the
+slowest 1 % through the gateway, each phase of its own (where an outlier's time went):
 
 * client TTFT, direct and through the gateway (request start to the first content chunk, as ``bench.run``);
 * inside the gateway: arrival -> body read -> routing start -> routing end -> ``UpstreamPool.send`` called ->
@@ -22,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -57,6 +57,15 @@ def gateway_role(argv: list[str]) -> int:
     records: list[dict[str, float]] = []
     cur: dict[str, float] = {}
     clock = time.perf_counter
+    gc_started: list[float] = []
+
+    def gc_pause(phase: str, info: dict[str, int]) -> None:  # the collector's pauses inside each request
+        if phase == "start":
+            gc_started[:] = [clock()]
+        elif gc_started and "t0" in cur:
+            cur[f"gc{info['generation']}"] = cur.get(f"gc{info['generation']}", 0.0) + clock() - gc_started[0]
+    import gc
+    gc.callbacks.append(gc_pause)
 
     class TimedPolicy(Policy):
         def decide(self, facts: RequestFacts, explain: bool = False) -> Decision:
@@ -67,6 +76,8 @@ def gateway_role(argv: list[str]) -> int:
 
     class TimedPool(UpstreamPool):
         async def send(self, *a: Any, **k: Any) -> Answer:
+            conns = self._session._connector._conns if self._session is not None else {}  # type: ignore[union-attr]
+            cur["idle"] = float(sum(len(v) for v in conns.values()))  # pooled connections free to take now
             cur["t1"] = clock()
             answer = await super().send(*a, **k)
             cur["t2"] = clock()
@@ -156,14 +167,30 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.05)
         records = json.loads((d / "trace.json").read_text())[warm:]
 
-    def med(xs: list[float]) -> float:
-        return statistics.median(xs) * 1e6
+    def q(xs: list[float], at: float) -> float:
+        ordered = sorted(xs)
+        return ordered[min(len(ordered) - 1, int(at * len(ordered)))] * 1e6
 
-    print(f"| phase ({n} sequential 4-token streams, medians) | us |\n|---|---:|")
-    print(f"| client TTFT, direct | {med(direct):.0f} |\n| client TTFT, through the gateway | {med(via):.0f} |")
-    print(f"| added | {med(via) - med(direct):.0f} |")
-    for (a, b), name in zip(PHASES, NAMES, strict=True):
-        print(f"| gateway: {name} | {med([r[b] - r[a] for r in records]):.0f} |")
+    def row(name: str, xs: list[float]) -> str:
+        return f"| {name} | {q(xs, 0.5):.0f} | {q(xs, 0.99):.0f} | {max(xs) * 1e6:.0f} |"
+
+    print(f"| phase ({n} sequential 4-token streams) | p50 us | p99 us | max us |\n|---|---:|---:|---:|")
+    print(row("client TTFT, direct", direct))
+    print(row("client TTFT, through the gateway", via))
+    phases = [(name, [r[b] - r[a] for r in records]) for (a, b), name in zip(PHASES, NAMES, strict=True)]
+    for name, xs in phases:
+        print(row(f"gateway: {name}", xs))
+    # the outliers: for the slowest 1 % through the gateway, where inside it their time went
+    slow = sorted(range(len(via)), key=lambda i: via[i])[-max(1, len(via) // 100):]
+    print(f"\nthe {len(slow)} slowest streams through the gateway (us): client TTFT, then each phase above, then the "
+          "garbage collector's pauses inside the request by generation")
+    for i in reversed(slow):
+        pauses = " ".join(f"gc{g} {records[i][f'gc{g}'] * 1e6:.0f}" for g in range(3) if f"gc{g}" in records[i])
+        pauses += f" idle connections {records[i].get('idle', -1):.0f}"
+        print(f"  {via[i] * 1e6:.0f}: " + ", ".join(f"{xs[i] * 1e6:.0f}" for _, xs in phases) + f"  {pauses}")
+    paused = {g: sum(f"gc{g}" in r for r in records) for g in range(3)}
+    print(f"requests with a collection inside them, by generation: {paused}; sent with no idle upstream connection "
+          f"(a new one opened): {sum(r.get('idle') == 0 for r in records)}")
     return 0
 
 
