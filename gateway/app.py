@@ -40,7 +40,7 @@ from gateway.errors import (
     Unauthorized,
     UnknownURL,
 )
-from gateway.exchange import KEY_SCOPE
+from gateway.exchange import KEY_SCOPE, request_id
 from gateway.health import Health
 from gateway.keys import Keys, MemoryLedger
 from gateway.metrics import Metrics
@@ -160,7 +160,12 @@ class HotPath:
         closes after it); counted and logged by reason, never with the key."""
         self.gateway.metrics.auth_failures.labels(exc.reason).inc()
         logs.event("auth_failed", reason=exc.reason, method=scope["method"], path=scope["path"])
-        response = error_response(exc, {"www-authenticate": 'Bearer realm="tiergate"', "connection": "close"})
+        rid = request_id(dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1") or None)
+        if logs.wanted("client_error"):  # its request line, as every /v1 request has (no key name: it has none)
+            logs.request({"request_id": rid, "method": scope["method"], "path": scope["path"], "status": exc.status,
+                          "outcome": "client_error", "key": None, "error": exc.code, "reason": exc.reason})
+        response = error_response(exc, {"www-authenticate": 'Bearer realm="tiergate"', "connection": "close",
+                                        "x-request-id": rid})
         await response(scope, receive, send)
 
     async def _passes(self, scope: Scope) -> str | bool:

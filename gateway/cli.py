@@ -1,4 +1,4 @@
-"""The ``tiergate`` command line: ``serve``, ``demo``, ``emulate``, ``check-config`` and ``bench``.
+"""The ``tiergate`` command line: ``serve``, ``demo``, ``emulate``, ``check-config``, ``keys`` and ``bench``.
 
 Exit codes: 0 ok, 2 bad config or usage (the message names the file, field and problem), 1 other failure.
 """
@@ -292,6 +292,16 @@ def _check(path: Path) -> int:
     for u in cfg.upstreams:
         more = "every other endpoint" if "*" in u.endpoint_paths else ", ".join(u.endpoint_paths) or "nothing else"
         print(f"  {u.name}: chat completions, the Responses API ({u.responses_mode}); {more}")
+    if cfg.auth is not None:
+        print(f"\ngateway keys (auth): {len(cfg.auth.keys)}; every /v1 request needs one")
+        for k in cfg.auth.keys:
+            limits = ", ".join(f"{n} {v:g}" for n, v in k.limits.model_dump(exclude_none=True).items()) or "no limits"
+            fast = ", ".join(f"{n} {v:g}" for n, v in k.fast.model_dump(exclude_none=True).items())
+            meta = ", ".join(f"{n}={v}" for n, v in k.metadata.items())
+            print(f"  {k.name}: tiers {'/'.join(k.tiers)}; {limits}" + (f"; fast tier: {fast}" if fast else "")
+                  + (f"; metadata {meta}" if meta else ""))
+    else:
+        print("\ngateway keys: none (auth: not configured): whoever reaches the port spends the upstream keys")
     warnings = config_warnings(cfg)
     if warnings:
         print("\nwarnings:")

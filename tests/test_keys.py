@@ -276,6 +276,13 @@ def test_the_gateway_key_never_reaches_an_upstream_or_the_log(
     log = gateway.log.read_text()
     assert not any(k in log for k in KEYS.values())
     assert '"key":"product"' in log and '"key":"batch"' in log  # the name is
+    httpx.post(f"http://127.0.0.1:{gateway.port}/v1/chat/completions", json={},
+               headers={"authorization": "Bearer tg-planted-secret-0123456789", "x-request-id": "req-401"})
+    deadline = time.monotonic() + 5
+    while '"req-401"' not in gateway.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    line = next(x for x in gateway.log.read_text().splitlines() if '"req-401"' in x)
+    assert '"status":401' in line and '"reason":"unknown"' in line and "planted-secret" not in line
 
 
 @needs_redis
