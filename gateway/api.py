@@ -55,7 +55,7 @@ from gateway.errors import (
 from gateway.estimates import Estimates
 from gateway.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of, read_body
 from gateway.health import Health
-from gateway.keys import Key, Ledger, MemoryLedger, Refusal, Spend
+from gateway.keys import Hold, Key, Ledger, MemoryLedger, Refusal, Spend, bounded
 from gateway.metrics import Metrics, decode_speed
 from gateway.policy import Candidate, Continuation, Decision, Policy, RequestFacts
 from gateway.relay import Relay, StreamStats, Write
@@ -102,6 +102,9 @@ class Watch:
         """The request is over: stop watching."""
         if self.task is not None:
             self.task.cancel()
+
+
+MAX_NEED = 10**9  # tokens a request may count against a quota estimate or a key: no context window is larger
 
 
 class Listing(Protocol):
@@ -244,7 +247,7 @@ class Gateway:
         ex.model, ex.stream = decision.model, body.get("stream") is True
         self.metrics.child(self.metrics.decisions, decision.rule, decision.tier).inc()
         decision = decision if budget is None else self._by_deadline(decision, facts, budget)
-        need = facts.prompt_tokens + (facts.max_tokens or 0)
+        need = min(facts.prompt_tokens + (facts.max_tokens or 0), MAX_NEED)
         decision, plan, admitted = await self._plan(ex, decision, facts, need)
         for cand, why in plan.spilled:
             self.metrics.spillovers.labels(cand.upstream.tier, cand.upstream.name, why).inc()
@@ -263,7 +266,7 @@ class Gateway:
             last, tried, rest = raced
         for cand in rest:
             up = cand.upstream
-            verdicts = await self._admitted(plan, cand, need, admitted)
+            verdicts = await self._admitted(ex, plan, cand, need, admitted)
             if isinstance(verdicts, GatewayError):
                 last = verdicts
                 continue
@@ -371,6 +374,19 @@ class Gateway:
         ex.hold = held
         return decision, None
 
+    async def _fast_allowance(self, hold: Hold, plan: failover.Plan) -> GatewayError | None:
+        """An attempt on the fast tier that the request's key reservation did not cover (a failover, a spillover, a
+        hedge): its fast-tier allowance is reserved now; spent, the attempt is passed over (``key_allowance``)."""
+        if not bounded(hold.key, ("fast",)):
+            return None
+        refused = await self.ledger.extend(hold, "fast")
+        if refused is None:
+            return None
+        self.metrics.key_downgrades.labels(hold.key.name, "key_allowance").inc()
+        plan.reason = plan.reason or "key_allowance"
+        return RateLimited(f"The gateway key '{hold.key.name}' has spent its fast-tier allowance ({refused.limit}).",
+                           headers={"retry-after": str(max(1, math.ceil(refused.retry_after)))})
+
     @staticmethod
     def _estimated_cost(cand: Candidate, decision: Decision, facts: RequestFacts) -> float:
         """USD a request is expected to cost on ``cand``: its estimated prompt, and its ``max_tokens`` (else
@@ -380,7 +396,7 @@ class Gateway:
             return 0.0
         return float(facts.prompt_tokens * priced[0] + (facts.max_tokens or deadline.DEFAULT_COMPLETION) * priced[2])
 
-    async def _admitted(self, plan: failover.Plan, cand: Candidate, need: int,
+    async def _admitted(self, ex: Exchange, plan: failover.Plan, cand: Candidate, need: int,
                         admitted: dict[str, Admission | None]) -> Verdicts | GatewayError:
         """What an attempt to ``cand`` tells (its upstream's health; with shared state, the shared estimate too), once
         it may go: after a wait for a concurrency slot (``plan.queued``), and, with shared state, once the shared
@@ -391,6 +407,10 @@ class Gateway:
         health = self.health[up.name]
         if up.name in plan.queued and not await health.wait_for_slot():
             return self.stayed_busy(plan, up)
+        if ex.hold is not None and up.tier == "fast" and not ex.hold.charges("fast"):
+            refused = await self._fast_allowance(ex.hold, plan)
+            if refused is not None:
+                return refused
         if self.shared is None:
             return health
         if up.name in admitted:
@@ -651,7 +671,7 @@ class Gateway:
         if tried == 1:
             self.attempting(ex, decision, up, tried, plan.reason)
         relay: Relay | None = None
-        verdicts = await self._admitted(plan, cand, need, admitted)
+        verdicts = await self._admitted(ex, plan, cand, need, admitted)
         if isinstance(verdicts, GatewayError):
             race.failed(cand, verdicts)
             return

@@ -166,6 +166,8 @@ class Hold:
     Attributes:
         key: the key; levels: those charged (``all``, and ``fast`` when it was reserved for the fast tier);
         spend: what was reserved; at: the window ids it was reserved in; ledger: where it is settled.
+        local: counted in this process's :class:`MemoryLedger`; remote: (counters, hold id) in Redis
+            (``gateway.shared.SharedLedger``), or None; parts: the holds it was extended by (:meth:`Ledger.extend`).
     """
 
     key: Key
@@ -174,6 +176,13 @@ class Hold:
     at: dict[str, str]
     ledger: Ledger
     settled: bool = field(default=False)
+    local: bool = True
+    remote: tuple[list[str], str] | None = None
+    parts: list[Hold] = field(default_factory=list)
+
+    def charges(self, level: str) -> bool:
+        """Whether it (or an extension of it) reserved at ``level``."""
+        return level in self.levels or any(level in p.levels for p in self.parts)
 
     def settle(self, tokens: float, usd: float, tier: str) -> None:
         """The request ended: it used ``tokens`` and cost ``usd`` on ``tier`` (the fast allowance is given back when
@@ -188,6 +197,7 @@ class Ledger(Protocol):
     """Where keys' spending is counted: :class:`MemoryLedger`, or ``gateway.shared.SharedLedger`` across replicas."""
 
     async def reserve(self, key: Key, spend: Spend, fast: bool) -> Hold | Refusal: ...
+    async def extend(self, hold: Hold, level: str) -> Refusal | None: ...
     def settle(self, hold: Hold, used: Spend, fast: bool) -> None: ...
 
 
@@ -218,6 +228,32 @@ class MemoryLedger:
         for level, dim, window, _ in limits:
             self._add(key.name, level, dim, window, at[window][0], spend.get(dim))
         return Hold(key, levels, spend, {w: at[w][0] for w in at}, self)
+
+    def take_at(self, key: Key, spend: Spend, levels: tuple[str, ...], at: dict[str, str],
+                now: dict[str, tuple[str, float]]) -> Hold | Refusal:
+        """:meth:`take` at given window ids ``at`` (an extension: the windows of the hold it extends)."""
+        hold = Hold(key, (), spend, dict(at), self)
+        for level in levels:
+            refused = self.extend_now(hold, level, now)
+            if refused is not None:
+                return refused
+        return hold
+
+    async def extend(self, hold: Hold, level: str) -> Refusal | None:
+        """Reserve ``hold``'s spend at ``level`` too (an attempt on the fast tier the request was not reserved for: a
+        failover, a spillover, a hedge), in the windows it was reserved in; the refusal, or None."""
+        return self.extend_now(hold, level, windows(self.wall()))
+
+    def extend_now(self, hold: Hold, level: str, now: dict[str, tuple[str, float]]) -> Refusal | None:
+        """:meth:`extend` with the current windows ``now`` (for the refusal's wait)."""
+        limits = bounded(hold.key, (level,))
+        for lv, dim, window, limit in limits:
+            if self.used(hold.key.name, lv, dim, window, hold.at[window]) + hold.spend.get(dim) > limit:
+                return Refusal(lv, _field(dim, window), now[window][1])
+        for lv, dim, window, _ in limits:
+            self._add(hold.key.name, lv, dim, window, hold.at[window], hold.spend.get(dim))
+        hold.levels = (*hold.levels, level)
+        return None
 
     def settle(self, hold: Hold, used: Spend, fast: bool) -> None:
         """Replace what ``hold`` reserved by what the request ``used`` (in the windows it was reserved in), at each

@@ -23,8 +23,10 @@ for its idle timeout is a 504. These requests leave the upstreams' health alone 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -38,8 +40,10 @@ from gateway.api import Gateway, Watch
 from gateway.errors import (
     GatewayDraining,
     GatewayError,
+    KeyNotAllowed,
     MethodNotAllowed,
     PayloadTooLarge,
+    RateLimited,
     StreamInterrupted,
     UnknownURL,
     UpstreamTimeout,
@@ -47,7 +51,7 @@ from gateway.errors import (
 )
 from gateway.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of, read_body
 from gateway.health import UNTRACKED
-from gateway.keys import Refusal, Spend
+from gateway.keys import Refusal, Spend, bounded
 from gateway.metrics import Metrics
 from gateway.policy import Candidate, Decision, RequestFacts
 from gateway.upstream import Answer, Attempt, Body, field_value
@@ -196,6 +200,34 @@ class Passthrough:
         ex.hold = held
         return True
 
+    async def _allowed(self, ex: PassExchange, decision: Decision) -> Decision:
+        """The candidates the request's gateway key allows, as for chat completions (``Gateway._keyed``): its tiers
+        (``key_tier``), and the fast tier only within its fast allowance (``key_allowance``).
+
+        Raises:
+            KeyNotAllowed: no tier it may use serves the request; RateLimited: only the fast tier does, and the key's
+                allowance there is spent.
+        """
+        key, hold = ex.key, ex.hold
+        if key is None:
+            return decision
+        allowed = tuple(c for c in decision.candidates if c.upstream.tier in key.cfg.tiers)
+        if not allowed:
+            raise KeyNotAllowed(f"The gateway key '{key.name}' may use the {' and '.join(key.cfg.tiers)} tier, and no "
+                                "upstream there serves this request.", param="model")
+        reason = "key_tier" if allowed[0] is not decision.candidates[0] else decision.fallback
+        if hold is not None and allowed[0].upstream.tier == "fast" and bounded(key, ("fast",)):
+            refused = await self.gateway.ledger.extend(hold, "fast")
+            if refused is not None:
+                allowed, reason = tuple(c for c in allowed if c.upstream.tier != "fast"), "key_allowance"
+                if not allowed:
+                    raise RateLimited(f"The gateway key '{key.name}' has spent its fast-tier allowance "
+                                      f"({refused.limit}).",
+                                      headers={"retry-after": str(max(1, math.ceil(refused.retry_after)))})
+        if reason in ("key_tier", "key_allowance"):
+            self.metrics.key_downgrades.labels(key.name, reason).inc()
+        return dataclasses.replace(decision, candidates=allowed, fallback=reason)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send, owner: str | None = None) -> None:
         """Serve one request under ``/v1``; ``owner``: the upstream that alone can serve it (see
         :meth:`Policy.decide_passthrough`)."""
@@ -267,7 +299,7 @@ class Passthrough:
         upload = None
         try:
             facts = _facts(raw, ex.headers)
-            decision = self.gateway.policy.decide_passthrough(path, facts, owner=owner)
+            decision = await self._allowed(ex, self.gateway.policy.decide_passthrough(path, facts, owner=owner))
         except GatewayError as exc:
             return await ex.error(exc, "client_error", _closing(ex, raw))
         ex.model, ex.requested = decision.model, facts.model if facts is not None else None

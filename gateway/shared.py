@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
@@ -51,7 +52,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from gateway import logs
 from gateway.config import StateConfig
@@ -76,42 +77,57 @@ IN_FLIGHT_S = 120.0  # a reservation whose answer never reports (a replica died)
 # request spent on Redis (18 arguments each, twice per request).
 QUOTA_KEYS = (":quota:requests", ":quota:tokens", ":sent:requests", ":sent:tokens", ":inflight", ":inflight:n")
 SEP = "\x1f"
-_PROLOGUE = ("local K, A = {}, {}\n"
+# Every script starts with SAFE: a key that holds something else than what the gateway keeps there (a string where a
+# count belongs, a hash where a string does: another program's, or garbage) is dropped and counts from nothing, so
+# that no stray value makes a script fail for every request (which the gateway would take for Redis being away).
+_SAFE = """
+local function safe(cmd, key, ...)
+  local r = redis.pcall(cmd, key, ...)
+  if type(r) == 'table' and r.err then
+    redis.call('DEL', key)
+    r = redis.call(cmd, key, ...)
+  end
+  return r
+end
+local function num(key) return tonumber(safe('GET', key)) end
+"""
+_PROLOGUE = (_SAFE + "local K, A = {}, {}\n"
              "for i, suffix in ipairs({" + ", ".join(f"'{k}'" for k in QUOTA_KEYS) + "}) do\n"
              "  K[i] = KEYS[1] .. suffix\nend\n"
              "for v in string.gmatch(ARGV[1] .. '\\31', '([^\\31]*)\\31') do A[#A + 1] = v end\n")
 _LAND = _PROLOGUE + """
 local function land(member)
-  if member ~= '' and redis.call('ZREM', K[5], member) == 1 then
-    redis.call('HINCRBY', K[6], 'r', -1)
-    redis.call('HINCRBY', K[6], 't', -tonumber(string.match(member, ':(%d+)$')))
+  if member ~= '' and safe('ZREM', K[5], member) == 1 then
+    safe('HINCRBY', K[6], 'r', -1)
+    safe('HINCRBY', K[6], 't', -(tonumber(string.match(member, ':(%d+)$')) or 0))
   end
 end
 """
 
-# A: tokens needed, requests kept, tokens kept, ms the totals live, the reservation's end (wall seconds), now (wall).
-# Returns {admitted 1|0, refused kind index 1|2 (0), remaining requests ('' unknown), its ms to reset, remaining
-# tokens, its ms, sent requests, sent tokens, requests in flight before it, tokens in flight before it} (floats as
-# strings: a Lua number would reach Redis' reply as an integer).
+# A: tokens needed (a whole number), requests kept, tokens kept, ms the totals live, the reservation's end (wall
+# seconds), now (wall). Returns {admitted 1|0, refused kind index 1|2 (0), remaining requests ('' unknown), its ms to
+# reset, remaining tokens, its ms, sent requests, sent tokens, requests in flight before it, tokens in flight before
+# it} (floats as strings: a Lua number would reach Redis' reply as an integer).
 _ADMIT = _LAND + """
-for _, member in ipairs(redis.call('ZRANGEBYSCORE', K[5], '-inf', A[6])) do land(member) end
+for _, member in ipairs(safe('ZRANGEBYSCORE', K[5], '-inf', A[6])) do land(member) end
 local need = {1, tonumber(A[1])}
 local keep = {tonumber(A[2]), tonumber(A[3])}
-local rem = {redis.call('GET', K[1]), redis.call('GET', K[2])}
+local rem = {num(K[1]), num(K[2])}
 for i = 1, 2 do
-  if rem[i] and tonumber(rem[i]) - need[i] < keep[i] then
-    return {0, i, rem[1] or '', redis.call('PTTL', K[1]), rem[2] or '', redis.call('PTTL', K[2]), '', '', '', ''}
+  if rem[i] and rem[i] - need[i] < keep[i] then
+    return {0, i, tostring(rem[1] or ''), redis.call('PTTL', K[1]), tostring(rem[2] or ''), redis.call('PTTL', K[2]),
+            '', '', '', ''}
   end
 end
 for i = 1, 2 do
-  if rem[i] then rem[i] = redis.call('INCRBYFLOAT', K[i], -need[i]) end
+  if rem[i] then rem[i] = safe('INCRBYFLOAT', K[i], -need[i]) end
 end
-local s1 = redis.call('INCRBY', K[3], need[1])
-local s2 = redis.call('INCRBY', K[4], need[2])
-local ahead = redis.call('HMGET', K[6], 'r', 't')
-redis.call('ZADD', K[5], A[5], s2 .. ':' .. need[2])
-redis.call('HINCRBY', K[6], 'r', 1)
-redis.call('HINCRBY', K[6], 't', need[2])
+local s1 = safe('INCRBY', K[3], need[1])
+local s2 = safe('INCRBY', K[4], A[1])
+local ahead = safe('HMGET', K[6], 'r', 't')
+safe('ZADD', K[5], A[5], string.format('%d', s2) .. ':' .. A[1])
+safe('HINCRBY', K[6], 'r', 1)
+safe('HINCRBY', K[6], 't', A[1])
 for k = 3, 6 do redis.call('PEXPIRE', K[k], A[4]) end
 return {1, 0, rem[1] or '', redis.call('PTTL', K[1]), rem[2] or '', redis.call('PTTL', K[2]), s1, s2,
         ahead[1] or '0', ahead[2] or '0'}
@@ -131,17 +147,17 @@ _OBSERVE = _LAND + """
 land(A[10])
 local out, ms, rose = {'', ''}, {'', ''}, false
 for i = 1, 2 do
-  local reported, ahead = A[3 * i - 2], A[3 * i]
-  local old = redis.call('GET', K[i])
-  if reported ~= '' and (ahead ~= '' or not old) then
+  local reported, ahead = tonumber(A[3 * i - 2]), A[3 * i]
+  local old = num(K[i])
+  if reported and (ahead ~= '' or not old) then
     local since = 0
     if ahead ~= '' then
       local mark = (i == 1) and A[11] or A[12]
-      since = math.max(0, tonumber(redis.call('GET', K[i + 2]) or '0') - tonumber(mark)) + tonumber(ahead)
+      since = math.max(0, (num(K[i + 2]) or 0) - tonumber(mark)) + tonumber(ahead)
     end
-    local value = tonumber(reported) - since
+    local value = reported - since
     redis.call('SET', K[i], tostring(value), 'PX', A[3 * i - 1])
-    if (not old) or tonumber(old) * 2 < value then rose = true end
+    if (not old) or old * 2 < value then rose = true end
     out[i], ms[i] = tostring(value), A[3 * i - 1]
   end
 end
@@ -158,16 +174,16 @@ return 1
 """
 
 # KEYS: the rest hash. ARGV: field (cooldown | open | closed), until (wall seconds), exhausted (0|1), channel, message.
-_REST = """
+_REST = _SAFE + """
 if ARGV[1] == 'closed' then
-  redis.call('HDEL', KEYS[1], 'open')
+  safe('HDEL', KEYS[1], 'open')
 else
-  if tonumber(ARGV[2]) > tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0') then
-    redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-    if ARGV[1] == 'cooldown' then redis.call('HSET', KEYS[1], 'exhausted', ARGV[3]) end
+  if tonumber(ARGV[2]) > (tonumber(safe('HGET', KEYS[1], ARGV[1])) or 0) then
+    safe('HSET', KEYS[1], ARGV[1], ARGV[2])
+    if ARGV[1] == 'cooldown' then safe('HSET', KEYS[1], 'exhausted', ARGV[3]) end
   end
-  local latest = math.max(tonumber(redis.call('HGET', KEYS[1], 'cooldown') or '0'),
-                          tonumber(redis.call('HGET', KEYS[1], 'open') or '0'))
+  local latest = math.max(tonumber(safe('HGET', KEYS[1], 'cooldown')) or 0,
+                          tonumber(safe('HGET', KEYS[1], 'open')) or 0)
   redis.call('PEXPIREAT', KEYS[1], math.ceil(latest * 1000))
 end
 redis.call('PUBLISH', ARGV[4], ARGV[5])
@@ -190,21 +206,49 @@ return out
 """
 
 
-# KEYS: one counter per limit of a gateway key (gateway.keys: level, dimension, window id). ARGV: per key its limit,
-# the amount to add and its ms to live. All or nothing: {1} when every limit leaves room, else {0, the first that does
-# not} and nothing is added.
-_KEY_RESERVE = """
-for i = 1, #KEYS do
-  if tonumber(redis.call('GET', KEYS[i]) or '0') + tonumber(ARGV[3 * i - 1]) > tonumber(ARGV[3 * i - 2]) then
-    return {0, i}
-  end
+# KEYS: one counter per limit of a gateway key (gateway.keys: level, dimension, window id), then the reservation's
+# hold and its tombstone (all under the key's hash tag). ARGV: per counter its limit, the amount to add and its ms to
+# live; then the hold's ms to live. All or nothing: {1} when every limit leaves room (the amounts added, and kept in
+# the hold for its settlement), {0, the first that does not} and nothing added, or {2}: the reservation was cancelled
+# before it arrived (a replica that gave up waiting for it settled it locally; see _KEY_SETTLE).
+_KEY_RESERVE = _SAFE + """
+local n = #KEYS - 2
+if redis.call('EXISTS', KEYS[n + 2]) == 1 then return {2} end
+for i = 1, n do
+  if (num(KEYS[i]) or 0) + tonumber(ARGV[3 * i - 1]) > tonumber(ARGV[3 * i - 2]) then return {0, i} end
 end
-for i = 1, #KEYS do
-  redis.call('INCRBYFLOAT', KEYS[i], ARGV[3 * i - 1])
+local held = {}
+for i = 1, n do
+  safe('INCRBYFLOAT', KEYS[i], ARGV[3 * i - 1])
   redis.call('PEXPIRE', KEYS[i], ARGV[3 * i])
+  held[i] = ARGV[3 * i - 1]
 end
+redis.call('SET', KEYS[n + 1], table.concat(held, ','), 'PX', ARGV[3 * n + 1])
 return {1}
 """
+
+# KEYS as _KEY_RESERVE. ARGV: per counter what the request used (0 for a cancel), then the tombstone's ms to live.
+# With its hold there: each counter takes what was used instead of what was held (a counter whose window is gone is
+# not made again). Without: the reservation has not arrived (or its hold expired): a tombstone makes it void if it
+# still comes, so that a reservation is counted once whatever the order.
+_KEY_SETTLE = _SAFE + """
+local n = #KEYS - 2
+local held = redis.pcall('GET', KEYS[n + 1])
+if type(held) ~= 'string' then
+  redis.call('SET', KEYS[n + 2], '1', 'PX', ARGV[n + 1])
+  return 0
+end
+local i = 1
+for amount in string.gmatch(held, '([^,]+)') do
+  if i <= n and redis.call('EXISTS', KEYS[i]) == 1 then
+    safe('INCRBYFLOAT', KEYS[i], (tonumber(ARGV[i]) or 0) - (tonumber(amount) or 0))
+  end
+  i = i + 1
+end
+redis.call('DEL', KEYS[n + 1])
+return 1
+"""
+TOMB_MS = 600_000  # a reservation that arrives later than this after its cancel is counted (none waits that long)
 WINDOW_MS = {"minute": 120_000, "day": 2 * DAY_MS, "month": 32 * DAY_MS}  # a counter outlives its window a little
 
 
@@ -265,9 +309,11 @@ class SharedState:
         self._rest = self.redis.register_script(_REST)
         self._history = self.redis.register_script(_HISTORY)
         self._key_reserve = self.redis.register_script(_KEY_RESERVE)
+        self._key_settle = self.redis.register_script(_KEY_SETTLE)
         self.up = False
         self.health: Health | None = None
         self.on_deleted: list[Callable[[str], None]] = []  # told the ids other replicas deleted
+        self.on_restored: list[Callable[[], None]] = []  # called each time Redis answers again
         self._asks: list[_Ask] = []  # commands for the next pipeline (one per event-loop turn)
         self._flushes: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
@@ -476,7 +522,11 @@ class SharedState:
     def _answer(self, ask: _Ask, replies: list[Any]) -> None:
         error = next((r for r in replies if isinstance(r, Exception)), None)
         if error is not None:
-            self._failed(ask.op, error)
+            if isinstance(error, NoScriptError):  # Redis lost its scripts: the reconnect loads them again
+                self._failed(ask.op, error)
+            else:  # this command's own trouble, not Redis being away: the others go on
+                self.metrics.shared_errors.labels(ask.op).inc()
+                log.warning("shared state: Redis refused a %s command: %s", ask.op, error)
             self._refuse(ask)
         elif ask.future is not None:
             if not ask.future.done():
@@ -508,7 +558,7 @@ class SharedState:
                     message = await pubsub.get_message(timeout=1.0)
                     if message is not None and message.get("type") == "message":
                         self._apply(message["data"])
-            except FAILURES as exc:
+            except Exception as exc:  # noqa: BLE001 - whatever went wrong, the subscriber lives on and tries again
                 self._failed("subscribe" if self.up else "ping", exc)
             finally:
                 with contextlib.suppress(*FAILURES):
@@ -520,33 +570,39 @@ class SharedState:
         health = self.health
         names = list(health.by_name) if health is not None else []
         pipe = self.redis.pipeline(transaction=False)
-        for script in (self._admit, self._observe, self._landed, self._rest, self._history, self._key_reserve):
+        scripts = (self._admit, self._observe, self._landed, self._rest, self._history, self._key_reserve,
+                   self._key_settle)
+        for script in scripts:
             pipe.script_load(script.script)
         for name in names:
             pipe.hgetall(self._key(name, "rest"))
             for key in self._quota_keys(name)[:2]:
                 pipe.get(key)
                 pipe.pttl(key)
-        replies = (await pipe.execute())[6:]
+        replies = (await pipe.execute(raise_on_error=False))[len(scripts):]
         now = self._now()
-        for i, name in enumerate(names):
+        for i, name in enumerate(names):  # what the gateway does not keep there (an error reply, garbage) is skipped
             rest, q = replies[5 * i], replies[5 * i + 1:5 * i + 5]
             assert health is not None
             h = health.by_name[name]
             for field in (b"cooldown", b"open"):
-                if field in rest:
-                    h.shared_rest(field.decode(), self._local(float(rest[field])), rest.get(b"exhausted") == b"1")
+                until = _number(rest.get(field)) if isinstance(rest, dict) else None
+                if until is not None:
+                    h.shared_rest(field.decode(), self._local(until), rest.get(b"exhausted") == b"1")
             for j, kind in enumerate(KINDS):
-                value, ttl = q[2 * j], q[2 * j + 1]
-                if value is not None and ttl > 0:
-                    h.shared_quota(kind, float(value), now + ttl / 1000)
+                value, ttl = _number(q[2 * j]), q[2 * j + 1]
+                if value is not None and isinstance(ttl, int) and ttl > 0:
+                    h.shared_quota(kind, value, now + ttl / 1000)
 
     def _apply(self, data: bytes) -> None:
-        """Apply another replica's message to the local health (or the Responses store's local copies)."""
+        """Apply another replica's message to the local health (or the Responses store's local copies); a message
+        that is not one of ours is counted and skipped."""
         try:
-            m = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return
+            self._apply_message(orjson.loads(data))
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            self.metrics.shared_errors.labels("message").inc()
+
+    def _apply_message(self, m: Any) -> None:
         if not isinstance(m, dict) or m.get("r") == self.replica or self.health is None:
             return
         kind = m.get("e")
@@ -589,6 +645,8 @@ class SharedState:
         self._said_down = False
         self.up = True
         self.metrics.shared_up.set(1)
+        for callback in self.on_restored:
+            callback()
 
 
 class SharedVerdicts:
@@ -684,62 +742,116 @@ class SharedResponseStore:
         return here or bool(ok and replies[0])
 
 
+def _number(value: Any) -> float | None:
+    """A Redis reply as a finite number, or None (absent, an error reply, or not a number)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _record(data: bytes) -> Record | None:
     """A stored record from its JSON (None when it is not one of ours)."""
     try:
         raw = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
-    if raw.get("k") == "n":
-        return Native(str(raw["upstream"]))
-    if raw.get("k") == "b":
-        return Bridged(raw["response"], raw["input"], raw.get("previous"), int(raw.get("size", 0)))
-    return None
+        if isinstance(raw, dict) and raw.get("k") == "n":
+            return Native(str(raw["upstream"]))
+        if isinstance(raw, dict) and raw.get("k") == "b" and isinstance(raw["response"], dict) and \
+                isinstance(raw["input"], list):
+            return Bridged(raw["response"], raw["input"], raw.get("previous"), int(raw.get("size", 0)))
+    except (ValueError, TypeError, KeyError):
+        pass
+    return None  # not one of ours
 
 
 class SharedLedger:
     """A ``gateway.keys.Ledger`` whose counts every replica shares (``{prefix}:{key:NAME}:{level}:{dimension}:{window}:
-    {id}`` counters, one hash slot per key): a reservation is one atomic script in the request's pipeline, a
-    settlement a queued write. While Redis is away, ``local`` counts this replica's requests alone (a settlement goes
-    where its reservation was made)."""
+    {id}`` counters, one hash slot per key): a reservation is one atomic script in the request's pipeline, which keeps
+    what it added in a hold; its settlement replaces that by what the request used.
+
+    While Redis is away, ``local`` counts this replica's requests alone. A reservation that got no answer in time may
+    still be counted when Redis answers again: its settlement then cancels it (a tombstone voids it if it arrives
+    later still). Settlements made while Redis is away wait (bounded) and go when it answers again.
+    """
 
     def __init__(self, shared: SharedState, local: MemoryLedger) -> None:
         self.shared = shared
         self.local = local
+        self.waiting: list[tuple[list[str], list[str]]] = []  # settlements for when Redis answers again
+        shared.on_restored.append(self._resend)
 
     def _counter(self, key: Key, level: str, dim: str, window: str, at: str) -> str:
         return f"{self.shared.prefix}:{{key:{key.name}}}:{level}:{dim}:{window}:{at}"
 
+    def _hold_keys(self, key: Key, hold_id: str) -> list[str]:
+        base = f"{self.shared.prefix}:{{key:{key.name}}}"
+        return [f"{base}:hold:{hold_id}", f"{base}:tomb:{hold_id}"]
+
     async def reserve(self, key: Key, spend: Spend, fast: bool) -> Hold | Refusal:
         """See ``gateway.keys.MemoryLedger.reserve``."""
-        at = windows(self.local.wall())
-        levels = ("all", "fast") if fast else ("all",)
+        now = windows(self.local.wall())
+        return await self._reserve(key, spend, ("all", "fast") if fast else ("all",), {w: v[0] for w, v in now.items()},
+                                   now)
+
+    async def extend(self, hold: Hold, level: str) -> Refusal | None:
+        """See ``gateway.keys.MemoryLedger.extend``: the extension is a part of ``hold``, settled with it."""
+        got = await self._reserve(hold.key, hold.spend, (level,), hold.at, windows(self.local.wall()))
+        if isinstance(got, Refusal):
+            return got
+        hold.parts.append(got)  # its own counters and hold id; the hold's own levels stay its own
+        return None
+
+    async def _reserve(self, key: Key, spend: Spend, levels: tuple[str, ...], at: dict[str, str],
+                       now: dict[str, tuple[str, float]]) -> Hold | Refusal:
+        """Reserve ``spend`` at ``levels`` in the windows ``at`` (ids; ``now``: the current windows, for a refusal's
+        wait): in Redis, or, without an answer in time, here (and cancelled there when it is settled)."""
         limits = bounded(key, levels)
         if not limits:
-            return Hold(key, levels, spend, {w: at[w][0] for w in at}, self)
-        counters = [self._counter(key, level, dim, window, at[window][0]) for level, dim, window, _ in limits]
+            return Hold(key, levels, spend, dict(at), self, local=False)
+        counters = [self._counter(key, level, dim, window, at[window]) for level, dim, window, _ in limits]
+        hold_id = os.urandom(8).hex()
         args: list[Any] = []
         for _, dim, window, limit in limits:
-            args += [repr(limit), repr(spend.get(dim)), WINDOW_MS[window]]
+            args += [repr(limit), repr(max(0.0, spend.get(dim))), WINDOW_MS[window]]
+        args.append(max(WINDOW_MS[w] for _, _, w, _ in limits))
+        keys = [*counters, *self._hold_keys(key, hold_id)]
         done, replies = await self.shared.ask("keys", lambda pipe: pipe.evalsha(
-            self.shared._key_reserve.sha, len(counters), *counters, *args))
-        if not done:
-            return self.local.take(key, spend, fast, at)
+            self.shared._key_reserve.sha, len(keys), *keys, *args))
+        if not done or replies[0][0] == 2:  # counted here; its settlement cancels it there if it arrived after all
+            got = self.local.take_at(key, spend, levels, at, now)
+            if isinstance(got, Hold):
+                got.ledger, got.remote = self, (counters, hold_id)
+            return got
         if replies[0][0] == 0:
             level, dim, window, _ = limits[int(replies[0][1]) - 1]
-            return Refusal(level, next(a for d, w, a in DIMENSIONS if d == dim and w == window), at[window][1])
-        return Hold(key, levels, spend, {w: at[w][0] for w in at}, self)
+            return Refusal(level, next(a for d, w, a in DIMENSIONS if d == dim and w == window), now[window][1])
+        return Hold(key, levels, spend, dict(at), self, local=False, remote=(counters, hold_id))
 
     def settle(self, hold: Hold, used: Spend, fast: bool) -> None:
-        """See ``gateway.keys.MemoryLedger.settle`` (queued, not awaited)."""
-        changes = []
-        for level, dim, window, _ in bounded(hold.key, hold.levels):
-            delta = (used.get(dim) if level == "all" or fast else 0.0) - hold.spend.get(dim)
-            if delta:
-                changes.append((self._counter(hold.key, level, dim, window, hold.at[window]), delta))
+        """See ``gateway.keys.MemoryLedger.settle``: each part of the hold (it and its extensions) takes what the
+        request used, here or in Redis (queued, not awaited; kept for later while Redis is away); a part counted here
+        because Redis did not answer in time is cancelled there."""
+        for part in [hold, *hold.parts]:
+            if part.local:
+                self.local.settle(part, used, fast)
+            if part.remote is None:
+                continue
+            counters, hold_id = part.remote
+            amounts = [repr(max(0.0, used.get(dim))) if not part.local and (level == "all" or fast) else "0"
+                       for level, dim, _, _ in bounded(part.key, part.levels)]
+            self._send([*counters, *self._hold_keys(part.key, hold_id)], [*amounts, str(TOMB_MS)])
 
-        def add(pipe: Pipeline) -> None:
-            for counter, delta in changes:
-                pipe.incrbyfloat(counter, delta)
-        if changes:
-            self.shared._queue("keys", add)
+    def _send(self, keys: list[str], args: list[str]) -> None:
+        if not self.shared.up:
+            if len(self.waiting) < MAX_PENDING:
+                self.waiting.append((keys, args))
+            else:
+                self.shared.metrics.shared_dropped.inc()
+            return
+        self.shared._queue("keys", lambda pipe: pipe.evalsha(self.shared._key_settle.sha, len(keys), *keys, *args))
+
+    def _resend(self) -> None:
+        waiting, self.waiting = self.waiting, []
+        for keys, args in waiting:
+            self._send(keys, args)

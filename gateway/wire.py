@@ -144,6 +144,9 @@ def parse_request(kind: str, raw: bytes) -> dict[str, Any]:
     return parse_chat_request(raw) if kind == "chat" else parse_responses_request(raw)
 
 
+LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
 def _routable(raw: bytes) -> dict[str, Any]:
     """A JSON object with a non-empty string ``model`` and, if present, a boolean ``stream``."""
     try:
@@ -162,6 +165,16 @@ def _routable(raw: bytes) -> dict[str, Any]:
     if stream is not None and not isinstance(stream, bool):
         raise InvalidRequest(f"Invalid type for 'stream': expected a boolean, got {_json_type(stream)}.",
                              param="stream", code="invalid_type")
+    for name in LIMIT_FIELDS:  # routing, quota estimates and key limits read them: checked as OpenAI checks them
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InvalidRequest(f"Invalid type for '{name}': expected an integer, but got {_json_type(value)} "
+                                 "instead.", param=name, code="invalid_type")
+        if value < 1:
+            raise InvalidRequest(f"Invalid '{name}': integer below minimum value. Expected a value >= 1, but got "
+                                 f"{value} instead.", param=name, code="integer_below_min_value")
     return body
 
 

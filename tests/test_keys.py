@@ -112,7 +112,8 @@ async def test_a_budget_refuses_with_insufficient_quota_and_the_fast_allowance_i
 
 # --- real gateway processes ------------------------------------------------------------------------------------------
 
-KEYS = {name: new_key() for name in ("product", "batch", "rpm", "budget", "allowance", "shared", "shared-budget")}
+KEYS = {name: new_key() for name in ("product", "batch", "rpm", "budget", "allowance", "shared", "shared-budget",
+                                     "allowance-failover")}
 PRICE = {"input": 1000.0, "output": 1000.0}  # USD per million tokens: a request costs cents, so budgets bite fast
 
 
@@ -137,6 +138,7 @@ def _config(fast: EmulatorThread, standard: EmulatorThread, **extra: Any) -> dic
             key("allowance", fast={"tokens_per_minute": 2500}),
             key("shared", limits={"requests_per_minute": 6}),
             key("shared-budget", limits={"usd_per_day": 0.3}),
+            key("allowance-failover", fast={"requests_per_minute": 2}),
         ]},
         **extra,
     }
@@ -161,8 +163,8 @@ def gateway(upstreams: tuple[EmulatorThread, EmulatorThread],
 
 
 def _client(gw: Proc, name: str | None, **kw: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{gw.port}/v1", api_key=KEYS[name] if name else "tg-wrong-key-0123456789",
-                         max_retries=0, **kw)
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{gw.port}/v1",
+                         api_key=KEYS[name] if name else "tg-wrong-key-0123456789", max_retries=0, **kw)
 
 
 def _ask(client: openai.OpenAI, model: str = "gpt-5.6-sol-fast", max_tokens: int = 8, tokens: int = 3) -> Any:
@@ -365,5 +367,16 @@ def test_failover_stays_on_the_tiers_a_key_may_use(upstreams: tuple[EmulatorThre
                            json={"model": "gpt-5.6", "max_tokens": 4, "messages": failing}, timeout=10)
             # product: standard's 500 fails over to the fast tier (which answers 500 too); batch: never the fast tier
             assert r.headers["x-tiergate-tier"] == tier, (name, r.headers)
+        # a failover to the fast tier spends the fast allowance too (two a minute): the third stays on standard
+        _fresh_minute()
+        tiers = []
+        for _ in range(3):
+            r = httpx.post(f"http://127.0.0.1:{gw.port}/v1/chat/completions",
+                           headers={"authorization": f"Bearer {KEYS['allowance-failover']}"},
+                           json={"model": "gpt-5.6", "max_tokens": 4, "messages": failing}, timeout=10)
+            tiers.append((r.headers.get("x-tiergate-tier"), r.headers.get("x-tiergate-fallback")))
+        assert [t for t, _ in tiers] == ["fast", "fast", "standard"], tiers  # the third: standard's own 500
+        metrics = httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text
+        assert sample(metrics, "tiergate_key_downgrades_total", key="allowance-failover", reason="key_allowance") == 1
     finally:
         gw.stop()

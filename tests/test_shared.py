@@ -15,9 +15,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
-from gateway.config import StateConfig, UpstreamConfig
+from gateway.config import AuthConfig, KeyConfig, StateConfig, UpstreamConfig
 from gateway.conversations import Bridged, MemoryResponseStore, Native
 from gateway.health import Health, UpstreamHealth
+from gateway.keys import Refusal
 from gateway.metrics import Metrics
 from gateway.shared import Admission, SharedResponseStore, SharedState, SharedVerdicts
 
@@ -225,3 +226,65 @@ async def test_the_responses_store_is_shared_and_a_delete_reaches_every_replica(
     redis_server.kill()  # away: each replica's own copy answers
     assert await sa.get("resp_2") == second
     assert await sb.get("resp_2") is None
+
+
+async def test_garbage_in_its_keys_or_on_its_channel_never_takes_shared_state_down(
+        replicas: Callable[..., Awaitable[Replica]]) -> None:
+    a, b = await replicas(), await replicas()
+    keys = a.shared._quota_keys("fast")
+    await a.shared.redis.set(keys[1], "abc")  # a string where a count belongs
+    await a.shared.redis.hset(keys[0], "x", "1")  # a hash where a string does
+    await a.shared.redis.set(a.shared._key("fast", "rest"), "garbage")
+    await a.shared.redis.set(keys[3], "not-a-number")
+    await observed(a, report(10_000))
+    x = await a.shared.admit(a.h, 100)
+    assert x is not None and x.ok and a.shared.up
+    for junk in (b"not json", b"[1, 2]", b'{"r": "x", "u": "fast", "e": "cooldown"}', b'{"e": "quota", "u": "fast"}'):
+        await a.shared.redis.publish(a.shared.channel, junk)
+    a.h.rate_limited({"retry-after": "9"}, a.health.clock())  # the subscriber lives on: b still hears a
+    await until(lambda: b.h.unavailable(b.health.clock(), 1) == "cooldown")
+    assert b.shared.up and b.metric("tiergate_shared_state_errors_total", op="message") >= 3
+    late = await replicas()  # reads the (repaired) hashes at start
+    assert late.shared.up and late.h.unavailable(late.health.clock(), 1) == "cooldown"
+
+
+async def test_a_key_reservation_redis_answers_too_late_is_cancelled_and_a_settlement_waits_for_redis(
+        replicas: Callable[..., Awaitable[Replica]], redis_server: RedisServer) -> None:
+    from gateway.keys import Keys, MemoryLedger, Spend, digest, windows
+    from gateway.shared import SharedLedger
+
+    a = await replicas(timeout=0.1)
+    key = Keys(AuthConfig(keys=[KeyConfig(name="k", sha256=digest("k"),
+                                          limits={"usd_per_day": 10.0})])).by_hash[digest("k")]
+    ledger = SharedLedger(a.shared, MemoryLedger(time.time))
+    counter = ledger._counter(key, "all", "usd", "day", windows(time.time())["day"][0])
+    redis_server.pause()
+    try:
+        held = await ledger.reserve(key, Spend(1, 0, 2.5), False)  # no answer in time: counted here
+    finally:
+        redis_server.resume()
+    assert not isinstance(held, Refusal) and held.local and held.remote is not None
+    await until(lambda: a.shared.up, timeout=5)
+    await until_async(lambda: a.shared.redis.get(counter), b"2.5")  # the late reservation arrived after all
+    held.settle(0, 1.0, "standard")  # its settlement cancels it there
+    await until_async(lambda: a.shared.redis.get(counter), b"0")
+    # a reservation made in Redis, settled while Redis is away: the settlement waits, then goes
+    second = await ledger.reserve(key, Spend(1, 0, 3.0), False)
+    assert not isinstance(second, Refusal) and not second.local
+    redis_server.kill()
+    assert await ledger.reserve(key, Spend(1, 0, 0.1), False) is not None  # locally, at once
+    second.settle(0, 0.5, "standard")
+    assert len(ledger.waiting) == 1
+    redis_server.start()
+    await until(lambda: a.shared.up, timeout=5)
+    await until(lambda: not ledger.waiting)
+    # Redis lost everything when it restarted: the counter is gone, and the settlement does not make it again
+    await asyncio.sleep(0.2)
+    assert await a.shared.redis.get(ledger._counter(key, "all", "usd", "day", second.at["day"])) is None
+
+
+async def until_async(get: Callable[[], Awaitable[Any]], want: Any, timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (got := await get()) != want:
+        assert time.monotonic() < deadline, f"timed out: {got!r} != {want!r}"
+        await asyncio.sleep(0.02)

@@ -68,6 +68,14 @@ def _prepare(raw: bytes, upstream_model: str, dialect: str = "openai", ask_usage
          "invalid_type"),
         (b'{"model": "m", "messages": ' + MSGS.encode() + b', "stream_options": "x"}', "stream_options",
          "invalid_type"),
+        # the limits: routing, quota estimates and key budgets read them (a negative one once made them negative)
+        (b'{"model": "m", "messages": ' + MSGS.encode() + b', "max_tokens": -1000000000}', "max_tokens",
+         "integer_below_min_value"),
+        (b'{"model": "m", "messages": ' + MSGS.encode() + b', "max_completion_tokens": 0}', "max_completion_tokens",
+         "integer_below_min_value"),
+        (b'{"model": "m", "messages": ' + MSGS.encode() + b', "max_tokens": "100"}', "max_tokens", "invalid_type"),
+        (b'{"model": "m", "messages": ' + MSGS.encode() + b', "max_tokens": 1.5}', "max_tokens", "invalid_type"),
+        (b'{"model": "m", "messages": ' + MSGS.encode() + b', "max_tokens": true}', "max_tokens", "invalid_type"),
     ],
 )
 def test_parse_errors(raw: bytes, param: str | None, code: str) -> None:
@@ -83,7 +91,8 @@ def test_parse_errors(raw: bytes, param: str | None, code: str) -> None:
 
 @pytest.mark.parametrize(
     "extra",
-    [{}, {"stream": True}, {"stream": False}, {"stream": None}, {"stream_options": None},
+    [{}, {"stream": True}, {"stream": False}, {"stream": None}, {"stream_options": None}, {"max_tokens": None},
+     {"max_tokens": 1}, {"max_completion_tokens": 100000},
      {"stream_options": {}}, {"stream": True, "stream_options": {"include_usage": True}}, {"unknown": [1, {"a": 2}]}],
 )
 def test_parse_accepts_valid_bodies(extra: dict[str, Any]) -> None:
