@@ -167,6 +167,13 @@ def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
             logging.getLogger("gateway").warning(
                 "--workers %d: each worker keeps its own store of bridged Responses API conversations, so a "
                 "previous_response_id made by one worker is not found (400) on the others", args.workers)
+        auth = loaded.config.auth
+        if auth is not None and loaded.redis_url is None and any(
+                k.limits.model_dump(exclude_none=True) or k.fast.model_dump(exclude_none=True) for k in auth.keys):
+            logging.getLogger("gateway").warning(
+                "--workers %d without shared state: each worker counts the gateway keys' limits alone, so a key may "
+                "spend up to %d times its limits; give the workers a Redis (state.redis_url) to share them",
+                args.workers, args.workers)
         # uvicorn's supervisor shares one listening socket between N worker processes; metrics go through
         # prometheus-client's multiprocess mode so /metrics counts every request exactly once.
         with tempfile.TemporaryDirectory(prefix="tiergate-metrics-") as metrics_dir:
