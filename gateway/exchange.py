@@ -183,16 +183,16 @@ class Exchange:
         """Count the request against its key (metrics) and settle its hold with its usage and cost; without usage,
         a billable outcome keeps what it reserved, any other gives it back."""
         m = self._metrics
-        m.key_requests.labels(key.name, outcome).inc()
+        m.child(m.key_requests, key.name, outcome).inc()
         tokens = None
         if isinstance(usage, dict):
             prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
             if isinstance(prompt, int) and isinstance(completion, int):
                 tokens = prompt + completion
-                m.key_tokens.labels(key.name, "input").inc(prompt)
-                m.key_tokens.labels(key.name, "output").inc(completion)
+                m.child(m.key_tokens, key.name, "input").inc(prompt)
+                m.child(m.key_tokens, key.name, "output").inc(completion)
         if cost:
-            m.key_cost.labels(key.name).inc(cost)
+            m.child(m.key_cost, key.name).inc(cost)
         hold = self.hold
         if hold is not None:
             if tokens is None:
