@@ -66,6 +66,8 @@ def gateway_role(argv: list[str]) -> int:
             cur[f"gc{info['generation']}"] = cur.get(f"gc{info['generation']}", 0.0) + clock() - gc_started[0]
     import gc
     gc.callbacks.append(gc_pause)
+    if os.environ.get("TRACE_GC_THRESHOLD"):  # an experiment: the collector's first threshold
+        gc.set_threshold(int(os.environ["TRACE_GC_THRESHOLD"]), *gc.get_threshold()[1:])
 
     class TimedPolicy(Policy):
         def decide(self, facts: RequestFacts, explain: bool = False) -> Decision:

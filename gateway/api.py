@@ -93,8 +93,15 @@ class Watch:
             self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
-        while (await self.receive())["type"] != "http.disconnect":
-            pass
+        try:
+            while (await self.receive())["type"] != "http.disconnect":
+                pass
+        except asyncio.CancelledError:
+            # stopped: the request is over. Ending without the exception matters: a task cancelled keeps its
+            # CancelledError, whose traceback holds this frame, this watch and its task, a cycle that only the
+            # garbage collector frees. Measured (bench.trace): those cycles, ~15 objects a request, made the gen-0
+            # collections that most of the slowest 1 % of TTFTs had inside them (0.25-0.4 ms each).
+            return
         self.ex.gone_at = time.perf_counter()
         self.ex.task.cancel()
 
