@@ -188,6 +188,7 @@ class Exchange:
         if isinstance(usage, dict):
             prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
             if isinstance(prompt, int) and isinstance(completion, int):
+                prompt, completion = max(0, prompt), max(0, completion)  # an upstream's nonsense counts as nothing
                 tokens = prompt + completion
                 m.child(m.key_tokens, key.name, "input").inc(prompt)
                 m.child(m.key_tokens, key.name, "output").inc(completion)

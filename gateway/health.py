@@ -312,6 +312,13 @@ class UpstreamHealth:
         count no breaker failure. Returns the rest in seconds."""
         wait = retry_wait(headers)
         rest = min(wait if wait is not None else self.cfg.cooldown_default, self.cfg.cooldown_max)
+        if wait is None and not exhausted and any(n.startswith("x-ratelimit-remaining-") for n in headers):
+            # every window it reports still has room: it refused this request's size (a max_tokens over what is
+            # left), not everyone's; smaller requests go on, on this replica and the others
+            logs.event("rate_limited_request", upstream=self.name, tier=self.tier)
+            if self.half_open:
+                self.success()
+            return 0.0
         if exhausted:
             rest = max(rest, self.cfg.exhausted_cooldown)
         self.cooldown_until = now + rest

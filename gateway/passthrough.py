@@ -55,7 +55,7 @@ from gateway.keys import Refusal, Spend, bounded
 from gateway.metrics import Metrics
 from gateway.policy import Candidate, Decision, RequestFacts
 from gateway.upstream import Answer, Attempt, Body, field_value
-from gateway.wire import is_json_type, replace_top_level
+from gateway.wire import check_limits, is_json_type, replace_top_level
 
 log = logging.getLogger("tiergate")
 # the endpoint label of the passthrough metrics (bounded): the first path here that the request's path is or is under,
@@ -406,6 +406,7 @@ def _facts(raw: bytes | None, headers: dict[str, str]) -> RequestFacts | None:
         return None
     if not isinstance(body, dict) or not isinstance(body.get("model"), str):
         return None
+    check_limits(body)  # legacy completions have max_tokens too: routing and key limits read it
     return RequestFacts(body, headers, len(raw))
 
 

@@ -89,7 +89,11 @@ local function safe(cmd, key, ...)
   end
   return r
 end
-local function num(key) return tonumber(safe('GET', key)) end
+local function num(key)
+  local v = tonumber(safe('GET', key))
+  if v and (v ~= v or v == math.huge or v == -math.huge) then return nil end  -- 'nan', '1e999': not a count
+  return v
+end
 """
 _PROLOGUE = (_SAFE + "local K, A = {}, {}\n"
              "for i, suffix in ipairs({" + ", ".join(f"'{k}'" for k in QUOTA_KEYS) + "}) do\n"
@@ -219,6 +223,7 @@ for i = 1, n do
 end
 local held = {}
 for i = 1, n do
+  if not num(KEYS[i]) then redis.call('DEL', KEYS[i]) end  -- garbage ('1e999', 'abc'): counts from nothing
   safe('INCRBYFLOAT', KEYS[i], ARGV[3 * i - 1])
   redis.call('PEXPIRE', KEYS[i], ARGV[3 * i])
   held[i] = ARGV[3 * i - 1]
@@ -240,7 +245,7 @@ if type(held) ~= 'string' then
 end
 local i = 1
 for amount in string.gmatch(held, '([^,]+)') do
-  if i <= n and redis.call('EXISTS', KEYS[i]) == 1 then
+  if i <= n and num(KEYS[i]) then  -- gone with its window (or garbage): not made again
     safe('INCRBYFLOAT', KEYS[i], (tonumber(ARGV[i]) or 0) - (tonumber(amount) or 0))
   end
   i = i + 1

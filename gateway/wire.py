@@ -165,7 +165,18 @@ def _routable(raw: bytes) -> dict[str, Any]:
     if stream is not None and not isinstance(stream, bool):
         raise InvalidRequest(f"Invalid type for 'stream': expected a boolean, got {_json_type(stream)}.",
                              param="stream", code="invalid_type")
-    for name in LIMIT_FIELDS:  # routing, quota estimates and key limits read them: checked as OpenAI checks them
+    check_limits(body)
+    return body
+
+
+def check_limits(body: Mapping[str, Any]) -> None:
+    """``max_tokens``, ``max_completion_tokens`` and ``max_output_tokens``, when given, are integers >= 1, as OpenAI
+    checks them (routing, quota estimates and key limits read them; a negative one would make them negative).
+
+    Raises:
+        InvalidRequest: 400 ``invalid_type`` or ``integer_below_min_value`` naming the field.
+    """
+    for name in LIMIT_FIELDS:
         value = body.get(name)
         if value is None:
             continue
@@ -175,7 +186,6 @@ def _routable(raw: bytes) -> dict[str, Any]:
         if value < 1:
             raise InvalidRequest(f"Invalid '{name}': integer below minimum value. Expected a value >= 1, but got "
                                  f"{value} instead.", param=name, code="integer_below_min_value")
-    return body
 
 
 def chat_usage(usage: dict[str, Any]) -> dict[str, Any]:

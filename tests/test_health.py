@@ -152,3 +152,16 @@ async def test_a_request_waits_for_a_concurrency_slot_up_to_queue_seconds() -> N
     assert await h.wait_for_slot() is False  # nobody finishes: gives up after queue_seconds
     assert 0.18 < asyncio.get_running_loop().time() - t0 < 0.5
     assert not UpstreamHealth(upstream(health={"max_concurrent": 1})).can_queue()
+
+
+def test_a_429_with_room_left_in_every_window_refused_the_request_not_the_upstream() -> None:
+    h = UpstreamHealth(upstream(health={"cooldown_default": 5}))
+    # a max_tokens over what is left: the upstream still reports room in each window
+    rest = h.rate_limited({"x-ratelimit-remaining-tokens": "999000", "x-ratelimit-reset-tokens": "20s",
+                           "x-ratelimit-remaining-requests": "40"}, now=10.0)
+    assert rest == 0.0 and h.unavailable(10.0, 100) is None
+    h.rate_limited({"x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": "20s"}, now=10.0)
+    assert h.unavailable(15.0, 100) == "cooldown"  # an empty window: everyone waits for it
+    h2 = UpstreamHealth(upstream(health={"cooldown_default": 5}))
+    h2.rate_limited({}, now=10.0)  # no counts at all: the default rest
+    assert h2.unavailable(14.0, 1) == "cooldown"

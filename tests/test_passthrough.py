@@ -763,3 +763,15 @@ def test_a_large_json_body_to_an_upstream_that_stops_reading_is_a_504(raw_gw: tu
         time.sleep(0.01)
     assert stall.ended[seen:] == ["ConnectionResetError"] * 3  # reset, never left holding the unsent body
     assert sample(httpx.get(base + "/metrics", timeout=5).text, "process_open_fds") <= fds
+
+
+def test_a_limit_field_of_a_passthrough_body_is_checked_as_openai_checks_it() -> None:
+    from gateway.errors import InvalidRequest
+    from gateway.passthrough import _facts
+
+    for body, param in ((b'{"model": "m", "prompt": "x", "max_tokens": -5}', "max_tokens"),
+                        (b'{"model": "m", "prompt": "x", "max_tokens": 2.5}', "max_tokens")):
+        with pytest.raises(InvalidRequest) as info:
+            _facts(body, {"content-type": "application/json"})
+        assert info.value.param == param and info.value.status == 400
+    assert _facts(b'{"model": "m", "prompt": "x", "max_tokens": 16}', {}) is not None

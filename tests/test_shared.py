@@ -236,6 +236,7 @@ async def test_garbage_in_its_keys_or_on_its_channel_never_takes_shared_state_do
     await a.shared.redis.hset(keys[0], "x", "1")  # a hash where a string does
     await a.shared.redis.set(a.shared._key("fast", "rest"), "garbage")
     await a.shared.redis.set(keys[3], "not-a-number")
+    await a.shared.redis.set(keys[0], "1e999")  # reads as infinity in Lua: not a count either
     await observed(a, report(10_000))
     x = await a.shared.admit(a.h, 100)
     assert x is not None and x.ok and a.shared.up
@@ -258,6 +259,11 @@ async def test_a_key_reservation_redis_answers_too_late_is_cancelled_and_a_settl
                                           limits={"usd_per_day": 10.0})])).by_hash[digest("k")]
     ledger = SharedLedger(a.shared, MemoryLedger(time.time))
     counter = ledger._counter(key, "all", "usd", "day", windows(time.time())["day"][0])
+    await a.shared.redis.set(counter, "1e999")  # garbage that reads as infinity: not a count, so it counts nothing
+    first = await ledger.reserve(key, Spend(1, 0, 1.0), False)
+    assert not isinstance(first, Refusal) and not first.local
+    first.settle(0, 0.0, "standard")
+    await until_async(lambda: a.shared.redis.get(counter), b"0")
     redis_server.pause()
     try:
         held = await ledger.reserve(key, Spend(1, 0, 2.5), False)  # no answer in time: counted here
