@@ -289,17 +289,18 @@ class UpstreamHealth:
             if self.listener is not None:
                 self.listener.rested(self.name, "open", self.open_until, False)
 
-    def settle(self, exc: GatewayError | None, now: float) -> None:
+    def settle(self, exc: GatewayError | None, now: float, need_tokens: int = 0) -> None:
         """One attempt's verdict, told once when it ends: None (it worked) or what it failed with. A 429 starts a
-        cooldown; a 5xx or a failure without a status (connect, timeout, a broken, silent or bad answer) counts
-        against the breaker; any other 4xx is the request's fault, so the upstream is up (a context overflow
-        included, whatever status the upstream chose: ``errors.upstream_error`` made it a 400)."""
+        cooldown (:meth:`rate_limited`; ``need_tokens``: the attempt's estimated prompt plus ``max_tokens``); a 5xx or
+        a failure without a status (connect, timeout, a broken, silent or bad answer) counts against the breaker;
+        any other 4xx is the request's fault, so the upstream is up (a context overflow included, whatever status
+        the upstream chose: ``errors.upstream_error`` made it a 400)."""
         if exc is None:
             self.success()
         elif not isinstance(exc, UpstreamStatusError) or exc.status >= 500:
             self.failure(now)
         elif exc.status == 429:
-            self.rate_limited(exc.headers, now, exhausted=exc.quota_exhausted)
+            self.rate_limited(exc.headers, now, exhausted=exc.quota_exhausted, need_tokens=need_tokens)
         else:
             self.success()
 
@@ -307,15 +308,18 @@ class UpstreamHealth:
         """When the breaker or the cooldown ends (monotonic seconds)."""
         return max(self.open_until, self.cooldown_until)
 
-    def rate_limited(self, headers: Mapping[str, str], now: float, exhausted: bool = False) -> float:
+    def rate_limited(self, headers: Mapping[str, str], now: float, exhausted: bool = False,
+                     need_tokens: int = 0) -> float:
         """A 429: rest for :func:`retry_wait` (capped), or ``exhausted_cooldown`` when the quota is ``exhausted``;
-        count no breaker failure. Returns the rest in seconds."""
+        count no breaker failure. A 429 with no retry hint whose report still has tokens left, fewer than the
+        request's ``need_tokens``, refused that request's size (a ``max_tokens`` over what is left), not everyone's:
+        no rest (smaller requests go on, here and on the other replicas). Returns the rest in seconds."""
         wait = retry_wait(headers)
         rest = min(wait if wait is not None else self.cfg.cooldown_default, self.cfg.cooldown_max)
-        if wait is None and not exhausted and any(n.startswith("x-ratelimit-remaining-") for n in headers):
-            # every window it reports still has room: it refused this request's size (a max_tokens over what is
-            # left), not everyone's; smaller requests go on, on this replica and the others
-            logs.event("rate_limited_request", upstream=self.name, tier=self.tier)
+        left = quota_report(headers).get("tokens")
+        if wait is None and not exhausted and left is not None and 0 < left[0] < need_tokens:
+            logs.event("rate_limited_request", upstream=self.name, tier=self.tier, need_tokens=need_tokens,
+                       tokens_left=left[0])
             if self.half_open:
                 self.success()
             return 0.0
@@ -420,7 +424,7 @@ class Untracked:
     def observe_headers(self, headers: Mapping[str, str], now: float, mark: Any = None) -> None:
         """Nothing is read."""
 
-    def settle(self, exc: GatewayError | None, now: float) -> None:
+    def settle(self, exc: GatewayError | None, now: float, need_tokens: int = 0) -> None:
         """No verdict is kept."""
 
 

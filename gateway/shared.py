@@ -678,8 +678,8 @@ class SharedVerdicts:
         self.reported = True
         self.shared.observed(self.local, report, self.admission)
 
-    def settle(self, exc: GatewayError | None, now: float) -> None:
-        self.local.settle(exc, now)
+    def settle(self, exc: GatewayError | None, now: float, need_tokens: int = 0) -> None:
+        self.local.settle(exc, now, need_tokens)
 
 
 class SharedResponseStore:

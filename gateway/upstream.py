@@ -113,7 +113,7 @@ class Verdicts(Protocol):
     def start(self, now: float, need_tokens: int) -> Any: ...
     def finish(self) -> None: ...
     def observe_headers(self, headers: Mapping[str, str], now: float, mark: Any = None) -> None: ...
-    def settle(self, exc: GatewayError | None, now: float) -> None: ...
+    def settle(self, exc: GatewayError | None, now: float, need_tokens: int = 0) -> None: ...
 
 
 class Attempt:
@@ -222,7 +222,7 @@ class Attempt:
         self._error = exc
         if not self._verdict:
             self._verdict = True
-            self.health.settle(exc, self._clock())
+            self.health.settle(exc, self._clock(), self._need)
         return exc
 
     def done(self) -> None:

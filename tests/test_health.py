@@ -156,10 +156,13 @@ async def test_a_request_waits_for_a_concurrency_slot_up_to_queue_seconds() -> N
 
 def test_a_429_with_room_left_in_every_window_refused_the_request_not_the_upstream() -> None:
     h = UpstreamHealth(upstream(health={"cooldown_default": 5}))
-    # a max_tokens over what is left: the upstream still reports room in each window
-    rest = h.rate_limited({"x-ratelimit-remaining-tokens": "999000", "x-ratelimit-reset-tokens": "20s",
-                           "x-ratelimit-remaining-requests": "40"}, now=10.0)
-    assert rest == 0.0 and h.unavailable(10.0, 100) is None
+    left = {"x-ratelimit-remaining-tokens": "999000", "x-ratelimit-reset-tokens": "20s",
+            "x-ratelimit-remaining-requests": "40"}
+    # a max_tokens over what is left: refused for its size, not a reason for anyone to wait
+    assert h.rate_limited(left, now=10.0, need_tokens=5_000_000) == 0.0 and h.unavailable(10.0, 100) is None
+    # it would have fitted: some limit the headers do not show refused it; everyone rests the default
+    assert h.rate_limited(left, now=10.0, need_tokens=1_000) == 5 and h.unavailable(12.0, 100) == "cooldown"
+    h = UpstreamHealth(upstream(health={"cooldown_default": 5}))
     h.rate_limited({"x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": "20s"}, now=10.0)
     assert h.unavailable(15.0, 100) == "cooldown"  # an empty window: everyone waits for it
     h2 = UpstreamHealth(upstream(health={"cooldown_default": 5}))
