@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -346,40 +345,59 @@ class Gateway:
 
     async def _keyed(self, ex: Exchange, key: Key, decision: Decision, facts: RequestFacts,
                      need: int) -> tuple[Decision, GatewayError | None]:
-        """What the request's gateway key allows (``gateway.keys``): the candidates on its ``tiers``
-        (``x-tiergate-fallback: key_tier`` when that moves the first), then a reservation against its limits, at the
-        fast level too when the first candidate is on the fast tier; a fast allowance short sends the request to the
-        standard tier (``key_allowance``). Returns the decision, and the refusal (403: no tier it may use serves the
-        model; 429: a limit) or None (``ex.hold`` then holds the reservation).
+        """What the request's gateway key allows (``gateway.keys``): the candidates on its tiers (:meth:`on_key_tiers`),
+        then a reservation against its limits, at the fast level too when the first candidate is on the fast tier; a
+        fast allowance short sends the request to the other tier (:meth:`off_fast`). Returns the decision, and the
+        refusal (403: no tier it may use serves the model; 429: a limit) or None (``ex.hold`` then holds the
+        reservation).
+        """
+        try:
+            decision = self.on_key_tiers(key, decision)
+            spend = Spend(1.0, float(need), self._estimated_cost(decision.candidates[0], decision, facts))
+            held = await self.ledger.reserve(key, spend, decision.candidates[0].upstream.tier == "fast")
+            if isinstance(held, Refusal) and held.level == "fast":
+                decision = self.off_fast(key, decision, held)
+                spend.usd = self._estimated_cost(decision.candidates[0], decision, facts)
+                held = await self.ledger.reserve(key, spend, False)
+            if isinstance(held, Refusal):
+                self.metrics.key_refusals.labels(key.name, held.limit).inc()
+                return decision, held.error(key)
+        except GatewayError as exc:
+            return decision, exc
+        ex.hold = held
+        return decision, None
+
+    def on_key_tiers(self, key: Key, decision: Decision) -> Decision:
+        """``decision`` with only the candidates on the tiers ``key`` may use, failover ones included
+        (``x-tiergate-fallback: key_tier`` when the first moved; counted).
+
+        Raises:
+            KeyNotAllowed: no upstream on those tiers serves the request (403).
         """
         allowed = tuple(c for c in decision.candidates if c.upstream.tier in key.cfg.tiers)
         if not allowed:
-            return decision, KeyNotAllowed(f"The gateway key '{key.name}' may use the {' and '.join(key.cfg.tiers)} "
-                                           f"tier, and no upstream there serves `{decision.model}`.", param="model")
-        if len(allowed) < len(decision.candidates):  # failover too stays on the tiers it may use
-            moved = allowed[0] is not decision.candidates[0]
-            if moved:
-                self.metrics.key_downgrades.labels(key.name, "key_tier").inc()
-            decision = dataclasses.replace(decision, candidates=allowed,
-                                           fallback="key_tier" if moved else decision.fallback)
-        spend = Spend(1.0, float(need), self._estimated_cost(allowed[0], decision, facts))
-        held = await self.ledger.reserve(key, spend, allowed[0].upstream.tier == "fast")
-        if isinstance(held, Refusal) and held.level == "fast":
-            rest = tuple(c for c in allowed if c.upstream.tier != "fast")
-            if not rest:
-                self.metrics.key_refusals.labels(key.name, held.limit).inc()
-                return decision, RateLimited(f"The gateway key '{key.name}' has spent its fast-tier allowance "
-                                             f"({held.limit}), and only the fast tier serves `{decision.model}`.",
-                                             headers={"retry-after": str(max(1, math.ceil(held.retry_after)))})
-            self.metrics.key_downgrades.labels(key.name, "key_allowance").inc()
-            decision = dataclasses.replace(decision, candidates=rest, fallback="key_allowance")
-            spend.usd = self._estimated_cost(rest[0], decision, facts)
-            held = await self.ledger.reserve(key, spend, False)
-        if isinstance(held, Refusal):
-            self.metrics.key_refusals.labels(key.name, held.limit).inc()
-            return decision, held.error(key)
-        ex.hold = held
-        return decision, None
+            raise KeyNotAllowed(f"The gateway key '{key.name}' may use the {' and '.join(key.cfg.tiers)} tier, and no "
+                                f"upstream there serves `{decision.model}`.", param="model")
+        if len(allowed) == len(decision.candidates):
+            return decision
+        moved = allowed[0] is not decision.candidates[0]
+        if moved:
+            self.metrics.key_downgrades.labels(key.name, "key_tier").inc()
+        return dataclasses.replace(decision, candidates=allowed, fallback="key_tier" if moved else decision.fallback)
+
+    def off_fast(self, key: Key, decision: Decision, refused: Refusal) -> Decision:
+        """``decision`` without its fast-tier candidates: ``key``'s fast allowance is spent (``key_allowance``;
+        counted).
+
+        Raises:
+            RateLimited: only the fast tier serves the request (429 with ``retry-after``).
+        """
+        rest = tuple(c for c in decision.candidates if c.upstream.tier != "fast")
+        if not rest:
+            self.metrics.key_refusals.labels(key.name, refused.limit).inc()
+            raise refused.fast_error(key)
+        self.metrics.key_downgrades.labels(key.name, "key_allowance").inc()
+        return dataclasses.replace(decision, candidates=rest, fallback="key_allowance")
 
     async def _fast_allowance(self, hold: Hold, plan: failover.Plan) -> GatewayError | None:
         """An attempt on the fast tier that the request's key reservation did not cover (a failover, a spillover, a
@@ -391,8 +409,7 @@ class Gateway:
             return None
         self.metrics.key_downgrades.labels(hold.key.name, "key_allowance").inc()
         plan.reason = plan.reason or "key_allowance"
-        return RateLimited(f"The gateway key '{hold.key.name}' has spent its fast-tier allowance ({refused.limit}).",
-                           headers={"retry-after": str(max(1, math.ceil(refused.retry_after)))})
+        return refused.fast_error(hold.key)
 
     @staticmethod
     def _estimated_cost(cand: Candidate, decision: Decision, facts: RequestFacts) -> float:

@@ -566,12 +566,7 @@ def load_config(path: Path, environ: Mapping[str, str] | None = None, *, require
         ConfigError: the file is missing, is not YAML, fails validation, or a key is missing; the message
             names the file, the field and the problem.
     """
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    raw = _read_yaml(path, path, "")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, got {type(raw).__name__}")
     _read_keys_file(path, raw)
@@ -600,6 +595,21 @@ def load_config(path: Path, environ: Mapping[str, str] | None = None, *, require
     return LoadedConfig(path, config, keys, SecretStr(url) if url else None)
 
 
+def _read_yaml(path: Path, where: Path, field: str) -> object:
+    """The YAML document in ``where`` (the config file ``path`` itself, or a file its ``field`` names).
+
+    Raises:
+        ConfigError: it cannot be read or is not YAML; the message names the config file and the field.
+    """
+    what = "config file" if where == path else str(where)
+    try:
+        return yaml.safe_load(where.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: {field}cannot read {what}: {exc.strerror or exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: {field}{'' if where == path else f'{where} is '}not valid YAML: {exc}") from exc
+
+
 def _read_keys_file(path: Path, raw: dict[str, object]) -> None:
     """Add the entries of ``auth.keys_file`` (relative to the config file's folder) to ``auth.keys`` in ``raw``, so that
     they are validated with the rest (their field paths then count on from the file's own keys)."""
@@ -607,12 +617,7 @@ def _read_keys_file(path: Path, raw: dict[str, object]) -> None:
     if not isinstance(auth, dict) or not auth.get("keys_file"):
         return
     where = path.parent / str(auth["keys_file"])
-    try:
-        extra = yaml.safe_load(where.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"{path}: auth.keys_file: cannot read {where}: {exc.strerror or exc}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: auth.keys_file: {where} is not valid YAML: {exc}") from exc
+    extra = _read_yaml(path, where, "auth.keys_file: ")
     if not isinstance(extra, list):
         raise ConfigError(f"{path}: auth.keys_file: {where} must hold a list of keys")
     auth["keys"] = [*(auth.get("keys") or []), *extra]

@@ -22,7 +22,7 @@ import hashlib
 import hmac
 import math
 import secrets
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
@@ -31,7 +31,6 @@ from gateway.config import AuthConfig, KeyConfig, KeyLimits
 from gateway.errors import GatewayError, KeyOverBudget, RateLimited, Unauthorized
 
 KEY_PREFIX = "tg-"
-LEVELS = ("all", "fast")  # limits over every request of a key, and its allowance on the fast tier
 # (dimension, window, the KeyLimits field that bounds it)
 DIMENSIONS = (("requests", "minute", "requests_per_minute"), ("tokens", "minute", "tokens_per_minute"),
               ("usd", "day", "usd_per_day"), ("usd", "month", "usd_per_month"))
@@ -65,7 +64,6 @@ class Keys:
 
     def __init__(self, auth: AuthConfig) -> None:
         self.by_hash = {k.sha256: Key(k.name, k) for k in auth.keys}
-        self.names = [k.name for k in auth.keys]
 
     def authenticate(self, headers: Iterable[tuple[bytes, bytes]]) -> Key:
         """The key of a request with these (ASGI, lower-case) headers.
@@ -92,11 +90,6 @@ class Keys:
         if found is None or not hmac.compare_digest(found.cfg.sha256, hashed):
             raise Unauthorized("unknown", f"Incorrect API key provided: {masked(token)}.")
         return found
-
-
-def metadata_defaults(key: Key, metadata: Mapping[str, object]) -> dict[str, object]:
-    """The key's default ``metadata`` under the request's own (the client's values win)."""
-    return {**key.cfg.metadata, **metadata}
 
 
 @dataclass
@@ -165,9 +158,17 @@ class Refusal:
                                  f"({self.limit}); ask its owner to raise it.",
                                  headers={"x-should-retry": "false"})
         what = "requests" if self.limit == "requests_per_minute" else "tokens"
-        retry = max(1, math.ceil(self.retry_after))
         return RateLimited(f"The gateway key '{key.name}' is over its {what} per minute ({self.limit}); retry in "
-                           f"{retry} s.", headers={"retry-after": str(retry)})
+                           f"{self.retry_s()} s.", headers={"retry-after": str(self.retry_s())})
+
+    def fast_error(self, key: Key) -> GatewayError:
+        """The answer to a refusal at level ``fast`` when no other tier can serve the request."""
+        return RateLimited(f"The gateway key '{key.name}' has spent its fast-tier allowance ({self.limit}), and only "
+                           "the fast tier can serve this request.", headers={"retry-after": str(self.retry_s())})
+
+    def retry_s(self) -> int:
+        """Whole seconds to wait (``retry-after``), at least 1."""
+        return max(1, math.ceil(self.retry_after))
 
 
 @dataclass

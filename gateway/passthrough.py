@@ -23,10 +23,8 @@ for its idle timeout is a 504. These requests leave the upstreams' health alone 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
-import math
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -40,10 +38,8 @@ from gateway.api import Gateway, Watch
 from gateway.errors import (
     GatewayDraining,
     GatewayError,
-    KeyNotAllowed,
     MethodNotAllowed,
     PayloadTooLarge,
-    RateLimited,
     StreamInterrupted,
     UnknownURL,
     UpstreamTimeout,
@@ -201,32 +197,22 @@ class Passthrough:
         return True
 
     async def _allowed(self, ex: PassExchange, decision: Decision) -> Decision:
-        """The candidates the request's gateway key allows, as for chat completions (``Gateway._keyed``): its tiers
-        (``key_tier``), and the fast tier only within its fast allowance (``key_allowance``).
+        """The candidates the request's gateway key allows, as for chat completions: its tiers
+        (:meth:`Gateway.on_key_tiers`), and the fast tier only within its fast allowance (:meth:`Gateway.off_fast`).
 
         Raises:
             KeyNotAllowed: no tier it may use serves the request; RateLimited: only the fast tier does, and the key's
                 allowance there is spent.
         """
-        key, hold = ex.key, ex.hold
+        key, hold, gw = ex.key, ex.hold, self.gateway
         if key is None:
             return decision
-        allowed = tuple(c for c in decision.candidates if c.upstream.tier in key.cfg.tiers)
-        if not allowed:
-            raise KeyNotAllowed(f"The gateway key '{key.name}' may use the {' and '.join(key.cfg.tiers)} tier, and no "
-                                "upstream there serves this request.", param="model")
-        reason = "key_tier" if allowed[0] is not decision.candidates[0] else decision.fallback
-        if hold is not None and allowed[0].upstream.tier == "fast" and bounded(key, ("fast",)):
-            refused = await self.gateway.ledger.extend(hold, "fast")
+        decision = gw.on_key_tiers(key, decision)
+        if hold is not None and decision.candidates[0].upstream.tier == "fast" and bounded(key, ("fast",)):
+            refused = await gw.ledger.extend(hold, "fast")
             if refused is not None:
-                allowed, reason = tuple(c for c in allowed if c.upstream.tier != "fast"), "key_allowance"
-                if not allowed:
-                    raise RateLimited(f"The gateway key '{key.name}' has spent its fast-tier allowance "
-                                      f"({refused.limit}).",
-                                      headers={"retry-after": str(max(1, math.ceil(refused.retry_after)))})
-        if reason in ("key_tier", "key_allowance"):
-            self.metrics.key_downgrades.labels(key.name, reason).inc()
-        return dataclasses.replace(decision, candidates=allowed, fallback=reason)
+                decision = gw.off_fast(key, decision, refused)
+        return decision
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, owner: str | None = None) -> None:
         """Serve one request under ``/v1``; ``owner``: the upstream that alone can serve it (see

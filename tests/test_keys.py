@@ -172,6 +172,18 @@ def _ask(client: openai.OpenAI, model: str = "gpt-5.6-sol-fast", max_tokens: int
         model=model, max_tokens=max_tokens, messages=[{"role": "user", "content": f"[[emulate tokens={tokens}]] hi"}])
 
 
+def _burst(ports: list[int], key: str, n: int, max_tokens: int = 4, content: str = "hi") -> list[httpx.Response]:
+    """``n`` chat completions with gateway key ``key`` at once, round-robin over the gateways on ``ports``."""
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=10) as c:
+            return list(await asyncio.gather(*(c.post(
+                f"http://127.0.0.1:{ports[i % len(ports)]}/v1/chat/completions",
+                headers={"authorization": f"Bearer {KEYS[key]}"},
+                json={"model": "gpt-5.6", "max_tokens": max_tokens, "messages": [{"role": "user", "content": content}]})
+                for i in range(n))))
+    return asyncio.run(go())
+
+
 def _fresh_minute() -> None:
     """Wait, if needed, until the current UTC minute has 20 s left, so that a limit test stays in one window."""
     left = 60 - time.time() % 60
@@ -215,15 +227,7 @@ def test_a_standard_only_key_asking_for_the_fast_tier_is_served_by_the_standard_
 
 def test_requests_per_minute_under_concurrency_admit_exactly_the_limit(gateway: Proc) -> None:
     _fresh_minute()
-
-    async def burst() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=10) as c:
-            return list(await asyncio.gather(*(c.post(
-                f"http://127.0.0.1:{gateway.port}/v1/chat/completions",
-                headers={"authorization": f"Bearer {KEYS['rpm']}"},
-                json={"model": "gpt-5.6", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
-                for _ in range(12))))
-    answers = asyncio.run(burst())
+    answers = _burst([gateway.port], "rpm", 12)
     assert sorted(r.status_code for r in answers) == [200] * 5 + [429] * 7
     refused = next(r for r in answers if r.status_code == 429)
     assert refused.json()["error"]["code"] == "rate_limit_exceeded" and 1 <= int(refused.headers["retry-after"]) <= 60
@@ -237,14 +241,7 @@ def test_requests_per_minute_under_concurrency_admit_exactly_the_limit(gateway: 
 
 
 def test_a_budget_is_not_overshot_by_more_than_what_was_in_flight(gateway: Proc) -> None:
-    async def burst() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=10) as c:
-            return list(await asyncio.gather(*(c.post(
-                f"http://127.0.0.1:{gateway.port}/v1/chat/completions",
-                headers={"authorization": f"Bearer {KEYS['budget']}"},
-                json={"model": "gpt-5.6", "max_tokens": 40, "messages": [{"role": "user", "content": "hi"}]})
-                for _ in range(10))))
-    answers = asyncio.run(burst()) + asyncio.run(burst())
+    answers = _burst([gateway.port], "budget", 10, max_tokens=40) + _burst([gateway.port], "budget", 10, max_tokens=40)
     codes = [r.status_code for r in answers]
     assert codes.count(200) >= 1 and codes.count(429) >= 1
     refused = next(r for r in answers if r.status_code == 429)
@@ -300,28 +297,12 @@ def test_two_replicas_share_one_keys_limit_through_redis(upstreams: tuple[Emulat
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
         _fresh_minute()
-
-        async def burst() -> list[int]:
-            async with httpx.AsyncClient(timeout=10) as c:
-                answers = await asyncio.gather(*(c.post(
-                    f"http://127.0.0.1:{gateways[i % 2].port}/v1/chat/completions",
-                    headers={"authorization": f"Bearer {KEYS['shared']}"},
-                    json={"model": "gpt-5.6", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
-                    for i in range(12)))
-                return [r.status_code for r in answers]
-        codes = asyncio.run(burst())
+        ports = [gw.port for gw in gateways]
+        codes = [r.status_code for r in _burst(ports, "shared", 12)]
         assert codes.count(200) == 6 and codes.count(429) == 6  # 6 a minute for the key, whichever replica serves
-
-        async def spend() -> list[int]:  # ~0.04 USD reserved, ~0.03 spent each: one replica alone would pass 0.3
-            async with httpx.AsyncClient(timeout=10) as c:
-                answers = await asyncio.gather(*(c.post(
-                    f"http://127.0.0.1:{gateways[i % 2].port}/v1/chat/completions",
-                    headers={"authorization": f"Bearer {KEYS['shared-budget']}"},
-                    json={"model": "gpt-5.6", "max_tokens": 30,
-                          "messages": [{"role": "user", "content": "[[emulate tokens=25]] hi"}]})
-                    for i in range(24)))
-                return [r.status_code for r in answers]
-        spent_codes = asyncio.run(spend()) + asyncio.run(spend())
+        # ~0.04 USD reserved, ~0.03 spent each: one replica alone would pass 0.3
+        spent_codes = [r.status_code for _ in range(2)
+                       for r in _burst(ports, "shared-budget", 24, max_tokens=30, content="[[emulate tokens=25]] hi")]
         assert spent_codes.count(429) >= 1
         spent = sum(sample(httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text, "tiergate_key_cost_usd_total",
                            key="shared-budget") for gw in gateways)
