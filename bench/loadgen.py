@@ -24,8 +24,12 @@ import orjson
 
 STAMP = re.compile(rb'"content":"t=(\d+)"')
 DONE = b"data: [DONE]"
-HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
-JSON_HEADERS = {"content-type": "application/json", "accept": "application/json"}
+# every target gets the bench's gateway key (``bench.run --variants keys``): only a keyed gateway reads it, so all
+# targets parse the same request head
+BENCH_KEY = "tg-bench-key-0123456789"
+HEADERS = {"content-type": "application/json", "accept": "text/event-stream", "authorization": f"Bearer {BENCH_KEY}"}
+JSON_HEADERS = {"content-type": "application/json", "accept": "application/json",
+                "authorization": f"Bearer {BENCH_KEY}"}
 _now = time.monotonic_ns
 
 

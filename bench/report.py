@@ -45,6 +45,9 @@ def ms_summary(values_ns: Sequence[int]) -> dict[str, Any]:
 REFERENCES: dict[str, str] = {
     "minproxy": "a minimal Python proxy: uvicorn + aiohttp, bench/minproxy.py",
     "nginx": "proxy_buffering off",
+    "nolog": "Tiergate itself with the request log off for successes (GATEWAY_LOG_SAMPLE=0; --variants nolog)",
+    "keys": "Tiergate itself with gateway keys on: one key with per-minute limits, sent by every target's load "
+            "(--variants keys)",
     "redis": "Tiergate itself with state.redis_url: replicas' shared state in a local redis-server (--redis)",
 }
 

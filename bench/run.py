@@ -36,6 +36,7 @@ from bench.loadgen import Tally
 
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("ttft", "chunks", "rps", "rss", "sweep")
+VARIANTS = ("nolog", "keys", "redis")  # --variants: the gateway again, one setting changed (report.REFERENCES)
 
 
 @dataclass(frozen=True)
@@ -441,16 +442,21 @@ def run_once(args: argparse.Namespace, sizes: Sizes, out: Path, idx: int, pin: b
             rd = kids.start("redis-server", procs.pin_prefix(0 if pin else None) + [
                 "redis-server", "--port", str(rd_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
                 out / f"redis{suffix}.log")
-            rcfg = out / f"gateway-redis{suffix}.yaml"
-            rcfg.write_text(procs.gateway_config(up_port, f"redis://127.0.0.1:{rd_port}/0"))
-            rg_port = procs.free_port()
-            rg = kids.start("tiergate-redis", procs.pin_prefix(1 if pin else None) + [
-                py, "-m", "gateway", "serve", "--config", str(rcfg), "--host", "127.0.0.1", "--port", str(rg_port),
-                "--log-level", "warning"], out / f"gateway-redis{suffix}.log", cwd=ROOT, env=env)
-            procs.wait_http_ready(rg, f"http://127.0.0.1:{rg_port}/healthz")
-            time.sleep(0.5)  # it has connected to Redis (in the background: start-up never waits for it)
-            targets.append(Target("redis", f"http://127.0.0.1:{rg_port}/v1/chat/completions", [rg.pid]))
-            started.append(f"tiergate+redis :{rg_port} (pid {rg.pid}, redis-server :{rd_port} pid {rd.pid})")
+            started.append(f"redis-server :{rd_port} (pid {rd.pid})")
+        for name in args.variants:  # the same gateway again, one setting changed (report.REFERENCES says which)
+            vcfg = out / f"gateway-{name}{suffix}.yaml"
+            vcfg.write_text(procs.gateway_config(up_port, f"redis://127.0.0.1:{rd_port}/0" if name == "redis" else None,
+                                                 keys=name == "keys"))
+            venv = {**env, "GATEWAY_LOG_SAMPLE": "0"} if name == "nolog" else env
+            v_port = procs.free_port()
+            vg = kids.start(f"tiergate-{name}", procs.pin_prefix(1 if pin else None) + [
+                py, "-m", "gateway", "serve", "--config", str(vcfg), "--host", "127.0.0.1", "--port", str(v_port),
+                "--log-level", "warning"], out / f"gateway-{name}{suffix}.log", cwd=ROOT, env=venv)
+            procs.wait_http_ready(vg, f"http://127.0.0.1:{v_port}/healthz")
+            if name == "redis":
+                time.sleep(0.5)  # it has connected to Redis (in the background: start-up never waits for it)
+            targets.append(Target(name, f"http://127.0.0.1:{v_port}/v1/chat/completions", [vg.pid]))
+            started.append(f"tiergate-{name} :{v_port} (pid {vg.pid})")
         if procs.NGINX.exists() and not args.no_nginx:
             ng_port = procs.free_port()
             ng_dir = (out / f"nginx{suffix}").resolve()
@@ -493,7 +499,7 @@ def reference_status(args: argparse.Namespace) -> dict[str, str]:
     return {"minproxy": "skipped (--no-minproxy)" if args.no_minproxy else "measured",
             "nginx": "skipped (--no-nginx)" if args.no_nginx else
             "measured" if procs.NGINX.exists() else f"skipped ({procs.NGINX} not installed)",
-            "redis": "measured" if args.redis else "skipped (no --redis)"}
+            **{name: "measured" if name in args.variants else "skipped (not in --variants)" for name in VARIANTS}}
 
 
 def markdown(meta: dict[str, Any], rows: list[report.Row], runs: list[dict[str, Any]], repeat: int) -> str:
@@ -567,11 +573,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the gateway with `tiergate serve --workers N` (its CPU figures then sum every worker; "
                         "use with --no-pin, or every worker shares the proxy's one core)")
     p.add_argument("--no-nginx", action="store_true", help="skip nginx even when installed")
-    p.add_argument("--redis", action="store_true", help="also measure the gateway with state.redis_url (a local "
-                   "redis-server) and make the upstream send rate-limit headers (every target sees them)")
+    p.add_argument("--variants", default="", help=f"comma-separated subset of {','.join(VARIANTS)}: also measure the "
+                   "gateway with that one setting changed, in the same run (bench/README.md); redis also makes the "
+                   "upstream send rate-limit headers (every target sees them)")
+    p.add_argument("--redis", action="store_true", help="the same as --variants redis")
     p.add_argument("--render", type=Path, metavar="BENCH_JSON",
                    help="only rebuild bench.md (into --out) from an earlier bench.json; runs nothing")
     args = p.parse_args(argv)
+    args.variants = [x.strip() for x in args.variants.split(",") if x.strip()]
+    if args.redis and "redis" not in args.variants:
+        args.variants.append("redis")
+    if bad := [x for x in args.variants if x not in VARIANTS]:
+        p.error(f"unknown variant(s): {', '.join(bad)}")
+    args.redis = "redis" in args.variants
     if args.render:
         return render(args.render, args.out)
     phases = tuple(x.strip() for x in args.phases.split(",") if x.strip())
