@@ -57,6 +57,12 @@ class SSEScanner:
         self._skip_lf = False  # the last read ended with a CR: an LF opening the next read belongs to it
 
     @property
+    def idle(self) -> bool:
+        """Between events: nothing held back, and no CR of the last read waiting for its LF (the next read may then
+        be taken without :meth:`feed`, when it starts and ends at event boundaries)."""
+        return not self._buf and not self._skip_lf
+
+    @property
     def pending(self) -> int:
         """Bytes held back: the start of an event whose blank line has not arrived yet (0 between events)."""
         return len(self._buf)

@@ -1,0 +1,208 @@
+"""The relay's template fast path (``gateway.relay.Template``) observes and forwards exactly what the full path does.
+
+A stream is relayed twice over the same reads, in-process: once as shipped, once with ``Relay.LEARN = 0`` (every
+event scanned and parsed). Output bytes and every observed figure must be equal, for every recorded chat stream in
+``shared/fixtures/upstream`` and for made-up streams that aim at the fast path's edges (escaped quotes and
+backslashes, a raw line break or CR inside a text, OpenAI's obfuscation member, tool-call arguments, two choices,
+a shape change mid-stream, several events per read, reads cut anywhere). The fast path must also really be taken
+where it can: otherwise these tests would compare the full path with itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from gateway.relay import Relay, Template
+
+from conftest import FIXTURES
+
+
+class Reads:
+    """A ``StreamBody`` playing fixed reads, with no I/O."""
+
+    def __init__(self, reads: list[bytes]) -> None:
+        self.reads = reads
+        self.at = 0
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        while self.at < len(self.reads):
+            self.at += 1
+            yield self.reads[self.at - 1]
+
+    def watch_idle(self) -> None:
+        pass
+
+
+def relay(reads: list[bytes], *, learn: int | None = None, choices: int = 1) -> tuple[bytes, dict[str, Any], int]:
+    """Relay ``reads``; return the client's bytes, the stats that do not depend on the clock, and how many events
+    went the full way (``_process``)."""
+    r = Relay(strip_usage_chunk=True, max_event_bytes=1 << 20, choices=choices)
+    if learn is not None:
+        r.LEARN = learn
+        r._learn = learn
+    full = 0
+    process = r._process
+
+    def counted(events: Any, now: float) -> bytes:
+        nonlocal full
+        full += len(events)
+        return process(events, now)
+
+    r._process = counted  # type: ignore[method-assign]
+    out: list[bytes] = []
+
+    async def write(data: bytes) -> None:
+        out.append(data)
+
+    stats = asyncio.run(r.run(Reads(reads), write))
+    figures = {name: getattr(stats, name) for name in ("token_chunks", "usage", "time_info", "done", "finished",
+                                                        "complete", "error")}
+    figures["timed"] = (stats.t_first_token is None, stats.t_last_token is None)
+    return b"".join(out), figures, full
+
+
+def both(reads: list[bytes], choices: int = 1) -> int:
+    """Assert both paths agree on ``reads``; return the events the shipped path parsed."""
+    fast_out, fast, parsed = relay(reads, choices=choices)
+    full_out, full, _ = relay(reads, learn=0, choices=choices)
+    assert fast_out == full_out
+    assert fast == full
+    return parsed
+
+
+def chunk(text: str | None = None, *, args: str | None = None, index: int = 0, finish: str | None = None,
+          obfuscation: str | None = None, raw_text: bytes | None = None) -> bytes:
+    """One chat.completion.chunk event as an upstream writes it; ``raw_text`` puts bytes in the text as they are."""
+    delta: dict[str, Any] = {}
+    if args is not None:
+        delta = {"tool_calls": [{"index": 0, "function": {"arguments": args}}]}
+    elif text is not None:
+        delta = {"content": text}
+    body: dict[str, Any] = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}],
+                            "usage": None}
+    if obfuscation is not None:
+        body["obfuscation"] = obfuscation
+    data = json.dumps(body, separators=(",", ":")).encode()
+    if raw_text is not None:
+        data = data.replace(b'"content":"@"', b'"content":"' + raw_text + b'"')
+    return b"data: " + data + b"\n\n"
+
+
+ROLE = b'data: {"id":"chatcmpl-1","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+USAGE = (b'data: {"id":"chatcmpl-1","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":9,'
+         b'"total_tokens":12}}\n\ndata: [DONE]\n\n')
+
+
+def stream(*events: bytes) -> bytes:
+    return ROLE + b"".join(events) + chunk(finish="stop") + USAGE
+
+
+def per_event(body: bytes) -> list[bytes]:
+    return [e + b"\n\n" for e in body.split(b"\n\n") if e]
+
+
+def cut(body: bytes, size: int) -> list[bytes]:
+    return [body[i:i + size] for i in range(0, len(body), size)]
+
+
+CHAT_STREAMS = sorted(p.stem for p in FIXTURES.glob("*.json")
+                      if (meta := json.loads(p.read_text()))["streaming"]
+                      and meta["request"]["path"].split("?")[0].endswith("/chat/completions"))
+
+
+@pytest.mark.parametrize("name", CHAT_STREAMS)
+def test_recorded_streams_are_relayed_the_same_either_way(name: str) -> None:
+    body = (FIXTURES / f"{name}.body").read_bytes()
+    for reads in ([body], per_event(body), cut(body, 7), cut(body, 64)):
+        both(reads)
+
+
+def test_recorded_openai_text_stream_takes_the_fast_path() -> None:
+    """OpenAI's own chunks end with a random ``obfuscation`` member: the template must still match them."""
+    events = per_event((FIXTURES / "openai_chat_stream_text.body").read_bytes())
+    tokens = [e for e in events if b'"content":"' in e and b'"content":""' not in e]
+    assert len(tokens) >= 40 and all(b'"obfuscation":"' in e for e in tokens)
+    assert both(events) == len(events) - len(tokens) + 1  # only the first token chunk is parsed
+
+
+def test_recorded_refusal_and_tool_call_streams_take_the_fast_path() -> None:
+    for name in ("openai_chat_stream_refusal", "openai_chat_stream_tool_call", "cerebras_chat_stream_tool_call"):
+        events = per_event((FIXTURES / f"{name}.body").read_bytes())
+        assert both(events) <= len(events) // 2, name
+
+
+def test_plain_text_streams_past_the_first_token_chunk_are_not_parsed() -> None:
+    texts = ["Hello", " wor", "ld", "é 漢字 🙂", "x" * 500]
+    events = [chunk(t) for t in texts]
+    parsed = both(per_event(stream(*events)))
+    assert parsed == 5  # role, first token (learns), finish, usage, [DONE]: the other four token chunks are not
+    assert both([stream(*events)]) == 9  # one read holding every event goes the full way, all nine
+
+
+@pytest.mark.parametrize("text", ['say "hi"', "ends with a backslash \\", "\\\\", '\\"', "a\\\\\"b", '"', "\\n"])
+def test_escaped_quotes_and_backslashes(text: str) -> None:
+    events = [chunk("first"), chunk(text), chunk(text + text), chunk("last")]
+    assert both(per_event(stream(*events))) == 5
+
+
+@pytest.mark.parametrize("raw", [b"a\rb", b"a\r", b"a\nb", b"x\\", b"x\\\\\\", b'x\\"', b"\\u00e9"])
+def test_raw_bytes_in_a_text_that_the_template_must_not_take(raw: bytes) -> None:
+    """A raw CR or LF frames the event differently; an odd run of backslashes escapes the closing quote; these
+    must go the full way (and an escape that is valid JSON may go the fast one): the same result either way."""
+    events = [chunk("first"), chunk("@", raw_text=raw), chunk("second")]
+    both(per_event(stream(*events)))
+    both([stream(*events)])
+    both(cut(stream(*events), 5))
+
+
+def test_empty_text_is_no_token_and_tool_call_arguments_always_are() -> None:
+    events = [chunk("a"), chunk(""), chunk("b"), chunk(args='{"ci'), chunk(args=""), chunk(args='ty": "Paris"}')]
+    _, figures, _ = relay(per_event(stream(*events)))
+    assert figures["token_chunks"] == 5
+    both(per_event(stream(*events)))
+
+
+def test_obfuscation_values_that_are_not_letters_and_digits_go_the_full_way() -> None:
+    events = [chunk("a", obfuscation="Ab1"), chunk("b", obfuscation="Zx9Q"), chunk("c", obfuscation="a b"),
+              chunk("d", obfuscation="q\\u0041"), chunk("e", obfuscation=""), chunk("f", obfuscation="\u00e9")]
+    both(per_event(stream(*events)))
+
+
+def test_two_choices_and_a_change_of_shape() -> None:
+    events = [chunk("a", index=0), chunk("b", index=1), chunk("c", index=0), chunk("d", index=1),
+              chunk(args="{"), chunk(args="}"), chunk("again")]
+    both(per_event(stream(*events)), choices=2)
+    both(per_event(stream(*events)), choices=1)
+
+
+def test_a_finish_or_usage_after_template_chunks_in_one_read() -> None:
+    events = [chunk("a"), chunk("b")]
+    tail = chunk("c") + chunk("d") + chunk(finish="stop") + USAGE
+    for reads in ([ROLE + events[0], events[1], tail], [ROLE + events[0], events[1] + chunk("c")[:30],
+                                                         chunk("c")[30:], tail]):
+        fast_out, fast, _ = relay(reads)
+        assert fast["finished"] and fast["usage"] == {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}
+        both(reads)
+
+
+def test_learn_refuses_what_it_cannot_prove() -> None:
+    def learned(event: bytes) -> Template | None:
+        data = event[6:-2]
+        return Template.learn(event, data, json.loads(data))
+
+    assert learned(chunk("a")) is not None
+    assert learned(chunk("")) is None  # no token
+    assert learned(chunk("a", finish="stop")) is None
+    two = b'data: {"choices":[{"index":0,"delta":{"content":"a"}},{"index":1,"delta":{"content":"b"}}]}\n\n'
+    assert learned(two) is None
+    # the marker twice (once inside another member): the text's place is not known
+    twice = b'data: {"x":{"delta":{"content":"a"}},"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+    assert learned(twice) is None
+    spaced = b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n'
+    assert learned(spaced) is None  # the marker is written without spaces: not found, not guessed
