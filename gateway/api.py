@@ -58,6 +58,7 @@ from gateway.keys import Hold, Key, Ledger, MemoryLedger, Refusal, Spend, bounde
 from gateway.metrics import Metrics, decode_speed
 from gateway.policy import Candidate, Continuation, Decision, Policy, RequestFacts
 from gateway.relay import Relay, StreamStats, Write
+from gateway.server import HANGUP
 from gateway.shared import Admission, SharedState, SharedVerdicts
 from gateway.upstream import Answer, Attempt, Transport, Verdicts
 from gateway.wire import (
@@ -77,7 +78,9 @@ KINDS = {"/v1/chat/completions": "chat", "/v1/responses": "responses"}  # the ho
 
 class Watch:
     """The one task per request that awaits the client's ``http.disconnect`` and then cancels the request's task
-    (``ex.task``) wherever it is, noting when the client left (``ex.gone_at``); see :meth:`Gateway.begin`."""
+    (``ex.task``) wherever it is, noting when the client left (``ex.gone_at``); see :meth:`Gateway.begin`. Under
+    the gateway's own server protocol no task is needed: its ``tiergate.hangup`` extension calls :meth:`left`
+    (``gateway.server.Hangup``)."""
 
     __slots__ = ("ex", "receive", "task")
 
@@ -101,6 +104,10 @@ class Watch:
             # garbage collector frees. Measured (bench.trace): those cycles, ~15 objects a request, made the gen-0
             # collections that most of the slowest 1 % of TTFTs had inside them (0.25-0.4 ms each).
             return
+        self.left()
+
+    def left(self) -> None:
+        """The client left: note when, and cancel the request's task wherever it is."""
         self.ex.gone_at = time.perf_counter()
         self.ex.task.cancel()
 
@@ -110,6 +117,7 @@ class Watch:
             self.task.cancel()
 
 
+_NO_EXTENSIONS: dict[str, Any] = {}
 MAX_NEED = 10**9  # tokens a request may count against a quota estimate or a key: no context window is larger
 
 
@@ -174,7 +182,11 @@ class Gateway:
             ex.span = tracing.start_request(ex.headers, scope["method"], scope["path"], "chat")
         watch = Watch(ex, receive)
         ex.task = asyncio.current_task()  # begin(), inline on the hot path
-        watch.task = asyncio.get_running_loop().create_task(watch._run())
+        hangup = scope.get("extensions", _NO_EXTENSIONS).get(HANGUP)  # our server tells when the client leaves
+        if hangup is not None:
+            hangup.callback = watch.left
+        else:  # any other ASGI server (and hand-written ASGI calls): a task awaits http.disconnect
+            watch.task = asyncio.get_running_loop().create_task(watch._run())
         self._active.add(ex)
         try:
             await self.serve(ex, raw)
@@ -185,7 +197,10 @@ class Gateway:
             await self.crashed(ex, scope)
         finally:
             self._active.discard(ex)  # end(), inline
-            watch.task.cancel()
+            if hangup is not None:
+                hangup.callback = None
+            elif watch.task is not None:
+                watch.task.cancel()
             if ex.span is not None:
                 tracing.end_request(ex.span, ex)
 

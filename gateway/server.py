@@ -36,6 +36,25 @@ from gateway.settings import Settings
 from gateway.wire import is_json_type
 
 _JSON_BY_DEFAULT = frozenset({b"/v1/chat/completions", b"/v1/responses"})
+HANGUP = "tiergate.hangup"  # the ASGI extension (``scope["extensions"]``) this protocol gives every request: Hangup
+
+
+class Hangup:
+    """The ``tiergate.hangup`` ASGI extension of one request: set ``callback``, and the server calls it once, on the
+    event loop, when the client's connection is lost (or refused) before the response was complete; the moment
+    uvicorn's ``receive()`` would start answering ``http.disconnect``. An app then needs no task of its own awaiting
+    that message (one task per request: measured, ~10 us of CPU per request). Set it back to None to stop.
+    """
+
+    __slots__ = ("callback",)
+
+    def __init__(self) -> None:
+        self.callback: Callable[[], None] | None = None
+
+    def fire(self) -> None:
+        callback, self.callback = self.callback, None
+        if callback is not None:
+            callback()
 
 
 class _Flow(FlowControl):
@@ -78,7 +97,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        cycle = self.cycle  # the one uvicorn marks disconnected
         super().connection_lost(exc)
+        if cycle is not None and cycle.disconnected:
+            _hangup(cycle)
 
     def data_received(self, data: bytes) -> None:
         if self._by_progress and not self._in_head:  # a streamed body's bytes: its silence timer starts again
@@ -118,7 +140,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         else:
             self._arm(self.body_timeout, (408, "request_timeout",
                                           f"The request body took over {self.body_timeout:g} s."))
+        hangup = Hangup()
+        extensions = self.scope.get("extensions")
+        self.scope["extensions"] = {**extensions, HANGUP: hangup} if extensions else {HANGUP: hangup}  # type: ignore
         super().on_headers_complete()
+        if self.cycle is not None and self.cycle.scope is self.scope:
+            self.cycle.tiergate_hangup = hangup  # type: ignore[attr-defined]
 
     def reading(self, paused: bool) -> None:
         """Reading from the client was paused (the app, or the upstream behind it, takes no more of the body: the
@@ -138,6 +165,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = True
         self._head_bytes = 0
         super().on_message_complete()
+        # a body over uvicorn's high-water mark pauses reading until the app's receive() resumes it; an app that
+        # watches by Hangup calls receive() no more once the body is in, so reading resumes here: a client that
+        # leaves is then still seen (connection_lost). A pipelined request behind this one keeps it paused.
+        if self.flow.read_paused and not self.pipeline and self.cycle is not None and not self.cycle.response_complete:
+            self.flow.resume_reading()
 
     def send_400_response(self, msg: str) -> None:
         """A request httptools cannot parse (conflicting ``Content-Length`` and ``Transfer-Encoding``, a bad
@@ -182,6 +214,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if cycle is not None:
             cycle.disconnected = True
             cycle.message_event.set()
+            _hangup(cycle)
+
+
+def _hangup(cycle: Any) -> None:
+    """Tell the app of ``cycle`` (a uvicorn ``RequestResponseCycle``) that its client is gone (:class:`Hangup`)."""
+    hangup = getattr(cycle, "tiergate_hangup", None)
+    if hangup is not None:
+        hangup.fire()
 
 
 def drain_on_exit(app: Any, timeout: float) -> None:

@@ -290,9 +290,11 @@ def test_no_client_credential_reaches_an_upstream_and_no_upstream_secret_reaches
         assert "set-cookie" not in resp.headers and "content-encoding" not in resp.headers
 
 
-@pytest.mark.parametrize("phase", ["headers", "first_token", "mid_stream", "nonstream"])
+@pytest.mark.parametrize("phase", ["headers", "first_token", "mid_stream", "nonstream", "nonstream_large_body"])
 def test_client_disconnect_closes_the_upstream_quickly(fake: EmulatorThread, gw: Proc, phase: str) -> None:
-    """In each of the four disconnect phases the upstream sees its connection closed within 100 ms."""
+    """In each of the four disconnect phases the upstream sees its connection closed within 100 ms; also after a
+    request body large enough (300 KB, an agent's long context) that the server paused reading the client while it
+    arrived: nothing reads the client once the body is in, so the server must have resumed reading to see it go."""
     ticks = [(0.05, sse(chunk("b"), done=False)) for _ in range(60)]
     CASES["cancel"] = {
         "headers": Plan(head_delay=0.45, parts=[(0, sse(chunk("a")))]),  # under the 0.5 s idle timeout
@@ -300,10 +302,10 @@ def test_client_disconnect_closes_the_upstream_quickly(fake: EmulatorThread, gw:
         "mid_stream": Plan(parts=[(0, sse(chunk("a"), done=False)), *ticks]),
         "nonstream": Plan(head_delay=0.45, headers={"content-type": "application/json"}, parts=[(0, b"{}")],
                           chunked=False),
-    }[phase]
+    }[phase.removesuffix("_large_body")]
     before = httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text
-    body = orjson.dumps({"model": "m", "stream": phase != "nonstream", "x_case": "cancel",
-                         "messages": [{"role": "user", "content": "x"}]})
+    body = orjson.dumps({"model": "m", "stream": not phase.startswith("nonstream"), "x_case": "cancel",
+                         "messages": [{"role": "user", "content": "x" * (300_000 if "large" in phase else 1)}]})
     closed = len(fake.closed_at)
     n = len(fake.requests)
     with socket.create_connection(("127.0.0.1", gw.port), timeout=5) as sock:
