@@ -259,3 +259,53 @@ def test_a_passthrough_request_is_a_line_with_its_usage(stack: Any) -> None:
     assert r.status_code == 200
     line = _line(stack.gateway, "rid-files")
     assert line["method"] == "GET" and line["model"] is None and line["upstream_model"] is None
+
+
+class Recording:
+    """A binary stream that keeps each write and counts flushes."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.flushes = 0
+
+    def write(self, data: bytes) -> int:
+        self.writes.append(data)
+        return len(data)
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+def test_lines_of_one_loop_turn_leave_in_whole_line_writes_of_at_most_pipe_buf() -> None:
+    import asyncio
+    import select
+
+    from gateway.logs import TurnFlushed
+
+    raw = Recording()
+    out = TurnFlushed(raw)  # type: ignore[arg-type]
+    line = b'{"event":"request","n":%03d,"pad":"' + b"x" * 300 + b'"}\n'
+    big = b'{"pad":"' + b"y" * 5000 + b'"}\n'
+
+    async def turn() -> None:
+        for i in range(30):
+            out.write(line % i)
+            out.flush()
+        out.write(big)
+        out.flush()
+        assert raw.writes == []  # nothing written during the turn
+        await asyncio.sleep(0)
+        assert raw.writes  # all of it at the turn's end
+        out.write(b"next turn\n")
+        out.flush()
+
+    asyncio.run(turn())
+    assert raw.writes[-1] == b"next turn\n"
+    everything = b"".join(raw.writes)
+    assert everything == b"".join(line % i for i in range(30)) + big + b"next turn\n"
+    for w in raw.writes:
+        assert w.endswith(b"\n") and (len(w) <= select.PIPE_BUF or w == big)
+    assert 3 <= len(raw.writes) <= 6 and raw.flushes == len(raw.writes)
+    out.write(b"outside a loop\n")
+    out.flush()  # no running loop: written at once
+    assert raw.writes[-1] == b"outside a loop\n"
