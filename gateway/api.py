@@ -52,13 +52,12 @@ from gateway.errors import (
     event_error,
 )
 from gateway.estimates import Estimates
-from gateway.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of, read_body
+from gateway.exchange import CLOSE, HANGUP, ClientGone, Exchange, Headers, headers_of, read_body
 from gateway.health import Health
 from gateway.keys import Hold, Key, Ledger, MemoryLedger, Refusal, Spend, bounded
 from gateway.metrics import Metrics, decode_speed
 from gateway.policy import Candidate, Continuation, Decision, Policy, RequestFacts
 from gateway.relay import Relay, StreamStats, Write
-from gateway.server import HANGUP
 from gateway.shared import Admission, SharedState, SharedVerdicts
 from gateway.upstream import Answer, Attempt, Transport, Verdicts
 from gateway.wire import (

@@ -32,6 +32,10 @@ Headers = list[tuple[bytes, bytes]]
 log = logging.getLogger("tiergate")
 
 
+# the ASGI extension (``scope["extensions"]``) through which the gateway's server protocol tells a request that its
+# client's connection was lost (``gateway.server.Hangup``)
+HANGUP = "tiergate.hangup"
+
 class ClientGone(Exception):
     """The client disconnected before its request body was complete."""
 

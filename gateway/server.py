@@ -32,11 +32,11 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.errors import error_body
+from gateway.exchange import HANGUP
 from gateway.settings import Settings
 from gateway.wire import is_json_type
 
 _JSON_BY_DEFAULT = frozenset({b"/v1/chat/completions", b"/v1/responses"})
-HANGUP = "tiergate.hangup"  # the ASGI extension (``scope["extensions"]``) this protocol gives every request: Hangup
 
 
 class Hangup:
