@@ -25,6 +25,13 @@ every choice has its ``finish_reason``, after ``finish_grace`` seconds of waitin
 client's stream then ends with ``[DONE]``; the upstream connection is closed). An EOF before every choice
 finished (or before a Responses terminal event) is an interrupted stream, never a silent truncation.
 
+**The common chunk without a parse.** Most events of a stream are the same chunk but for one text (the content, a
+reasoning or refusal delta, a tool call's arguments) and, on OpenAI, a random ``obfuscation`` value. The first such
+chunk is parsed and becomes the stream's :class:`Template`; a read made only of events that fit it is observed by
+comparing bytes and forwarded as it came. Anything else (a finish, usage, an error, another shape, a read that ends
+inside an event) goes through the scanner and a JSON parse as before, with the same result
+(tests/test_relay_template.py).
+
 While relaying it fills a :class:`StreamStats`: arrival times of the first and last token-bearing chunk
 (content, refusal, reasoning or tool-call delta; not a role-only chunk), usage wherever the dialect puts
 it, Cerebras ``time_info``, and how the stream ended. Metrics are recorded from it once, at the end.
