@@ -1,0 +1,115 @@
+"""Interleaved A/B of gateway variants: CPU per 1,000 relayed chunks and per plain request, next to minproxy.
+
+    .venv/bin/python -m bench.ab [--rounds N] [--phases chunks,rps] [--tokens 300] NAME=SPEC [NAME=SPEC ...]
+
+Each ``NAME=SPEC`` is one process on CPU 1 (the bench upstream and this load generator on CPU 0, as ``bench.run``):
+``minproxy`` (``bench/minproxy.py``), ``NAME=`` (the gateway of this tree), ``NAME=@DIR`` (the gateway of another
+checkout, e.g. a ``git worktree`` of an older commit), or ``NAME=VAR=VALUE[,VAR=VALUE]`` (this tree with those
+environment variables, e.g. ``nolog=GATEWAY_LOG_SAMPLE=0``). Every round measures every process in turn (32 streams of
+``--tokens`` tokens at 750 tokens/s for 6 s, then 64 concurrent plain requests for 4 s), so that a slow minute of a
+shared machine lands on all of them; the summary is the median over rounds [min, max]. For deciding whether a change
+to the hot path pays (bench.run's single figures move by ~10 % run to run on this VM); bench.run makes the table.
+Every phase is bounded in time and count; nothing listens anywhere but 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench import loadgen, procs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.splitlines()[0])
+    p.add_argument("targets", nargs="+", metavar="NAME=SPEC", help="minproxy, NAME=, NAME=@DIR or NAME=VAR=VALUE,...")
+    p.add_argument("--rounds", type=int, default=4, help="rounds (default 4)")
+    p.add_argument("--phases", default="chunks,rps", help="chunks, rps or both (default)")
+    p.add_argument("--tokens", type=int, default=300, help="tokens per stream in the chunks phase (default 300)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "ab", help="where the process logs go")
+    a = p.parse_args(argv)
+    phases = {x.strip() for x in a.phases.split(",") if x.strip()}
+    if not phases <= {"chunks", "rps"} or a.rounds < 1 or a.tokens < 2:
+        p.error("--phases takes chunks and/or rps; --rounds >= 1; --tokens >= 2")
+    a.out.mkdir(parents=True, exist_ok=True)
+    procs.raise_nofile(65536)
+    os.sched_setaffinity(0, {0})
+    py = sys.executable
+    with procs.Children() as kids:
+        up = kids.start("upstream", procs.pin_prefix(0) + [py, "-m", "bench.upstream", "--port", "0"],
+                        a.out / "upstream.log", cwd=ROOT)
+        up_port = procs.wait_upstream_ready(up)
+        cfg = a.out / "gateway.yaml"
+        cfg.write_text(procs.gateway_config(up_port))
+        targets: dict[str, tuple[int, str]] = {}
+        for spec in a.targets:
+            name, _, rest = spec.partition("=")
+            env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+            cwd = ROOT
+            if rest.startswith("@"):
+                cwd, rest = Path(rest[1:]).resolve(), ""
+            for pair in filter(None, rest.split(",")):
+                key, _, value = pair.partition("=")
+                env[key] = value
+            port = procs.free_port()
+            cmd = ([py, "-m", "bench.minproxy", "--upstream", f"http://127.0.0.1:{up_port}", "--port", str(port)]
+                   if name == "minproxy" else
+                   [py, "-m", "gateway", "serve", "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port),
+                    "--log-level", "warning"])
+            child = kids.start(name, procs.pin_prefix(1) + cmd, a.out / f"{name}.log", cwd=cwd,
+                               env={**env, "PYTHONPATH": str(cwd)})
+            procs.wait_http_ready(child, f"http://127.0.0.1:{port}/healthz")
+            targets[name] = (child.pid, f"http://127.0.0.1:{port}/v1/chat/completions")
+        import uvloop
+
+        results = uvloop.run(_measure(targets, phases, a.rounds, a.tokens))
+    for name, cells in results.items():
+        print(name, "  ".join(f"{k}: median {statistics.median(v):.2f} [{min(v):.2f}, {max(v):.2f}]"
+                              for k, v in cells.items() if v))
+    return 0
+
+
+async def _measure(targets: dict[str, tuple[int, str]], phases: set[str], rounds: int,
+                   tokens: int) -> dict[str, dict[str, list[float]]]:
+    """Per target: "chunks" (CPU us per relayed chunk = ms per 1,000) and "rps" (CPU us per plain request)."""
+    out: dict[str, dict[str, list[float]]] = {n: {"chunks": [], "rps": []} for n in targets}
+    sess = loadgen.session()
+    try:
+        for r in range(rounds):
+            for name, (pid, url) in targets.items():
+                if "chunks" in phases:
+                    await loadgen.closed_loop_streams(sess, url, conc=32, tokens=tokens, tps=750, duration=1.0,
+                                                      max_requests=64, stagger=0.4, keep_delays=False)
+                    c0 = procs.cpu_seconds(pid)
+                    tally, _ = await loadgen.closed_loop_streams(sess, url, conc=32, tokens=tokens, tps=750,
+                                                                 duration=6.0, max_requests=5000, stagger=0.4,
+                                                                 keep_delays=False)
+                    _check(name, tally)
+                    out[name]["chunks"].append((procs.cpu_seconds(pid) - c0) * 1e6 / max(1, tally.chunks))
+                if "rps" in phases:
+                    await loadgen.closed_loop_requests(sess, url, conc=64, duration=0.5, max_requests=100_000)
+                    c0 = procs.cpu_seconds(pid)
+                    tally, _ = await loadgen.closed_loop_requests(sess, url, conc=64, duration=4.0,
+                                                                  max_requests=200_000)
+                    _check(name, tally)
+                    out[name]["rps"].append((procs.cpu_seconds(pid) - c0) * 1e6 / max(1, tally.ok))
+            print(f"round {r + 1}/{rounds}:", {n: {k: round(v[-1], 2) for k, v in d.items() if v}
+                                               for n, d in out.items()}, flush=True)
+    finally:
+        await sess.close()
+    return out
+
+
+def _check(name: str, tally: Any) -> None:
+    if tally.error_count():
+        raise SystemExit(f"{name}: errors {dict(tally.errors)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
