@@ -40,6 +40,7 @@ it, Cerebras ``time_info``, and how the stream ended. Metrics are recorded from 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -84,6 +85,8 @@ def has_token(choices: Any) -> bool:
 
 _TEXT_KEYS = ("content", "reasoning_content", "reasoning", "refusal")  # a delta of one of these alone: a template
 _OBFUSCATION = b'"obfuscation":"'  # OpenAI's per-chunk random padding, the chunk's last member (its value varies)
+# bytes of a text that JSON may reject (a control byte, an escape, UTF-8 that may be invalid): such a text is parsed
+_SUSPECT = re.compile(rb"[\x00-\x1f\\\x80-\xff]")
 
 
 class Template:
@@ -161,8 +164,9 @@ class Template:
     def match(self, chunk: bytes) -> int:
         """How many token-bearing events ``chunk`` (one upstream read, starting at an event boundary) holds when it
         is made of this template's events only, else -1 (then it needs the full look). Per event: the head, the
-        text up to its closing quote, the mid (and an obfuscation value of letters and digits), and no line break
-        inside the text (a raw LF or CR there would frame the event differently)."""
+        text up to its closing quote, the mid (and an obfuscation value of letters and digits), and a text that is a
+        valid JSON string (one that is not fails the chunk's parse on the full path: it is then no token; a raw LF or
+        CR would also frame the event differently); a text of plain ASCII without escapes is valid as it is."""
         head, mid, hl, ml = self.head, self.mid, self._hl, self._ml
         n, pos, tokens = len(chunk), 0, 0
         while True:
@@ -172,9 +176,13 @@ class Template:
             end = chunk.find(b'"', start)
             if end > start and chunk[end - 1] == 92:  # maybe an escaped quote: find the real end
                 end = _closing_quote(chunk, start)
-            if end < 0 or not chunk.startswith(mid, end) or chunk.find(b"\n", start, end) >= 0 \
-                    or chunk.find(b"\r", start, end) >= 0:
+            if end < 0 or not chunk.startswith(mid, end):
                 return -1
+            if _SUSPECT.search(chunk, start, end) is not None:  # valid JSON, as the full path's parse would find?
+                try:
+                    loads(chunk[start - 1:end + 1])  # a raw LF or CR, a lone surrogate, bad UTF-8: JSONDecodeError
+                except JSONDecodeError:
+                    return -1
             pos = end + ml
             if self.wild:  # the obfuscation value, up to '"}' and the blank line
                 close = chunk.find(b'"}\n\n', pos)
@@ -273,6 +281,7 @@ class Relay:
         self._strip = strip_usage_chunk
         self._responses = responses
         self._scanner = SSEScanner(max_event_bytes)
+        self._max_read = max_event_bytes  # a read past it goes the full way, where an event over the limit fails
         self._unfinished = set(range(max(1, choices)))  # choice indexes still without a finish_reason
         self._finish_grace = finish_grace
         self._hold_seconds = hold_seconds  # without a ttft deadline: the longest hold (the idle timeout)
@@ -489,7 +498,7 @@ class Relay:
         events is forwarded as it came; any other goes through the scanner and :meth:`_process`."""
         now = time.perf_counter()
         template = self._template
-        if template is not None and self._scanner.idle:
+        if template is not None and len(chunk) <= self._max_read and self._scanner.idle:
             tokens = template.match(chunk)
             if tokens >= 0:
                 if tokens:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
+from gateway.errors import GatewayError
 from gateway.relay import Relay, Template
 
 from conftest import FIXTURES
@@ -59,8 +61,17 @@ def relay(reads: list[bytes], *, learn: int | None = None, choices: int = 1) -> 
     async def write(data: bytes) -> None:
         out.append(data)
 
-    stats = asyncio.run(r.run(Reads(reads), write))
-    figures = {name: getattr(stats, name) for name in ("token_chunks", "usage", "time_info", "done", "finished",
+    async def go() -> tuple[str, str] | None:
+        try:
+            await r.run(Reads(reads), write)
+        except GatewayError as exc:  # before the first token: the caller answers with a status
+            return type(exc).__name__, exc.code
+        return None
+
+    raised = asyncio.run(go())
+    stats = r.stats
+    figures: dict[str, Any] = {"raised": raised}
+    figures |= {name: getattr(stats, name) for name in ("token_chunks", "usage", "time_info", "done", "finished",
                                                         "complete", "error")}
     figures["timed"] = (stats.t_first_token is None, stats.t_last_token is None)
     return b"".join(out), figures, full
@@ -206,3 +217,68 @@ def test_learn_refuses_what_it_cannot_prove() -> None:
     assert learned(twice) is None
     spaced = b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n'
     assert learned(spaced) is None  # the marker is written without spaces: not found, not guessed
+
+
+@pytest.mark.parametrize("raw", [rb"\ud83d", b"a\tb", b"a\x00b", b"a\xffb", b"\xed\xa0\x80", rb"\q", rb"\u12",
+                                 b"\xc3"])
+def test_a_text_that_is_not_valid_json_is_no_token_either_way(raw: bytes) -> None:
+    """The full path's parse rejects such a chunk (a lone surrogate from an emoji split by the upstream, a raw control
+    byte, bad UTF-8, a bad escape): it is forwarded but not counted; the fast path must not count it either."""
+    reads = [ROLE, chunk("first"), chunk("@", raw_text=raw), chunk(finish="stop"), USAGE]
+    assert relay(reads)[1]["token_chunks"] == 1
+    both(reads)
+
+
+def test_a_read_over_max_event_bytes_goes_the_full_way() -> None:
+    reads = [ROLE, chunk("first"), chunk("x" * 5000), chunk(finish="stop"), USAGE]
+    r = Relay(strip_usage_chunk=True, max_event_bytes=1024)
+
+    async def write(data: bytes) -> None:
+        pass
+
+    assert asyncio.run(r.run(Reads(reads), write)).error == "upstream_event_too_large"
+
+
+def _random_stream(rng: random.Random) -> list[bytes]:
+    """A stream mostly of one shape (so that a template is learned and used), with the events that must break it."""
+    frame = rng.choice([b"\n"] * 8 + [b"\r\n", b"\r"])
+    pieces = [b"a", b" Hello", b'\\"', b"\\\\", b"\\\\\\\"", b"\\n", b"\\u00e9", b"\\ud83d\\ude00", "é🙂".encode(),
+              b"}", b'"},', b"\t", b"\xff", b"\\ud83d", b"\\q", b"\n", b"\r", b'"', b"\\"]
+    key = rng.choice(["content", "content", "reasoning_content", "refusal"])
+    obfuscated = rng.random() < 0.5
+    events = [ROLE.replace(b"\n", frame)]
+    for _ in range(rng.randint(1, 12)):
+        kind = rng.random()
+        if kind < 0.08:
+            events.append(rng.choice([b": keep-alive", b"data: [DONE]", b"data: not json", b"data:{}", b"id: 7",
+                                      b'data: {"error":{"message":"boom"}}', b"event: error\ndata: {}"]) + frame * 2)
+            continue
+        body: dict[str, Any] = {"id": "c", "choices": [{"index": rng.choice([0] * 9 + [1]),
+                                                       "delta": {key: "@@"}, "finish_reason": None}]}
+        if kind < 0.15:
+            body["usage"] = rng.choice([None, {"prompt_tokens": 1, "completion_tokens": 2}])
+        if kind < 0.2:
+            body["choices"][0]["delta"] = {"tool_calls": [{"index": 0, "function": {"arguments": "@@"}}]}
+        if obfuscated:
+            body["obfuscation"] = rng.choice(["", "Ab9", "x y", "é"] if kind < 0.25 else ["", "Zq", "abc123XYZ"])
+        data = json.dumps(body, separators=(",", ":"), ensure_ascii=rng.random() < 0.5).encode()
+        text = b"".join(rng.choice(pieces[:11] if rng.random() < 0.8 else pieces) for _ in range(rng.randint(0, 3)))
+        events.append(b"data: " + data.replace(b"@@", text) + frame * 2)
+    events += [chunk(finish="stop").replace(b"\n", frame), USAGE.replace(b"\n", frame)][:rng.randint(0, 2)]
+    body_bytes = b"".join(events)
+    if rng.random() < 0.5:
+        return events
+    cuts = sorted(rng.sample(range(1, len(body_bytes)), min(len(body_bytes) - 1, rng.randint(1, 6))))
+    return [body_bytes[i:j] for i, j in zip([0, *cuts], [*cuts, len(body_bytes)], strict=True)]
+
+
+def test_random_streams_are_relayed_the_same_either_way() -> None:
+    """A bounded randomised differential test (3,000 streams, fixed seed): the fast path takes some reads of most of
+    them, and every one comes out the same as on the full path."""
+    rng = random.Random(17)
+    taken = 0
+    for _ in range(3000):
+        reads = _random_stream(rng)
+        parsed = both(reads)
+        taken += parsed < sum(r.count(b"\n\n") + r.count(b"\r\r") for r in reads)
+    assert taken > 600  # the fast path was really exercised
