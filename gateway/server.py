@@ -203,7 +203,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         due = self._due
         if due is None:
             return
-        if self.loop.time() < due:  # armed again since this timer was set
+        # armed again since this timer was set; within 1 ms it has passed: uvloop's timers and clock count whole
+        # milliseconds, and waiting for less than one would spin through call_soon until its clock ticks
+        if self.loop.time() < due - 0.001:
             self._deadline = self.loop.call_at(due, self._expire)
             return
         self._due = None
