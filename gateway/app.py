@@ -241,6 +241,7 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
             if shared is not None:
                 await shared.stop()
             tracing.shutdown()  # flush the spans still batched
+            logs.flush()  # and the request lines of this last loop turn
             if multiprocess_dir:
                 multiprocess.mark_process_dead(os.getpid(), multiprocess_dir)  # type: ignore[no-untyped-call]
 

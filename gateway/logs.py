@@ -46,7 +46,8 @@ class TurnFlushed:
     the request line's ~4 us on this machine, more under load). A write of at most ``PIPE_BUF`` bytes to a pipe is
     atomic (POSIX ``write``), so lines from ``--workers`` processes sharing one stdout never interleave mid-line;
     a line longer than that is written alone, as before. Lines still waiting when the process exits are written
-    then (``atexit``).
+    then (``atexit``) and at the app's shutdown (:func:`flush`: uvicorn ends a process that stopped on SIGTERM by that
+    signal, which skips ``atexit``); a write that fails loses its own group of lines only.
 
     Args:
         raw: the binary stream to write to (``sys.stdout.buffer``).
@@ -90,12 +91,15 @@ class TurnFlushed:
             self._put(group)
 
     def _put(self, group: list[bytes]) -> None:
-        self._raw.write(b"".join(group))
-        self._raw.flush()
+        try:
+            self._raw.write(b"".join(group))
+            self._raw.flush()
+        except OSError as exc:  # a full non-blocking pipe, a full disk: this group is lost, not the turn's others
+            logging.getLogger("gateway.logs").warning("%d log lines were not written: %s", len(group), exc)
 
 
 class _Logs:
-    __slots__ = ("access", "events", "sample", "stamp", "render")
+    __slots__ = ("access", "events", "sample", "stamp", "render", "sink")
 
     def __init__(self) -> None:
         self.access: Any = None  # once configured: the request log's structlog logger (BytesLogger / PrintLogger)
@@ -103,6 +107,7 @@ class _Logs:
         self.sample = 1.0
         self.stamp: Any = None  # the request line's processors, called directly (see request())
         self.render: Any = None
+        self.sink: TurnFlushed | None = None  # the JSON lines' file (json format)
 
 
 LOGS = _Logs()
@@ -119,16 +124,25 @@ def configure(fmt: Literal["json", "text"], level: str = "info", sample: float =
                              structlog.processors.TimeStamper(fmt="iso", utc=True, key="time")]
     if fmt == "json":
         processors.append(structlog.processors.JSONRenderer(serializer=orjson.dumps))
-        factory: Any = structlog.BytesLoggerFactory(TurnFlushed(sys.stdout.buffer))  # type: ignore[arg-type]
+        LOGS.sink = TurnFlushed(sys.stdout.buffer)
+        factory: Any = structlog.BytesLoggerFactory(LOGS.sink)  # type: ignore[arg-type]
     else:
         processors.append(structlog.dev.ConsoleRenderer(colors=False, sort_keys=False, timestamp_key="time"))
         factory = structlog.PrintLoggerFactory(sys.stdout)
+        LOGS.sink = None
     LOGS.access = factory()
     LOGS.stamp, LOGS.render = processors[1], processors[2]
     LOGS.events = structlog.wrap_logger(factory(), processors=processors,
                                         wrapper_class=structlog.make_filtering_bound_logger(
                                             LEVELS.get(level.lower(), logging.INFO)))
     LOGS.sample = sample
+
+
+def flush() -> None:
+    """Write the JSON lines still waiting for the end of this loop turn (the app's shutdown calls it)."""
+    sink = LOGS.sink
+    if sink is not None:
+        sink.out()
 
 
 def wanted(outcome: str) -> bool:

@@ -309,3 +309,25 @@ def test_lines_of_one_loop_turn_leave_in_whole_line_writes_of_at_most_pipe_buf()
     out.write(b"outside a loop\n")
     out.flush()  # no running loop: written at once
     assert raw.writes[-1] == b"outside a loop\n"
+
+
+def test_a_failed_write_loses_its_own_group_of_lines_only() -> None:
+    import select
+
+    from gateway.logs import TurnFlushed
+
+    class Failing(Recording):
+        def write(self, data: bytes) -> int:
+            if len(self.writes) == 0 and not getattr(self, "failed", False):
+                self.failed = True
+                raise BlockingIOError(11, "the pipe is full")
+            return super().write(data)
+
+    raw = Failing()
+    out = TurnFlushed(raw)  # type: ignore[arg-type]
+    line = b"x" * 999 + b"\n"
+    per_group = select.PIPE_BUF // len(line)
+    for _ in range(3 * per_group):
+        out.write(line)
+    out.out()
+    assert b"".join(raw.writes) == line * (2 * per_group)  # the first group was lost, the other two were written
