@@ -596,9 +596,10 @@ class Gateway:
         ex.open_stream(headers, "text/event-stream; charset=utf-8" if bridged else answer.content_type)
         write = ex.write if ex.kind == "chat" else self._keeping_write(ex, facts, up, relay)
         try:
-            # in a task of its own: each chunk's resumption then crosses three coroutine frames instead of eight (this
-            # one, serve, handle, the app's and uvicorn's are no longer between the loop and the relay); a cancel of
-            # this request's task cancels it too (asyncio passes a cancel on to the task awaited)
+            await relay.release(write)  # the first token leaves here, before a task is made: no loop turn in TTFT
+            # the rest in a task of its own: each chunk's resumption then crosses three coroutine frames instead of
+            # eight (this one, serve, handle, the app's and uvicorn's are no longer between the loop and the relay);
+            # a cancel of this request's task cancels it too (asyncio passes a cancel on to the task awaited)
             stats = await asyncio.get_running_loop().create_task(relay.rest(write))
         except asyncio.CancelledError:
             if ex.gone_at is not None:

@@ -139,7 +139,7 @@ def test_recorded_openai_text_stream_takes_the_fast_path() -> None:
     events = per_event((FIXTURES / "openai_chat_stream_text.body").read_bytes())
     tokens = [e for e in events if b'"content":"' in e and b'"content":""' not in e]
     assert len(tokens) >= 40 and all(b'"obfuscation":"' in e for e in tokens)
-    assert both(events) == len(events) - len(tokens) + 1  # only the first token chunk is parsed
+    assert both(events) == len(events) - len(tokens) + 2  # only the first two token chunks are parsed
 
 
 def test_recorded_refusal_and_tool_call_streams_take_the_fast_path() -> None:
@@ -152,14 +152,14 @@ def test_plain_text_streams_past_the_first_token_chunk_are_not_parsed() -> None:
     texts = ["Hello", " wor", "ld", "é 漢字 🙂", "x" * 500]
     events = [chunk(t) for t in texts]
     parsed = both(per_event(stream(*events)))
-    assert parsed == 5  # role, first token (learns), finish, usage, [DONE]: the other four token chunks are not
+    assert parsed == 6  # role, first token, second (learns), finish, usage, [DONE]: the other three are not
     assert both([stream(*events)]) == 9  # one read holding every event goes the full way, all nine
 
 
 @pytest.mark.parametrize("text", ['say "hi"', "ends with a backslash \\", "\\\\", '\\"', "a\\\\\"b", '"', "\\n"])
 def test_escaped_quotes_and_backslashes(text: str) -> None:
     events = [chunk("first"), chunk(text), chunk(text + text), chunk("last")]
-    assert both(per_event(stream(*events))) == 5
+    assert both(per_event(stream(*events))) == 6
 
 
 @pytest.mark.parametrize("raw", [b"a\rb", b"a\r", b"a\nb", b"x\\", b"x\\\\\\", b'x\\"', b"\\u00e9"])
@@ -282,3 +282,15 @@ def test_random_streams_are_relayed_the_same_either_way() -> None:
         parsed = both(reads)
         taken += parsed < sum(r.count(b"\n\n") + r.count(b"\r\r") for r in reads)
     assert taken > 600  # the fast path was really exercised
+
+
+def test_nothing_is_learned_on_the_way_to_the_first_token() -> None:
+    """Learning costs a parse more: it waits for the second token chunk, so that it never delays the first token."""
+    r = Relay(strip_usage_chunk=True, max_event_bytes=1 << 20)
+    body = Reads([ROLE, chunk("first"), chunk("second"), chunk("third")])
+    asyncio.run(r.first(body))
+    assert r.stats.t_first_token is not None and r._template is None
+    r2 = Relay(strip_usage_chunk=True, max_event_bytes=1 << 20)
+    r2._take(ROLE + chunk("first"))
+    r2._take(chunk("second"))
+    assert r2._template is not None
