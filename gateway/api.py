@@ -75,22 +75,28 @@ log = logging.getLogger("tiergate")
 KINDS = {"/v1/chat/completions": "chat", "/v1/responses": "responses"}  # the hot path's endpoints, by path
 
 
+_NO_EXTENSIONS: dict[str, Any] = {}
+
+
 class Watch:
-    """The one task per request that awaits the client's ``http.disconnect`` and then cancels the request's task
-    (``ex.task``) wherever it is, noting when the client left (``ex.gone_at``); see :meth:`Gateway.begin`. Under
-    the gateway's own server protocol no task is needed: its ``tiergate.hangup`` extension calls :meth:`left`
-    (``gateway.server.Hangup``)."""
+    """What tells a request that its client left: it then cancels the request's task (``ex.task``) wherever it is,
+    noting when the client left (``ex.gone_at``); see :meth:`Gateway.begin`. Under the gateway's own server protocol
+    the ``tiergate.hangup`` ASGI extension in ``scope`` calls :meth:`left` (``gateway.server.Hangup``); under any
+    other server (and hand-written ASGI calls) a task awaits ``http.disconnect``, one per request."""
 
-    __slots__ = ("ex", "receive", "task")
+    __slots__ = ("ex", "receive", "task", "hangup")
 
-    def __init__(self, ex: Exchange, receive: Receive) -> None:
+    def __init__(self, ex: Exchange, receive: Receive, scope: Scope) -> None:
         self.ex = ex
         self.receive = receive
         self.task: asyncio.Task[None] | None = None
+        self.hangup = scope.get("extensions", _NO_EXTENSIONS).get(HANGUP)
 
     def start(self) -> None:
         """Start watching (once; from then on ``receive`` is the watch's)."""
-        if self.task is None:
+        if self.hangup is not None:
+            self.hangup.watch(self.left)
+        elif self.task is None:
             self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
@@ -112,11 +118,12 @@ class Watch:
 
     def stop(self) -> None:
         """The request is over: stop watching."""
-        if self.task is not None:
+        if self.hangup is not None:
+            self.hangup.watch(None)
+        elif self.task is not None:
             self.task.cancel()
 
 
-_NO_EXTENSIONS: dict[str, Any] = {}
 MAX_NEED = 10**9  # tokens a request may count against a quota estimate or a key: no context window is larger
 
 
@@ -179,13 +186,9 @@ class Gateway:
             return
         if tracing.TRACING.tracer is not None:
             ex.span = tracing.start_request(ex.headers, scope["method"], scope["path"], "chat")
-        watch = Watch(ex, receive)
+        watch = Watch(ex, receive, scope)
         ex.task = asyncio.current_task()  # begin(), inline on the hot path
-        hangup = scope.get("extensions", _NO_EXTENSIONS).get(HANGUP)  # our server tells when the client leaves
-        if hangup is not None:
-            hangup.callback = watch.left
-        else:  # any other ASGI server (and hand-written ASGI calls): a task awaits http.disconnect
-            watch.task = asyncio.get_running_loop().create_task(watch._run())
+        watch.start()
         self._active.add(ex)
         try:
             await self.serve(ex, raw)
@@ -196,10 +199,7 @@ class Gateway:
             await self.crashed(ex, scope)
         finally:
             self._active.discard(ex)  # end(), inline
-            if hangup is not None:
-                hangup.callback = None
-            elif watch.task is not None:
-                watch.task.cancel()
+            watch.stop()
             if ex.span is not None:
                 tracing.end_request(ex.span, ex)
 

@@ -36,6 +36,7 @@ log = logging.getLogger("tiergate")
 # client's connection was lost (``gateway.server.Hangup``)
 HANGUP = "tiergate.hangup"
 
+
 class ClientGone(Exception):
     """The client disconnected before its request body was complete."""
 

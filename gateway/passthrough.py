@@ -264,7 +264,7 @@ class Passthrough:
         raw_path = raw_full[len(b"/v1/"):].decode("latin-1")
         query = scope.get("query_string", b"")
         target = "/" + raw_path + ("?" + query.decode("latin-1") if query else "")
-        watch = Watch(ex, receive)
+        watch = Watch(ex, receive, scope)
         streamed = raw is None
         gw.begin(ex, watch, now=not streamed)
         try:

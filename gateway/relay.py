@@ -168,14 +168,14 @@ class Template:
         text up to its closing quote, the mid (and an obfuscation value of letters and digits), and a text that is a
         valid JSON string (one that is not fails the chunk's parse on the full path: it is then no token; a raw LF or
         CR would also frame the event differently); a text of plain ASCII without escapes is valid as it is."""
-        head, mid, hl, ml = self.head, self.mid, self._hl, self._ml
+        head, mid, hl, ml, wild = self.head, self.mid, self._hl, self._ml, self.wild
         n, pos, tokens = len(chunk), 0, 0
         while True:
             if not chunk.startswith(head, pos):
                 return -1
             start = pos + hl
             end = chunk.find(b'"', start)
-            if end > start and chunk[end - 1] == 92:  # maybe an escaped quote: find the real end
+            if end > start and chunk[end - 1] == 92:  # maybe escaped: _closing_quote, called only then (hot path)
                 end = _closing_quote(chunk, start)
             if end < 0 or not chunk.startswith(mid, end):
                 return -1
@@ -185,7 +185,7 @@ class Template:
                 except JSONDecodeError:
                     return -1
             pos = end + ml
-            if self.wild:  # the obfuscation value, up to '"}' and the blank line
+            if wild:  # the obfuscation value, up to '"}' and the blank line
                 close = chunk.find(b'"}\n\n', pos)
                 if close < 0 or close > pos and not chunk[pos:close].isalnum():  # ASCII letters and digits, or none
                     return -1

@@ -40,18 +40,26 @@ _JSON_BY_DEFAULT = frozenset({b"/v1/chat/completions", b"/v1/responses"})
 
 
 class Hangup:
-    """The ``tiergate.hangup`` ASGI extension of one request: set ``callback``, and the server calls it once, on the
-    event loop, when the client's connection is lost (or refused) before the response was complete; the moment
-    uvicorn's ``receive()`` would start answering ``http.disconnect``. An app then needs no task of its own awaiting
-    that message (one task per request: measured, ~10 us of CPU per request). Set it back to None to stop.
+    """The ``tiergate.hangup`` ASGI extension of one request: :meth:`watch` a callback, and the server calls it once,
+    on the event loop, when the client's connection is lost (or refused) before the response was complete: the moment
+    uvicorn's ``receive()`` would start answering ``http.disconnect``; at once if that already happened. An app then
+    needs no task of its own awaiting that message (one task per request: measured, ~10 us of CPU per request).
+    ``watch(None)`` stops.
     """
 
-    __slots__ = ("callback",)
+    __slots__ = ("callback", "gone")
 
     def __init__(self) -> None:
         self.callback: Callable[[], None] | None = None
+        self.gone = False
+
+    def watch(self, callback: Callable[[], None] | None) -> None:
+        self.callback = callback
+        if self.gone and callback is not None:
+            self.fire()
 
     def fire(self) -> None:
+        self.gone = True
         callback, self.callback = self.callback, None
         if callback is not None:
             callback()

@@ -287,3 +287,23 @@ async def test_a_request_leaves_no_reference_cycle_for_the_garbage_collector(tmp
         gc.enable()
     # a fresh app per call makes a little of its own (its registry, its config): none of it per request
     assert len(garbage) < 100, sorted(set(garbage))
+
+
+def test_hangup_calls_back_once_and_also_when_the_client_left_before_the_watch() -> None:
+    from gateway.server import Hangup
+
+    calls: list[str] = []
+    h = Hangup()
+    h.watch(lambda: calls.append("a"))
+    h.fire()
+    h.fire()  # connection_lost after a refusal: never a second call
+    assert calls == ["a"]
+    late = Hangup()
+    late.fire()  # lost while a streamed upload was still being read: nothing watched yet
+    late.watch(lambda: calls.append("late"))
+    assert calls == ["a", "late"]
+    stopped = Hangup()
+    stopped.watch(lambda: calls.append("stopped"))
+    stopped.watch(None)
+    stopped.fire()
+    assert calls == ["a", "late"]
