@@ -35,10 +35,13 @@ pytestmark = pytest.mark.skipif(
 
 PRICES = {"fast": {"input": 0.6, "cached_input": 0.15, "output": 1.2},
           "standard": {"input": 0.35, "cached_input": 0.1, "output": 0.75}}  # USD per million tokens
-# (tier, TTFT ms, tokens/s, tokens, usage): TTFTs and rates sit inside one bucket each, away from its bounds
-FAST = ("fast", 35, 880, 60, True)  # TTFT bucket (0.025, 0.05], tokens/s bucket (750, 1000]
-STANDARD = ("standard", 350, 45, 10, True)  # TTFT bucket (0.3, 0.4], tokens/s bucket (40, 50]
-FAST_NO_USAGE = ("fast", 35, 880, 60, False)
+# (tier, TTFT ms, tokens/s, tokens, usage): TTFTs and rates sit inside one bucket each, on the side a delay cannot
+# leave it by: a scheduler delay only adds to TTFT and to the time per output token, and only lowers tokens/s, so
+# TTFT sits near its bucket's low bound and tokens/s near its high one (a starved CI runner once put one 35 ms
+# TTFT past 50 ms, and eight requests make that one the p95)
+FAST = ("fast", 28, 960, 60, True)  # TTFT (0.025, 0.05], tokens/s (750, 1000], time per token 1.04 ms (0.001, 0.00125]
+STANDARD = ("standard", 310, 48, 10, True)  # TTFT (0.3, 0.4], tokens/s (40, 50], 20.8 ms (0.02, 0.025]
+FAST_NO_USAGE = ("fast", 28, 960, 60, False)
 WAVE = [FAST, FAST, FAST, STANDARD, STANDARD, FAST_NO_USAGE]  # sent twice: before and after a scrape
 WORKER_REQUESTS = 30
 
@@ -184,8 +187,8 @@ def _within_bucket(value: float, low: float, high: float) -> bool:
 def test_ttft_quantiles_per_tier_land_in_the_known_buckets(world: World) -> None:
     q = world.prom.by('histogram_quantile(0.5, sum by (tier, le) '
                       '(tiergate_time_to_first_token_seconds_bucket{job="tiergate"}))', "tier")
-    assert _within_bucket(q["fast"], 0.025, 0.05), q  # 35 ms
-    assert _within_bucket(q["standard"], 0.3, 0.4), q  # 350 ms
+    assert _within_bucket(q["fast"], 0.025, 0.05), q  # 28 ms
+    assert _within_bucket(q["standard"], 0.3, 0.4), q  # 310 ms
     # the README's form, over a rate: the second wave's increase, same buckets
     q = world.prom.by('histogram_quantile(0.95, sum by (tier, le) '
                       '(rate(tiergate_time_to_first_token_seconds_bucket{job="tiergate"}[1m])))', "tier")
@@ -196,12 +199,12 @@ def test_ttft_quantiles_per_tier_land_in_the_known_buckets(world: World) -> None
 def test_tokens_per_second_quantiles_per_tier(world: World) -> None:
     q = world.prom.by('histogram_quantile(0.5, sum by (tier, le) '
                       '(rate(tiergate_output_tokens_per_second_bucket{job="tiergate"}[1m])))', "tier")
-    assert _within_bucket(q["fast"], 750, 1000), q  # 880 tokens/s
-    assert _within_bucket(q["standard"], 40, 50), q  # 45 tokens/s
+    assert _within_bucket(q["fast"], 750, 1000), q  # 960 tokens/s
+    assert _within_bucket(q["standard"], 40, 50), q  # 48 tokens/s
     q = world.prom.by('histogram_quantile(0.5, sum by (tier, le) '
                       '(tiergate_time_per_output_token_seconds_bucket{job="tiergate"}))', "tier")
-    assert _within_bucket(q["fast"], 0.001, 0.00125), q  # 1.14 ms
-    assert _within_bucket(q["standard"], 0.02, 0.025), q  # 22.2 ms
+    assert _within_bucket(q["fast"], 0.001, 0.00125), q  # 1.04 ms
+    assert _within_bucket(q["standard"], 0.02, 0.025), q  # 20.8 ms
 
 
 def test_tokens_cost_and_requests_by_tier(world: World) -> None:
