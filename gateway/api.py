@@ -52,7 +52,7 @@ from gateway.errors import (
     event_error,
 )
 from gateway.estimates import Estimates
-from gateway.exchange import CLOSE, HANGUP, ClientGone, Exchange, Headers, headers_of, read_body
+from gateway.exchange import CLOSE, HANGUP, KEY_SCOPE, ClientGone, Exchange, Headers, headers_of, read_body
 from gateway.health import Health
 from gateway.keys import Hold, Key, Ledger, MemoryLedger, Refusal, Spend, bounded
 from gateway.metrics import Metrics, decode_speed
@@ -77,6 +77,24 @@ KINDS = {"/v1/chat/completions": "chat", "/v1/responses": "responses"}  # the ho
 
 _NO_EXTENSIONS: dict[str, Any] = {}
 
+
+
+def key_tiers(key: Key, decision: Decision) -> Decision:
+    """``decision`` with only the candidates on the tiers ``key`` may use, failover ones included
+    (``x-tiergate-fallback: key_tier`` when the first moved); ``decision`` itself when all are allowed. No side
+    effect: the route endpoint shows it as the request would get it.
+
+    Raises:
+        KeyNotAllowed: no upstream on those tiers serves the request (403).
+    """
+    allowed = tuple(c for c in decision.candidates if c.upstream.tier in key.cfg.tiers)
+    if not allowed:
+        raise KeyNotAllowed(f"The gateway key '{key.name}' may use the {' and '.join(key.cfg.tiers)} tier, and no "
+                            f"upstream there serves `{decision.model}`.", param="model")
+    if len(allowed) == len(decision.candidates):
+        return decision
+    moved = allowed[0] is not decision.candidates[0]
+    return dataclasses.replace(decision, candidates=allowed, fallback="key_tier" if moved else decision.fallback)
 
 class Watch:
     """What tells a request that its client left: it then cancels the request's task (``ex.task``) wherever it is,
@@ -382,22 +400,16 @@ class Gateway:
         return decision, None
 
     def on_key_tiers(self, key: Key, decision: Decision) -> Decision:
-        """``decision`` with only the candidates on the tiers ``key`` may use, failover ones included
-        (``x-tiergate-fallback: key_tier`` when the first moved; counted).
+        """``decision`` with only the candidates on the tiers ``key`` may use (:func:`key_tiers`), a first candidate
+        that moved counted as a ``key_tier`` downgrade.
 
         Raises:
             KeyNotAllowed: no upstream on those tiers serves the request (403).
         """
-        allowed = tuple(c for c in decision.candidates if c.upstream.tier in key.cfg.tiers)
-        if not allowed:
-            raise KeyNotAllowed(f"The gateway key '{key.name}' may use the {' and '.join(key.cfg.tiers)} tier, and no "
-                                f"upstream there serves `{decision.model}`.", param="model")
-        if len(allowed) == len(decision.candidates):
-            return decision
-        moved = allowed[0] is not decision.candidates[0]
-        if moved:
+        narrowed = key_tiers(key, decision)
+        if narrowed.candidates[0] is not decision.candidates[0]:
             self.metrics.key_downgrades.labels(key.name, "key_tier").inc()
-        return dataclasses.replace(decision, candidates=allowed, fallback="key_tier" if moved else decision.fallback)
+        return narrowed
 
     def off_fast(self, key: Key, decision: Decision, refused: Refusal) -> Decision:
         """``decision`` without its fast-tier candidates: ``key``'s fast allowance is spent (``key_allowance``;
@@ -924,7 +936,10 @@ class Gateway:
     # not the hot path
 
     async def route(self, request: Request) -> Response:
-        """``POST /v1/tiergate/route``: the decision and its trace for a chat-completions body; no upstream call."""
+        """``POST /v1/tiergate/route``: the decision and its trace for a chat-completions or Responses body, narrowed to
+        the tiers of the caller's gateway key (a 403 where serving it would be one); no upstream call, nothing
+        counted or reserved."""
+        key: Key | None = request.scope.get(KEY_SCOPE)
         try:
             headers = {k.lower(): v for k, v in request.headers.items()}
             raw = await read_body(headers, request.receive, self.config.limits.max_request_bytes)
@@ -937,6 +952,8 @@ class Gateway:
             facts = (await self._responses_facts(body, headers, len(raw), refresh=False) if responses
                      else RequestFacts(body, headers, len(raw)))
             decision = self.policy.decide(facts, explain=True)
+            if key is not None:  # what the request's key allows, as serving it would (its limits are not reserved)
+                decision = key_tiers(key, decision)
             budget = deadline.budget(facts, decision.route)
         except GatewayError as exc:
             return error_response(exc, {})
@@ -954,6 +971,7 @@ class Gateway:
                            for c in decision.candidates],
             "skipped": [{"upstream": name, "reason": why} for name, why in decision.skipped],
             "facts": facts.as_dict(),
+            "key": None if key is None else {"name": key.name, "tiers": list(key.cfg.tiers)},
             "trace": list(decision.trace),
             "deadline": None,
             "estimates": self._estimates_of(decision, facts),

@@ -113,7 +113,7 @@ async def test_a_budget_refuses_with_insufficient_quota_and_the_fast_allowance_i
 # --- real gateway processes ------------------------------------------------------------------------------------------
 
 KEYS = {name: new_key() for name in ("product", "batch", "rpm", "budget", "allowance", "shared", "shared-budget",
-                                     "allowance-failover")}
+                                     "allowance-failover", "fast-only")}
 PRICE = {"input": 1000.0, "output": 1000.0}  # USD per million tokens: a request costs cents, so budgets bite fast
 
 
@@ -127,7 +127,7 @@ def _config(fast: EmulatorThread, standard: EmulatorThread, **extra: Any) -> dic
             {"name": "emu-fast", "tier": "fast", "base_url": fast.base_url, "dialect": "cerebras",
              "models": {"gpt-5.6": "gpt-5.6-wse"}, "prices": PRICE},
             {"name": "emu-standard", "tier": "standard", "base_url": standard.base_url, "dialect": "openai",
-             "models": {"gpt-5.6": "gpt-5.6-2026-10-01"}, "prices": PRICE},
+             "models": {"gpt-5.6": "gpt-5.6-2026-10-01", "gpt-5.4-mini": "gpt-5.4-mini"}, "prices": PRICE},
         ],
         "aliases": {"gpt-5.6-sol-fast": {"model": "gpt-5.6", "tier": "fast"}},
         "auth": {"keys": [
@@ -139,6 +139,7 @@ def _config(fast: EmulatorThread, standard: EmulatorThread, **extra: Any) -> dic
             key("shared", limits={"requests_per_minute": 6}),
             key("shared-budget", limits={"usd_per_day": 0.3}),
             key("allowance-failover", fast={"requests_per_minute": 2}),
+            key("fast-only", tiers=["fast"]),
         ]},
         **extra,
     }
@@ -223,6 +224,30 @@ def test_a_standard_only_key_asking_for_the_fast_tier_is_served_by_the_standard_
     assert plain.headers["x-tiergate-rule"] == "workload" and plain.headers["x-tiergate-tier"] == "standard"
     fast = _ask(_client(gateway, "product"))
     assert fast.headers["x-tiergate-tier"] == "fast"
+
+
+def test_the_route_endpoint_shows_what_the_key_allows_and_refuses_what_it_would_refuse(gateway: Proc) -> None:
+    url = f"http://127.0.0.1:{gateway.port}/v1"
+    body = {"model": "gpt-5.6-sol-fast", "messages": [{"role": "user", "content": "hi"}]}
+    before = httpx.get(f"http://127.0.0.1:{gateway.port}/metrics").text
+    route = httpx.post(url + "/tiergate/route", headers={"authorization": f"Bearer {KEYS['batch']}"}, json=body).json()
+    assert [c["tier"] for c in route["candidates"]] == ["standard"] and route["fallback"] == "key_tier", route
+    assert route["key"] == {"name": "batch", "tiers": ["standard"]}
+    assert route["tier"] == "fast"  # the rule's tier (the alias); the candidates are what the key lets serve it
+    mine = httpx.post(url + "/tiergate/route", headers={"authorization": f"Bearer {KEYS['product']}"}, json=body).json()
+    assert [c["tier"] for c in mine["candidates"]] == ["fast", "standard"] and mine["fallback"] is None, mine
+    # a model only the standard tier serves, for a fast-only key: the request is a 403 the SDK raises, and the
+    # route endpoint gives the same error
+    with pytest.raises(openai.PermissionDeniedError) as info:
+        _ask(_client(gateway, "fast-only"), model="gpt-5.4-mini")
+    assert info.value.code == "tier_not_allowed" and "fast tier" in info.value.message
+    refused = httpx.post(url + "/tiergate/route", headers={"authorization": f"Bearer {KEYS['fast-only']}"},
+                         json={**body, "model": "gpt-5.4-mini"})
+    assert refused.status_code == 403 and refused.json()["error"] == info.value.body
+    assert info.value.body["param"] == "model" and info.value.body["type"] == "invalid_request_error"
+    after = httpx.get(f"http://127.0.0.1:{gateway.port}/metrics").text  # the route endpoint counted nothing
+    assert sample(after, "tiergate_key_downgrades_total", key="batch", reason="key_tier") == \
+        sample(before, "tiergate_key_downgrades_total", key="batch", reason="key_tier")
 
 
 def test_requests_per_minute_under_concurrency_admit_exactly_the_limit(gateway: Proc) -> None:
