@@ -1,6 +1,6 @@
 """Interleaved A/B of gateway variants: CPU per 1,000 relayed chunks and per plain request, next to minproxy.
 
-    .venv/bin/python -m bench.ab [--rounds N] [--phases chunks,rps] [--tokens 300] NAME=SPEC [NAME=SPEC ...]
+    .venv/bin/python -m bench.ab [--rounds N] [--phases chunks,rps] [--tokens 300] [--keys] NAME=SPEC [NAME=SPEC ...]
 
 Each ``NAME=SPEC`` is one process on CPU 1 (the bench upstream and this load generator on CPU 0, as ``bench.run``):
 ``minproxy`` (``bench/minproxy.py``), ``NAME=`` (the gateway of this tree), ``NAME=@DIR`` (the gateway of another
@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phases", default="chunks,rps", help="chunks, rps or both (default)")
     p.add_argument("--tokens", type=int, default=300, help="tokens per stream in the chunks phase (default 300)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "ab", help="where the process logs go")
+    p.add_argument("--keys", action="store_true", help="gateway keys on, as bench.run's keys variant")
     a = p.parse_args(argv)
     phases = {x.strip() for x in a.phases.split(",") if x.strip()}
     if not phases <= {"chunks", "rps"} or a.rounds < 1 or a.tokens < 2:
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
                         a.out / "upstream.log", cwd=ROOT)
         up_port = procs.wait_upstream_ready(up)
         cfg = a.out / "gateway.yaml"
-        cfg.write_text(procs.gateway_config(up_port))
+        cfg.write_text(procs.gateway_config(up_port, keys=a.keys))
         targets: dict[str, tuple[int, str]] = {}
         for spec in a.targets:
             name, _, rest = spec.partition("=")
@@ -107,7 +108,7 @@ async def _measure(targets: dict[str, tuple[int, str]], phases: set[str], rounds
 
 
 def _check(name: str, tally: Any) -> None:
-    if tally.error_count():
+    if tally.error_count:
         raise SystemExit(f"{name}: errors {dict(tally.errors)}")
 
 
