@@ -949,12 +949,19 @@ class Gateway:
                 probe = None  # the parser below says what is wrong with it
             responses = not (isinstance(probe, dict) and "messages" in probe)  # which API's body it is
             body = parse_responses_request(raw) if responses else parse_chat_request(raw)
-            facts = (await self._responses_facts(body, headers, len(raw), refresh=False) if responses
-                     else RequestFacts(body, headers, len(raw)))
+            defaults = key.cfg.metadata if key is not None else None  # the key's metadata, as serving reads it
+            facts = (await self._responses_facts(body, headers, len(raw), refresh=False, defaults=defaults)
+                     if responses else RequestFacts(body, headers, len(raw), defaults=defaults))
             decision = self.policy.decide(facts, explain=True)
-            if key is not None:  # what the request's key allows, as serving it would (its limits are not reserved)
-                decision = key_tiers(key, decision)
             budget = deadline.budget(facts, decision.route)
+            choice = None
+            if budget is not None:  # what the request would get, without counting it as explored or probed
+                choice = deadline.choose(decision, facts, budget, self.estimates, self.health.clock(),
+                                         self.explorer.preview())
+                decision = dataclasses.replace(decision, candidates=choice.candidates, deadline=choice,
+                                               fallback=choice.fallback)
+            if key is not None:  # then the key's tiers, in serving's order (its limits are not reserved)
+                decision = key_tiers(key, decision)
         except GatewayError as exc:
             return error_response(exc, {})
         except ClientGone:
@@ -973,16 +980,11 @@ class Gateway:
             "facts": facts.as_dict(),
             "key": None if key is None else {"name": key.name, "tiers": list(key.cfg.tiers)},
             "trace": list(decision.trace),
-            "deadline": None,
+            # tier and rule stay the rule's; the first candidate is what serves
+            "deadline": None if choice is None else {**choice.as_dict(), "reason": deadline.describe(choice),
+                                                     "fallback": choice.fallback},
             "estimates": self._estimates_of(decision, facts),
         }
-        if budget is not None:  # what the request would get, without counting it as explored or probed
-            choice = deadline.choose(decision, facts, budget, self.estimates, self.health.clock(),
-                                     self.explorer.preview())
-            out["deadline"] = {**choice.as_dict(), "reason": deadline.describe(choice), "fallback": choice.fallback}
-            out["fallback"] = choice.fallback  # tier and rule stay the rule's; the first candidate is what serves
-            out["candidates"] = [next(c for c in out["candidates"] if c["upstream"] == cand.upstream.name)
-                                 for cand in choice.candidates]
         return Response(dumps(out), 200, media_type="application/json")
 
     def _estimates_of(self, decision: Decision, facts: RequestFacts) -> list[dict[str, Any]]:

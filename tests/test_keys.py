@@ -125,9 +125,10 @@ def _config(fast: EmulatorThread, standard: EmulatorThread, **extra: Any) -> dic
         "max_attempts": 1,
         "upstreams": [
             {"name": "emu-fast", "tier": "fast", "base_url": fast.base_url, "dialect": "cerebras",
-             "models": {"gpt-5.6": "gpt-5.6-wse"}, "prices": PRICE},
+             "models": {"gpt-5.6": "gpt-5.6-wse", "gpt-5.5": "gpt-5.5-wse"}, "prices": PRICE},
             {"name": "emu-standard", "tier": "standard", "base_url": standard.base_url, "dialect": "openai",
-             "models": {"gpt-5.6": "gpt-5.6-2026-10-01", "gpt-5.4-mini": "gpt-5.4-mini"}, "prices": PRICE},
+             "models": {"gpt-5.6": "gpt-5.6-2026-10-01", "gpt-5.4-mini": "gpt-5.4-mini", "gpt-5.5": "gpt-5.5"},
+             "prices": PRICE},
         ],
         "aliases": {"gpt-5.6-sol-fast": {"model": "gpt-5.6", "tier": "fast"}},
         "auth": {"keys": [
@@ -248,6 +249,33 @@ def test_the_route_endpoint_shows_what_the_key_allows_and_refuses_what_it_would_
     after = httpx.get(f"http://127.0.0.1:{gateway.port}/metrics").text  # the route endpoint counted nothing
     assert sample(after, "tiergate_key_downgrades_total", key="batch", reason="key_tier") == \
         sample(before, "tiergate_key_downgrades_total", key="batch", reason="key_tier")
+
+
+def test_the_route_endpoint_agrees_with_what_a_request_with_the_same_key_gets(gateway: Proc) -> None:
+    # the key's default metadata (batch: workload batch) and the order serving applies deadline routing, then the
+    # key's tiers: the route endpoint's rule, first candidate and fallback are the served request's headers. gpt-5.5
+    # is unmeasured on the fast tier: the first deadline request probes it there (and the batch key then moves it to
+    # the standard tier: key_tier); the second, its probe spent, is routed by deadline (deadline)
+    url = f"http://127.0.0.1:{gateway.port}/v1"
+    deadline = {"x-tiergate-tier": "fast", "x-tiergate-deadline-ms": "60000"}
+    cases = [("batch", "gpt-5.6", {}), ("batch", "gpt-5.6-sol-fast", {}), ("product", "gpt-5.6", {}),
+             ("batch", "gpt-5.6", deadline), ("product", "gpt-5.6", deadline),
+             ("batch", "gpt-5.5", deadline), ("batch", "gpt-5.5", deadline)]
+    fallbacks = []
+    for name, model, extra in cases:
+        headers = {"authorization": f"Bearer {KEYS[name]}", **extra}
+        body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        route = httpx.post(url + "/tiergate/route", headers=headers, json=body).json()
+        served = httpx.post(url + "/chat/completions", headers=headers, json=body)
+        assert served.status_code == 200, served.text
+        got = (route["rule"], route["candidates"][0]["upstream"], route["fallback"])
+        assert got == (served.headers["x-tiergate-rule"], served.headers["x-tiergate-upstream"],
+                       served.headers.get("x-tiergate-fallback")), (name, model, extra, route)
+        fallbacks.append(route["fallback"])
+    assert fallbacks[-2:] == ["key_tier", "deadline"], fallbacks
+    route = httpx.post(url + "/tiergate/route", headers={"authorization": f"Bearer {KEYS['batch']}"},
+                       json={"model": "gpt-5.6", "input": "hi"}).json()  # a Responses body: the same defaults
+    assert route["api"] == "responses" and route["rule"] == "workload", route
 
 
 def test_requests_per_minute_under_concurrency_admit_exactly_the_limit(gateway: Proc) -> None:
