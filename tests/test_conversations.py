@@ -129,6 +129,27 @@ def test_get_input_items_and_delete(gw: Proc) -> None:
     assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_a_native_upstreams_responses_are_retrieved_and_deleted_there(gw: Proc, ups: dict[str, EmulatorThread]) -> None:
+    # gpt-5.6 goes to the standard tier's native Responses API: the response is the upstream's, and so are GET and
+    # DELETE of it (response_affinity); the emulator keeps what it made, as OpenAI does, so the demo's standard tier
+    # answers them too
+    client = _client(gw)
+    n_std = len(ups["standard"].requests)
+    r1 = client.responses.create(model="gpt-5.6", input="Hello")
+    r2 = client.responses.create(model="gpt-5.6", previous_response_id=r1.id, input="Again")
+    assert r2.previous_response_id == r1.id
+    got = client.responses.with_raw_response.retrieve(r2.id)
+    assert got.headers["x-tiergate-upstream"] == "emu-standard"
+    assert got.parse().id == r2.id and got.parse().output_text == r2.output_text
+    assert client.responses.delete(r2.id) is None
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.retrieve(r2.id)
+    assert info.value.body["code"] == "response_not_found"  # type: ignore[index]
+    assert [(r.method, r.path.split("?")[0]) for r in ups["standard"].requests[n_std:]] == [
+        ("POST", "/v1/responses"), ("POST", "/v1/responses"), ("GET", f"/v1/responses/{r2.id}"),
+        ("DELETE", f"/v1/responses/{r2.id}"), ("GET", f"/v1/responses/{r2.id}")]
+
+
 def test_store_false_keeps_nothing(gw: Proc) -> None:
     resp = _create(gw, model=FAST, input="Forget me", store=False)
     assert resp.status_code == 200 and resp.json()["store"] is False

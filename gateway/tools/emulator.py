@@ -8,7 +8,8 @@ It answers in two ways:
   ``[DONE]``) or the Cerebras dialect (usage and ``time_info`` on the finish chunk, no ``[DONE]``); answers
   non-streaming requests after the same simulated generation time (OpenAI dialect: with an
   ``openai-processing-ms`` header); serves ``/v1/responses`` the same way (OpenAI dialect only: Cerebras' API
-  has none; a ``previous_response_id`` it did not make is a 400 ``previous_response_not_found``, as OpenAI's);
+  has none; a ``previous_response_id`` it did not make is a 400 ``previous_response_not_found``, as OpenAI's;
+  ``GET`` / ``DELETE /v1/responses/{id}`` read and remove the responses it made);
   acts enough like a model for agents to run (tool calls, JSON answers, ``n``, token limits: :class:`Generation`);
   and replays a recorded transcript from ``shared/fixtures/upstream`` at the configured pace;
 * **by script**: a ``handler(Received) -> Plan | None`` given in Python (tests: :class:`EmulatorThread`) plays
@@ -188,12 +189,19 @@ class Emulator:
         self.requests: list[Received] = []
         self.opened = 0
         self.closed_at: list[float] = []
-        # ids of the Responses API responses made (newest last, bounded): a follow-up to any other is refused, as
-        # OpenAI refuses it, so that a gateway that starts a conversation afresh is caught
-        self.responses_made: OrderedDict[str, None] = OrderedDict()
+        # the Responses API responses made, by id (newest last, bounded): a follow-up to any other is refused, as
+        # OpenAI refuses it, so that a gateway that starts a conversation afresh is caught; GET and DELETE
+        # /v1/responses/{id} read and remove them, as OpenAI's do
+        self.responses_made: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.surface = Surface()  # files, batches, ... (the rest of the /v1 surface)
         self.window: tuple[float, int] = (0.0, 0)  # the token budget's window: (its start, loop time; tokens spent)
         self._log: TextIO | None = timing_log.open("a", buffering=1) if timing_log else None
+
+    def made(self, response: dict[str, Any]) -> None:
+        """Keep a Responses API ``response`` (its final form) by id, the oldest forgotten past 10,000."""
+        self.responses_made[response["id"]] = response
+        if len(self.responses_made) > 10_000:
+            self.responses_made.popitem(last=False)
 
     def protocol(self) -> EmulatorProtocol:
         """A protocol for one new connection (``loop.create_server(emulator.protocol, ...)``)."""
@@ -320,6 +328,8 @@ class EmulatorProtocol(asyncio.Protocol):
             self._admin(req)
             return
         under = path.split(b"/v1/", 1)[-1].decode("latin-1")
+        if self._stored_response(req.method, under):
+            return
         if under not in ("chat/completions", "responses") and self.emulator.surface.handle(
                 self, req.method.decode(), under, req.headers, b"".join(req.body)):
             return  # the rest of the /v1 surface (gateway.tools.surface)
@@ -353,11 +363,28 @@ class EmulatorProtocol(asyncio.Protocol):
             return
         gen = Generation(self, body, d, responses=path.endswith(b"/responses"))
         if gen.responses:
-            made = self.emulator.responses_made
-            made[gen.response_id] = None
-            if len(made) > 10_000:
-                made.popitem(last=False)
+            self.emulator.made(gen.final_response())
         gen.start()
+
+    def _stored_response(self, method: bytes, under: str) -> bool:
+        """``GET`` / ``DELETE /v1/responses/{id}`` (OpenAI API reference: retrieve and delete a model response): the
+        response as its stream ended, or ``{"id", "object": "response", "deleted": true}``; 404 for an id not made
+        here (or deleted). False for any other request (``under``: the path after ``/v1/``)."""
+        response_id = under.removeprefix("responses/")
+        if response_id == under or "/" in response_id or method not in (b"GET", b"DELETE"):
+            return False
+        made = self.emulator.responses_made
+        found = made.get(response_id)
+        if found is None:
+            self._reply(404, orjson.dumps({"error": {"message": f"No response found with id '{response_id}'.",
+                                                     "type": "invalid_request_error", "param": "response_id",
+                                                     "code": "response_not_found"}}))
+        elif method == b"GET":
+            self._reply(200, orjson.dumps(found))
+        else:
+            del made[response_id]
+            self._reply(200, orjson.dumps({"id": response_id, "object": "response", "deleted": True}))
+        return True
 
     def _charge(self, body: dict[str, Any]) -> bool:
         """Charge the request to the token budget (module docstring); False when it was answered 429 instead."""
@@ -886,6 +913,10 @@ class Generation:
         content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
         return {"id": "msg_emu", "type": "message", "status": status, "role": "assistant", "content": content}
 
+    def final_response(self) -> dict[str, Any]:
+        """The Responses API ``response`` as it ends: ``completed``, or ``incomplete`` at the token limit."""
+        return self._response("incomplete" if self.finish == "length" else "completed")
+
     def _response(self, status: str) -> dict[str, Any]:
         """A Responses API ``response`` object (OpenAPI ``Response``), minimal."""
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
@@ -894,7 +925,8 @@ class Generation:
                                "output": [], "usage": None,
                                "incomplete_details": incomplete, "parallel_tool_calls": True,
                                "tool_choice": self.body.get("tool_choice", "auto"),
-                               "tools": self.body.get("tools") or []}
+                               "tools": self.body.get("tools") or [],
+                               "previous_response_id": self.body.get("previous_response_id")}
         if status in ("completed", "incomplete"):
             out["output"] = [self._output_item("completed")]
             if self.with_usage:
@@ -951,8 +983,7 @@ class Generation:
 
     def _whole(self) -> None:
         if self.responses:
-            self.proto._reply(200, orjson.dumps(self._response("incomplete" if self.finish == "length" else
-                                                                "completed")))
+            self.proto._reply(200, orjson.dumps(self.final_response()))
             return
         text = self._text(0, self.tokens)
         if self.tool is not None:
