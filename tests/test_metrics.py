@@ -38,8 +38,10 @@ def test_known_stream_lands_in_the_right_buckets(stack: Stack, model: str, tier:
     # 1.333 ms per token: above the 1.25 ms bound, inside the 1.5 ms one
     assert _delta(before, after, TPOT + "_bucket", le="0.00125", **lab) == 0
     assert _delta(before, after, TPOT + "_bucket", le="0.0015", **lab) == 1
+    # the figure itself, one-sided: a scheduler delay in the emulator only slows the decode (a starved CI runner
+    # once paced it at 1.40 ms), and test_accuracy holds it to 2 % of what the emulator's own clock logged
     tpot = _delta(before, after, TPOT + "_sum", **lab)
-    assert tpot == pytest.approx(1 / 750, rel=0.03)
+    assert 0.97 / 750 <= tpot <= 0.0015
     assert _delta(before, after, TPS + "_bucket", le="600.0", **lab) == 0
     assert _delta(before, after, TPS + "_bucket", le="1000.0", **lab) == 1
     assert _delta(before, after, "tiergate_tokens_total", token_type="output", **lab) == 200
