@@ -78,7 +78,6 @@ KINDS = {"/v1/chat/completions": "chat", "/v1/responses": "responses"}  # the ho
 _NO_EXTENSIONS: dict[str, Any] = {}
 
 
-
 def key_tiers(key: Key, decision: Decision) -> Decision:
     """``decision`` with only the candidates on the tiers ``key`` may use, failover ones included
     (``x-tiergate-fallback: key_tier`` when the first moved); ``decision`` itself when all are allowed. No side
@@ -95,6 +94,7 @@ def key_tiers(key: Key, decision: Decision) -> Decision:
         return decision
     moved = allowed[0] is not decision.candidates[0]
     return dataclasses.replace(decision, candidates=allowed, fallback="key_tier" if moved else decision.fallback)
+
 
 class Watch:
     """What tells a request that its client left: it then cancels the request's task (``ex.task``) wherever it is,
@@ -779,11 +779,15 @@ class Gateway:
         if est is not None and waited > est.ttft(facts.prompt_tokens, tail=False):
             self.estimates.observe_ttft(up.name, model, now, prompt_tokens=facts.prompt_tokens, ttft=waited)
 
-    def _by_deadline(self, decision: Decision, facts: RequestFacts, budget: deadline.Budget) -> Decision:
-        """The decision with its candidates ordered by deadline routing (``gateway.deadline``), counted."""
-        choice = deadline.choose(decision, facts, budget, self.estimates, self.health.clock(), self.explorer)
-        chosen = choice.candidates[0].upstream
-        self.metrics.child(self.metrics.deadline_decisions, chosen.tier, chosen.name, choice.verdict).inc()
+    def _by_deadline(self, decision: Decision, facts: RequestFacts, budget: deadline.Budget,
+                     preview: bool = False) -> Decision:
+        """The decision with its candidates ordered by deadline routing (``gateway.deadline``), counted; with
+        ``preview`` (the route endpoint), what a request would get now: nothing counted, explored or probed."""
+        choice = deadline.choose(decision, facts, budget, self.estimates, self.health.clock(),
+                                 self.explorer.preview() if preview else self.explorer)
+        if not preview:
+            chosen = choice.candidates[0].upstream
+            self.metrics.child(self.metrics.deadline_decisions, chosen.tier, chosen.name, choice.verdict).inc()
         return dataclasses.replace(decision, candidates=choice.candidates, deadline=choice, fallback=choice.fallback)
 
     def _broke(self, ex: Exchange, attempt: Attempt, stats: StreamStats) -> None:
@@ -954,12 +958,8 @@ class Gateway:
                      if responses else RequestFacts(body, headers, len(raw), defaults=defaults))
             decision = self.policy.decide(facts, explain=True)
             budget = deadline.budget(facts, decision.route)
-            choice = None
-            if budget is not None:  # what the request would get, without counting it as explored or probed
-                choice = deadline.choose(decision, facts, budget, self.estimates, self.health.clock(),
-                                         self.explorer.preview())
-                decision = dataclasses.replace(decision, candidates=choice.candidates, deadline=choice,
-                                               fallback=choice.fallback)
+            if budget is not None:
+                decision = self._by_deadline(decision, facts, budget, preview=True)
             if key is not None:  # then the key's tiers, in serving's order (its limits are not reserved)
                 decision = key_tiers(key, decision)
         except GatewayError as exc:
@@ -981,8 +981,8 @@ class Gateway:
             "key": None if key is None else {"name": key.name, "tiers": list(key.cfg.tiers)},
             "trace": list(decision.trace),
             # tier and rule stay the rule's; the first candidate is what serves
-            "deadline": None if choice is None else {**choice.as_dict(), "reason": deadline.describe(choice),
-                                                     "fallback": choice.fallback},
+            "deadline": None if (choice := decision.deadline) is None else {
+                **choice.as_dict(), "reason": deadline.describe(choice), "fallback": choice.fallback},
             "estimates": self._estimates_of(decision, facts),
         }
         return Response(dumps(out), 200, media_type="application/json")
