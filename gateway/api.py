@@ -53,7 +53,7 @@ from gateway.errors import (
 )
 from gateway.estimates import Estimates
 from gateway.exchange import CLOSE, HANGUP, KEY_SCOPE, ClientGone, Exchange, Headers, headers_of, read_body
-from gateway.health import Health
+from gateway.health import Blame, Health
 from gateway.keys import Hold, Key, Ledger, MemoryLedger, Refusal, Spend, bounded
 from gateway.metrics import Metrics, decode_speed
 from gateway.policy import Candidate, Continuation, Decision, Policy, RequestFacts
@@ -282,7 +282,8 @@ class Gateway:
             budget = deadline.budget(facts, decision.route)
         except GatewayError as exc:
             return await ex.error(exc, "client_error")
-        ex.model, ex.stream = decision.model, body.get("stream") is True
+        ex.model, ex.stream, ex.prompt_tokens = decision.model, body.get("stream") is True, facts.prompt_tokens
+        ex.blame = Blame(functools.partial(blame_source, ex.key, raw))
         self.metrics.child(self.metrics.decisions, decision.rule, decision.tier).inc()
         decision = decision if budget is None else self._by_deadline(decision, facts, budget)
         need = min(facts.prompt_tokens + (facts.max_tokens or 0), MAX_NEED)
@@ -345,7 +346,7 @@ class Gateway:
     async def _plan(self, ex: Exchange, decision: Decision, facts: RequestFacts,
                     need: int) -> tuple[Decision, failover.Plan, dict[str, Admission | None]]:
         """The request's candidates (``failover.plan``, from the local health), after its gateway key's say
-        (:meth:`_keyed`); with shared state, its first candidate admitted by the shared quota estimate
+        (:meth:`keyed`); with shared state, its first candidate admitted by the shared quota estimate
         (``gateway.shared``): one the estimate refuses now looks short locally too, so planning again spills it over
         (every candidate short: the first is tried anyway, as without Redis).
 
@@ -354,11 +355,11 @@ class Gateway:
             request), and the admissions made (upstream name -> the :class:`Admission`, or None: Redis asked nothing).
         """
         if ex.key is not None:
-            decision, refusal = await self._keyed(ex, ex.key, decision, facts, need)
+            decision, refusal = await self.keyed(ex, ex.key, decision, facts, need)
             if refusal is not None:
                 outcome = "key_limit" if refusal.status == 429 else "client_error"
                 return decision, failover.Plan([], refusal=refusal, outcome=outcome), {}
-        plan = failover.plan(decision, self.health, self.health.clock(), need, self.config.max_attempts)
+        plan = failover.plan(decision, self.health, self.health.clock(), need, self.config.max_attempts, ex.blame)
         admitted: dict[str, Admission | None] = {}
         for _ in decision.candidates:  # bounded: each refusal takes one candidate out
             if self.shared is None or not plan.candidates:
@@ -368,28 +369,31 @@ class Gateway:
             if admission is None or admission.ok:
                 admitted[first.upstream.name] = admission
                 break
-            again = failover.plan(decision, self.health, self.health.clock(), need, self.config.max_attempts)
+            again = failover.plan(decision, self.health, self.health.clock(), need, self.config.max_attempts,
+                                  ex.blame)
             if not again.candidates or again.candidates[0] is first:
                 admitted[first.upstream.name] = None
                 break
             plan = again
         return decision, plan, admitted
 
-    async def _keyed(self, ex: Exchange, key: Key, decision: Decision, facts: RequestFacts,
-                     need: int) -> tuple[Decision, GatewayError | None]:
-        """What the request's gateway key allows (``gateway.keys``): the candidates on its tiers (:meth:`on_key_tiers`),
-        then a reservation against its limits, at the fast level too when the first candidate is on the fast tier; a
-        fast allowance short sends the request to the other tier (:meth:`off_fast`). Returns the decision, and the
-        refusal (403: no tier it may use serves the model; 429: a limit) or None (``ex.hold`` then holds the
-        reservation).
+    async def keyed(self, ex: Exchange, key: Key, decision: Decision, facts: RequestFacts | None,
+                    need: int) -> tuple[Decision, GatewayError | None]:
+        """What the request's gateway key allows (``gateway.keys``), on every path that reaches an upstream (chat
+        completions, the Responses API and the passthrough alike): the candidates on its tiers (:meth:`on_key_tiers`),
+        then a reservation against its limits of one request, ``need`` tokens (its estimated prompt plus
+        ``max_tokens``) and their estimated cost (:meth:`estimated_cost`; ``facts`` None: a body that is not JSON,
+        reserved as one request), at the fast level too when the first candidate is on the fast tier; a fast allowance
+        short sends the request to the other tier (:meth:`off_fast`). Returns the decision, and the refusal (403: no
+        tier it may use serves the model; 429: a limit) or None (``ex.hold`` then holds the reservation).
         """
         try:
             decision = self.on_key_tiers(key, decision)
-            spend = Spend(1.0, float(need), self._estimated_cost(decision.candidates[0], decision, facts))
+            spend = Spend(1.0, float(need), self.estimated_cost(decision.candidates[0], decision, facts))
             held = await self.ledger.reserve(key, spend, decision.candidates[0].upstream.tier == "fast")
             if isinstance(held, Refusal) and held.level == "fast":
                 decision = self.off_fast(key, decision, held)
-                spend.usd = self._estimated_cost(decision.candidates[0], decision, facts)
+                spend.usd = self.estimated_cost(decision.candidates[0], decision, facts)
                 held = await self.ledger.reserve(key, spend, False)
             if isinstance(held, Refusal):
                 self.metrics.key_refusals.labels(key.name, held.limit).inc()
@@ -425,7 +429,7 @@ class Gateway:
         self.metrics.key_downgrades.labels(key.name, "key_allowance").inc()
         return dataclasses.replace(decision, candidates=rest, fallback="key_allowance")
 
-    async def _fast_allowance(self, hold: Hold, plan: failover.Plan) -> GatewayError | None:
+    async def fast_allowance(self, hold: Hold, plan: failover.Plan) -> GatewayError | None:
         """An attempt on the fast tier that the request's key reservation did not cover (a failover, a spillover, a
         hedge): its fast-tier allowance is reserved now; spent, the attempt is passed over (``key_allowance``)."""
         if not bounded(hold.key, ("fast",)):
@@ -438,10 +442,19 @@ class Gateway:
         return refused.fast_error(hold.key)
 
     @staticmethod
-    def _estimated_cost(cand: Candidate, decision: Decision, facts: RequestFacts) -> float:
+    def estimated_cost(cand: Candidate, decision: Decision, facts: RequestFacts | None) -> float:
         """USD a request is expected to cost on ``cand``: its estimated prompt, and its ``max_tokens`` (else
-        ``deadline.DEFAULT_COMPLETION``), at the upstream's prices (0 when unpriced)."""
-        priced = deadline.price(cand.upstream, decision.model)
+        ``deadline.DEFAULT_COMPLETION``), at the prices ``gateway.metrics`` will bill it at (a model the config does
+        not name: only the upstream's ``model_prices``); 0 when unpriced or without ``facts`` (a body that is not
+        JSON)."""
+        if facts is None:
+            return 0.0
+        up = cand.upstream
+        if decision.rule == "passthrough":  # not a configured model: priced by model_prices alone, as metrics does
+            listed = up.model_prices.get(decision.model)
+            priced = listed.per_token() if listed is not None else None
+        else:
+            priced = deadline.price(up, decision.model)
         if priced is None:
             return 0.0
         return float(facts.prompt_tokens * priced[0] + (facts.max_tokens or deadline.DEFAULT_COMPLETION) * priced[2])
@@ -458,7 +471,7 @@ class Gateway:
         if up.name in plan.queued and not await health.wait_for_slot():
             return self.stayed_busy(plan, up)
         if ex.hold is not None and up.tier == "fast" and not ex.hold.charges("fast"):
-            refused = await self._fast_allowance(ex.hold, plan)
+            refused = await self.fast_allowance(ex.hold, plan)
             if refused is not None:
                 return refused
         if self.shared is None:
@@ -482,7 +495,7 @@ class Gateway:
             span, trace = tracing.start_attempt(ex.span, "chat", up, up.models.get(ex.model, ex.model))
         return Attempt(self.transport, up, verdicts, self.health.clock, need_tokens=need, stream=ex.stream,
                        request_id=ex.rid, path=path, client_key=ex.headers.get("authorization"), span=span,
-                       trace=trace)
+                       trace=trace, blame=ex.blame)
 
     async def _facts(self, ex: Exchange, body: dict[str, Any], size: int) -> RequestFacts:
         """The request's facts; for a Responses request, with what the store knows of the response it continues.
@@ -491,33 +504,43 @@ class Gateway:
             InvalidRequest: ``previous_response_id`` names a response the gateway made that expired or was deleted
                 (400 ``previous_response_not_found``, as OpenAI answers; never a silent fresh start).
         """
-        defaults = ex.key.cfg.metadata if ex.key is not None else None
         if ex.kind != "responses":
-            return RequestFacts(body, ex.headers, size, defaults=defaults)
-        return await self._responses_facts(body, ex.headers, size, refresh=True, defaults=defaults)
+            return RequestFacts(body, ex.headers, size, defaults=ex.key.cfg.metadata if ex.key is not None else None)
+        return await self._responses_facts(body, ex.headers, size, refresh=True, key=ex.key)
 
     async def _responses_facts(self, body: dict[str, Any], headers: dict[str, str], size: int,
-                               refresh: bool, defaults: dict[str, str] | None = None) -> RequestFacts:
-        cont = await self._continuation(body, refresh)
+                               refresh: bool, key: Key | None) -> RequestFacts:
+        cont = await self._continuation(body, refresh, key)
         if cont is not None and cont.history:
             size += len(dumps(list(cont.history)))  # the conversation goes upstream too: routing counts it
-        return RequestFacts(body, headers, size, responses=True, continuation=cont, defaults=defaults)
+        return RequestFacts(body, headers, size, responses=True, continuation=cont,
+                            defaults=key.cfg.metadata if key is not None else None)
 
-    async def _continuation(self, body: dict[str, Any], refresh: bool) -> Continuation | None:
+    async def _continuation(self, body: dict[str, Any], refresh: bool, key: Key | None) -> Continuation | None:
+        """What the store knows of the response a Responses request continues (``previous_response_id``), for the
+        caller's gateway ``key``: only its own responses are found (``gateway.conversations``: owners).
+
+        Raises:
+            InvalidRequest: 400 ``previous_response_not_found``: the response is another key's, or the gateway made it
+                and it expired or was deleted, or, with gateway keys, the gateway never held it (an id it cannot
+                tie to the key goes to no upstream: the upstream answers every key's request with the gateway's
+                own credential).
+        """
         previous = body.get("previous_response_id")
         if not isinstance(previous, str):
             return None
-        record = await self.store.get(previous)
+        owner = key.name if key is not None else None
+        record = await self.store.get(previous, owner)
         if isinstance(record, Native):
             return Continuation(previous, upstream=record.upstream)
-        history = await self.store.history(previous, refresh) if isinstance(record, Bridged) else None
+        history = await self.store.history(previous, owner, refresh) if isinstance(record, Bridged) else None
         if history is not None:
             return Continuation(previous, held=True, history=tuple(history))
         if record is not None:
             raise InvalidRequest(f"Previous response with id '{previous}' not found: the earlier turns of its "
                                  "conversation are no longer held (response_store bounds).",
                                  param="previous_response_id", code="previous_response_not_found")
-        if previous.startswith(bridge.ID_PREFIX):
+        if previous.startswith(bridge.ID_PREFIX) or self.config.auth is not None:
             raise InvalidRequest(f"Previous response with id '{previous}' not found.", param="previous_response_id",
                                  code="previous_response_not_found")
         return Continuation(previous)  # made elsewhere: a native upstream may know it
@@ -682,7 +705,7 @@ class Gateway:
                 async with asyncio.timeout(delay):
                     await race.settled.wait()  # a first token, or a failure
             if race.winner is None and not race.failures:
-                if self.health[second.upstream.name].unavailable(self.health.clock(), need) is None:
+                if self.health[second.upstream.name].unavailable(self.health.clock(), need, ex.blame) is None:
                     hedged = race.hedged = True  # no token within the delay: hedge
                     race.start(self._racer(ex, decision, plan, second, 2, facts, raw, strip_usage, need, race,
                                            admitted, hedge=True), second)
@@ -815,10 +838,10 @@ class Gateway:
                 started = True
                 self._count(up, bridged)
                 if not bridged and relay.stats.response_id is not None:
-                    await self._keep(facts, relay.stats.response_id, Native(up.name))
+                    await self._keep(facts, relay.stats.response_id, Native(up.name, _owner(ex)))
             if bridging is not None and not kept and bridging.response is not None:
                 kept = True
-                await self._keep(facts, bridging.response["id"], self._bridged(facts, bridging.response))
+                await self._keep(facts, bridging.response["id"], self._bridged(ex, facts, bridging.response))
             await ex.write(data)
         return write
 
@@ -856,9 +879,9 @@ class Gateway:
         if ex.kind == "responses":  # kept before the answer leaves: the client's next turn may follow at once
             self._count(up, response is not None)
             if response is not None:
-                await self._keep(facts, response["id"], self._bridged(facts, response))
+                await self._keep(facts, response["id"], self._bridged(ex, facts, response))
             elif isinstance(parsed.get("id"), str):
-                await self._keep(facts, parsed["id"], Native(up.name))
+                await self._keep(facts, parsed["id"], Native(up.name, _owner(ex)))
         await ex.whole(200, data if response is None else dumps(response), headers)
 
     @staticmethod
@@ -874,16 +897,16 @@ class Gateway:
     async def _keep(self, facts: RequestFacts, response_id: str, record: Bridged | Native) -> None:
         """Keep what a follow-up to ``response_id`` needs, unless the request said ``store: false``."""
         if facts.body.get("store") is not False and not await self.store.put(response_id, record):
-            log.warning("response %s (%d bytes) is larger than response_store.max_bytes: not kept", response_id,
-                        record.size if isinstance(record, Bridged) else 0)
+            log.warning("response %s is larger than its key's share of response_store.max_bytes: not kept",
+                        response_id)
 
     @staticmethod
-    def _bridged(facts: RequestFacts, response: dict[str, Any]) -> Bridged:
-        """A bridged response's record: the response, this turn's input items, and the response it continued."""
+    def _bridged(ex: Exchange, facts: RequestFacts, response: dict[str, Any]) -> Bridged:
+        """A bridged response's record: the response, this turn's input items, the response it continued, and the
+        gateway key that made it (its owner)."""
         cont = facts.continuation
-        items = bridge.input_items(facts.body)
-        return Bridged(response, items, cont.response_id if cont and cont.held else None,
-                       len(dumps(response)) + len(dumps(items)))
+        return Bridged(response, bridge.input_items(facts.body), cont.response_id if cont and cont.held else None,
+                       _owner(ex))
 
     async def give_up(self, ex: Exchange, decision: Decision, reason: str | None, last: GatewayError | None,
                       tried: int, extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
@@ -891,11 +914,15 @@ class Gateway:
         if last is None:
             last = UpstreamUnavailable("No upstream is configured for this model.")
         self.metrics.attempts.observe(tried)
+        outcome = failover.outcome(last, ex.blame, tried)
+        if outcome == "client_error" and ex.blame is not None:  # it failed alike everywhere: the request's fault
+            logs.event("request_failed_everywhere", request_id=ex.rid, attempts=tried, status=last.status)
+            ex.blame.retract()
         headers = (ex.route_headers(ex.tier, ex.upstream, decision.rule, reason) if ex.upstream != "none"
                    else [(b"x-request-id", ex.rid.encode())])
         if failover.final_retry_hint(last, tried):
             headers.append((b"x-should-retry", b"false"))
-        await ex.error(last, failover.outcome(last), [*headers, *extra])
+        await ex.error(last, outcome, [*headers, *extra])
 
     async def _left(self, ex: Exchange) -> None:
         """The client disconnected. When it had the whole answer (every choice finished: SDK loops often ``break``
@@ -954,7 +981,7 @@ class Gateway:
             responses = not (isinstance(probe, dict) and "messages" in probe)  # which API's body it is
             body = parse_responses_request(raw) if responses else parse_chat_request(raw)
             defaults = key.cfg.metadata if key is not None else None  # the key's metadata, as serving reads it
-            facts = (await self._responses_facts(body, headers, len(raw), refresh=False, defaults=defaults)
+            facts = (await self._responses_facts(body, headers, len(raw), refresh=False, key=key)
                      if responses else RequestFacts(body, headers, len(raw), defaults=defaults))
             decision = self.policy.decide(facts, explain=True)
             budget = deadline.budget(facts, decision.route)
@@ -1056,6 +1083,17 @@ class _Race:
         for task in self.tasks.values():
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+
+def blame_source(key: Key | None, raw: bytes) -> str:
+    """Whom a request's request-shaped failures are charged to (``gateway.health``: whose fault): its gateway key, or,
+    without keys, its body (one request shape; Python's hash of its bytes, computed only when a failure asks)."""
+    return key.name if key is not None else f"body:{hash(raw) & 0xFFFFFFFFFFFF:x}"
+
+
+def _owner(ex: Exchange) -> str | None:
+    """The owner of what ``ex`` stores: its gateway key's name (None without ``auth:``)."""
+    return ex.key.name if ex.key is not None else None
 
 
 def error_response(exc: GatewayError, headers: dict[str, str]) -> Response:

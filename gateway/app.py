@@ -148,7 +148,10 @@ class HotPath:
                 if endpoint is not None:
                     await endpoint(scope, receive, send)
                     return
-            if self.passthrough is not None and scope["path"].startswith("/v1/"):
+            # a path with an empty segment is no OpenAI path: refused (the app's 404), never passed through, since
+            # the servers and proxies in front of an upstream merge slashes and would serve /v1//chat/completions as
+            # chat completions outside the routed path's key limits and accounting
+            if self.passthrough is not None and scope["path"].startswith("/v1/") and "//" not in scope["path"]:
                 owner = await self._passes(scope)
                 if owner is not False:
                     await self.passthrough(scope, receive, send, owner if isinstance(owner, str) else None)
@@ -179,10 +182,13 @@ class HotPath:
         found = _RESPONSE_OBJECT.fullmatch(path)
         if found is None:
             return True
-        record = await self.gateway.store.get(found[1])
+        key = scope.get(KEY_SCOPE)
+        record = await self.gateway.store.get(found[1], key.name if key is not None else None)
         if isinstance(record, Native):
             return record.upstream
-        return record is None and not found[1].startswith(bridge.ID_PREFIX)
+        # an id the gateway never held for this key: with gateway keys it reaches no upstream (which would answer it
+        # with the gateway's own credential, whoever made it), as another key's response does not; the app's 404
+        return record is None and not found[1].startswith(bridge.ID_PREFIX) and self.keys is None
 
 
 def freeze_startup_objects() -> None:
@@ -286,7 +292,7 @@ def _gateway(loaded: LoadedConfig, metrics: Metrics, transport: Transport, *, po
         store, shared = previous.store, previous.shared
     else:
         bounds = config.response_store
-        store = MemoryResponseStore(bounds.max_items, bounds.max_bytes, bounds.ttl)
+        store = MemoryResponseStore(bounds.max_items, bounds.max_bytes, bounds.ttl, key_share=bounds.key_share)
         if shared is not None:
             store = SharedResponseStore(store, shared)
     gateway = Gateway(config, policy if policy is not None else Policy(config), transport, metrics, health, store)
@@ -369,8 +375,9 @@ def _install_response_routes(app: FastAPI) -> None:
     made through its bridge (OpenAI API reference "Get a model response", "Delete a model response", "List input
     items"). Others are their upstream's: 404 here."""
 
-    async def bridged(response_id: str) -> Bridged | Response:
-        record = await app.state.gateway.store.get(response_id)
+    async def bridged(request: Request, response_id: str) -> Bridged | Response:
+        key = request.scope.get(KEY_SCOPE)
+        record = await app.state.gateway.store.get(response_id, key.name if key is not None else None)
         if isinstance(record, Bridged):
             return record
         if isinstance(record, Native):
@@ -381,24 +388,25 @@ def _install_response_routes(app: FastAPI) -> None:
         return error_response(ResponseNotFound(message, param="response_id"), {})
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> Response:
-        found = await bridged(response_id)
+    async def get_response(request: Request, response_id: str) -> Response:
+        found = await bridged(request, response_id)
         if isinstance(found, Response):
             return found
         return Response(orjson.dumps(found.response), media_type="application/json")
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str) -> Response:
-        found = await bridged(response_id)
+    async def delete_response(request: Request, response_id: str) -> Response:
+        found = await bridged(request, response_id)
         if isinstance(found, Response):
             return found
-        await app.state.gateway.store.delete(response_id)
+        await app.state.gateway.store.delete(response_id, found.owner)
         return Response(orjson.dumps({"id": response_id, "object": "response", "deleted": True}),
                         media_type="application/json")
 
     @app.get("/v1/responses/{response_id}/input_items")
-    async def input_items(response_id: str, order: str = "desc", limit: int = 20, after: str | None = None) -> Response:
-        found = await bridged(response_id)
+    async def input_items(request: Request, response_id: str, order: str = "desc", limit: int = 20,
+                          after: str | None = None) -> Response:
+        found = await bridged(request, response_id)
         return found if isinstance(found, Response) else _input_items_page(found, response_id, order, limit, after)
 
 

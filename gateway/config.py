@@ -323,12 +323,16 @@ class AliasConfig(_Strict):
 class ResponseStore(_Strict):
     """Bounds of the gateway's store of bridged Responses API responses (``store: true``, the API's default), kept so
     that ``previous_response_id`` can continue them and ``GET``/``DELETE /v1/responses/{id}`` reach them. In memory,
-    per process. max_items: responses kept; max_bytes: their total size (JSON bytes); ttl: seconds a response is
-    kept after it was made or last continued. The oldest go first."""
+    per process (``gateway.conversations``). max_items: responses kept; max_bytes: the memory they may take (their
+    JSON bytes, which is how they are held, plus 256 bytes each); ttl: seconds a response is kept after it was made or
+    last continued; key_share: the share of both bounds one gateway key may hold (``auth:``). The oldest go first (a
+    key over its share: its own oldest). The default 64 MiB fits the shipped container limit (512 MiB) beside the
+    process (~85 MiB) and hundreds of streams."""
 
     max_items: int = Field(10_000, ge=1)
-    max_bytes: int = Field(256 * 1024 * 1024, ge=1024)
+    max_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     ttl: float = Field(3600.0, gt=0)
+    key_share: float = Field(0.25, gt=0, le=1)
 
 
 class Limits(_Strict):

@@ -10,9 +10,16 @@ The Responses API is stateful: ``store`` defaults to true and a follow-up names 
 * :class:`Native`: a response an upstream made natively; only that upstream can continue it (affinity), so the
   record is just its name.
 
+Every record has an **owner**: the name of the gateway key whose request made it (None without ``auth:``). A record
+is found only by its owner (:meth:`ResponseStore.get` and the others take the caller's): any other key gets what an
+unknown id gets, as OpenAI scopes a response to the project that made it (API reference, "Retrieve a model response":
+404 for another project's id).
+
 :class:`ResponseStore` is the interface (async, so that a shared store such as Redis can back it);
-:class:`MemoryResponseStore` keeps records in this process, bounded in count, bytes and age (the oldest and the
-least recently continued go first).
+:class:`MemoryResponseStore` keeps records in this process, serialised (:func:`encode`), so that what it counts is
+what it holds: parsed, a record takes ~3.7 times its JSON bytes (measured: 100 records of 1 MiB moved RSS by 1.2 GB).
+It is bounded in count, bytes and age (the oldest and the least recently continued go first), and each gateway key
+may hold at most ``key_share`` of it, so that one key's records never push out more than that of the others'.
 """
 
 from __future__ import annotations
@@ -21,123 +28,206 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
+
+import orjson
+
+OVERHEAD = 256  # bytes a kept record costs beyond its JSON: its entries in the store's tables (counted in max_bytes)
 
 
 @dataclass
 class Bridged:
     """A bridged response: ``response`` (the Response object), ``input`` (that turn's input items), ``previous`` (the
-    response it continued, or None) and ``size`` (bytes, for the store's bound)."""
+    response it continued, or None) and ``owner`` (the gateway key that made it, or None without ``auth:``)."""
 
     response: dict[str, Any]
     input: list[dict[str, Any]]
     previous: str | None
-    size: int
+    owner: str | None = None
 
 
 @dataclass
 class Native:
-    """A response an upstream made natively: the configured upstream that holds it."""
+    """A response an upstream made natively: the configured upstream that holds it, and its ``owner``."""
 
     upstream: str
+    owner: str | None = None
 
 
 Record = Bridged | Native
 
 
-class ResponseStore(Protocol):
-    """Where the gateway keeps its Responses API records (see the module docstring)."""
+def encode(record: Record) -> bytes:
+    """``record`` as the JSON bytes a store keeps (and :func:`decode` reads)."""
+    if isinstance(record, Bridged):
+        return orjson.dumps({"k": "b", "response": record.response, "input": record.input,
+                             "previous": record.previous, "owner": record.owner})
+    return orjson.dumps({"k": "n", "upstream": record.upstream, "owner": record.owner})
 
-    async def get(self, response_id: str) -> Record | None:
-        """The record of ``response_id``, or None (unknown or expired)."""
+
+def decode(data: bytes) -> Record | None:
+    """A record from what :func:`encode` made, or None (not one of ours: a store shared with an older or a foreign
+    writer holds nothing a request can use)."""
+    try:
+        raw = orjson.loads(data)
+        if not isinstance(raw, dict):
+            return None
+        owner = raw.get("owner")
+        owner = owner if isinstance(owner, str) else None
+        if raw.get("k") == "n":
+            return Native(str(raw["upstream"]), owner)
+        if raw.get("k") == "b" and isinstance(raw["response"], dict) and isinstance(raw["input"], list):
+            previous = raw.get("previous")
+            return Bridged(raw["response"], raw["input"], previous if isinstance(previous, str) else None, owner)
+    except (ValueError, TypeError, KeyError):
+        pass
+    return None
+
+
+def previous_of(record: Record) -> str | None:
+    """The response ``record`` continued (a bridged one), else None."""
+    return record.previous if isinstance(record, Bridged) else None
+
+
+class ResponseStore(Protocol):
+    """Where the gateway keeps its Responses API records (see the module docstring). ``owner``: the caller's gateway
+    key name (None without ``auth:``); a record of another owner is not found."""
+
+    async def get(self, response_id: str, owner: str | None) -> Record | None:
+        """The record of ``response_id``, or None (unknown, expired, or another owner's)."""
         ...
 
-    async def history(self, response_id: str, refresh: bool = True) -> list[dict[str, Any]] | None:
+    async def history(self, response_id: str, owner: str | None, refresh: bool = True) -> list[dict[str, Any]] | None:
         """Every item of the bridged conversation up to and including ``response_id``, in order (each turn's input,
-        then its output), or None when a link of it is missing. Continuing a conversation (``refresh``) makes every
-        link of it live another ttl; a look that continues nothing (``/v1/tiergate/route``) does not."""
+        then its output), or None when a link of it is missing (or another owner's). Continuing a conversation
+        (``refresh``) makes every link of it live another ttl; a look that continues nothing (``/v1/tiergate/route``)
+        does not."""
         ...
 
     async def put(self, response_id: str, record: Record) -> bool:
-        """Keep ``record`` under ``response_id``; False when it is larger than the whole store may hold (then it is
-        not kept, and nothing else is dropped for it)."""
+        """Keep ``record`` under ``response_id``; False when it is larger than its owner may hold (then it is not
+        kept, and nothing else is dropped for it)."""
         ...
 
-    async def delete(self, response_id: str) -> bool:
-        """Forget ``response_id``; False when it was not there."""
+    async def delete(self, response_id: str, owner: str | None) -> bool:
+        """Forget ``response_id``; False when it was not there (or is another owner's: then it stays)."""
         ...
+
+
+class _Entry(NamedTuple):
+    expires: float  # the store clock's seconds
+    data: bytes  # encode(record)
+    owner: str | None
+    previous: str | None
 
 
 class MemoryResponseStore:
-    """A :class:`ResponseStore` in this process's memory.
+    """A :class:`ResponseStore` in this process's memory (module docstring).
 
     Args:
-        max_items: records kept; max_bytes: the total ``size`` of bridged records; ttl: seconds a record lives after
-            it was put or last continued; clock: seconds (``time.monotonic``; injectable for tests).
+        max_items: records kept; max_bytes: their JSON bytes plus :data:`OVERHEAD` each; ttl: seconds a record lives
+            after it was put or last continued; key_share: the share (0-1] of ``max_items`` and ``max_bytes`` one
+            gateway key may hold (records without an owner, ``auth:`` off, are bounded by the whole store);
+            clock: seconds (``time.monotonic``; injectable for tests).
     """
 
-    def __init__(self, max_items: int, max_bytes: int, ttl: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_items: int, max_bytes: int, ttl: float, clock: Callable[[], float] = time.monotonic,
+                 key_share: float = 1.0) -> None:
         self.max_items = max_items
         self.max_bytes = max_bytes
         self.ttl = ttl
         self.clock = clock
+        self.key_items = max(1, int(max_items * key_share))
+        self.key_bytes = max(1, int(max_bytes * key_share))
         self.bytes = 0
-        self._records: OrderedDict[str, tuple[float, Record]] = OrderedDict()  # oldest first; value: (expires, record)
+        self._records: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
+        self._owned: dict[str, OrderedDict[str, None]] = {}  # owner -> its ids, oldest first (keyed owners only)
+        self._owned_bytes: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._records)
 
-    async def get(self, response_id: str) -> Record | None:
-        return self._get(response_id, touch=False)
+    async def get(self, response_id: str, owner: str | None) -> Record | None:
+        entry = self._get(response_id, owner, touch=False)
+        return decode(entry.data) if entry is not None else None
 
-    async def history(self, response_id: str, refresh: bool = True) -> list[dict[str, Any]] | None:
-        chain: list[Bridged] = []
+    async def history(self, response_id: str, owner: str | None, refresh: bool = True) -> list[dict[str, Any]] | None:
+        chain: list[bytes] = []
         current: str | None = response_id
         while current is not None:
-            record = self._get(current, touch=refresh)
-            if not isinstance(record, Bridged) or len(chain) > self.max_items:
+            entry = self._get(current, owner, touch=refresh)
+            if entry is None or len(chain) > self.max_items:
                 return None
-            chain.append(record)
-            current = record.previous
-        items: list[dict[str, Any]] = []
-        for record in reversed(chain):
-            items += record.input
-            items += record.response.get("output") or []
-        return items
+            chain.append(entry.data)
+            current = entry.previous
+        return items_of(chain)
 
     async def put(self, response_id: str, record: Record) -> bool:
-        if isinstance(record, Bridged) and record.size > self.max_bytes:
+        data = encode(record)
+        size = len(data) + OVERHEAD
+        owner = record.owner
+        if size > (self.max_bytes if owner is None else self.key_bytes):
             return False  # evicting every other conversation for it would still not make it fit
         self._drop(response_id)
-        self._records[response_id] = (self.clock() + self.ttl, record)
-        if isinstance(record, Bridged):
-            self.bytes += record.size
+        self._records[response_id] = _Entry(self.clock() + self.ttl, data, owner, previous_of(record))
+        self.bytes += size
+        if owner is not None:
+            ids = self._owned.setdefault(owner, OrderedDict())
+            ids[response_id] = None
+            self._owned_bytes[owner] = self._owned_bytes.get(owner, 0) + size
+            while len(ids) > self.key_items or self._owned_bytes[owner] > self.key_bytes:
+                self._drop(next(iter(ids)))  # over its share: its own oldest go, never another key's
         while self._records and (len(self._records) > self.max_items or self.bytes > self.max_bytes):
             self._drop(next(iter(self._records)))
         return True
 
-    async def delete(self, response_id: str) -> bool:
+    async def delete(self, response_id: str, owner: str | None) -> bool:
+        if self._get(response_id, owner, touch=False) is None:
+            return False
         return self._drop(response_id)
 
-    def _get(self, response_id: str, *, touch: bool) -> Record | None:
-        found = self._records.get(response_id)
-        if found is None:
+    def forget(self, response_id: str) -> None:
+        """Drop ``response_id`` whoever owns it (another replica deleted it: ``gateway.shared``)."""
+        self._drop(response_id)
+
+    def _get(self, response_id: str, owner: str | None, *, touch: bool) -> _Entry | None:
+        entry = self._records.get(response_id)
+        if entry is None or entry.owner != owner:
             return None
-        expires, record = found
         now = self.clock()
-        if expires <= now:
+        if entry.expires <= now:
             self._drop(response_id)
             return None
         if touch:  # continued: it lives another ttl, and is the most recently used
-            self._records[response_id] = (now + self.ttl, record)
+            self._records[response_id] = entry._replace(expires=now + self.ttl)
             self._records.move_to_end(response_id)
-        return record
+            if entry.owner is not None:
+                self._owned[entry.owner].move_to_end(response_id)
+        return entry
 
     def _drop(self, response_id: str) -> bool:
-        found = self._records.pop(response_id, None)
-        if found is None:
+        entry = self._records.pop(response_id, None)
+        if entry is None:
             return False
-        if isinstance(found[1], Bridged):
-            self.bytes -= found[1].size
+        size = len(entry.data) + OVERHEAD
+        self.bytes -= size
+        if entry.owner is not None:
+            ids = self._owned[entry.owner]
+            del ids[response_id]
+            self._owned_bytes[entry.owner] -= size
+            if not ids:
+                del self._owned[entry.owner], self._owned_bytes[entry.owner]
         return True
+
+
+def items_of(chain: list[bytes]) -> list[dict[str, Any]] | None:
+    """The items of a bridged conversation from its links' encoded records, newest first (each turn's input, then its
+    output, oldest turn first); None when a link is not a bridged record."""
+    items: list[dict[str, Any]] = []
+    for data in reversed(chain):
+        record = decode(data)
+        if not isinstance(record, Bridged):
+            return None
+        items += record.input
+        items += record.response.get("output") or []
+    return items

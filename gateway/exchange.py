@@ -19,6 +19,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from gateway import logs
 from gateway.errors import GatewayError, InvalidRequest, PayloadTooLarge, UnsupportedMediaType, error_body
+from gateway.health import Blame
 from gateway.keys import Hold, Key
 from gateway.metrics import BILLABLE, Metrics
 from gateway.relay import Relay
@@ -55,8 +56,8 @@ class Exchange:
 
     __slots__ = ("t0", "rid", "kind", "headers", "tier", "upstream", "model", "stream", "answered", "recorded",
                  "relay", "gone_at", "cut", "task", "on_start", "scope", "status", "rule", "fallback", "requested",
-                 "upstream_model", "attempts", "outcome", "span", "key", "hold", "_metrics", "_send", "_start",
-                 "_in_flight")
+                 "upstream_model", "attempts", "outcome", "span", "key", "hold", "prompt_tokens", "blame", "_metrics",
+                 "_send", "_start", "_in_flight")
 
     def __init__(self, metrics: Metrics, send: Send, headers: dict[str, str], kind: str,
                  scope: Scope | None = None) -> None:
@@ -75,6 +76,8 @@ class Exchange:
         self.span: Any = None  # the request's trace span (gateway.tracing), or None
         self.key: Key | None = (scope or {}).get(KEY_SCOPE)  # its gateway key (auth:), authenticated by the app
         self.hold: Hold | None = None  # what it reserved against its key (gateway.keys), settled by record()
+        self.prompt_tokens = 0  # its estimated prompt (RequestFacts.prompt_tokens), once read: an estimated usage's
+        self.blame: Blame | None = None  # whom its request-shaped upstream failures are charged to (gateway.health)
         self.tier = "none"
         self.upstream = "none"
         self.model = "other"
@@ -170,6 +173,12 @@ class Exchange:
         if self._in_flight is not None:
             self._in_flight.dec()
         duration = (time.perf_counter() if ended is None else ended) - self.t0
+        if kw.get("usage") is None and kw.get("token_chunks") and outcome in BILLABLE:
+            # a stream with no usage (the client left before it, or the upstream sends none): what was relayed is at
+            # least what the upstream bills, each token-bearing chunk a token or more, plus the estimated prompt; so
+            # neither a key's limits nor the cost can be dodged by leaving before the usage chunk
+            kw["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": kw["token_chunks"]}
+            kw["estimated"] = True
         try:
             cost = self._emit(outcome, duration, kw)  # may settle the outcome (self.outcome) and the usage (kw)
             if self.key is not None:
@@ -222,7 +231,7 @@ class Exchange:
             "input_tokens": usage.get("prompt_tokens") if isinstance(usage, dict) else None,
             "output_tokens": usage.get("completion_tokens") if isinstance(usage, dict) else None,
             "cached_tokens": details.get("cached_tokens") if isinstance(details, dict) else None,
-            "cost_usd": None if cost is None else round(cost, 9)})
+            "usage_estimated": bool(kw.get("estimated")), "cost_usd": None if cost is None else round(cost, 9)})
 
     def stream_figures(self) -> dict[str, Any]:
         """What the relay measured so far, as :meth:`Metrics.record` keywords (empty before any relay)."""

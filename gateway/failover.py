@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gateway.errors import GatewayError, RateLimited, UpstreamsResting, UpstreamStatusError, UpstreamTimeout
-from gateway.health import SOFT_REASONS, Health, UpstreamHealth
+from gateway.health import SOFT_REASONS, Blame, Health, UpstreamHealth
 from gateway.policy import Candidate, Decision
 
 
@@ -62,12 +62,14 @@ class Plan:
         return True
 
 
-def plan(decision: Decision, health: Health, now: float, need_tokens: int, max_attempts: int) -> Plan:
+def plan(decision: Decision, health: Health, now: float, need_tokens: int, max_attempts: int,
+         blame: Blame | None = None) -> Plan:
     """The candidates to try now for ``decision`` (module docstring: spillover and refusal).
 
     Args:
         now: the health clock's time (``health.clock()``); need_tokens: the request's estimated prompt plus its
-            ``max_tokens`` (for the quota estimates).
+            ``max_tokens`` (for the quota estimates); blame: the request's source, for the upstreams that rest for
+            some sources alone (``gateway.health``: whose fault), or None.
     """
     usable: list[Candidate] = []
     soft: list[Candidate] = []
@@ -77,7 +79,7 @@ def plan(decision: Decision, health: Health, now: float, need_tokens: int, max_a
     first_spill: str | None = None  # a candidate before the first usable one was passed over: the fallback reason
     for cand in health.order(decision.candidates):
         h = health[cand.upstream.name]
-        why = h.unavailable(now, need_tokens)
+        why = h.unavailable(now, need_tokens, blame)
         if why == "concurrency" and h.can_queue():
             queued.add(cand.upstream.name)  # waits for a slot, then spills over if none comes in time
             why = None
@@ -94,13 +96,13 @@ def plan(decision: Decision, health: Health, now: float, need_tokens: int, max_a
     if not usable and soft:
         return Plan(soft[:1], decision.fallback, spilled=spilled)
     if not usable:
-        return Plan([], spilled=spilled, refusal=refusal(resting, now))
+        return Plan([], spilled=spilled, refusal=refusal(resting, now, blame.who() if blame is not None else None))
     return Plan(usable[:max_attempts], first_spill or decision.fallback, frozenset(queued), spilled)
 
 
-def refusal(resting: Sequence[UpstreamHealth], now: float) -> GatewayError:
-    """The answer when every candidate rests (module docstring)."""
-    retry = max(1, math.ceil(min((h.resting_until() - now for h in resting), default=1.0)))
+def refusal(resting: Sequence[UpstreamHealth], now: float, source: str | None = None) -> GatewayError:
+    """The answer when every candidate rests (module docstring), for a request from ``source``."""
+    retry = max(1, math.ceil(min((h.resting_until(source) - now for h in resting), default=1.0)))
     headers = {"retry-after": str(retry)}
     if resting and all(h.open_until <= now and h.cooldown_until > now for h in resting):
         if all(h.exhausted for h in resting):
@@ -130,8 +132,11 @@ def reason(exc: GatewayError) -> str:
     return exc.code or "upstream_error"
 
 
-def outcome(exc: GatewayError) -> str:
-    """The request's outcome label when every attempt failed with, last, ``exc``."""
+def outcome(exc: GatewayError, blame: Blame | None = None, tried: int = 1) -> str:
+    """The request's outcome label when every one of its ``tried`` attempts failed with, last, ``exc``: ``client_error``
+    when each failed request-shaped on two upstreams or more (``blame``: ``gateway.health``, whose fault)."""
+    if blame is not None and blame.everywhere(tried):
+        return "client_error"
     if isinstance(exc, UpstreamTimeout):
         return "upstream_timeout"
     return "upstream_error" if isinstance(exc, UpstreamStatusError) else "upstream_unavailable"

@@ -20,6 +20,16 @@ the upstream can refuse it:
   left over. The estimate is dropped when the reported reset time passes.
 * ``concurrency``: ``max_concurrent`` requests are already in flight to it.
 
+**Whose fault.** A failure with no status line (refused, reset, connect timeout) is the upstream's. One that a
+request's own content can cause (a 5xx, a bad or broken answer, a first token that never comes: vLLM and llama.cpp
+fail that way on some malformed inputs) is *request-shaped* (:func:`request_shaped`) and is charged to the request's
+*source*: its gateway key, or, without keys, its body. One source alone can never open the breaker for everyone: each
+counts at most half of ``health.failures`` towards it, so opening takes failures from three sources at the default of
+five (or any failure with no status line). Instead, ``health.failures`` request-shaped failures in a row from one
+source rest the upstream for that source alone for ``open_seconds`` (:meth:`UpstreamHealth.unavailable` with the
+source). A request that failed that way on every upstream it tried (two or more) is the request's fault, not theirs:
+its failures are taken back (:meth:`UpstreamHealth.retract`).
+
 Replicas that share state (``gateway.shared``) tell each other their cooldowns and breaker transitions through a
 :class:`Listener`, and apply the others' with the ``shared_*`` methods (which tell no listener).
 """
@@ -31,7 +41,7 @@ import contextlib
 import functools
 import re
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from random import random
@@ -45,6 +55,56 @@ _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 SOFT_REASONS = frozenset({"quota_requests", "quota_tokens", "concurrency"})  # estimates: try anyway if nothing else
 T = TypeVar("T")
+# failures without a status that a request's content can cause (gateway.errors codes): a first token or an answer that
+# never comes (a prompt that takes the upstream too long), a broken, oversized or nonsensical answer
+SHAPED_CODES = frozenset({"upstream_ttft_timeout", "upstream_idle_timeout", "upstream_stream_interrupted",
+                          "upstream_event_too_large", "upstream_bad_response"})
+MAX_SOURCES = 1024  # sources whose recent request-shaped failures an upstream remembers (the least recent go first)
+
+
+def request_shaped(exc: GatewayError) -> bool:
+    """Whether ``exc`` is a failure a request's own content can cause (module docstring: whose fault): a 5xx status
+    (an error event's included), or one of :data:`SHAPED_CODES`. A refused or reset connection is not."""
+    if isinstance(exc, UpstreamStatusError):
+        return exc.status >= 500
+    return exc.code in SHAPED_CODES
+
+
+class Blame:
+    """Who one request's request-shaped failures are charged to (module docstring: whose fault), and which it charged.
+
+    Args:
+        source: the request's source, computed when first asked (a gateway key's name, or a digest of the body: only a
+            failure, or an upstream resting for some source, asks).
+
+    Attributes:
+        charged: (upstream name, its verdicts, source) of each request-shaped failure charged so far, in order (the
+            verdicts: ``gateway.upstream.Verdicts``, which can take one back).
+    """
+
+    __slots__ = ("_source", "_known", "charged")
+
+    def __init__(self, source: Callable[[], str]) -> None:
+        self._source = source
+        self._known: str | None = None
+        self.charged: list[tuple[str, Any, str]] = []
+
+    def who(self) -> str:
+        """The request's source (computed once)."""
+        if self._known is None:
+            self._known = self._source()
+        return self._known
+
+    def everywhere(self, tried: int) -> bool:
+        """Whether every one of the ``tried`` attempts failed request-shaped, on two upstreams or more: the request's
+        fault (module docstring)."""
+        return tried >= 2 and len(self.charged) == tried and len({name for name, _, _ in self.charged}) >= 2
+
+    def retract(self) -> None:
+        """Take back every failure charged (:meth:`UpstreamHealth.retract`); charge nothing more."""
+        for _, verdicts, source in self.charged:
+            verdicts.retract(source)
+        self.charged = []
 
 
 @functools.lru_cache(maxsize=1024)  # one per answer with rate-limit headers; the values repeat ("6m0s", "1ms", ...)
@@ -163,6 +223,11 @@ class UpstreamHealth:
         self.sent = (0, 0)  # requests and tokens (estimated) sent so far, for the marks of start()
         self.reports_quota = False  # some answer (here or, shared, another replica's) carried rate-limit headers
         self.listener: Listener | None = None
+        # the current run of consecutive failures: those with no status line, and the request-shaped ones by source
+        self.hard = 0
+        self.shaped: dict[str, int] = {}
+        # per source: (request-shaped failures in a row, when the last came, rested for that source until)
+        self.by_source: OrderedDict[str, tuple[int, float, float]] = OrderedDict()
 
     def state(self, now: float) -> str:
         """``closed``, ``open``, ``half_open`` or ``cooldown`` (for the state gauge)."""
@@ -174,9 +239,9 @@ class UpstreamHealth:
             return "cooldown"
         return "closed"
 
-    def unavailable(self, now: float, need_tokens: int) -> str | None:
-        """Why this upstream should not take a request needing ``need_tokens`` now, or None."""
-        if self.open_until > now:
+    def unavailable(self, now: float, need_tokens: int, blame: Blame | None = None) -> str | None:
+        """Why this upstream should not take a request needing ``need_tokens`` from ``blame``'s source now, or None."""
+        if self.open_until > now or (blame is not None and self.by_source and self.source_rests(blame.who(), now)):
             return "circuit_open"
         probing = self.probe_started is not None and now - self.probe_started < self.cfg.open_seconds
         if (self.open_until or self.half_open) and probing:
@@ -266,21 +331,34 @@ class UpstreamHealth:
             since = 0 if mark is None else max(0, self.sent[kind == "tokens"] - mark[kind == "tokens"])
             self.quota[kind] = _Quota(remaining - since, now + reset)
 
+    def source_rests(self, source: str, now: float) -> bool:
+        """Whether the upstream rests for ``source`` alone (module docstring: whose fault)."""
+        found = self.by_source.get(source)
+        return found is not None and found[2] > now
+
     def success(self) -> None:
         """An answer that shows the upstream works: close the breaker."""
         if self.open_until or self.half_open:
             logs.event("breaker_closed", upstream=self.name, tier=self.tier)
             if self.listener is not None:
                 self.listener.closed(self.name)
-        self.failures = 0
+        self.failures = self.hard = 0
+        self.shaped.clear()
         self.open_until = 0.0
         self.half_open = False
         self.probe_started = None
 
-    def failure(self, now: float) -> None:
-        """A failure the upstream is to blame for; may open the breaker."""
+    def failure(self, now: float, source: str | None = None) -> None:
+        """A failure the upstream is to blame for (``source``: the request's, for a request-shaped one; module
+        docstring: whose fault); may open the breaker, or rest the upstream for that source."""
         self.failures += 1
-        if self.half_open or self.failures >= self.cfg.failures:
+        if source is None:
+            self.hard += 1
+        else:
+            self._charge(source, now)
+        cap = max(1, self.cfg.failures // 2)  # one source alone never reaches the threshold (from 2 up)
+        counted = self.hard + sum(min(n, cap) for n in self.shaped.values())
+        if self.half_open or counted >= self.cfg.failures:
             logs.event("breaker_opened", "warning", upstream=self.name, tier=self.tier, failures=self.failures,
                        open_s=self.cfg.open_seconds, after_probe=self.half_open)
             self.open_until = now + self.cfg.open_seconds
@@ -289,24 +367,56 @@ class UpstreamHealth:
             if self.listener is not None:
                 self.listener.rested(self.name, "open", self.open_until, False)
 
-    def settle(self, exc: GatewayError | None, now: float, need_tokens: int = 0) -> None:
+    def _charge(self, source: str, now: float) -> None:
+        """A request-shaped failure from ``source``: counted in the run, and in the source's own, which rests the
+        upstream for it after ``health.failures`` in a row (none more than ``open_seconds`` apart)."""
+        if source in self.shaped or len(self.shaped) < MAX_SOURCES:
+            self.shaped[source] = self.shaped.get(source, 0) + 1
+        n, last, until = self.by_source.pop(source, (0, now, 0.0))
+        n = n + 1 if now - last <= self.cfg.open_seconds else 1
+        if n >= self.cfg.failures and until <= now:
+            until = now + self.cfg.open_seconds
+            logs.event("source_rested", "warning", upstream=self.name, tier=self.tier, failures=n,
+                       open_s=self.cfg.open_seconds, source=source if not source.startswith("body:") else "body")
+        self.by_source[source] = (n, now, until)
+        while len(self.by_source) > MAX_SOURCES:
+            self.by_source.popitem(last=False)
+
+    def retract(self, source: str) -> None:
+        """Take back one request-shaped failure of ``source`` (the request failed that way everywhere it went: its
+        own fault). A breaker it helped open stays open: others' failures opened it with it."""
+        self.failures = max(0, self.failures - 1)
+        n = self.shaped.get(source, 0)
+        if n > 1:
+            self.shaped[source] = n - 1
+        else:
+            self.shaped.pop(source, None)
+        found = self.by_source.get(source)
+        if found is not None:
+            self.by_source[source] = (max(0, found[0] - 1), found[1], found[2])
+        if self.half_open and self.probe_started is not None:
+            self.probe_started = None  # the probe said nothing of the upstream: the next request probes again
+
+    def settle(self, exc: GatewayError | None, now: float, need_tokens: int = 0, source: str | None = None) -> None:
         """One attempt's verdict, told once when it ends: None (it worked) or what it failed with. A 429 starts a
         cooldown (:meth:`rate_limited`; ``need_tokens``: the attempt's estimated prompt plus ``max_tokens``); a 5xx or
-        a failure without a status (connect, timeout, a broken, silent or bad answer) counts against the breaker;
-        any other 4xx is the request's fault, so the upstream is up (a context overflow included, whatever status
-        the upstream chose: ``errors.upstream_error`` made it a 400)."""
+        a failure without a status (connect, timeout, a broken, silent or bad answer) counts against the breaker
+        (a request-shaped one charged to ``source``; module docstring: whose fault); any other 4xx is the request's
+        fault, so the upstream is up (a context overflow included, whatever status the upstream chose:
+        ``errors.upstream_error`` made it a 400)."""
         if exc is None:
             self.success()
         elif not isinstance(exc, UpstreamStatusError) or exc.status >= 500:
-            self.failure(now)
+            self.failure(now, source if request_shaped(exc) else None)
         elif exc.status == 429:
             self.rate_limited(exc.headers, now, exhausted=exc.quota_exhausted, need_tokens=need_tokens)
         else:
             self.success()
 
-    def resting_until(self) -> float:
-        """When the breaker or the cooldown ends (monotonic seconds)."""
-        return max(self.open_until, self.cooldown_until)
+    def resting_until(self, source: str | None = None) -> float:
+        """When the breaker or the cooldown ends (monotonic seconds), or its rest for ``source``."""
+        found = self.by_source.get(source) if source is not None else None
+        return max(self.open_until, self.cooldown_until, found[2] if found is not None else 0.0)
 
     def rate_limited(self, headers: Mapping[str, str], now: float, exhausted: bool = False,
                      need_tokens: int = 0) -> float:
@@ -380,6 +490,7 @@ class Health:
                 h.failures, h.open_until, h.half_open = old.failures, old.open_until, old.half_open
                 h.probe_started, h.cooldown_until, h.exhausted = old.probe_started, old.cooldown_until, old.exhausted
                 h.quota, h.sent, h.reports_quota = dict(old.quota), old.sent, old.reports_quota
+                h.hard, h.shaped, h.by_source = old.hard, dict(old.shaped), OrderedDict(old.by_source)
 
     def __getitem__(self, name: str) -> UpstreamHealth:
         return self.by_name[name]
@@ -424,8 +535,11 @@ class Untracked:
     def observe_headers(self, headers: Mapping[str, str], now: float, mark: Any = None) -> None:
         """Nothing is read."""
 
-    def settle(self, exc: GatewayError | None, now: float, need_tokens: int = 0) -> None:
+    def settle(self, exc: GatewayError | None, now: float, need_tokens: int = 0, source: str | None = None) -> None:
         """No verdict is kept."""
+
+    def retract(self, source: str) -> None:
+        """Nothing was charged."""
 
 
 UNTRACKED = Untracked()

@@ -12,11 +12,14 @@ Definitions (README "Metrics"; wire contract §6):
 * request duration: arrival -> last byte written to the client.
 * overhead: arrival -> upstream request sent (routing, body preparation).
 * tokens: from the upstream's usage whenever it reported one, a failed or abandoned stream included (those
-  tokens were billed).
-* cost: from the upstream's usage and its configured prices (USD per million tokens):
+  tokens were billed), labelled ``usage="reported"``; a stream that ended without it (the client left before the
+  usage chunk, or the upstream sends none) counts what it relayed instead, each token-bearing chunk as one token,
+  plus its estimated prompt, labelled ``usage="estimated"`` (a lower bound of what the upstream bills; never a
+  decode speed).
+* cost: from that usage and the upstream's configured prices (USD per million tokens):
   (prompt - cached) * input + cached * cached_input + completion * output, since OpenAI's ``prompt_tokens``
-  includes the cached ones. A request answered by an upstream that reported no usage, or by an upstream
-  without prices, adds no cost and is counted as unpriced instead.
+  includes the cached ones; labelled like the tokens. A request answered with no usage at all (a whole answer
+  without one), or by an upstream without prices, adds no cost and is counted as unpriced instead.
 
 Buckets resolve ~1.3 ms/token (fast tier) and ~25 ms/token (standard tier) and reach 15-minute
 requests. Labels are bounded: tier, upstream and model come from the config (unknown models are
@@ -85,10 +88,14 @@ class Metrics:
         self.overhead = Histogram(f"{p}_gateway_overhead_seconds",
                                   "Gateway time from request arrival to the upstream request being sent.",
                                   ("tier",), buckets=OVERHEAD_BUCKETS, registry=registry)
-        self.tokens = Counter(f"{p}_tokens", "Tokens from upstream usage, by type.", (*_T, "token_type"),
-                              registry=registry)
+        self.tokens = Counter(f"{p}_tokens", "Tokens from usage, by type; usage: reported by the upstream, or "
+                              "estimated by the gateway (a stream without usage: its relayed token chunks and the "
+                              "estimated prompt).", (*_T, "token_type", "usage"), registry=registry)
         self.usage_missing = Counter(f"{p}_usage_missing", "Successful requests whose upstream reported no usage.",
                                      _T, registry=registry)
+        self.usage_estimated = Counter(f"{p}_usage_estimated", "Requests answered without the upstream's usage whose "
+                                       "tokens and cost were estimated from the relayed token chunks and the "
+                                       "estimated prompt.", _T, registry=registry)
         self.upstream_errors = Counter(f"{p}_upstream_errors", "Failed upstream attempts by reason.",
                                        ("tier", "upstream", "reason"), registry=registry)
         self.fallbacks = Counter(f"{p}_fallbacks", "Requests served by another candidate than the first, by reason.",
@@ -111,8 +118,8 @@ class Metrics:
         self.upstream_reported = Histogram(
             f"{p}_upstream_reported_seconds", "Upstream-reported timings: Cerebras time_info, openai-processing-ms.",
             ("tier", "upstream", "phase"), buckets=TTFT_BUCKETS, registry=registry)
-        self.cost = Counter(f"{p}_cost_usd", "Cost in USD from upstream usage and the configured prices.", _T,
-                            registry=registry)
+        self.cost = Counter(f"{p}_cost_usd", "Cost in USD from usage (reported or estimated, as tokens) and the "
+                            "configured prices.", (*_T, "usage"), registry=registry)
         self.responses = Counter(f"{p}_responses_api_requests", "Responses API requests answered, by how the upstream "
                                  "served them: natively, or through the gateway's chat-completions bridge.",
                                  ("tier", "upstream", "mode"), registry=registry)
@@ -196,7 +203,7 @@ class Metrics:
             for model in sorted(served):
                 self.requests.labels(tier, upstream, model, "success")
                 if upstream in self.prices:
-                    self.cost.labels(tier, upstream, model)
+                    self.cost.labels(tier, upstream, model, "reported")
 
     def set_upstream_state(self, upstream: str, state: str, quota: dict[str, float]) -> None:
         """Publish one upstream's health ``state`` (one of ``STATES``) and its quota estimate."""
@@ -247,7 +254,7 @@ class Metrics:
     def record(self, *, tier: str, upstream: str, model: str, outcome: str, stream: bool, duration: float,
                ttft: float | None = None, decode_time: float | None = None, token_chunks: int = 0,
                usage: dict[str, Any] | None = None, time_info: dict[str, Any] | None = None,
-               processing_ms: str | None = None) -> float | None:
+               processing_ms: str | None = None, estimated: bool = False) -> float | None:
         """Record one finished client request (called exactly once per request); returns the cost it added (USD), or
         None (unpriced, or nothing billable).
 
@@ -255,7 +262,9 @@ class Metrics:
             duration: seconds from arrival to last byte; ttft: seconds to the first token (streams);
             decode_time: seconds from first to last token-bearing chunk; token_chunks: how many chunks carried
             tokens; usage: the upstream's usage object;
-            time_info: Cerebras ``time_info``; processing_ms: OpenAI's ``openai-processing-ms`` header.
+            time_info: Cerebras ``time_info``; processing_ms: OpenAI's ``openai-processing-ms`` header;
+            estimated: ``usage`` is the gateway's estimate (the relayed token chunks and the estimated prompt, for a
+            stream without the upstream's usage): counted and priced, never a decode speed.
         """
         labels = (tier, upstream, model if model in self.models else "other")
         self.child(self.requests, *labels, outcome).inc()
@@ -268,11 +277,15 @@ class Metrics:
         if outcome in BILLABLE and upstream != "none":
             # tokens the upstream reported were billed, however the stream ended (OpenRouter reports usage on
             # its final error chunk); decode speed only from streams that ran to their end
+            source = "estimated" if estimated else "reported"
             if usage is not None:
-                self._tokens(labels, usage, decode_time if outcome == "success" else None, token_chunks)
-            elif outcome == "success":
+                self._tokens(labels, usage, decode_time if outcome == "success" and not estimated else None,
+                             token_chunks, source)
+            if estimated:
+                self.child(self.usage_estimated, *labels).inc()
+            if (usage is None or estimated) and outcome == "success":
                 self.child(self.usage_missing, *labels).inc()
-            cost = self._cost(labels, usage, model)
+            cost = self._cost(labels, usage, model, source)
         self._reported(tier, upstream, time_info, processing_ms)
         return cost
 
@@ -294,13 +307,15 @@ class Metrics:
             self.child(self.pt_bytes_out, *labels).inc(bytes_out)
         if usage is not None and outcome in BILLABLE and upstream != "none":
             token_labels = (tier, upstream, self.model_label(model))
-            self._tokens(token_labels, usage, None, 0)
-            return self._cost(token_labels, usage, model)
+            self._tokens(token_labels, usage, None, 0, "reported")
+            return self._cost(token_labels, usage, model, "reported")
         return None
 
-    def _cost(self, labels: tuple[str, str, str], usage: dict[str, Any] | None, model: str) -> float | None:
-        """Add the cost of ``usage`` at the price of ``model`` on the upstream (``model_prices``, else ``prices`` for a
-        configured model) and return it (USD), or count the request as unpriced (None)."""
+    def _cost(self, labels: tuple[str, str, str], usage: dict[str, Any] | None, model: str,
+              source: str) -> float | None:
+        """Add the cost of ``usage`` (``source``: ``reported`` or ``estimated``) at the price of ``model`` on the
+        upstream (``model_prices``, else ``prices`` for a configured model) and return it (USD), or count the request
+        as unpriced (None)."""
         price = self.model_prices.get((labels[1], model))
         if price is None and model in self.models:
             price = self.prices.get(labels[1])
@@ -313,18 +328,18 @@ class Metrics:
         p_in, p_cached, p_out = price
         cost = (prompt - cached) * p_in + cached * p_cached + completion * p_out
         if cost > 0:
-            self.child(self.cost, *labels).inc(cost)
+            self.child(self.cost, *labels, source).inc(cost)
         return cost
 
     def _tokens(self, labels: tuple[str, str, str], usage: dict[str, Any], decode_time: float | None,
-                chunks: int) -> None:
+                chunks: int, source: str) -> None:
         prompt = _int(usage.get("prompt_tokens"))
         completion = _int(usage.get("completion_tokens"))
         cached = _detail(usage, "prompt_tokens_details", "cached_tokens")
         reasoning = _detail(usage, "completion_tokens_details", "reasoning_tokens")
         for token_type, n in zip(TOKEN_TYPES, (prompt, completion, cached, reasoning), strict=True):
             if n:
-                self.child(self.tokens, *labels, token_type).inc(n)
+                self.child(self.tokens, *labels, token_type, source).inc(n)
         speed = decode_speed(decode_time, chunks, completion) if decode_time is not None else None
         if speed is not None:
             self.child(self.tpot, *labels).observe(1.0 / speed)

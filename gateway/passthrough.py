@@ -34,7 +34,7 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from gateway import failover
-from gateway.api import Gateway, Watch
+from gateway.api import MAX_NEED, Gateway, Watch
 from gateway.errors import (
     GatewayDraining,
     GatewayError,
@@ -47,11 +47,10 @@ from gateway.errors import (
 )
 from gateway.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of, read_body
 from gateway.health import UNTRACKED
-from gateway.keys import Refusal, Spend, bounded
 from gateway.metrics import Metrics
 from gateway.policy import Candidate, Decision, RequestFacts
 from gateway.upstream import Answer, Attempt, Body, field_value
-from gateway.wire import check_limits, is_json_type, replace_top_level
+from gateway.wire import chat_usage, check_limits, is_json_type, replace_top_level
 
 log = logging.getLogger("tiergate")
 # the endpoint label of the passthrough metrics (bounded): the first path here that the request's path is or is under,
@@ -63,8 +62,6 @@ ENDPOINTS = ("embeddings", "completions", "moderations", "audio/speech", "audio/
 # a "." or ".." segment, also with ";" parameters (servlet containers read "..;" as "..") or "\\" as a separator (IIS)
 _DOT_SEGMENT = re.compile(r"[/\\]\.\.?(;[^/\\]*)?(?=[/\\])")
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
-USAGE_ENDPOINTS = frozenset({"embeddings", "completions"})  # they answer with usage (OpenAPI CreateEmbeddingResponse,
-# CreateCompletionResponse); others report none, or in shapes that are not token counts
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _ACCEPT_JSON = {"accept": "application/json"}
 MODELS_RETRY = 5.0  # seconds before asking again an upstream that did not list its models
@@ -77,6 +74,15 @@ def endpoint_label(path: str) -> str:
         if path == name or path.startswith(name + "/"):
             return name
     return "other"
+
+
+def bills(endpoint: str, path: str) -> bool:
+    """Whether a ``POST`` to ``path`` (under /v1) makes something billed by its usage, whose answer's usage is then
+    counted: a collection endpoint itself (embeddings, legacy completions, audio, images, moderations, chat completions
+    of a model only the passthrough upstream lists, and any path the gateway does not know), never an object under it
+    (an update of a stored chat completion, a batch's cancel: their usage was counted when they were made, or is
+    billed elsewhere)."""
+    return endpoint == "other" or path == endpoint
 
 
 def tail_usage(tail: bytes) -> dict[str, Any] | None:
@@ -97,12 +103,13 @@ class PassExchange(Exchange):
     """An :class:`Exchange` of the passthrough surface: recorded in its own families (``endpoint`` label, bytes each
     way, usage when the answer reports one)."""
 
-    __slots__ = ("endpoint", "bytes_in", "bytes_out", "tail")
+    __slots__ = ("endpoint", "path", "bytes_in", "bytes_out", "tail")
 
-    def __init__(self, metrics: Metrics, send: Send, headers: dict[str, str], endpoint: str,
+    def __init__(self, metrics: Metrics, send: Send, headers: dict[str, str], path: str,
                  scope: Scope | None = None) -> None:
         super().__init__(metrics, send, headers, "passthrough", scope)
-        self.endpoint = endpoint
+        self.path = path  # under /v1, no leading slash
+        self.endpoint = endpoint_label(path)
         self.bytes_in = 0
         self.bytes_out = 0
         self.tail = b""  # the end of a JSON or SSE answer so far (its usage comes last)
@@ -114,7 +121,8 @@ class PassExchange(Exchange):
         if outcome == "client_disconnect" and self.tail.endswith(b"data: [DONE]\n\n"):
             outcome = "success"
         self.outcome = outcome  # the request log says what the metrics say
-        usage = kw["usage"] = tail_usage(self.tail) if self.tail else None
+        found = tail_usage(self.tail) if self.tail else None
+        usage = kw["usage"] = chat_usage(found) if found is not None else None  # Responses/audio token shapes too
         return self._metrics.record_passthrough(endpoint=self.endpoint, tier=self.tier, upstream=self.upstream,
                                                 model=self.model, outcome=outcome, duration=duration,
                                                 bytes_in=self.bytes_in, bytes_out=self.bytes_out, usage=usage)
@@ -183,42 +191,11 @@ class Passthrough:
         self.config = gateway.config
         self.metrics = gateway.metrics
 
-    async def _keyed(self, ex: PassExchange) -> bool:
-        """Count the request against its gateway key's limits (one request now; its usage and cost when it is
-        recorded); False when a limit refused it (answered 429)."""
-        if ex.key is None:
-            return True
-        held = await self.gateway.ledger.reserve(ex.key, Spend(1.0, 0.0, 0.0), False)
-        if isinstance(held, Refusal):
-            self.metrics.key_refusals.labels(ex.key.name, held.limit).inc()
-            await ex.error(held.error(ex.key), "key_limit", [(b"x-request-id", ex.rid.encode()), CLOSE])
-            return False
-        ex.hold = held
-        return True
-
-    async def _allowed(self, ex: PassExchange, decision: Decision) -> Decision:
-        """The candidates the request's gateway key allows, as for chat completions: its tiers
-        (:meth:`Gateway.on_key_tiers`), and the fast tier only within its fast allowance (:meth:`Gateway.off_fast`).
-
-        Raises:
-            KeyNotAllowed: no tier it may use serves the request; RateLimited: only the fast tier does, and the key's
-                allowance there is spent.
-        """
-        key, hold, gw = ex.key, ex.hold, self.gateway
-        if key is None:
-            return decision
-        decision = gw.on_key_tiers(key, decision)
-        if hold is not None and decision.candidates[0].upstream.tier == "fast" and bounded(key, ("fast",)):
-            refused = await gw.ledger.extend(hold, "fast")
-            if refused is not None:
-                decision = gw.off_fast(key, decision, refused)
-        return decision
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send, owner: str | None = None) -> None:
         """Serve one request under ``/v1``; ``owner``: the upstream that alone can serve it (see
         :meth:`Policy.decide_passthrough`)."""
         path = scope["path"][len("/v1/"):]
-        ex = PassExchange(self.metrics, send, headers_of(scope), endpoint_label(path), scope)
+        ex = PassExchange(self.metrics, send, headers_of(scope), path, scope)
         gw = self.gateway
         method = scope["method"]
         if method not in _METHODS:  # TRACE would echo the upstream key back; WebDAV and the like are no OpenAI API
@@ -236,8 +213,6 @@ class Passthrough:
             await ex.error(GatewayDraining("The gateway is shutting down; retry the request.",
                                            headers={"retry-after": "1"}), "gateway_draining",
                            [(b"x-request-id", ex.rid.encode()), CLOSE])
-            return
-        if not await self._keyed(ex):
             return
         limits = self.config.limits
         declared = ex.headers.get("content-length")
@@ -283,13 +258,11 @@ class Passthrough:
         streams from ``body_from``, once: then a single attempt). Failover only before the first byte, for a body
         held whole. The upstreams' health is neither read nor told (:class:`gateway.health.Untracked`)."""
         upload = None
-        try:
-            facts = _facts(raw, ex.headers)
-            decision = await self._allowed(ex, self.gateway.policy.decide_passthrough(path, facts, owner=owner))
-        except GatewayError as exc:
-            return await ex.error(exc, "client_error", _closing(ex, raw))
-        ex.model, ex.requested = decision.model, facts.model if facts is not None else None
         gw = self.gateway
+        decided = await self._decide(ex, path, raw, owner)
+        if decided is None:
+            return
+        decision, facts = decided
         self.metrics.child(self.metrics.decisions, decision.rule, decision.tier).inc()
         plan = failover.Plan(list(decision.candidates[:1 if raw is None else self.config.max_attempts]),
                              decision.fallback)
@@ -297,6 +270,11 @@ class Passthrough:
         tried = 0
         for cand in plan.candidates:
             up = cand.upstream
+            if ex.hold is not None and up.tier == "fast" and not ex.hold.charges("fast"):  # a failover to it
+                refused = await gw.fast_allowance(ex.hold, plan)
+                if refused is not None:
+                    last = refused
+                    continue
             tried += 1
             gw.attempting(ex, decision, up, tried, plan.reason)
             if body_from is not None:
@@ -325,6 +303,29 @@ class Passthrough:
                 break
         await gw.give_up(ex, decision, plan.reason, last, tried, _closing(ex, raw, [], upload))
 
+    async def _decide(self, ex: PassExchange, path: str, raw: bytes | None,
+                      owner: str | None) -> tuple[Decision, RequestFacts | None] | None:
+        """The request's route and routing facts (None: no JSON body with a model), as its gateway key allows them,
+        its reservation made (:meth:`Gateway.keyed`: one request, and a JSON body's estimated tokens and cost, as chat
+        completions reserve); None when it was refused (answered; before any of a streamed body was read, so the
+        connection closes)."""
+        gw = self.gateway
+        try:
+            facts = _facts(raw, ex.headers)
+            decision = gw.policy.decide_passthrough(path, facts, owner=owner)
+        except GatewayError as exc:
+            await ex.error(exc, "client_error", _closing(ex, raw))
+            return None
+        ex.model, ex.requested = decision.model, facts.model if facts is not None else None
+        if ex.key is None:
+            return decision, facts
+        need = min(facts.prompt_tokens + (facts.max_tokens or 0), MAX_NEED) if facts is not None else 0
+        decision, refusal = await gw.keyed(ex, ex.key, decision, facts, need)
+        if refusal is not None:
+            await ex.error(refusal, "key_limit" if refusal.status == 429 else "client_error", _closing(ex, raw))
+            return None
+        return decision, facts
+
     @staticmethod
     async def _send(attempt: Attempt, body: Body | None, upload: Upload | None) -> Answer:
         """:meth:`Attempt.send`; a streamed body's writer bounded as :class:`Upload` says.
@@ -347,9 +348,9 @@ class Passthrough:
 
     async def _relay(self, ex: PassExchange, attempt: Attempt, answer: Answer, decision: Decision,
                      reason: str | None, method: str) -> None:
-        """Relay a 2xx answer as it arrives, bytes untouched; for a ``POST`` to an endpoint that bills by usage
-        (:data:`USAGE_ENDPOINTS`), keep the tail of its JSON or SSE body to read the usage from (a stored object
-        fetched again is not billed again).
+        """Relay a 2xx answer as it arrives, bytes untouched; for a ``POST`` that makes something billed by usage
+        (:func:`bills`), keep the tail of its JSON or SSE body to read the usage from (a stored object fetched again is
+        not billed again).
 
         Raises:
             GatewayError: the answer broke off. Before its first byte reached the client, it can fail over; after,
@@ -366,7 +367,7 @@ class Passthrough:
             ex.record("success")
             return await ex.end_stream()
         ctype = answer.content_type
-        keep = method == "POST" and ex.endpoint in USAGE_ENDPOINTS and ("json" in ctype or "event-stream" in ctype)
+        keep = method == "POST" and bills(ex.endpoint, ex.path) and ("json" in ctype or "event-stream" in ctype)
         try:
             async for data in answer.chunks():
                 ex.bytes_out += len(data)

@@ -56,7 +56,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from gateway import logs
 from gateway.config import StateConfig
-from gateway.conversations import Bridged, MemoryResponseStore, Native, Record
+from gateway.conversations import MemoryResponseStore, Record, decode, encode, items_of, previous_of
 from gateway.errors import GatewayError
 from gateway.health import Health, Mark, UpstreamHealth, quota_report
 from gateway.keys import DIMENSIONS, Hold, Key, MemoryLedger, Refusal, Spend, bounded, windows
@@ -678,59 +678,58 @@ class SharedVerdicts:
         self.reported = True
         self.shared.observed(self.local, report, self.admission)
 
-    def settle(self, exc: GatewayError | None, now: float, need_tokens: int = 0) -> None:
-        self.local.settle(exc, now, need_tokens)
+    def settle(self, exc: GatewayError | None, now: float, need_tokens: int = 0, source: str | None = None) -> None:
+        self.local.settle(exc, now, need_tokens, source)
+
+    def retract(self, source: str) -> None:
+        self.local.retract(source)
 
 
 class SharedResponseStore:
     """A :class:`gateway.conversations.ResponseStore` that keeps every record in Redis (``{prefix}:response:{id}``, a
-    hash of its JSON and the id it continues, living ``response_store.ttl`` after it was put or last continued) and in
-    this process's :class:`MemoryResponseStore` too, which answers while Redis is away. Redis holds the records of
-    every replica; its own ``maxmemory`` bounds them (``response_store.max_*`` bound the local copy)."""
+    hash of its encoded record and the id it continues, living ``response_store.ttl`` after it was put or last
+    continued) and in this process's :class:`MemoryResponseStore` too, which answers while Redis is away. Redis holds
+    the records of every replica; its own ``maxmemory`` bounds them (``response_store.max_*`` bound the local copy).
+    A record is found only by its owner, here as in the local copy (``gateway.conversations``)."""
 
     def __init__(self, local: MemoryResponseStore, shared: SharedState) -> None:
         self.local = local
         self.shared = shared
         self.ttl_ms = max(1, int(local.ttl * 1000))
-        shared.on_deleted = [self._drop_local]
+        shared.on_deleted = [local.forget]
 
     def __len__(self) -> int:
         return len(self.local)
 
-    def _drop_local(self, response_id: str) -> None:
-        self.local._drop(response_id)
-
     def _key(self, response_id: str) -> str:
         return f"{self.shared.prefix}:response:{response_id}"
 
-    async def get(self, response_id: str) -> Record | None:
+    async def get(self, response_id: str, owner: str | None) -> Record | None:
         ok, replies = await self.shared.ask("store", lambda pipe: pipe.hget(self._key(response_id), "data"))
         if ok and replies[0] is not None:
-            return _record(replies[0])
-        return await self.local.get(response_id)
+            record = decode(replies[0])
+            return record if record is not None and record.owner == owner else None
+        return await self.local.get(response_id, owner)
 
-    async def history(self, response_id: str, refresh: bool = True) -> list[dict[str, Any]] | None:
+    async def history(self, response_id: str, owner: str | None, refresh: bool = True) -> list[dict[str, Any]] | None:
+        # a look at the first link before the walk: a conversation of another owner is never refreshed by this one
+        if await self.get(response_id, owner) is None:
+            return None
         ok, replies = await self.shared.ask("store", lambda pipe: self.shared.history_command(
             pipe, response_id, self.ttl_ms if refresh else 0, self.local.max_items))
         chain = replies[0] if ok else None
         if not chain:
-            return await self.local.history(response_id, refresh)
-        items: list[dict[str, Any]] = []
-        for data in reversed(chain):
-            record = _record(data)
-            if not isinstance(record, Bridged):
-                return None
-            items += record.input
-            items += record.response.get("output") or []
-        return items
+            return await self.local.history(response_id, owner, refresh)
+        records = [decode(data) for data in chain]
+        if any(r is None or r.owner != owner for r in records):
+            return None
+        return items_of(chain)
 
     async def put(self, response_id: str, record: Record) -> bool:
         if not await self.local.put(response_id, record):
             return False
-        data = orjson.dumps({"k": "b", "response": record.response, "input": record.input,
-                             "previous": record.previous, "size": record.size} if isinstance(record, Bridged)
-                            else {"k": "n", "upstream": record.upstream})
-        previous = record.previous if isinstance(record, Bridged) else None
+        data = encode(record)
+        previous = previous_of(record)
         key = self._key(response_id)
 
         def write(pipe: Pipeline) -> None:  # awaited: a follow-up may reach another replica as soon as it answers
@@ -739,8 +738,10 @@ class SharedResponseStore:
         await self.shared.ask("store", write)
         return True
 
-    async def delete(self, response_id: str) -> bool:
-        here = await self.local.delete(response_id)
+    async def delete(self, response_id: str, owner: str | None) -> bool:
+        if await self.get(response_id, owner) is None:
+            return False  # another owner's stays, here and in Redis
+        here = await self.local.delete(response_id, owner)
         ok, replies = await self.shared.ask("store", lambda pipe: pipe.delete(self._key(response_id)))
         if ok:
             self.shared.forget(response_id)
@@ -754,20 +755,6 @@ def _number(value: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return number if math.isfinite(number) else None
-
-
-def _record(data: bytes) -> Record | None:
-    """A stored record from its JSON (None when it is not one of ours)."""
-    try:
-        raw = orjson.loads(data)
-        if isinstance(raw, dict) and raw.get("k") == "n":
-            return Native(str(raw["upstream"]))
-        if isinstance(raw, dict) and raw.get("k") == "b" and isinstance(raw["response"], dict) and \
-                isinstance(raw["input"], list):
-            return Bridged(raw["response"], raw["input"], raw.get("previous"), int(raw.get("size", 0)))
-    except (ValueError, TypeError, KeyError):
-        pass
-    return None  # not one of ours
 
 
 class SharedLedger:

@@ -49,7 +49,7 @@ from gateway.errors import (
     event_error,
     upstream_error,
 )
-from gateway.health import retry_wait
+from gateway.health import Blame, request_shaped, retry_wait
 
 RESPONSE_HEADER_ALLOW = ("openai-processing-ms", "retry-after", "retry-after-ms", "x-should-retry")
 RESPONSE_HEADER_PREFIX_ALLOW = ("x-ratelimit-",)
@@ -113,7 +113,9 @@ class Verdicts(Protocol):
     def start(self, now: float, need_tokens: int) -> Any: ...
     def finish(self) -> None: ...
     def observe_headers(self, headers: Mapping[str, str], now: float, mark: Any = None) -> None: ...
-    def settle(self, exc: GatewayError | None, now: float, need_tokens: int = 0) -> None: ...
+    def settle(self, exc: GatewayError | None, now: float, need_tokens: int = 0,
+               source: str | None = None) -> None: ...
+    def retract(self, source: str) -> None: ...
 
 
 class Attempt:
@@ -129,7 +131,8 @@ class Attempt:
         is then an answer, and the upstream's timeouts bound connect and silence, never the whole exchange);
         client_key: the client's ``Authorization`` value, sent instead of the upstream's key when the upstream
         says ``pass_client_key`` (else ignored: the client's key never reaches an upstream); span / trace: the
-        attempt's trace span and the W3C Trace Context headers sent upstream (``gateway.tracing``), or None.
+        attempt's trace span and the W3C Trace Context headers sent upstream (``gateway.tracing``), or None; blame:
+        whom a request-shaped failure is charged to (``gateway.health.Blame``; None: nobody, the upstream alone).
 
     Attributes:
         answer: the open answer after :meth:`send`, else None.
@@ -140,8 +143,10 @@ class Attempt:
     def __init__(self, transport: Transport, upstream: UpstreamConfig, health: Verdicts,
                  clock: Callable[[], float], *, need_tokens: int, stream: bool, request_id: str,
                  path: str, method: str = "POST", forward: Mapping[str, str] | None = None,
-                 client_key: str | None = None, span: Any = None, trace: Mapping[str, str] | None = None) -> None:
+                 client_key: str | None = None, span: Any = None, trace: Mapping[str, str] | None = None,
+                 blame: Blame | None = None) -> None:
         self.upstream = upstream
+        self.blame = blame
         self.span = span  # the attempt's trace span (gateway.tracing), or None
         self._trace = trace
         self._error: BaseException | None = None
@@ -222,7 +227,13 @@ class Attempt:
         self._error = exc
         if not self._verdict:
             self._verdict = True
-            self.health.settle(exc, self._clock(), self._need)
+            blame = self.blame
+            if blame is not None and request_shaped(exc):
+                source = blame.who()
+                self.health.settle(exc, self._clock(), self._need, source)
+                blame.charged.append((self.upstream.name, self.health, source))  # what the request may take back
+            else:
+                self.health.settle(exc, self._clock(), self._need)
         return exc
 
     def done(self) -> None:

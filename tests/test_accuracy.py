@@ -92,7 +92,8 @@ GRID = [
     Shape(20, 750, 1, 1, True, "fast"),
     Shape(20, 750, 1, 1, True, "standard"),
     Shape(20, 750, 4, 5, True, "standard"),
-    # no usage reported: TTFT still measured; no time per output token, no tokens; usage_missing counted
+    # no usage reported: TTFT still measured; no time per output token, no reported tokens (estimated ones);
+    # usage_missing counted
     Shape(50, 200, 100, 2, False, "fast"),
     Shape(200, 200, 100, 1, False, "standard"),
 ]
@@ -204,8 +205,10 @@ def _measure(rig: Rig, shape: Shape) -> tuple[dict[str, float], list[str]]:
     d = {name: _delta(before, after, name, **lab) for name in (
         TTFT + "_sum", TTFT + "_count", TPOT + "_sum", TPOT + "_count", TPS + "_sum", TPS + "_count",
         "tiergate_usage_missing_total", "tiergate_cost_usd_total", "tiergate_unpriced_requests_total")}
-    tokens = {t: _delta(before, after, "tiergate_tokens_total", token_type=t, **lab)
+    tokens = {t: _delta(before, after, "tiergate_tokens_total", token_type=t, usage="reported", **lab)
               for t in ("input", "output", "cached_input", "reasoning")}
+    estimated = {t: _delta(before, after, "tiergate_tokens_total", token_type=t, usage="estimated", **lab)
+                 for t in ("input", "output", "cached_input", "reasoning")}
     assert _delta(before, after, "tiergate_requests_total", outcome="success", **lab) == 1, shape
     assert truth["token_chunks"] == shape.chunks, (shape, truth)
     assert run.body.count(b'"delta":{"content":"') == shape.chunks and run.body.endswith(b"data: [DONE]\n\n")
@@ -219,10 +222,16 @@ def _measure(rig: Rig, shape: Shape) -> tuple[dict[str, float], list[str]]:
         assert d["tiergate_cost_usd_total"] == pytest.approx(
             (prompt * price["input"] + shape.tokens * price["output"]) / 1e6, rel=1e-9, abs=1e-15), shape
         assert d["tiergate_unpriced_requests_total"] == 0
+        assert estimated == {"input": 0, "output": 0, "cached_input": 0, "reasoning": 0}, shape
     else:
+        # nothing reported; estimated: each relayed token chunk a token, and the gateway's prompt estimate, priced
         assert tokens == {"input": 0, "output": 0, "cached_input": 0, "reasoning": 0}, shape
+        assert estimated["output"] == shape.chunks and estimated["input"] > 0, (shape, estimated)
         assert d["tiergate_usage_missing_total"] == 1
-        assert d["tiergate_cost_usd_total"] == 0 and d["tiergate_unpriced_requests_total"] == 1
+        price = PRICES[shape.tier]
+        assert d["tiergate_cost_usd_total"] == pytest.approx(
+            (estimated["input"] * price["input"] + shape.chunks * price["output"]) / 1e6, rel=1e-9, abs=1e-15), shape
+        assert d["tiergate_unpriced_requests_total"] == 0
     decoded = shape.usage and shape.chunks >= 2
     assert d[TTFT + "_count"] == 1
     assert d[TPOT + "_count"] == d[TPS + "_count"] == (1 if decoded else 0), shape

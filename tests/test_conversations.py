@@ -357,25 +357,27 @@ def test_native_responses_and_input_item_pages_say_what_is_wrong(gw: Proc) -> No
 
 
 async def test_the_store_bounds_and_a_look_that_continues_nothing() -> None:
-    from gateway.conversations import Bridged, MemoryResponseStore
+    from gateway.conversations import OVERHEAD, Bridged, MemoryResponseStore, encode
 
     now = [0.0]
-    store = MemoryResponseStore(max_items=3, max_bytes=100, ttl=10, clock=lambda: now[0])
 
-    def turn(previous: str | None, size: int = 10) -> Bridged:
-        return Bridged({"output": [{"type": "message"}]}, [{"type": "message"}], previous, size)
+    def turn(previous: str | None, text: str = "x") -> Bridged:
+        return Bridged({"output": [{"type": "message", "text": text}]}, [{"type": "message"}], previous)
 
+    one = len(encode(turn("r1"))) + OVERHEAD  # what a kept turn counts against max_bytes
+    store = MemoryResponseStore(max_items=3, max_bytes=3 * one, ttl=10, clock=lambda: now[0])
     assert await store.put("r1", turn(None)) and await store.put("r2", turn("r1"))
-    assert not await store.put("huge", turn(None, 101)) and len(store) == 2  # kept no one out for it
+    assert not await store.put("huge", turn(None, "x" * 3 * one)) and len(store) == 2  # kept no one out for it
     now[0] = 9
-    assert await store.history("r2", refresh=False) is not None  # /v1/tiergate/route: a look only
+    assert await store.history("r2", None, refresh=False) is not None  # /v1/tiergate/route: a look only
     now[0] = 11
-    assert await store.history("r2") is None  # it was not refreshed by the look
+    assert await store.history("r2", None) is None  # it was not refreshed by the look
     assert await store.put("a", turn(None)) and await store.put("b", turn("a"))
     now[0] = 20
-    assert len(await store.history("b") or []) == 4  # continued: both links live another ttl
+    assert len(await store.history("b", None) or []) == 4  # continued: both links live another ttl
     now[0] = 29
-    assert await store.get("a") is not None
+    assert await store.get("a", None) is not None
+    assert store.bytes <= store.max_bytes
 
 
 # ---- a second review ---------------------------------------------------------------------------------------

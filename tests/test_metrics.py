@@ -61,7 +61,7 @@ def test_standard_pace_lands_in_the_25ms_bucket(stack: Stack) -> None:
     assert _delta(before, after, TPS + "_bucket", le="50.0", **lab) == 1
 
 
-def test_stream_without_usage_counts_usage_missing_not_tokens(stack: Stack) -> None:
+def test_stream_without_usage_counts_usage_missing_and_estimated_tokens(stack: Stack) -> None:
     directive = fast_directive(tokens=5, tps=2000, ttft_ms=2, usage="none")
     before = stack.metrics()
     httpx.post(stack.base_url + "/chat/completions", timeout=10, json={
@@ -70,8 +70,13 @@ def test_stream_without_usage_counts_usage_missing_not_tokens(stack: Stack) -> N
     after = stack.metrics()
     lab = {"tier": "fast", "model": "gpt-5.6"}
     assert _delta(before, after, "tiergate_usage_missing_total", **lab) == 1
-    assert sample(after, "tiergate_tokens_total", **lab) == sample(before, "tiergate_tokens_total", **lab)
-    assert _delta(before, after, TPOT + "_count", **lab) == 0  # no usage: no invented token count
+    assert sample(after, "tiergate_tokens_total", usage="reported", **lab) == sample(
+        before, "tiergate_tokens_total", usage="reported", **lab)  # nothing invented as reported
+    # estimated, and said so: the five relayed token chunks, and the prompt as the gateway estimated it
+    assert _delta(before, after, "tiergate_tokens_total", usage="estimated", token_type="output", **lab) == 5
+    assert _delta(before, after, "tiergate_tokens_total", usage="estimated", token_type="input", **lab) > 0
+    assert _delta(before, after, "tiergate_usage_estimated_total", **lab) == 1
+    assert _delta(before, after, TPOT + "_count", **lab) == 0  # no usage: no decode speed from an estimate
     assert _delta(before, after, TTFT + "_count", **lab) == 1
 
 

@@ -151,7 +151,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         procs.append(prom)
         prom.wait_for('sum(up{job=~"tiergate.*"})', 2)
         expected: dict[str, Any] = {"requests": {"fast": 0, "standard": 0}, "output": {"fast": 0, "standard": 0},
-                                    "cost": {"fast": 0.0, "standard": 0.0}, "unpriced": 0}
+                                    "cost": {"fast": 0.0, "standard": 0.0}, "estimated": {"fast": 0, "standard": 0},
+                                    "missing": 0}
         for wave in range(2):  # two waves with a scrape between, so rate() has an increase to work on
             for shape in WAVE:
                 tier, _, _, tokens, usage = shape
@@ -161,8 +162,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                     expected["output"][tier] += tokens
                     p = PRICES[tier]
                     expected["cost"][tier] += (prompt * p["input"] + tokens * p["output"]) / 1e6
-                else:
-                    expected["unpriced"] += 1
+                else:  # the gateway estimates it: each relayed token chunk (one token each here), and the prompt
+                    expected["estimated"][tier] += tokens
+                    expected["missing"] += 1
             prom.wait_for('sum(tiergate_requests_total{job="tiergate"})', 6 * (wave + 1))
         for _ in range(WORKER_REQUESTS):
             _send(workers.port, ("fast", 2, 3000, 3, True))
@@ -211,16 +213,21 @@ def test_tokens_cost_and_requests_by_tier(world: World) -> None:
     prom, exp = world.prom, world.expected
     assert prom.by('sum by (tier) (tiergate_requests_total{job="tiergate", outcome="success"})', "tier") == \
         exp["requests"]
-    assert prom.by('sum by (tier) (tiergate_tokens_total{job="tiergate", token_type="output"})', "tier") == \
-        exp["output"]
-    assert prom.scalar('sum(tiergate_tokens_total{job="tiergate", token_type="output"})') == \
+    assert prom.by('sum by (tier) (tiergate_tokens_total{job="tiergate", token_type="output", usage="reported"})',
+                   "tier") == exp["output"]
+    assert prom.scalar('sum(tiergate_tokens_total{job="tiergate", token_type="output", usage="reported"})') == \
         sum(exp["output"].values())
-    cost = prom.by('sum by (tier) (tiergate_cost_usd_total{job="tiergate"})', "tier")
+    estimated = prom.by('sum by (tier) (tiergate_tokens_total{job="tiergate", token_type="output", '
+                        'usage="estimated"})', "tier")
+    assert {t: estimated.get(t, 0) for t in exp["estimated"]} == exp["estimated"]
+    cost = prom.by('sum by (tier) (tiergate_cost_usd_total{job="tiergate", usage="reported"})', "tier")
     assert cost.keys() == exp["cost"].keys()
     for tier, usd in exp["cost"].items():
         assert cost[tier] == pytest.approx(usd, rel=1e-9)
-    assert prom.scalar('sum(tiergate_unpriced_requests_total{job="tiergate"})') == exp["unpriced"]
-    assert prom.scalar('sum(tiergate_usage_missing_total{job="tiergate"})') == exp["unpriced"]
+    assert prom.scalar('sum(tiergate_cost_usd_total{job="tiergate", usage="estimated"})') > 0
+    assert (prom.scalar('sum(tiergate_unpriced_requests_total{job="tiergate"})') or 0) == 0  # every answer priced
+    assert prom.scalar('sum(tiergate_usage_missing_total{job="tiergate"})') == exp["missing"]
+    assert prom.scalar('sum(tiergate_usage_estimated_total{job="tiergate"})') == exp["missing"]
     # rates exist over the scraped window (the dashboard's form)
     assert prom.scalar('sum(rate(tiergate_tokens_total{job="tiergate", token_type="output"}[1m]))') > 0
 

@@ -343,8 +343,8 @@ def test_usage_is_read_wherever_the_dialect_puts_it(stack: Stack, name: str, out
     before = stack.metrics()
     assert httpx.post(stack.base_url + "/chat/completions", json=body, timeout=10).status_code == 200
     after = stack.metrics()
-    grew = sample(after, "tiergate_tokens_total", token_type="output", **lab) - sample(
-        before, "tiergate_tokens_total", token_type="output", **lab)
+    grew = sample(after, "tiergate_tokens_total", token_type="output", usage="reported", **lab) - sample(
+        before, "tiergate_tokens_total", token_type="output", usage="reported", **lab)
     missing = sample(after, "tiergate_usage_missing_total", **lab) - sample(
         before, "tiergate_usage_missing_total", **lab)
     assert (grew, missing) == ((output_tokens, 0) if output_tokens else (0, 1))

@@ -209,23 +209,28 @@ async def test_the_responses_store_is_shared_and_a_delete_reaches_every_replica(
     sa = SharedResponseStore(MemoryResponseStore(100, 10**6, 60), a.shared)
     sb = SharedResponseStore(MemoryResponseStore(100, 10**6, 60), b.shared)
     first = Bridged({"id": "resp_1", "output": [{"type": "message", "id": "m1"}]}, [{"type": "message", "id": "u1"}],
-                    None, 100)
+                    None, "k")
     second = Bridged({"id": "resp_2", "output": [{"type": "message", "id": "m2"}]}, [{"type": "message", "id": "u2"}],
-                     "resp_1", 100)
+                     "resp_1", "k")
     assert await sa.put("resp_1", first) and await sa.put("resp_2", second)
-    assert await sa.put("resp_n", Native("openai"))
-    assert await sb.get("resp_n") == Native("openai")
-    got = await sb.get("resp_2")
+    assert await sa.put("resp_n", Native("openai", "k"))
+    assert await sb.get("resp_n", "k") == Native("openai", "k")
+    got = await sb.get("resp_2", "k")
     assert isinstance(got, Bridged) and got.previous == "resp_1"
-    history = await sb.history("resp_2")
+    history = await sb.history("resp_2", "k")
     assert [i["id"] for i in history or []] == ["u1", "m1", "u2", "m2"]
-    assert await sb.delete("resp_1")
+    # another key finds none of them on either replica, and cannot delete them
+    assert await sb.get("resp_2", "other") is None and await sb.history("resp_2", "other") is None
+    assert await sb.get("resp_n", None) is None and not await sb.delete("resp_1", "other")
+    assert await sa.get("resp_1", "k") == first
+    assert await sb.delete("resp_1", "k")
     await until(lambda: len(sa.local) == 2)  # a's local copy dropped by b's message
-    assert await sa.get("resp_1") is None
-    assert await sa.history("resp_2") is None  # a link is gone: no silent fresh start
+    assert await sa.get("resp_1", "k") is None
+    assert await sa.history("resp_2", "k") is None  # a link is gone: no silent fresh start
     redis_server.kill()  # away: each replica's own copy answers
-    assert await sa.get("resp_2") == second
-    assert await sb.get("resp_2") is None
+    assert await sa.get("resp_2", "k") == second
+    assert await sa.get("resp_2", "other") is None
+    assert await sb.get("resp_2", "k") is None
 
 
 async def test_garbage_in_its_keys_or_on_its_channel_never_takes_shared_state_down(
