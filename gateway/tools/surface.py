@@ -8,6 +8,8 @@ gateway's passthrough, with deterministic answers a test can check.
 ``POST /v1/completions``        legacy text completions, whole or streamed (SSE, ``[DONE]``; usage chunk
                                 with ``stream_options.include_usage``), at the emulator's pace
 ``POST /v1/moderations``        nothing flagged, a result per input
+``POST /v1/images/generations`` one tiny PNG per ``n`` (``b64_json``), with gpt-image-1's token usage (its input
+                                text's tokens, 272 output tokens an image: OpenAI's low-quality 1024x1024 figure)
 ``POST /v1/audio/transcriptions``  multipart upload; the text names the file's size and SHA-256 (``json``,
 ``/translations``               ``text``, ``verbose_json``; ``stream=true``: ``transcript.text.*`` events)
 ``POST /v1/audio/speech``       a binary answer (``audio/mpeg``, or per ``response_format``), chunked, in
@@ -40,6 +42,8 @@ MODELS = ("gpt-5.6-2026-10-01", "text-embedding-3-small", "text-embedding-3-larg
 # OpenAI's speech response formats and the content types its API answers them with
 _AUDIO_TYPES = {"mp3": b"audio/mpeg", "opus": b"audio/ogg", "aac": b"audio/aac", "flac": b"audio/flac",
                 "wav": b"audio/wav", "pcm": b"audio/pcm"}
+# a 1x1 transparent PNG, base64
+_PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAQAAAC1HAwCAAAAC0lEQVR42mNkYAAAAAYAAjCB0C8AAAAASUVORK5CYII="
 _WORDS = ("Every", "token", "leaves", "the", "gateway", "the", "moment", "it", "arrives", ",", "unbuffered")
 _CATEGORIES = ("harassment", "harassment/threatening", "hate", "hate/threatening", "illicit", "illicit/violent",
                "self-harm", "self-harm/instructions", "self-harm/intent", "sexual", "sexual/minors", "violence",
@@ -125,6 +129,13 @@ class Surface:
                        for _ in (inputs if isinstance(inputs, list) else [inputs])]
             return 200, orjson.dumps({"id": self._id("modr"), "model": request.get("model", "omni-moderation-latest"),
                                       "results": results})
+        if method == "POST" and path == "images/generations":
+            request = orjson.loads(body)
+            n = request.get("n") if isinstance(request.get("n"), int) else 1
+            prompt = _tokens(str(request.get("prompt", "")))
+            return 200, orjson.dumps({"created": int(time.time()), "data": [{"b64_json": _PNG}] * n, "usage": {
+                "input_tokens": prompt, "output_tokens": 272 * n, "total_tokens": prompt + 272 * n,
+                "input_tokens_details": {"text_tokens": prompt, "image_tokens": 0}}})
         if method == "POST" and path in ("audio/transcriptions", "audio/translations"):
             return self._transcription(multipart(body, ctype))
         if parts[0] == "files":

@@ -1,0 +1,314 @@
+"""Tenants who cannot hurt each other: each test is one way a hostile or careless gateway key tried to spend past its
+limits, reach what another key stored, or rest an upstream for everyone, over real sockets, with the keys and limits
+it needs (the attack's findings; every test failed on the gateway before its fix).
+
+A real gateway process in front of in-process emulators (``EmulatorThread``, which record every request they get).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from gateway.keys import digest, new_key
+from gateway.tools.emulator import EmulatorConfig, EmulatorThread
+
+from conftest import Proc, RedisServer, needs_redis, sample, start_gateway
+
+KEYS = {name: new_key() for name in ("a", "b", "tpm", "hostile", "victim", "leaver", "flood", "kept")}
+PRICE = {"input": 1.0, "output": 2.0}  # USD per million tokens
+
+
+def _config(fast: EmulatorThread, standard: EmulatorThread, **extra: Any) -> dict[str, Any]:
+    def key(name: str, **kw: Any) -> dict[str, Any]:
+        return {"name": name, "sha256": digest(KEYS[name]), **kw}
+    return {
+        "default_tier": "standard",
+        "upstreams": [
+            {"name": "emu-fast", "tier": "fast", "base_url": fast.base_url, "dialect": "cerebras",
+             "models": {"gpt-5.6": "gpt-5.6-wse", "wse-only": "wse-only"}, "prices": PRICE,
+             "health": {"failures": 4, "open_seconds": 30}},
+            {"name": "emu-standard", "tier": "standard", "base_url": standard.base_url, "dialect": "openai",
+             "models": {"gpt-5.6": "gpt-5.6-2026-10-01"}, "prices": PRICE,
+             "model_prices": {"gpt-image-1": {"input": 5.0, "output": 40.0}},
+             "health": {"failures": 4, "open_seconds": 30}},
+        ],
+        "aliases": {"gpt-5.6-sol-fast": {"model": "gpt-5.6", "tier": "fast"}},
+        "auth": {"keys": [key("a"), key("b"), key("tpm", limits={"tokens_per_minute": 20_000}),
+                          key("hostile"), key("victim"), key("leaver", limits={"tokens_per_minute": 6_000}),
+                          key("flood"), key("kept")]},
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def upstreams() -> Iterator[tuple[EmulatorThread, EmulatorThread]]:
+    quick = {"ttft": 0.005, "tps": 5000.0}
+    fast = EmulatorThread(config=EmulatorConfig(dialect="cerebras", **quick))
+    standard = EmulatorThread(config=EmulatorConfig(dialect="openai", **quick))
+    yield fast, standard
+    fast.stop()
+    standard.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(upstreams: tuple[EmulatorThread, EmulatorThread],
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    proc, _ = start_gateway(_config(*upstreams), tmp_path_factory.mktemp("tenancy"))
+    yield proc
+    proc.stop()
+
+
+def _h(name: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {KEYS[name]}"}
+
+
+def _url(gw: Proc) -> str:
+    return f"http://127.0.0.1:{gw.port}"
+
+
+def _metrics(gw: Proc) -> str:
+    return httpx.get(_url(gw) + "/metrics", timeout=5).text
+
+
+def _sdk(gw: Proc, name: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=_url(gw) + "/v1", api_key=KEYS[name], max_retries=0)
+
+
+def _raw(gw: Proc, method: str, path: str, name: str, body: bytes = b"") -> tuple[int, bytes]:
+    """One request with ``path`` exactly as given (no client normalises it), for the path tricks."""
+    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=10)
+    try:
+        conn.request(method, path, body=body, headers={**_h(name), "content-type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def _fresh_minute(need: float = 20.0) -> None:
+    """Wait, if needed, until the current UTC minute has ``need`` seconds left (a limit test stays in one window)."""
+    left = 60 - time.time() % 60
+    if left < need:
+        time.sleep(left + 0.1)
+
+
+def _seen(upstreams: tuple[EmulatorThread, EmulatorThread]) -> int:
+    return sum(len(u.requests) for u in upstreams)
+
+
+# --- 1. a key's limits hold on every path ----------------------------------------------------------------------------
+
+def test_a_path_with_an_empty_segment_reaches_no_upstream_whatever_its_spelling(
+        gateway: Proc, upstreams: tuple[EmulatorThread, EmulatorThread]) -> None:
+    """The double slash: the hot path matched the path exactly, so /v1//chat/completions fell to the passthrough,
+    which the servers in front of an upstream serve as chat completions, outside the key's limits and accounting."""
+    _fresh_minute()
+    body = b'{"model": "gpt-5.6", "max_tokens": 50000, "messages": [{"role": "user", "content": "hi"}]}'
+    status, answer = _raw(gateway, "POST", "/v1/chat/completions", "tpm", body)
+    assert status == 429 and b"tokens_per_minute" in answer  # the routed path refuses it
+    before = _seen(upstreams)
+    for path in ("/v1//chat/completions", "/v1/%2Fchat/completions", "/v1/chat//completions",
+                 "/v1/chat/%2Fcompletions", "/v1//responses", "/v1///embeddings"):
+        status, answer = _raw(gateway, "POST", path, "tpm", body)
+        assert status == 404 and b'"unknown_url"' in answer, (path, status, answer)
+    assert _seen(upstreams) == before  # none of them reached an upstream
+
+
+def test_the_passthrough_reserves_a_json_bodys_tokens_and_counts_any_usage_it_answers(
+        gateway: Proc, upstreams: tuple[EmulatorThread, EmulatorThread]) -> None:
+    """The passthrough reserved one request and counted usage for embeddings and legacy completions only."""
+    _fresh_minute()
+    over = httpx.post(_url(gateway) + "/v1/completions", headers=_h("tpm"), timeout=10,
+                      json={"model": "gpt-5.6", "prompt": "hi", "max_tokens": 50_000})
+    assert over.status_code == 429 and over.json()["error"]["code"] == "rate_limit_exceeded", over.text
+    before = _metrics(gateway)
+    image = _sdk(gateway, "a").images.generate(model="gpt-image-1", prompt="a lighthouse at dawn", n=2)
+    assert image.usage is not None and image.usage.output_tokens == 544
+    after = _metrics(gateway)
+
+    def grew(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+    assert grew("tiergate_key_tokens_total", key="a", token_type="output") == 544
+    assert grew("tiergate_tokens_total", token_type="output", usage="reported", model="other") == 544
+    expected = (image.usage.input_tokens * 5.0 + 544 * 40.0) / 1e6  # gpt-image-1's model_prices
+    assert grew("tiergate_key_cost_usd_total", key="a") == pytest.approx(expected, rel=1e-9)
+
+
+# --- 2. stored responses belong to their key -------------------------------------------------------------------------
+
+def test_a_response_is_found_only_by_the_key_that_made_it(gateway: Proc,
+                                                          upstreams: tuple[EmulatorThread, EmulatorThread]) -> None:
+    a, b = _sdk(gateway, "a"), _sdk(gateway, "b")
+    secret = "the launch code is 0000"
+    bridged = a.responses.create(model="gpt-5.6-sol-fast", input=secret)  # the fast tier, through the bridge
+    assert bridged.id.startswith("resp_tg")
+    native = a.responses.create(model="gpt-5.6", input=secret)  # the standard tier's own Responses API
+    assert not native.id.startswith("resp_tg")
+    before = _seen(upstreams)
+    for rid in (bridged.id, native.id, "resp_never_made_here"):
+        with pytest.raises(openai.NotFoundError):
+            b.responses.retrieve(rid)
+        with pytest.raises(openai.NotFoundError):
+            b.responses.delete(rid)
+        with pytest.raises(openai.NotFoundError):
+            b.responses.input_items.list(rid)
+        with pytest.raises(openai.BadRequestError) as info:  # continuing it: never a fresh start, never A's history
+            b.responses.create(model="gpt-5.6-sol-fast", input="go on", previous_response_id=rid)
+        assert info.value.code == "previous_response_not_found"
+    assert _seen(upstreams) == before  # none of it reached an upstream (the native one would answer any key)
+    # the owner still has both, untouched by the other key's delete
+    assert a.responses.retrieve(bridged.id).id == bridged.id
+    assert a.responses.retrieve(native.id).id == native.id
+    follow = a.responses.create(model="gpt-5.6-sol-fast", input="and?", previous_response_id=bridged.id)
+    assert follow.previous_response_id == bridged.id
+    sent = upstreams[0].requests[-1].body
+    assert secret.encode() in sent  # the owner's follow-up carries its own history
+
+
+@needs_redis
+def test_two_replicas_sharing_redis_keep_each_response_to_its_key(
+        upstreams: tuple[EmulatorThread, EmulatorThread], tmp_path: Path) -> None:
+    redis = RedisServer(tmp_path)
+    cfg = _config(*upstreams, state={"redis_url": redis.url, "timeout": 0.5})
+    gateways = [start_gateway(cfg, tmp_path)[0] for _ in range(2)]
+    try:
+        for gw in gateways:
+            deadline = time.monotonic() + 10
+            while sample(_metrics(gw), "tiergate_shared_state_up") != 1:
+                assert time.monotonic() < deadline, "a replica never reached Redis"
+                time.sleep(0.05)
+        made = _sdk(gateways[0], "a").responses.create(model="gpt-5.6-sol-fast", input="hello")
+        assert _sdk(gateways[1], "a").responses.retrieve(made.id).id == made.id  # its key, on the other replica
+        with pytest.raises(openai.NotFoundError):
+            _sdk(gateways[1], "b").responses.retrieve(made.id)
+        with pytest.raises(openai.BadRequestError):
+            _sdk(gateways[1], "b").responses.create(model="gpt-5.6-sol-fast", input="x",
+                                                    previous_response_id=made.id)
+        with pytest.raises(openai.NotFoundError):
+            _sdk(gateways[0], "b").responses.delete(made.id)
+        assert _sdk(gateways[1], "a").responses.create(model="gpt-5.6-sol-fast", input="more",
+                                                       previous_response_id=made.id).previous_response_id == made.id
+    finally:
+        for gw in gateways:
+            gw.stop()
+        redis.kill()
+
+
+# --- 3. a client that leaves is still charged ----------------------------------------------------------------------
+
+def _cut_stream(gw: Proc, name: str, tokens: int, read: int) -> int:
+    """A stream of ``tokens`` without ``max_tokens``, closed after ``read`` content chunks (before the usage chunk);
+    returns its status."""
+    body = {"model": "gpt-5.6-sol-fast", "stream": True,
+            "messages": [{"role": "user", "content": f"[[emulate tokens={tokens} tps=20000]] go"}]}
+    with httpx.Client(timeout=20) as client, client.stream("POST", _url(gw) + "/v1/chat/completions",
+                                                           headers=_h(name), json=body) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            return resp.status_code
+        seen = 0
+        for line in resp.iter_lines():
+            if '"content":"' in line:
+                seen += 1
+                if seen >= read:
+                    break
+        assert seen >= read
+    return 200
+
+
+def test_a_client_that_leaves_before_the_usage_is_charged_what_was_relayed(gateway: Proc) -> None:
+    _fresh_minute(25)
+    statuses = []
+    for i in range(8):  # 6,000 tokens a minute; each stream relays ~1,500 before its client leaves
+        before = sample(_metrics(gateway), "tiergate_key_requests_total", key="leaver")
+        statuses.append(_cut_stream(gateway, "leaver", 2000, 1500))
+        deadline = time.monotonic() + 5  # the request is recorded (and charged) once the gateway saw the client go
+        while sample(_metrics(gateway), "tiergate_key_requests_total", key="leaver") <= before:
+            assert time.monotonic() < deadline, f"stream {i} was never recorded"
+            time.sleep(0.02)
+    admitted = statuses.count(200)
+    assert 1 <= admitted <= 4 and statuses[admitted:] == [429] * (8 - admitted), statuses  # not all eight
+    metrics = _metrics(gateway)
+    assert sample(metrics, "tiergate_key_tokens_total", key="leaver", token_type="output") >= 1500 * admitted
+    assert sample(metrics, "tiergate_usage_estimated_total", tier="fast") >= admitted
+    assert sample(metrics, "tiergate_cost_usd_total", tier="fast", usage="estimated") > 0
+
+
+# --- 4. one key cannot rest an upstream for everyone -------------------------------------------------------------
+
+def _breaker(gw: Proc, upstream: str) -> float:
+    return sample(_metrics(gw), "tiergate_upstream_state", upstream=upstream, state="open")
+
+
+def test_one_keys_failing_requests_open_no_breaker_for_the_others(gateway: Proc) -> None:
+    """Five requests that every upstream answers 500 (a body their parser rejects) opened both tiers' breakers, so
+    every other key got 503 upstreams_resting for 30 s."""
+    bad = {"model": "gpt-5.6", "messages": [{"role": "user", "content": "[[emulate status=500]] \\ud800"}]}
+    before = _metrics(gateway)
+    for _ in range(8):  # each fails on both tiers: the request's fault, not theirs
+        r = httpx.post(_url(gateway) + "/v1/chat/completions", headers=_h("hostile"), json=bad, timeout=10)
+        assert r.status_code == 500
+    assert _breaker(gateway, "emu-fast") == 0 and _breaker(gateway, "emu-standard") == 0
+    after = _metrics(gateway)
+    assert sample(after, "tiergate_key_requests_total", key="hostile", outcome="client_error") - sample(
+        before, "tiergate_key_requests_total", key="hostile", outcome="client_error") == 8
+    for model in ("gpt-5.6", "gpt-5.6-sol-fast"):
+        ok = httpx.post(_url(gateway) + "/v1/chat/completions", headers=_h("victim"), timeout=10,
+                        json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+        assert ok.status_code == 200 and "x-tiergate-fallback" not in ok.headers, (model, ok.headers)
+    # on a model only one upstream serves, a key's failures rest that upstream for that key alone
+    only = {"model": "wse-only", "messages": [{"role": "user", "content": "[[emulate status=500]] x"}]}
+    codes = [httpx.post(_url(gateway) + "/v1/chat/completions", headers=_h("hostile"), json=only,
+                        timeout=10).status_code for _ in range(6)]
+    assert codes[:4] == [500] * 4 and codes[4:] == [503, 503], codes  # rested for it after four
+    assert _breaker(gateway, "emu-fast") == 0
+    ok = httpx.post(_url(gateway) + "/v1/chat/completions", headers=_h("victim"), timeout=10,
+                    json={"model": "wse-only", "messages": [{"role": "user", "content": "hi"}]})
+    assert ok.status_code == 200, ok.text
+
+
+# --- 6. the response store is bounded by the memory it takes, and by key -----------------------------------------
+
+def _rss(gw: Proc) -> float:
+    return sample(_metrics(gw), "process_resident_memory_bytes", missing_ok=False)
+
+
+def test_one_key_cannot_fill_the_memory_or_push_out_the_others_responses(
+        upstreams: tuple[EmulatorThread, EmulatorThread], tmp_path: Path) -> None:
+    """100 Responses requests of 1 MiB each moved the gateway's RSS from 87 MB to 1,276 MB and it stayed: the store
+    counted JSON bytes but held parsed objects (~3.7x), and its default bound was half the container's limit."""
+    cfg = _config(*upstreams, response_store={"max_bytes": 32 * 2**20, "key_share": 0.25})
+    gw, _ = start_gateway(cfg, tmp_path)
+    try:
+        kept = _sdk(gw, "kept").responses.create(model="gpt-5.6-sol-fast", input="mine")
+        flood = _sdk(gw, "flood")
+        # 1 MiB of JSON in 10,000 small items: what an agent's long history looks like, and what parsing inflates most
+        big: Any = [{"role": "user", "content": f"turn {i}: " + "x" * 70} for i in range(10_000)]
+
+        body = orjson.dumps({"model": "gpt-5.6-sol-fast", "input": big, "max_output_tokens": 4})
+
+        async def send(n: int) -> None:  # httpx: the openai SDK takes ~5 s to build a request of 10,000 items
+            async with httpx.AsyncClient(timeout=30, headers={**_h("flood"), "content-type": "application/json"}) as c:
+                for _ in range(n):
+                    assert (await c.post(_url(gw) + "/v1/responses", content=body)).status_code == 200
+        asyncio.run(send(6))  # the allocator's arenas grow to the working set first
+        base = _rss(gw)
+        asyncio.run(send(30))
+        grown = _rss(gw) - base
+        # the flood's share of the store is 8 MiB; parsed, 30 more records would have taken ~120 MB
+        print(f"RSS grew by {grown / 2**20:.1f} MiB")
+        assert grown < 32 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB"
+        assert _sdk(gw, "kept").responses.retrieve(kept.id).id == kept.id  # never pushed out by another key
+        assert flood.responses.create(model="gpt-5.6-sol-fast", input="still served").status == "completed"
+    finally:
+        gw.stop()
