@@ -324,8 +324,8 @@ class Gateway:
                         await self._whole(ex, attempt, answer, headers, decision, facts)
                     return
                 except GatewayError as exc:
-                    last = attempt.failed(exc)
-                    self.metrics.upstream_errors.labels(up.tier, up.name, failover.reason(exc)).inc()
+                    last = attempt.failed(exc)  # judged: an upstream's 401/403 to the gateway's key is its own
+                    self.metrics.upstream_errors.labels(up.tier, up.name, failover.reason(last)).inc()
             if not plan.go_on(cand, last):
                 break
             logs.event("failover", request_id=ex.rid, upstream=up.name, tier=up.tier, reason=plan.reason)
@@ -758,8 +758,9 @@ class Gateway:
                 relay = self._relay(ex, attempt, strip_usage, facts)
                 await relay.first(answer, attempt.first_token_by)
             except GatewayError as exc:
-                race.failed(cand, attempt.failed(exc))
-                self.metrics.upstream_errors.labels(up.tier, up.name, failover.reason(exc)).inc()
+                failed = attempt.failed(exc)
+                race.failed(cand, failed)
+                self.metrics.upstream_errors.labels(up.tier, up.name, failover.reason(failed)).inc()
                 return
             except asyncio.CancelledError:
                 attempt.void()  # lost the race (or the client left): not the upstream's fault

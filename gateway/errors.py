@@ -14,10 +14,12 @@
     ├── UpstreamUnavailable          502 upstream_unavailable (connect refused, reset before the status line)
     ├── UpstreamBadResponse          502 upstream_bad_response (a 200 that is not what the request asked for)
     ├── UpstreamTimeout              504 upstream_timeout
+    ├── UpstreamAuthFailed           502 upstream_auth_failed (an upstream's 401/403 to the gateway's own key)
     ├── UpstreamsResting             503 upstreams_resting (every candidate's breaker open)
     ├── RateLimited                  429 rate_limit_exceeded (every candidate cooling down after its 429)
     ├── GatewayDraining              503 gateway_draining (the process is shutting down)
-    └── UpstreamStatusError          the upstream's own 4xx/5xx before the first byte, status kept
+    └── UpstreamStatusError          the upstream's own 4xx/5xx before the first byte, status kept (a 401/403
+                                     only from a ``pass_client_key`` upstream: else UpstreamAuthFailed)
 
     StreamInterrupted                not an answer: the upstream body broke or went silent after its status line
 
@@ -155,6 +157,30 @@ class UpstreamTimeout(GatewayError):
     code = "upstream_timeout"
 
 
+class UpstreamAuthFailed(GatewayError):
+    """502: an upstream answered 401 or 403 to the gateway's own credential for it (OpenAI's error codes guide: 401
+    "Invalid Authentication" / "Incorrect API key provided", 403 "Country, region, or territory not supported" and
+    permission errors). The key the gateway holds for that upstream is wrong, revoked or lacks access: not the
+    client's fault, so not the client's 401 (the SDK would raise ``AuthenticationError`` against a valid gateway
+    key) and never the upstream's words, which may quote part of that key. The message names the upstream by its
+    configured name only; the upstream's own status, code and message go to the log, keys masked.
+
+    Attributes beyond :class:`GatewayError`: ``upstream`` (its configured name), ``upstream_status`` (401 or 403),
+    ``upstream_code`` (the upstream's ``error.code`` or None).
+    """
+
+    status = 502
+    error_type = "server_error"
+    code = "upstream_auth_failed"
+
+    def __init__(self, upstream: str, upstream_status: int, upstream_code: str | None) -> None:
+        super().__init__(f"The upstream '{upstream}' refused the gateway's credential for it (HTTP {upstream_status}):"
+                         " the gateway's operator must fix that key. Neither the request nor its API key is at fault.")
+        self.upstream = upstream
+        self.upstream_status = upstream_status
+        self.upstream_code = upstream_code
+
+
 class UpstreamsResting(GatewayError):
     """503: every candidate upstream is resting (circuit breaker open or 429 cooldown); ``retry-after`` says when."""
 
@@ -226,8 +252,10 @@ class UpstreamStatusError(GatewayError):
     """The upstream's own error status, relayed before the first byte with its body in OpenAI's envelope.
 
     Attributes beyond :class:`GatewayError`: ``quota_exhausted`` (a 429 that waiting does not fix: billing or
-    credit exhausted, OpenAI's ``insufficient_quota``) and ``context_overflow`` (the prompt does not fit the
-    model's window, whatever status the upstream chose for it).
+    credit exhausted, OpenAI's ``insufficient_quota``), ``context_overflow`` (the prompt does not fit the
+    model's window, whatever status the upstream chose for it) and ``credential_refused`` (a 401 or 403: the key
+    the upstream got was refused; ``gateway.upstream.Attempt`` makes it an :class:`UpstreamAuthFailed` unless that
+    key was the client's own).
     """
 
     def __init__(
@@ -253,6 +281,10 @@ class UpstreamStatusError(GatewayError):
     @property
     def context_overflow(self) -> bool:
         return self.code == "context_length_exceeded"
+
+    @property
+    def credential_refused(self) -> bool:
+        return self.status in (401, 403)
 
 
 def error_body(message: str, error_type: str, param: str | None, code: str | None) -> bytes:

@@ -14,8 +14,10 @@ Rules (README "How a request is routed"; wire contract §4):
   down after a 429 of its own (``insufficient_quota`` and ``x-should-retry: false`` if each one's quota is
   exhausted), else 503 ``upstreams_resting`` with ``retry-after``.
 * **Failover**, only before the first byte reached the client: after connect and timeout failures, broken or
-  silent answers, 429 and 5xx; after a context-length 400 only when the next candidate is on the other tier
-  (whose window may be larger). Any other 4xx is the request's fault and would fail the same way anywhere.
+  silent answers, 429 and 5xx, and an upstream's 401 or 403 to the gateway's own key (``upstream_auth_failed``: that
+  key is the upstream's problem, another upstream has its own); after a context-length 400 only when the next
+  candidate is on the other tier (whose window may be larger). Any other 4xx is the request's fault and would fail
+  the same way anywhere (so is a 401 or 403 from a ``pass_client_key`` upstream: the key it refused is the client's).
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gateway.errors import GatewayError, RateLimited, UpstreamsResting, UpstreamStatusError, UpstreamTimeout
+from gateway.errors import (
+    GatewayError,
+    RateLimited,
+    UpstreamAuthFailed,
+    UpstreamsResting,
+    UpstreamStatusError,
+    UpstreamTimeout,
+)
 from gateway.health import SOFT_REASONS, Blame, Health, UpstreamHealth
 from gateway.policy import Candidate, Decision
 
@@ -115,7 +124,8 @@ def refusal(resting: Sequence[UpstreamHealth], now: float, source: str | None = 
 
 
 def retryable(exc: GatewayError, other_tier: bool) -> bool:
-    """Whether a failure before the first byte may go to the next candidate (module docstring: failover)."""
+    """Whether a failure before the first byte may go to the next candidate (module docstring: failover; an
+    :class:`UpstreamAuthFailed` may, as every failure that is not the upstream's own status relayed)."""
     if isinstance(exc, UpstreamStatusError):
         return exc.status == 429 or exc.status >= 500 or (other_tier and exc.context_overflow)
     return True
@@ -124,7 +134,7 @@ def retryable(exc: GatewayError, other_tier: bool) -> bool:
 def reason(exc: GatewayError) -> str:
     """The failure as a fallback reason and ``tiergate_upstream_errors_total`` label: ``context_length``,
     ``upstream_429``, ``upstream_4xx`` / ``upstream_5xx``, or the error's own code (``upstream_timeout``,
-    ``upstream_ttft_timeout``, ``upstream_stream_interrupted``, ...)."""
+    ``upstream_ttft_timeout``, ``upstream_stream_interrupted``, ``upstream_auth_failed``, ...)."""
     if isinstance(exc, UpstreamStatusError):
         if exc.context_overflow:
             return "context_length"
@@ -134,12 +144,13 @@ def reason(exc: GatewayError) -> str:
 
 def outcome(exc: GatewayError, blame: Blame | None = None, tried: int = 1) -> str:
     """The request's outcome label when every one of its ``tried`` attempts failed with, last, ``exc``: ``client_error``
-    when each failed request-shaped on two upstreams or more (``blame``: ``gateway.health``, whose fault)."""
+    when each failed request-shaped on two upstreams or more (``blame``: ``gateway.health``, whose fault); else an
+    upstream that answered with an error status (its own, or a refused key) is ``upstream_error``."""
     if blame is not None and blame.everywhere(tried):
         return "client_error"
     if isinstance(exc, UpstreamTimeout):
         return "upstream_timeout"
-    return "upstream_error" if isinstance(exc, UpstreamStatusError) else "upstream_unavailable"
+    return "upstream_error" if isinstance(exc, UpstreamStatusError | UpstreamAuthFailed) else "upstream_unavailable"
 
 
 def final_retry_hint(exc: GatewayError, attempts: int) -> bool:

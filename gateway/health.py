@@ -8,10 +8,11 @@ the upstream can refuse it:
   rate-limit window it exhausted (``x-ratelimit-reset-*``), capped by ``health.cooldown_max``
   (``health.cooldown_default`` when it gave neither). A 429 that says the quota or credit is exhausted rests for
   ``health.exhausted_cooldown`` instead: waiting seconds does not fix it.
-* ``circuit_open``: ``health.failures`` consecutive failures (connect errors, timeouts, 5xx, broken streams)
-  open the breaker for ``health.open_seconds``; then one probe request is let through (half-open) and its
-  success closes the breaker, its failure re-opens it. Recovery always comes: an open breaker always
-  half-opens after its time, and a probe that never reports back is forgotten after ``open_seconds``.
+* ``circuit_open``: ``health.failures`` consecutive failures (connect errors, timeouts, 5xx, broken streams, a
+  refused gateway key: ``errors.UpstreamAuthFailed``) open the breaker for ``health.open_seconds``; then one probe
+  request is let through (half-open) and its success closes the breaker, its failure re-opens it. Recovery always
+  comes: an open breaker always half-opens after its time, and a probe that never reports back is forgotten after
+  ``open_seconds``.
 * ``quota_requests`` / ``quota_tokens``: the remaining requests or tokens last reported in
   ``x-ratelimit-remaining-*`` headers (OpenAI: ``-requests``/``-tokens`` with Go-duration resets such as
   ``6m0s``; Cerebras: ``-requests-day``/``-tokens-minute`` with resets in seconds), minus what this gateway
@@ -400,9 +401,10 @@ class UpstreamHealth:
     def settle(self, exc: GatewayError | None, now: float, need_tokens: int = 0, source: str | None = None) -> None:
         """One attempt's verdict, told once when it ends: None (it worked) or what it failed with. A 429 starts a
         cooldown (:meth:`rate_limited`; ``need_tokens``: the attempt's estimated prompt plus ``max_tokens``); a 5xx or
-        a failure without a status (connect, timeout, a broken, silent or bad answer) counts against the breaker
-        (a request-shaped one charged to ``source``; module docstring: whose fault); any other 4xx is the request's
-        fault, so the upstream is up (a context overflow included, whatever status the upstream chose:
+        a failure without a status of its own (connect, timeout, a broken, silent or bad answer, a 401/403 to the
+        gateway's own key: ``UpstreamAuthFailed``) counts against the breaker (a request-shaped one charged to
+        ``source``; module docstring: whose fault); any other 4xx is the request's fault, so the upstream is up (a
+        context overflow included, whatever status the upstream chose:
         ``errors.upstream_error`` made it a 400)."""
         if exc is None:
             self.success()

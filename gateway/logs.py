@@ -10,7 +10,8 @@ traces) stay on stderr through the standard ``logging`` module; stdout carries o
   always logged. Independent of ``GATEWAY_LOG_LEVEL``, as an access log is.
 * **events** (``warning`` / ``info``, filtered by ``GATEWAY_LOG_LEVEL``): ``breaker_opened``, ``breaker_half_open``,
   ``breaker_closed``, ``cooldown_started`` (with ``retry_after_s``), ``spillover``, ``failover``, ``config_loaded``,
-  ``config_rejected``.
+  ``config_rejected``, ``upstream_auth_failed`` (warning: an upstream refused the gateway's own key; its words pass
+  :func:`redact` first, as anything an upstream says about a key must).
 
 JSON lines leave at the end of the event-loop turn that wrote them, several per ``write`` (:class:`TurnFlushed`).
 
@@ -24,6 +25,7 @@ import asyncio
 import atexit
 import logging
 import random
+import re
 import select
 import sys
 from typing import Any, BinaryIO, Literal
@@ -34,6 +36,16 @@ import structlog
 REQUEST_FIELDS = ("request_id", "method", "path", "status", "outcome", "tier", "upstream", "rule", "fallback",
                   "model", "upstream_model", "stream", "attempts", "ttft_s", "duration_s", "input_tokens",
                   "output_tokens", "cached_tokens", "cost_usd")
+# what looks like a credential in an upstream's words (OpenAI: "Incorrect API key provided: sk-abc***wxyz"): a key with
+# a known prefix (OpenAI sk-, sk-proj-, sk-svcacct-; Cerebras csk-; Groq gsk_; xAI xai-; the gateway's own tg-), a
+# bearer token, whatever follows "API key provided:", anything already part-masked with asterisks, and any long run of
+# token characters with a digit in it (a key of no known shape)
+_KEY_PREFIX = r"(?:sk|csk|gsk|xai|tg|pk|rk)[-_](?:(?:proj|svcacct|admin|live|test)[-_])?"
+_SECRETS = re.compile(rf"(?i)\b({_KEY_PREFIX})[A-Za-z0-9_\-*.]*[A-Za-z0-9_*]"
+                      r"|\b(bearer\s+)\S+"
+                      rf"|\b(api[ _-]?key(?:\s+provided|\s+is)?\s*[:=]\s*)(?!{_KEY_PREFIX})\S+"
+                      r"|[A-Za-z0-9_\-]*\*{2,}[A-Za-z0-9_\-]*"
+                      r"|\b(?=[A-Za-z0-9_\-]*\d)[A-Za-z0-9_\-]{24,}")
 LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO,
           "debug": logging.DEBUG}
 
@@ -162,6 +174,14 @@ def request(fields: dict[str, Any]) -> None:
     fields["event"] = "request"
     fields["level"] = "info"
     LOGS.access.msg(LOGS.render(None, "info", LOGS.stamp(None, "info", fields)))
+
+
+def redact(text: str, limit: int = 500) -> str:
+    """``text`` (an upstream's error message, say) with everything that looks like a credential replaced by ``***``
+    (a known key prefix such as ``sk-proj-`` kept, so that the operator sees which kind of key it was), cut to
+    ``limit`` characters: fit for a log line."""
+    masked = _SECRETS.sub(lambda m: next((g for g in m.groups() if g), "") + "***", text)
+    return masked if len(masked) <= limit else masked[:limit] + "..."
 
 
 def event(name: str, level: str = "info", **fields: Any) -> None:

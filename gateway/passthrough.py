@@ -15,7 +15,8 @@ never held whole, never sent twice); the answer streams back as it comes (binary
 JSON), its bytes untouched (never decoded: ``content-encoding`` and ``content-length`` stay true). Headers follow
 chat's rules (``gateway.upstream``): the upstream's key, never the client's (unless ``pass_client_key``), no cookie or
 hop-by-hop header either way. The path goes as the client encoded it; a dot segment is never sent. An upstream's
-error answer keeps its status with its body normalised to OpenAI's envelope; the gateway's own errors use it too. A
+error answer keeps its status with its body normalised to OpenAI's envelope, but a 401 or 403 to the gateway's own key,
+which is a 502 ``upstream_auth_failed`` (``gateway.upstream.Attempt.failed``); the gateway's own errors use it too. A
 client that leaves, mid-upload or mid-download, closes the upstream request; an upstream that stops taking an upload
 for its idle timeout is a 504. These requests leave the upstreams' health alone (:class:`gateway.health.Untracked`).
 """
@@ -294,7 +295,7 @@ class Passthrough:
                             return ex.record("client_disconnect")
                         return await ex.error(upload.error, "client_error", _closing(ex, raw, upload=upload))
                     last = attempt.failed(exc)
-                    self.metrics.upstream_errors.labels(up.tier, up.name, failover.reason(exc)).inc()
+                    self.metrics.upstream_errors.labels(up.tier, up.name, failover.reason(last)).inc()
                     if ex.answered:  # broke off after its first bytes: the connection is cut (see _relay)
                         log.warning("request %s: the upstream %s broke off its answer: %s", ex.rid, up.name,
                                     exc.message)

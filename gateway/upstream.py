@@ -37,11 +37,12 @@ import orjson
 from pydantic import SecretStr
 from yarl import URL
 
-from gateway import __version__, tracing
+from gateway import __version__, logs, tracing
 from gateway.config import UpstreamConfig
 from gateway.errors import (
     GatewayError,
     StreamInterrupted,
+    UpstreamAuthFailed,
     UpstreamBadResponse,
     UpstreamStatusError,
     UpstreamTimeout,
@@ -194,7 +195,8 @@ class Attempt:
 
         Raises:
             UpstreamTimeout (``upstream_ttft_timeout``), UpstreamUnavailable: no status line; UpstreamStatusError:
-                the upstream answered another status (its error body read and normalised); the stream checks of
+                the upstream answered another status (its error body read and normalised); UpstreamAuthFailed: that
+                status was a 401 or 403 to the gateway's own key (:meth:`failed`); the stream checks of
                 :meth:`stream_answer` do not apply yet.
         """
         self.sent_at = time.perf_counter()
@@ -211,9 +213,9 @@ class Attempt:
             if 300 <= answer.status < 400:  # a redirect to the upstream's own hosts, or a 304 to a request never
                 # made conditional: nothing a client of the gateway can follow or use
                 raise UpstreamBadResponse(f"The upstream answered {answer.status}, which the gateway does not relay.")
-            raise await self._status_error(answer)
+            raise self._judged(await self._status_error(answer))
         if self._stream and answer.content_type.split(";", 1)[0].strip().lower() in NOT_A_STREAM:
-            raise await self._not_a_stream(answer)
+            raise self._judged(await self._not_a_stream(answer))
         return answer
 
     def ok(self) -> None:
@@ -223,7 +225,10 @@ class Attempt:
             self.health.settle(None, self._clock())
 
     def failed(self, exc: GatewayError) -> GatewayError:
-        """The attempt failed with ``exc`` (told to the upstream's health once); returns ``exc``."""
+        """The attempt failed with ``exc`` (told to the upstream's health once); returns the error to answer, fail over
+        and count by: ``exc``, or, when it is a 401 or 403 the upstream gave the gateway's own key (an error event of a
+        200 stream included), an :class:`UpstreamAuthFailed` (logged here)."""
+        exc = self._judged(exc)
         self._error = exc
         if not self._verdict:
             self._verdict = True
@@ -244,6 +249,22 @@ class Attempt:
         """The attempt ended for a reason that is not the upstream's (the client left mid-upload, or its body
         was over the limit): no verdict is told to its health."""
         self._verdict = True
+
+    def _judged(self, exc: GatewayError) -> GatewayError:
+        """Whose fault ``exc`` is: a 401 or 403 from an upstream that got the gateway's own key says that key is wrong
+        or lacks access, so it becomes :class:`UpstreamAuthFailed` (502; failover; a breaker failure, as every request
+        will fail the same way until an operator fixes the key), logged once as ``upstream_auth_failed`` with the
+        upstream's words, keys masked (``logs.redact``). From a ``pass_client_key`` upstream it was the client's own
+        key: kept, and relayed."""
+        if not isinstance(exc, UpstreamStatusError) or not exc.credential_refused or self.upstream.pass_client_key:
+            return exc
+        up = self.upstream
+        logs.event("upstream_auth_failed", "warning", request_id=self._rid, upstream=up.name, tier=up.tier,
+                   path=self._path.split("?", 1)[0], status=exc.status, type=logs.redact(exc.error_type, 100),
+                   code=None if exc.code is None else logs.redact(exc.code, 100), message=logs.redact(exc.message))
+        refused = UpstreamAuthFailed(up.name, exc.status, exc.code)
+        refused.__cause__ = exc
+        return refused
 
     async def _read_error(self, answer: Answer) -> tuple[bytes, bool]:
         """Up to 64 KiB of an error body, bounded by the first-token deadline; (bytes, whether read to the end)."""

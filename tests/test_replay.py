@@ -12,7 +12,8 @@ contract requires an edit; every such edit is listed in :data:`STREAM_EDITS` and
 
 The same transcripts also go through the ``openai`` SDK: it must yield every chunk, or raise ``APIError``
 with the upstream's message for the two streams that carry an error. Non-streaming transcripts must reach
-the client byte-identical; error transcripts keep their status and arrive in OpenAI's 4-key envelope.
+the client byte-identical; error transcripts keep their status and arrive in OpenAI's 4-key envelope, but OpenAI's
+401 to the gateway's own key, which is the gateway's 502 ``upstream_auth_failed``.
 """
 
 from __future__ import annotations
@@ -79,7 +80,6 @@ NONSTREAM_CHAT = ["cerebras_chat_nonstream", "groq_chat_nonstream", "openai_chat
                   "openai_chat_nonstream_refusal"]
 ERRORS: dict[str, tuple[int, type[openai.APIStatusError]]] = {
     "openai_error_400_invalid_image_url": (400, openai.BadRequestError),
-    "openai_error_401_invalid_api_key_stream_request": (401, openai.AuthenticationError),
     "openai_error_404_model_not_found_stream_request": (404, openai.NotFoundError),
     "ollama_openai_compat_error_404": (404, openai.NotFoundError),
     "openrouter_error_429_upstream_rate_limited": (429, openai.RateLimitError),
@@ -326,6 +326,25 @@ def test_error_keeps_status_in_openai_envelope_and_sdk_class(openai_stack: Stack
         # already OpenAI's envelope upstream (pretty-printed or compact): the same four values
         assert envelope == upstream
     assert isinstance(exc.body, dict) and exc.body["message"] == upstream["error"]["message"]
+
+
+def test_openais_401_to_the_gateways_key_is_a_502_without_its_words(openai_stack: Stack) -> None:
+    """OpenAI's recorded 401 (``invalid_api_key``, quoting part of the key) refused the gateway's key, not the
+    client's: the SDK gets the gateway's 502 ``upstream_auth_failed``, never ``AuthenticationError``, and nothing of the
+    upstream's message."""
+    name = "openai_error_401_invalid_api_key_stream_request"
+    upstream = json.loads(_body(name))["error"]
+    assert _meta(name)["response"]["status"] == 401 and "invalid-*****2345" in upstream["message"]
+    client = openai.OpenAI(base_url=openai_stack.base_url, api_key="unused", max_retries=0, timeout=10)
+    with pytest.raises(openai.APIStatusError) as info:
+        _sdk_create(client, replay_request(name))
+    exc = info.value
+    assert type(exc) is openai.InternalServerError and exc.status_code == 502
+    assert exc.response.json() == {"error": {
+        "message": "The upstream 'emu-standard' refused the gateway's credential for it (HTTP 401): the gateway's "
+                   "operator must fix that key. Neither the request nor its API key is at fault.",
+        "type": "server_error", "param": None, "code": "upstream_auth_failed"}}
+    assert "2345" not in exc.response.text and "Incorrect API key" not in exc.response.text
 
 
 @pytest.mark.parametrize(("name", "output_tokens"), [
