@@ -14,6 +14,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -43,6 +44,7 @@ from gateway.errors import (
 from gateway.exchange import KEY_SCOPE, request_id
 from gateway.health import Health
 from gateway.keys import Keys, MemoryLedger
+from gateway.ledger_file import LedgerFile
 from gateway.metrics import Metrics
 from gateway.passthrough import Passthrough, UpstreamModels
 from gateway.policy import Policy
@@ -207,7 +209,7 @@ def freeze_startup_objects() -> None:
 
 def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
                multiprocess_dir: str | None = None, transport: Transport | None = None,
-               policy: Policy | None = None) -> HotPath:
+               policy: Policy | None = None, state_dir: Path | None = None) -> HotPath:
     """Build the ASGI app for one validated config.
 
     Args:
@@ -218,6 +220,7 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
         transport: what reaches the upstreams; an :class:`UpstreamPool` (aiohttp) when None. Tests pass one that
             plays scripted bytes (``gateway.tools.scripted``).
         policy: the routing policy; ``Policy(config)`` when None (``bench.trace`` passes one that times itself).
+        state_dir: where the gateway keys' spend is kept across restarts (``gateway.ledger_file``), or None.
     """
     config = loaded.config
     if registry is None:
@@ -232,17 +235,25 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
     shared = SharedState(loaded.redis_url, config.state, metrics) if loaded.redis_url is not None else None
     gateway = _gateway(loaded, metrics, pool, policy=policy, shared=shared)
     hot: HotPath | None = None
+    kept = _ledger_file(gateway, state_dir)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await pool.start()
         if shared is not None:
             await shared.start()  # connects in the background: start-up never waits for Redis
+        writer = None
+        if kept is not None:
+            kept.load()  # before the first request: a restart counts on from what the keys had spent
+            writer = asyncio.get_running_loop().create_task(kept.run())
         freeze_startup_objects()
         try:
             yield
         finally:
             assert hot is not None
+            if writer is not None:
+                writer.cancel()  # it writes once more as it ends
+                await asyncio.gather(writer, return_exceptions=True)
             await hot.stop()
             if shared is not None:
                 await shared.stop()
@@ -272,6 +283,16 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
     _install_error_handlers(app)
     hot = HotPath(app, gateway, loaded if transport is None and policy is None else None)
     return hot
+
+
+def _ledger_file(gateway: Gateway, state_dir: Path | None) -> LedgerFile | None:
+    """What keeps the gateway keys' spend across restarts (``gateway.ledger_file``): with ``auth:`` and a state
+    directory, this process's own ledger (a shared ledger's local one: what it counts on from while Redis is away)."""
+    if state_dir is None or gateway.config.auth is None:
+        return None
+    local = gateway.ledger.local if isinstance(gateway.ledger, SharedLedger) else gateway.ledger
+    assert isinstance(local, MemoryLedger)
+    return LedgerFile(state_dir, local)
 
 
 def _gateway(loaded: LoadedConfig, metrics: Metrics, transport: Transport, *, policy: Policy | None = None,
@@ -437,7 +458,7 @@ def serve_app(loaded: LoadedConfig, settings: Settings, multiprocess_dir: str | 
     configure_client_limits(settings)
     logs.configure(settings.log_format or "json", settings.log_level, settings.log_sample)
     tracing.configure(settings.otel_traces_exporter)
-    app = create_app(loaded, multiprocess_dir=multiprocess_dir)
+    app = create_app(loaded, multiprocess_dir=multiprocess_dir, state_dir=settings.state_dir)
     cfg = loaded.config
     logs.event("config_loaded", path=str(loaded.path), upstreams=[u.name for u in cfg.upstreams],
                models=cfg.model_names(), rules=len(cfg.rules) if cfg.rules is not None else "default")

@@ -219,6 +219,7 @@ class MemoryLedger:
     def __init__(self, wall: Callable[[], float]) -> None:
         self.wall = wall
         self.counts: dict[tuple[str, str, str, str], tuple[str, float]] = {}  # (key, level, dim, window) -> (id, n)
+        self.version = 0  # bumped by every change of counts (gateway.ledger_file writes only what changed)
 
     def used(self, key: str, level: str, dim: str, window: str, at: str) -> float:
         """What ``key`` has used (and holds) of ``dim`` at ``level`` in window ``at``."""
@@ -256,6 +257,7 @@ class MemoryLedger:
             slots.append((slot, at[window], base + n))
         for slot, window_id, total in slots:
             counts[slot] = (window_id, total)
+        self.version += 1
         return None
 
     def take_at(self, key: Key, spend: Spend, levels: tuple[str, ...], at: dict[str, str],
@@ -295,6 +297,7 @@ class MemoryLedger:
                 return  # a settlement for a window already over: nothing counts there any more
             found = (at, 0.0)
         self.counts[slot] = (at, max(0.0, found[1] + n))
+        self.version += 1
 
 
 def _field(dim: str, window: str) -> str:

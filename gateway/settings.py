@@ -17,6 +17,8 @@ GATEWAY_HEAD_TIMEOUT   30                        seconds to send a request head;
 GATEWAY_BODY_TIMEOUT   120                       seconds to send a request body; then 408
 GATEWAY_KEEPALIVE_TIMEOUT 75                     seconds an idle client connection stays open
 GATEWAY_DRAIN_TIMEOUT  60                        on SIGTERM, seconds in-flight requests may run on
+GATEWAY_STATE_DIR      $XDG_STATE_HOME/tiergate  where the gateway keys' spend is kept across restarts
+                       (~/.local/state/tiergate) (gateway.ledger_file); empty: nowhere (it lives as long as the process)
 GATEWAY_REDIS_URL      (unset: state.redis_url)  Redis the replicas share state through (gateway.shared); read
                                                  with the API keys by the config loader, and wins over the file
 OTEL_TRACES_EXPORTER   (unset: no traces)        otlp or console: OpenTelemetry traces (gateway.tracing; the
@@ -33,7 +35,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -56,8 +58,22 @@ class Settings(BaseSettings):
     # nginx's 75 s: a client that reuses a connection the server has just closed gets a connection error
     keepalive_timeout: float = Field(75.0, gt=0)
     drain_timeout: float = Field(60.0, ge=0)
+    # the XDG Base Directory spec's place for state that should outlive a restart (its "state data")
+    state_dir: Path | None = Field(default_factory=lambda: _xdg_state() / "tiergate")
     # OpenTelemetry's own variable (gateway.tracing): otlp, console, or none/unset (no traces)
     otel_traces_exporter: str | None = Field(None, validation_alias="OTEL_TRACES_EXPORTER")
+
+
+    @field_validator("state_dir", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return None if value == "" else value
+
+
+def _xdg_state() -> Path:
+    """``$XDG_STATE_HOME``, else ``~/.local/state`` (XDG Base Directory Specification 0.8)."""
+    found = os.environ.get("XDG_STATE_HOME")
+    return Path(found) if found else Path.home() / ".local" / "state"
 
 
 MULTIPROC_VAR = "PROMETHEUS_MULTIPROC_DIR"
@@ -79,6 +95,7 @@ def set_worker_environment(config: Path, metrics_dir: Path, settings: Settings |
     os.environ[MULTIPROC_VAR] = str(metrics_dir)
     if settings is not None:
         os.environ["GATEWAY_LOG_LEVEL"] = settings.log_level
+        os.environ["GATEWAY_STATE_DIR"] = str(settings.state_dir) if settings.state_dir is not None else ""
         if settings.log_format is not None:
             os.environ["GATEWAY_LOG_FORMAT"] = settings.log_format
 

@@ -211,42 +211,63 @@ return out
 
 
 # KEYS: one counter per limit of a gateway key (gateway.keys: level, dimension, window id), then the reservation's
-# hold and its tombstone (all under the key's hash tag). ARGV: per counter its limit, the amount to add and its ms to
-# live; then the hold's ms to live. All or nothing: {1} when every limit leaves room (the amounts added, and kept in
-# the hold for its settlement), {0, the first that does not} and nothing added, or {2}: the reservation was cancelled
-# before it arrived (a replica that gave up waiting for it settled it locally; see _KEY_SETTLE).
+# hold and its tombstone (all under the key's hash tag). ARGV: per counter its limit, the amount to add, its ms to
+# live and its floor; then the hold's ms to live. A counter Redis does not hold (it restarted without its data, or
+# evicted it) starts from its floor: the last value the calling replica saw of it, never from nothing. All or nothing:
+# {1, the counters' new values...} when every limit leaves room (the amounts added, and kept in the hold for its
+# settlement), {0, the first that does not, the counters' values...} and nothing added, or {2}: the reservation was
+# cancelled before it arrived (a replica that gave up waiting for it settled it locally; see _KEY_SETTLE).
 _KEY_RESERVE = _SAFE + """
 local n = #KEYS - 2
 if redis.call('EXISTS', KEYS[n + 2]) == 1 then return {2} end
+local v = {}
 for i = 1, n do
-  if (num(KEYS[i]) or 0) + tonumber(ARGV[3 * i - 1]) > tonumber(ARGV[3 * i - 2]) then return {0, i} end
+  v[i] = num(KEYS[i]) or tonumber(ARGV[4 * i]) or 0
 end
-local held = {}
 for i = 1, n do
-  if not num(KEYS[i]) then redis.call('DEL', KEYS[i]) end  -- garbage ('1e999', 'abc'): counts from nothing
-  safe('INCRBYFLOAT', KEYS[i], ARGV[3 * i - 1])
-  redis.call('PEXPIRE', KEYS[i], ARGV[3 * i])
-  held[i] = ARGV[3 * i - 1]
+  if v[i] + tonumber(ARGV[4 * i - 2]) > tonumber(ARGV[4 * i - 3]) then
+    local out = {0, i}
+    for k = 1, n do out[k + 2] = tostring(v[k]) end
+    return out
+  end
 end
-redis.call('SET', KEYS[n + 1], table.concat(held, ','), 'PX', ARGV[3 * n + 1])
-return {1}
+local held, out = {}, {1}
+for i = 1, n do
+  v[i] = v[i] + tonumber(ARGV[4 * i - 2])
+  redis.call('DEL', KEYS[i])  -- garbage ('1e999', 'abc') or the old value: the new one is set whole
+  redis.call('SET', KEYS[i], tostring(v[i]), 'PX', ARGV[4 * i - 1])
+  held[i] = ARGV[4 * i - 2]
+  out[i + 1] = tostring(v[i])
+end
+redis.call('SET', KEYS[n + 1], table.concat(held, ','), 'PX', ARGV[4 * n + 1])
+return out
 """
 
-# KEYS as _KEY_RESERVE. ARGV: per counter what the request used (0 for a cancel), then the tombstone's ms to live.
-# With its hold there: each counter takes what was used instead of what was held (a counter whose window is gone is
-# not made again). Without: the reservation has not arrived (or its hold expired): a tombstone makes it void if it
-# still comes, so that a reservation is counted once whatever the order.
+# KEYS as _KEY_RESERVE. ARGV: per counter what the request used, its floor and its ms to live; then the tombstone's ms
+# to live, and '1' when the reservation was counted by the replica itself (Redis did not answer it in time, or was
+# away), else '0'. With its hold there: each counter takes what was used instead of what was held (a counter whose
+# window is gone is not made again). Without: the reservation has not arrived (or its hold expired): a tombstone makes
+# it void if it still comes, so that a reservation is counted once whatever the order; and a reservation the replica
+# counted itself is added now (from the counter's floor if Redis lost it), so that what was spent while Redis was away
+# is not lost when it returns.
 _KEY_SETTLE = _SAFE + """
 local n = #KEYS - 2
 local held = redis.pcall('GET', KEYS[n + 1])
 if type(held) ~= 'string' then
-  redis.call('SET', KEYS[n + 2], '1', 'PX', ARGV[n + 1])
+  redis.call('SET', KEYS[n + 2], '1', 'PX', ARGV[3 * n + 1])
+  if ARGV[3 * n + 2] == '1' then
+    for i = 1, n do
+      local v = (num(KEYS[i]) or tonumber(ARGV[3 * i - 1]) or 0) + (tonumber(ARGV[3 * i - 2]) or 0)
+      redis.call('DEL', KEYS[i])
+      redis.call('SET', KEYS[i], tostring(v), 'PX', ARGV[3 * i])
+    end
+  end
   return 0
 end
 local i = 1
 for amount in string.gmatch(held, '([^,]+)') do
   if i <= n and num(KEYS[i]) then  -- gone with its window (or garbage): not made again
-    safe('INCRBYFLOAT', KEYS[i], (tonumber(ARGV[i]) or 0) - (tonumber(amount) or 0))
+    safe('INCRBYFLOAT', KEYS[i], (tonumber(ARGV[3 * i - 2]) or 0) - (tonumber(amount) or 0))
   end
   i = i + 1
 end
@@ -762,15 +783,23 @@ class SharedLedger:
     {id}`` counters, one hash slot per key): a reservation is one atomic script in the request's pipeline, which keeps
     what it added in a hold; its settlement replaces that by what the request used.
 
-    While Redis is away, ``local`` counts this replica's requests alone. A reservation that got no answer in time may
-    still be counted when Redis answers again: its settlement then cancels it (a tombstone voids it if it arrives
-    later still). Settlements made while Redis is away wait (bounded) and go when it answers again.
+    Every answer of Redis gives the counters' values, which the replica keeps twice: in ``local`` (so that while Redis
+    is away it counts on from what every replica had spent, not from zero; ``gateway.ledger_file`` keeps ``local``
+    across a restart of the replica) and as each counter's *floor*, sent with every write: a counter Redis lost (it
+    restarted without its data, or evicted it) starts again from the last value this replica saw, not from zero.
+
+    While Redis is away, ``local`` counts this replica's requests, and their settlements wait (bounded) and add what
+    they used to the shared counters when Redis answers again, so that what was spent meanwhile counts for every
+    replica. A reservation that got no answer in time may still be counted when Redis answers: its settlement then
+    replaces it by what was used (a tombstone voids it if it arrives later still), so it counts once.
     """
 
     def __init__(self, shared: SharedState, local: MemoryLedger) -> None:
         self.shared = shared
         self.local = local
         self.waiting: list[tuple[list[str], list[str]]] = []  # settlements for when Redis answers again
+        # the last value Redis gave of each counter: (key, level, dim, window) -> (window id, value)
+        self.seen: dict[tuple[str, str, str, str], tuple[str, float]] = {}
         shared.on_restored.append(self._resend)
 
     def _counter(self, key: Key, level: str, dim: str, window: str, at: str) -> str:
@@ -779,6 +808,21 @@ class SharedLedger:
     def _hold_keys(self, key: Key, hold_id: str) -> list[str]:
         base = f"{self.shared.prefix}:{{key:{key.name}}}"
         return [f"{base}:hold:{hold_id}", f"{base}:tomb:{hold_id}"]
+
+    def _floor(self, key: Key, level: str, dim: str, window: str, at: str) -> str:
+        found = self.seen.get((key.name, level, dim, window))
+        return repr(found[1]) if found is not None and found[0] == at else "0"
+
+    def _saw(self, key: Key, limits: list[tuple[str, str, str, float]], at: dict[str, str], values: list[Any]) -> None:
+        """Redis gave ``values`` for the counters of ``limits``: keep them as floors, and as this replica's own counts
+        (what it counts on from while Redis is away)."""
+        counts = self.local.counts
+        for (level, dim, window, _), raw in zip(limits, values, strict=False):
+            value = _number(raw)
+            if value is not None:
+                slot = (key.name, level, dim, window)
+                self.seen[slot] = counts[slot] = (at[window], max(0.0, value))
+        self.local.version += 1
 
     async def reserve(self, key: Key, spend: Spend, fast: bool) -> Hold | Refusal:
         """See ``gateway.keys.MemoryLedger.reserve``."""
@@ -797,42 +841,49 @@ class SharedLedger:
     async def _reserve(self, key: Key, spend: Spend, levels: tuple[str, ...], at: dict[str, str],
                        now: dict[str, tuple[str, float]]) -> Hold | Refusal:
         """Reserve ``spend`` at ``levels`` in the windows ``at`` (ids; ``now``: the current windows, for a refusal's
-        wait): in Redis, or, without an answer in time, here (and cancelled there when it is settled)."""
+        wait): in Redis, or, without an answer in time, here (and settled there when Redis answers again)."""
         limits = bounded(key, levels)
         if not limits:
             return Hold(key, levels, spend, dict(at), self, local=False)
         counters = [self._counter(key, level, dim, window, at[window]) for level, dim, window, _ in limits]
         hold_id = os.urandom(8).hex()
         args: list[Any] = []
-        for _, dim, window, limit in limits:
-            args += [repr(limit), repr(max(0.0, spend.get(dim))), WINDOW_MS[window]]
+        for level, dim, window, limit in limits:
+            args += [repr(limit), repr(max(0.0, spend.get(dim))), WINDOW_MS[window],
+                     self._floor(key, level, dim, window, at[window])]
         args.append(max(WINDOW_MS[w] for _, _, w, _ in limits))
         keys = [*counters, *self._hold_keys(key, hold_id)]
         done, replies = await self.shared.ask("keys", lambda pipe: pipe.evalsha(
             self.shared._key_reserve.sha, len(keys), *keys, *args))
-        if not done or replies[0][0] == 2:  # counted here; its settlement cancels it there if it arrived after all
+        if not done or replies[0][0] == 2:  # counted here; settled there when Redis answers
             got = self.local.take_at(key, spend, levels, at, now)
             if isinstance(got, Hold):
                 got.ledger, got.remote = self, (counters, hold_id)
             return got
-        if replies[0][0] == 0:
-            level, dim, window, _ = limits[int(replies[0][1]) - 1]
+        reply = replies[0]
+        if reply[0] == 0:
+            self._saw(key, limits, at, list(reply[2:]))
+            level, dim, window, _ = limits[int(reply[1]) - 1]
             return Refusal(level, next(a for d, w, a in DIMENSIONS if d == dim and w == window), now[window][1])
+        self._saw(key, limits, at, list(reply[1:]))
         return Hold(key, levels, spend, dict(at), self, local=False, remote=(counters, hold_id))
 
     def settle(self, hold: Hold, used: Spend, fast: bool) -> None:
         """See ``gateway.keys.MemoryLedger.settle``: each part of the hold (it and its extensions) takes what the
-        request used, here or in Redis (queued, not awaited; kept for later while Redis is away); a part counted here
-        because Redis did not answer in time is cancelled there."""
+        request used, here (a part counted here) and in Redis (queued, not awaited; kept for later while Redis is away):
+        a part counted here adds what was used there too, once."""
         for part in [hold, *hold.parts]:
             if part.local:
                 self.local.settle(part, used, fast)
             if part.remote is None:
                 continue
             counters, hold_id = part.remote
-            amounts = [repr(max(0.0, used.get(dim))) if not part.local and (level == "all" or fast) else "0"
-                       for level, dim, _, _ in bounded(part.key, part.levels)]
-            self._send([*counters, *self._hold_keys(part.key, hold_id)], [*amounts, str(TOMB_MS)])
+            args: list[str] = []
+            for level, dim, window, _ in bounded(part.key, part.levels):
+                args += [repr(max(0.0, used.get(dim))) if level == "all" or fast else "0",
+                         self._floor(part.key, level, dim, window, part.at[window]), str(WINDOW_MS[window])]
+            self._send([*counters, *self._hold_keys(part.key, hold_id)],
+                       [*args, str(TOMB_MS), "1" if part.local else "0"])
 
     def _send(self, keys: list[str], args: list[str]) -> None:
         if not self.shared.up:

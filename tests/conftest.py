@@ -47,8 +47,11 @@ class Proc:
         self.port = port
         self.log = log
         self._fh = log.open("wb")
+        # each gateway keeps its keys' spend in a directory of its own (gateway.ledger_file): never another test's,
+        # nor the machine's ~/.local/state, unless the test names one (a restart that must find it)
+        state = {"GATEWAY_STATE_DIR": str(log.with_suffix(".state"))}
         self.popen = subprocess.Popen(cmd or [sys.executable, "-m", "gateway", *args], cwd=ROOT, stdout=self._fh,
-                                      stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+                                      stderr=subprocess.STDOUT, env={**os.environ, **state, **(env or {})})
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:

@@ -254,7 +254,7 @@ async def test_garbage_in_its_keys_or_on_its_channel_never_takes_shared_state_do
     assert late.shared.up and late.h.unavailable(late.health.clock(), 1) == "cooldown"
 
 
-async def test_a_key_reservation_redis_answers_too_late_is_cancelled_and_a_settlement_waits_for_redis(
+async def test_a_key_reservation_redis_answers_too_late_counts_once_and_a_settlement_waits_for_redis(
         replicas: Callable[..., Awaitable[Replica]], redis_server: RedisServer) -> None:
     from gateway.keys import Keys, MemoryLedger, Spend, digest, windows
     from gateway.shared import SharedLedger
@@ -277,8 +277,8 @@ async def test_a_key_reservation_redis_answers_too_late_is_cancelled_and_a_settl
     assert not isinstance(held, Refusal) and held.local and held.remote is not None
     await until(lambda: a.shared.up, timeout=5)
     await until_async(lambda: a.shared.redis.get(counter), b"2.5")  # the late reservation arrived after all
-    held.settle(0, 1.0, "standard")  # its settlement cancels it there
-    await until_async(lambda: a.shared.redis.get(counter), b"0")
+    held.settle(0, 1.0, "standard")  # its settlement replaces it there by what was used: counted once
+    await until_async(lambda: a.shared.redis.get(counter), b"1")
     # a reservation made in Redis, settled while Redis is away: the settlement waits, then goes
     second = await ledger.reserve(key, Spend(1, 0, 3.0), False)
     assert not isinstance(second, Refusal) and not second.local

@@ -24,7 +24,7 @@ from gateway.tools.emulator import EmulatorConfig, EmulatorThread
 
 from conftest import Proc, RedisServer, needs_redis, sample, start_gateway
 
-KEYS = {name: new_key() for name in ("a", "b", "tpm", "hostile", "victim", "leaver", "flood", "kept")}
+KEYS = {name: new_key() for name in ("a", "b", "tpm", "hostile", "victim", "leaver", "flood", "kept", "saver")}
 PRICE = {"input": 1.0, "output": 2.0}  # USD per million tokens
 
 
@@ -45,7 +45,7 @@ def _config(fast: EmulatorThread, standard: EmulatorThread, **extra: Any) -> dic
         "aliases": {"gpt-5.6-sol-fast": {"model": "gpt-5.6", "tier": "fast"}},
         "auth": {"keys": [key("a"), key("b"), key("tpm", limits={"tokens_per_minute": 20_000}),
                           key("hostile"), key("victim"), key("leaver", limits={"tokens_per_minute": 6_000}),
-                          key("flood"), key("kept")]},
+                          key("flood"), key("kept"), key("saver", limits={"usd_per_day": 0.10})]},
         **extra,
     }
 
@@ -275,6 +275,94 @@ def test_one_keys_failing_requests_open_no_breaker_for_the_others(gateway: Proc)
     ok = httpx.post(_url(gateway) + "/v1/chat/completions", headers=_h("victim"), timeout=10,
                     json={"model": "wse-only", "messages": [{"role": "user", "content": "hi"}]})
     assert ok.status_code == 200, ok.text
+
+
+# --- 5. budgets survive restarts, of the gateway and of Redis ----------------------------------------------------
+
+DEAR = {"input": 1000.0, "output": 1000.0}  # USD per million tokens: a 25-token request costs ~0.025, four fit in 0.10
+
+
+def _spend(gw: Proc) -> int:
+    """One request of the budgeted key: its status."""
+    return httpx.post(_url(gw) + "/v1/chat/completions", headers=_h("saver"), timeout=10, json={
+        "model": "gpt-5.6", "max_tokens": 10, "messages": [{"role": "user", "content": "[[emulate tokens=10]] hi"}]
+    }).status_code
+
+
+def _dear(upstreams: tuple[EmulatorThread, EmulatorThread], **extra: Any) -> dict[str, Any]:
+    cfg = _config(*upstreams, **extra)
+    for up in cfg["upstreams"]:
+        up["prices"] = DEAR
+    return cfg
+
+
+def test_a_keys_day_spend_survives_a_restart_of_the_gateway(upstreams: tuple[EmulatorThread, EmulatorThread],
+                                                              tmp_path: Path) -> None:
+    """Without Redis a restart set every key's day and month spend back to zero."""
+    state = {"GATEWAY_STATE_DIR": str(tmp_path / "state")}
+    gw, _ = start_gateway(_dear(upstreams), tmp_path, env=state)
+    try:
+        codes = [_spend(gw) for _ in range(8)]
+        admitted = codes.count(200)
+        assert 2 <= admitted <= 5 and codes[admitted:] == [429] * (8 - admitted), codes  # the budget bit
+        deadline = time.monotonic() + 10  # written within a second or so
+        while b"saver/all/usd/day" not in ((tmp_path / "state" / "ledger.json").read_bytes()
+                                           if (tmp_path / "state" / "ledger.json").exists() else b""):
+            assert time.monotonic() < deadline, "the spend was never written"
+            time.sleep(0.05)
+        gw.popen.kill()  # a crash: what it wrote is what the next start finds
+    finally:
+        gw.stop()
+    again, _ = start_gateway(_dear(upstreams), tmp_path, env=state)
+    try:
+        assert _spend(again) == 429  # still spent after the restart
+        spent = sample(_metrics(again), "tiergate_key_cost_usd_total", key="saver")
+        assert spent == 0  # this process was charged nothing: the refusal came from what the last one kept
+    finally:
+        again.stop()  # a clean stop
+    third, _ = start_gateway(_dear(upstreams), tmp_path, env=state)
+    try:
+        assert _spend(third) == 429
+    finally:
+        third.stop()
+
+
+@needs_redis
+def test_a_budget_counts_what_was_spent_while_redis_was_away_and_survives_its_restart(
+        upstreams: tuple[EmulatorThread, EmulatorThread], tmp_path: Path) -> None:
+    """During an outage each replica's ledger started at zero and its spend was never written back; a Redis that
+    restarted without its data (as the shipped one did) forgot every counter."""
+    redis = RedisServer(tmp_path)
+    cfg = _dear(upstreams, state={"redis_url": redis.url, "timeout": 0.2, "retry": 0.2})
+    gws = [start_gateway(cfg, tmp_path)[0] for _ in range(2)]
+
+    def up(want: float) -> None:
+        for gw in gws:
+            deadline = time.monotonic() + 10
+            while sample(_metrics(gw), "tiergate_shared_state_up") != want:
+                assert time.monotonic() < deadline, "the replica never saw Redis come or go"
+                time.sleep(0.05)
+    try:
+        up(1)
+        admitted = [_spend(gws[0]), _spend(gws[1])]  # both replicas see the key's counters
+        redis.kill()
+        up(0)
+        admitted += [_spend(gws[1]), _spend(gws[0])]  # spent while Redis is away: each counts on from what it saw
+        redis.start()  # without its data
+        up(1)
+        for _ in range(12):
+            got = _spend(gws[len(admitted) % 2])
+            admitted.append(got)
+            if got == 429:
+                break
+        total = sum(sample(_metrics(gw), "tiergate_key_cost_usd_total", key="saver") for gw in gws)
+        # one budget over the outage and the restart: it would have let ~4 more through from zero
+        assert admitted[-1] == 429 and total <= 0.10 + 0.03, (admitted, total)
+        assert admitted.count(200) <= 5, admitted
+    finally:
+        for gw in gws:
+            gw.stop()
+        redis.kill()
 
 
 # --- 6. the response store is bounded by the memory it takes, and by key -----------------------------------------
