@@ -7,7 +7,9 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY config ./config
-RUN pip install . && useradd --system --uid 10001 tiergate
+RUN pip install . && useradd --system --uid 10001 tiergate && install -d -o tiergate /var/lib/tiergate
+# the gateway keys' spend, kept across restarts (gateway.ledger_file); mount a volume here to keep it across containers
+ENV GATEWAY_STATE_DIR=/var/lib/tiergate
 USER tiergate
 EXPOSE 8080
 HEALTHCHECK --interval=10s --timeout=2s CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8080/readyz').status != 200)"

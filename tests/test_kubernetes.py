@@ -47,7 +47,7 @@ def test_each_kustomization_renders_and_validates(path: Path) -> None:
 
 
 def _pod(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    deployment = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == name)
+    deployment = next(d for d in docs if d["kind"] in ("Deployment", "StatefulSet") and d["metadata"]["name"] == name)
     selector = deployment["spec"]["selector"]["matchLabels"]
     assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()  # it selects its pods
     return deployment["spec"]["template"]["spec"]
@@ -59,7 +59,9 @@ def _hardened(pod: dict[str, Any], container: dict[str, Any]) -> None:
                                             "capabilities": {"drop": ["ALL"]}}
     assert "memory" in container["resources"]["limits"] and container["resources"]["requests"]["cpu"]
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
-    assert {"/etc/tiergate", "/tmp"} <= mounts  # the config, and the one writable place
+    assert {"/etc/tiergate", "/tmp"} <= mounts  # the config, and the writable places: metrics files, the keys' spend
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["GATEWAY_STATE_DIR"] in mounts
 
 
 def test_the_base_deploys_the_gateway_with_probes_drain_and_hardening() -> None:
@@ -111,12 +113,17 @@ def test_the_replicas_share_one_redis_that_only_the_gateway_reaches() -> None:
     port = service["spec"]["ports"][0]["port"]
     assert env["GATEWAY_REDIS_URL"] == f"redis://tiergate-redis:{port}/0"  # the Service's name and port
     redis = _pod(docs, "tiergate-redis")
-    assert service["spec"]["selector"].items() <= \
-        next(d for d in docs if d["metadata"]["name"] == "tiergate-redis" and d["kind"] == "Deployment")[
-            "spec"]["template"]["metadata"]["labels"].items()
+    store = next(d for d in docs if d["metadata"]["name"] == "tiergate-redis" and d["kind"] == "StatefulSet")
+    assert service["spec"]["selector"].items() <= store["spec"]["template"]["metadata"]["labels"].items()
     container = redis["containers"][0]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True and redis["securityContext"]["runAsNonRoot"]
-    assert "--save" in container["args"] and "--maxmemory" in container["args"]  # a bounded cache, no persistence
+    args = container["args"]
+    # the keys' budgets survive a restart of Redis: an append-only file on the StatefulSet's claim, mounted where
+    # Redis writes it; bounded in memory, never evicting a budget before what expires sooner
+    assert args[args.index("--appendonly") + 1] == "yes" and args[args.index("--dir") + 1] == "/data"
+    assert args[args.index("--maxmemory-policy") + 1] == "volatile-ttl" and "--maxmemory" in args
+    claim = store["spec"]["volumeClaimTemplates"][0]["metadata"]["name"]
+    assert {"name": claim, "mountPath": "/data"} in container["volumeMounts"]
     policy = next(d for d in docs if d["kind"] == "NetworkPolicy")
     allowed = policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
     assert allowed.items() <= gateway["spec"]["template"]["metadata"]["labels"].items()  # the gateway's pods only
