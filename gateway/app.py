@@ -139,6 +139,12 @@ class HotPath:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            if self.keys is not None and scope["path"] == "/metrics":  # every key's name and spend: not a tenant's
+                try:
+                    self.keys.may_scrape(scope["headers"])
+                except Unauthorized as exc:
+                    await self._unauthorized(exc, scope, receive, send)
+                    return
             if self.keys is not None and scope["path"].startswith("/v1/"):
                 try:
                     scope[KEY_SCOPE] = self.keys.authenticate(scope["headers"])

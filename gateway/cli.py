@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     add = keys_sub.add_parser("add", help="print a new gateway key once, and the config line that admits it")
     add.add_argument("name", help="the key's name in metrics and the request log (letters, digits, _ . -)")
     add.add_argument("--tiers", default="fast,standard", help="tiers it may use, comma-separated (default both)")
+    add.add_argument("--metrics", action="store_true",
+                     help="a scrape token instead: it reads /metrics and nothing else (auth.metrics)")
 
     check = sub.add_parser("check-config", help="validate a config file and print the resolved routes")
     check.add_argument("file", type=Path)
@@ -111,7 +113,7 @@ def _run(args: argparse.Namespace) -> int:
 
             return bench_main(args)
         if args.command == "keys":
-            return _keys_add(args.name, args.tiers)
+            return _scrape_add(args.name) if args.metrics else _keys_add(args.name, args.tiers)
         return _check(args.file)
     except ConfigError as exc:
         print(f"tiergate: {exc}", file=sys.stderr)
@@ -138,6 +140,18 @@ def _keys_add(name: str, tiers: str) -> int:
     return 0
 
 
+def _scrape_add(name: str) -> int:
+    """``tiergate keys add NAME --metrics``: a new scrape token for ``/metrics`` on stdout, once."""
+    from gateway.keys import digest, new_key
+
+    token = new_key()
+    print(f"# a scrape token for /metrics ({name}), shown this once (Prometheus: authorization: {{credentials: ...}}):")
+    print(token)
+    print("# add this line under auth.metrics.sha256 in the config, then reload (SIGHUP):")
+    print(f"- {digest(token)}  # {name}")
+    return 0
+
+
 def _listen_flags(p: argparse.ArgumentParser, settings: Settings) -> None:
     p.add_argument("--host", default=settings.host, help="listen address (env GATEWAY_HOST)")
     p.add_argument("--port", type=int, default=settings.port, help="listen port (env GATEWAY_PORT)")
@@ -157,6 +171,11 @@ def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
         logging.getLogger("gateway").warning(
             "listening on %s without auth: anyone who reaches the port spends the upstream keys; configure gateway "
             "keys (auth:, tiergate keys add NAME) or listen on 127.0.0.1", args.host)
+    auth = loaded.config.auth
+    if auth is not None and not auth.metrics.public and not auth.metrics.sha256:
+        logging.getLogger("gateway").warning(
+            "gateway keys are on and auth.metrics has no scrape token: /metrics answers 401 to everyone (it names "
+            "every key and its spend); add one (tiergate keys add prometheus --metrics) or set auth.metrics.public")
     settings = Settings().model_copy(update={"log_level": args.log_level, "log_format": args.log_format})
     common = uvicorn_options(args.host, args.port, args.log_level, settings)
     if args.workers < 1:

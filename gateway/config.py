@@ -432,13 +432,33 @@ class KeyConfig(_Strict):
     fast: KeyLimits = KeyLimits()
 
 
+class MetricsAccess(_Strict):
+    """Who may read ``/metrics`` when gateway keys are on: it names every key and what each spent, which one tenant
+    must not read of another. sha256: the hex SHA-256 of each scrape token (``tiergate keys add NAME --metrics``;
+    Prometheus sends it as ``authorization: {credentials: ...}``): a scrape token reads ``/metrics`` and nothing else,
+    and no gateway key reads ``/metrics``; public: anyone who reaches the port reads it (as without keys), for a port
+    only the monitoring network reaches."""
+
+    sha256: list[str] = []
+    public: bool = False
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, v: list[str]) -> list[str]:
+        if any(re.fullmatch(r"[0-9a-f]{64}", h) is None for h in v):
+            raise ValueError("each entry is the hex SHA-256 of a scrape token (tiergate keys add NAME --metrics)")
+        return v
+
+
 class AuthConfig(_Strict):
     """Gateway keys (``gateway.keys``): with this section every ``/v1`` request must carry one (``Authorization:
     Bearer`` or ``api-key``). keys: the keys; keys_file: a YAML file with more (a list of the same entries, e.g. a
-    mounted Secret), read with the config (and again on ``SIGHUP``)."""
+    mounted Secret), read with the config (and again on ``SIGHUP``); metrics: who may read ``/metrics``
+    (:class:`MetricsAccess`; by default a scrape token)."""
 
     keys: list[KeyConfig] = []
     keys_file: Path | None = None
+    metrics: MetricsAccess = MetricsAccess()
 
     @model_validator(mode="after")
     def _unique(self) -> AuthConfig:

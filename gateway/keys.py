@@ -60,10 +60,29 @@ class Key:
 
 
 class Keys:
-    """The configured keys, by hash (``auth:``)."""
+    """The configured keys, by hash (``auth:``), and who may read ``/metrics`` (``auth.metrics``)."""
 
     def __init__(self, auth: AuthConfig) -> None:
         self.by_hash = {k.sha256: Key(k.name, k) for k in auth.keys}
+        self.scrape = frozenset(auth.metrics.sha256)
+        self.public_metrics = auth.metrics.public
+
+    def may_scrape(self, headers: Iterable[tuple[bytes, bytes]]) -> None:
+        """Whether a request with these headers may read ``/metrics``: ``auth.metrics.public``, or a scrape token.
+
+        Raises:
+            Unauthorized: no bearer token, or one that is not a scrape token (a gateway key included: a tenant reads no
+                other tenant's spend).
+        """
+        if self.public_metrics:
+            return
+        token = _token(headers)
+        if not token:
+            raise Unauthorized("missing", "/metrics needs a scrape token: 'Authorization: Bearer <token>' "
+                                          "(auth.metrics; tiergate keys add NAME --metrics).")
+        hashed = digest(token)
+        if not any(hmac.compare_digest(hashed, allowed) for allowed in self.scrape):
+            raise Unauthorized("unknown", f"{masked(token)} is not a scrape token for /metrics (auth.metrics).")
 
     def authenticate(self, headers: Iterable[tuple[bytes, bytes]]) -> Key:
         """The key of a request with these (ASGI, lower-case) headers.
@@ -73,15 +92,7 @@ class Keys:
                 bearer token (``malformed``), or a key the config does not hold (``unknown``); the message shows at
                 most a masked key (OpenAI API reference, "Authentication").
         """
-        token = None
-        for name, value in headers:
-            if name == b"authorization":
-                scheme, _, rest = value.decode("latin-1").strip().partition(" ")
-                if scheme.lower() != "bearer" or not rest.strip():
-                    raise Unauthorized("malformed", "The Authorization header must be 'Bearer <gateway key>'.")
-                token = rest.strip()
-            elif name == b"api-key" and token is None:
-                token = value.decode("latin-1").strip()
+        token = _token(headers)
         if not token:
             raise Unauthorized("missing", "You didn't provide an API key. Send your gateway key as 'Authorization: "
                                            "Bearer <key>' (the OpenAI SDKs do, from OPENAI_API_KEY).")
@@ -90,6 +101,24 @@ class Keys:
         if found is None or not hmac.compare_digest(found.cfg.sha256, hashed):
             raise Unauthorized("unknown", f"Incorrect API key provided: {masked(token)}.")
         return found
+
+
+def _token(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """The bearer token of ``Authorization`` (else ``api-key``'s value), or None.
+
+    Raises:
+        Unauthorized: an ``Authorization`` header that is not ``Bearer <token>`` (``malformed``).
+    """
+    token = None
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, rest = value.decode("latin-1").strip().partition(" ")
+            if scheme.lower() != "bearer" or not rest.strip():
+                raise Unauthorized("malformed", "The Authorization header must be 'Bearer <gateway key>'.")
+            token = rest.strip()
+        elif name == b"api-key" and token is None:
+            token = value.decode("latin-1").strip()
+    return token
 
 
 @dataclass

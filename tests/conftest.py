@@ -9,6 +9,7 @@ Nothing here talks to anything but 127.0.0.1; every process is killed at the end
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -168,6 +169,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = start_stack(tmp_path_factory.mktemp("stack"))
     yield s
     s.stop()
+
+
+# the scrape token of the gateways the tests run with gateway keys on: /metrics is then theirs alone (auth.metrics)
+SCRAPE_TOKEN = "tg-scrape-" + os.urandom(16).hex()
+SCRAPE = {"sha256": [hashlib.sha256(SCRAPE_TOKEN.encode()).hexdigest()]}
+
+
+def scraped(port: int) -> str:
+    """``/metrics`` of the gateway on ``port``, read with :data:`SCRAPE_TOKEN` (as Prometheus would be configured)."""
+    return httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"authorization": f"Bearer {SCRAPE_TOKEN}"},
+                     timeout=5).text
 
 
 def sample(metrics_text: str, name: str, *, missing_ok: bool = True, **labels: str) -> float:

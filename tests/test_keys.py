@@ -24,7 +24,7 @@ from gateway.errors import ConfigError, KeyOverBudget, RateLimited, Unauthorized
 from gateway.keys import Keys, MemoryLedger, Refusal, Spend, digest, new_key, windows
 from gateway.tools.emulator import EmulatorConfig, EmulatorThread
 
-from conftest import Proc, RedisServer, needs_redis, sample, start_gateway
+from conftest import SCRAPE, Proc, RedisServer, needs_redis, sample, scraped, start_gateway
 
 # --- pure: authentication and the ledger ----------------------------------------------------------------------------
 
@@ -131,7 +131,7 @@ def _config(fast: EmulatorThread, standard: EmulatorThread, **extra: Any) -> dic
              "prices": PRICE},
         ],
         "aliases": {"gpt-5.6-sol-fast": {"model": "gpt-5.6", "tier": "fast"}},
-        "auth": {"keys": [
+        "auth": {"metrics": SCRAPE, "keys": [
             key("product"),
             key("batch", tiers=["standard"], metadata={"workload": "batch"}),
             key("rpm", limits={"requests_per_minute": 5}),
@@ -208,7 +208,7 @@ def test_no_key_a_wrong_key_or_a_malformed_header_is_a_401_the_sdk_raises(gatewa
     ok = httpx.post(url + "/chat/completions", headers={"api-key": KEYS["product"]},
                     json={"model": "gpt-5.6", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
     assert ok.status_code == 200  # Azure-style clients send api-key
-    metrics = httpx.get(f"http://127.0.0.1:{gateway.port}/metrics").text
+    metrics = scraped(gateway.port)
     assert sample(metrics, "tiergate_auth_failures_total", reason="unknown", missing_ok=False) >= 6
     assert sample(metrics, "tiergate_auth_failures_total", reason="missing", missing_ok=False) >= 5
 
@@ -230,7 +230,7 @@ def test_a_standard_only_key_asking_for_the_fast_tier_is_served_by_the_standard_
 def test_the_route_endpoint_shows_what_the_key_allows_and_refuses_what_it_would_refuse(gateway: Proc) -> None:
     url = f"http://127.0.0.1:{gateway.port}/v1"
     body = {"model": "gpt-5.6-sol-fast", "messages": [{"role": "user", "content": "hi"}]}
-    before = httpx.get(f"http://127.0.0.1:{gateway.port}/metrics").text
+    before = scraped(gateway.port)
     route = httpx.post(url + "/tiergate/route", headers={"authorization": f"Bearer {KEYS['batch']}"}, json=body).json()
     assert [c["tier"] for c in route["candidates"]] == ["standard"] and route["fallback"] == "key_tier", route
     assert route["key"] == {"name": "batch", "tiers": ["standard"]}
@@ -246,7 +246,7 @@ def test_the_route_endpoint_shows_what_the_key_allows_and_refuses_what_it_would_
                          json={**body, "model": "gpt-5.4-mini"})
     assert refused.status_code == 403 and refused.json()["error"] == info.value.body
     assert info.value.body["param"] == "model" and info.value.body["type"] == "invalid_request_error"
-    after = httpx.get(f"http://127.0.0.1:{gateway.port}/metrics").text  # the route endpoint counted nothing
+    after = scraped(gateway.port)  # the route endpoint counted nothing
     assert sample(after, "tiergate_key_downgrades_total", key="batch", reason="key_tier") == \
         sample(before, "tiergate_key_downgrades_total", key="batch", reason="key_tier")
 
@@ -288,7 +288,7 @@ def test_requests_per_minute_under_concurrency_admit_exactly_the_limit(gateway: 
         _ask(_client(gateway, "rpm"))
     files = httpx.get(f"http://127.0.0.1:{gateway.port}/v1/files", headers={"authorization": f"Bearer {KEYS['rpm']}"})
     assert files.status_code == 429  # the rest of the API counts against the key too
-    metrics = httpx.get(f"http://127.0.0.1:{gateway.port}/metrics").text
+    metrics = scraped(gateway.port)
     assert sample(metrics, "tiergate_key_refusals_total", key="rpm", limit="requests_per_minute") == 9
     assert sample(metrics, "tiergate_key_requests_total", key="rpm", outcome="key_limit") == 9
 
@@ -299,7 +299,7 @@ def test_a_budget_is_not_overshot_by_more_than_what_was_in_flight(gateway: Proc)
     assert codes.count(200) >= 1 and codes.count(429) >= 1
     refused = next(r for r in answers if r.status_code == 429)
     assert refused.json()["error"]["code"] == "insufficient_quota" and refused.headers["x-should-retry"] == "false"
-    spent = sample(httpx.get(f"http://127.0.0.1:{gateway.port}/metrics").text, "tiergate_key_cost_usd_total",
+    spent = sample(scraped(gateway.port), "tiergate_key_cost_usd_total",
                    key="budget", missing_ok=False)
     assert 0 < spent <= 0.25  # each request reserved its estimate (>= its cost) before it went: never over
 
@@ -311,7 +311,7 @@ def test_the_fast_tier_allowance_spills_to_the_standard_tier(gateway: Proc) -> N
     served = [_ask(client, max_tokens=1000, tokens=900).headers for _ in range(4)]
     assert [h["x-tiergate-tier"] for h in served] == ["fast", "fast", "standard", "standard"]
     assert [h.get("x-tiergate-fallback") for h in served[2:]] == ["key_allowance"] * 2
-    metrics = httpx.get(f"http://127.0.0.1:{gateway.port}/metrics").text
+    metrics = scraped(gateway.port)
     assert sample(metrics, "tiergate_key_downgrades_total", key="allowance", reason="key_allowance") == 2
 
 
@@ -346,7 +346,7 @@ def test_two_replicas_share_one_keys_limit_through_redis(upstreams: tuple[Emulat
     try:
         for gw in gateways:  # both connected to Redis
             deadline = time.monotonic() + 10
-            while sample(httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text, "tiergate_shared_state_up") != 1:
+            while sample(scraped(gw.port), "tiergate_shared_state_up") != 1:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
         _fresh_minute()
@@ -357,7 +357,7 @@ def test_two_replicas_share_one_keys_limit_through_redis(upstreams: tuple[Emulat
         spent_codes = [r.status_code for _ in range(2)
                        for r in _burst(ports, "shared-budget", 24, max_tokens=30, content="[[emulate tokens=25]] hi")]
         assert spent_codes.count(429) >= 1
-        spent = sum(sample(httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text, "tiergate_key_cost_usd_total",
+        spent = sum(sample(scraped(gw.port), "tiergate_key_cost_usd_total",
                            key="shared-budget") for gw in gateways)
         assert 0.15 < spent <= 0.3  # one budget for both replicas
     finally:
@@ -410,7 +410,7 @@ def test_failover_stays_on_the_tiers_a_key_may_use(upstreams: tuple[EmulatorThre
                            json={"model": "gpt-5.6", "max_tokens": 4, "messages": failing}, timeout=10)
             tiers.append((r.headers.get("x-tiergate-tier"), r.headers.get("x-tiergate-fallback")))
         assert [t for t, _ in tiers] == ["fast", "fast", "standard"], tiers  # the third: standard's own 500
-        metrics = httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text
+        metrics = scraped(gw.port)
         assert sample(metrics, "tiergate_key_downgrades_total", key="allowance-failover", reason="key_allowance") == 1
     finally:
         gw.stop()

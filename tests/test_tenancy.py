@@ -22,7 +22,7 @@ import pytest
 from gateway.keys import digest, new_key
 from gateway.tools.emulator import EmulatorConfig, EmulatorThread
 
-from conftest import Proc, RedisServer, needs_redis, sample, start_gateway
+from conftest import SCRAPE, SCRAPE_TOKEN, Proc, RedisServer, needs_redis, sample, scraped, start_gateway
 
 KEYS = {name: new_key() for name in ("a", "b", "tpm", "hostile", "victim", "leaver", "flood", "kept", "saver")}
 PRICE = {"input": 1.0, "output": 2.0}  # USD per million tokens
@@ -43,7 +43,7 @@ def _config(fast: EmulatorThread, standard: EmulatorThread, **extra: Any) -> dic
              "health": {"failures": 4, "open_seconds": 30}},
         ],
         "aliases": {"gpt-5.6-sol-fast": {"model": "gpt-5.6", "tier": "fast"}},
-        "auth": {"keys": [key("a"), key("b"), key("tpm", limits={"tokens_per_minute": 20_000}),
+        "auth": {"metrics": SCRAPE, "keys": [key("a"), key("b"), key("tpm", limits={"tokens_per_minute": 20_000}),
                           key("hostile"), key("victim"), key("leaver", limits={"tokens_per_minute": 6_000}),
                           key("flood"), key("kept"), key("saver", limits={"usd_per_day": 0.10})]},
         **extra,
@@ -77,7 +77,7 @@ def _url(gw: Proc) -> str:
 
 
 def _metrics(gw: Proc) -> str:
-    return httpx.get(_url(gw) + "/metrics", timeout=5).text
+    return scraped(gw.port)
 
 
 def _sdk(gw: Proc, name: str) -> openai.OpenAI:
@@ -398,5 +398,25 @@ def test_one_key_cannot_fill_the_memory_or_push_out_the_others_responses(
         assert grown < 32 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB"
         assert _sdk(gw, "kept").responses.retrieve(kept.id).id == kept.id  # never pushed out by another key
         assert flood.responses.create(model="gpt-5.6-sol-fast", input="still served").status == "completed"
+    finally:
+        gw.stop()
+
+
+# --- /metrics names every key and its spend: a scrape token's, not a tenant's ----------------------------------------
+
+def test_metrics_are_read_with_a_scrape_token_never_with_a_gateway_key(
+        gateway: Proc, upstreams: tuple[EmulatorThread, EmulatorThread], tmp_path: Path) -> None:
+    for headers in ({}, _h("a"), {"authorization": "Bearer tg-not-a-scrape-token-0123456789"}):
+        r = httpx.get(_url(gateway) + "/metrics", headers=headers, timeout=5)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
+        assert b"tiergate_key_" not in r.content and r.headers["www-authenticate"].startswith("Bearer")
+    ok = httpx.get(_url(gateway) + "/metrics", headers={"authorization": f"Bearer {SCRAPE_TOKEN}"}, timeout=5)
+    assert ok.status_code == 200 and 'tiergate_key_requests_total{key="a"' in ok.text
+    assert httpx.get(_url(gateway) + "/healthz", timeout=5).status_code == 200  # probes need nothing
+    cfg = _config(*upstreams)
+    cfg["auth"]["metrics"] = {"public": True}  # a port only the monitoring network reaches
+    gw, _ = start_gateway(cfg, tmp_path)
+    try:
+        assert httpx.get(_url(gw) + "/metrics", timeout=5).status_code == 200
     finally:
         gw.stop()
