@@ -56,6 +56,7 @@ from gateway.exchange import CLOSE, HANGUP, KEY_SCOPE, ClientGone, Exchange, Hea
 from gateway.health import Blame, Health
 from gateway.keys import Hold, Key, Ledger, MemoryLedger, Refusal, Spend, bounded
 from gateway.metrics import Metrics, decode_speed
+from gateway.objects import MemoryOwners, Owners
 from gateway.policy import Candidate, Continuation, Decision, Policy, RequestFacts
 from gateway.relay import Relay, StreamStats, Write
 from gateway.shared import Admission, SharedState, SharedVerdicts
@@ -172,6 +173,8 @@ class Gateway:
         self.explorer = deadline.Explorer(est.explore, est.probe, est.window / est.samples)
         self.shared: SharedState | None = None  # state shared with other replicas (gateway.shared), or None
         self.ledger: Ledger = MemoryLedger(time.time)  # what gateway keys spent (auth:; shared: a SharedLedger)
+        objects = config.passthrough.objects
+        self.owners: Owners = MemoryOwners(objects.max_items, objects.ttl)  # which key made which object
         self.draining = False
         self._drain_deadline = float("inf")  # loop time
         self._active: set[Exchange] = set()

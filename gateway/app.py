@@ -46,12 +46,13 @@ from gateway.health import Health
 from gateway.keys import Keys, MemoryLedger
 from gateway.ledger_file import LedgerFile
 from gateway.metrics import Metrics
+from gateway.objects import MemoryOwners
 from gateway.passthrough import Passthrough, UpstreamModels
 from gateway.policy import Policy
 from gateway.server import configure as configure_client_limits
 from gateway.server import drain_on_exit, reload_on_hup
 from gateway.settings import Settings, environ, multiprocess_dir
-from gateway.shared import SharedLedger, SharedResponseStore, SharedState
+from gateway.shared import SharedLedger, SharedOwners, SharedResponseStore, SharedState
 from gateway.upstream import Transport, UpstreamPool
 
 log = logging.getLogger("tiergate")
@@ -327,8 +328,11 @@ def _gateway(loaded: LoadedConfig, metrics: Metrics, transport: Transport, *, po
         shared.attach(health)
         gateway.shared = shared
         gateway.ledger = SharedLedger(shared, MemoryLedger(time.time))
+        objects = config.passthrough.objects
+        gateway.owners = SharedOwners(MemoryOwners(objects.max_items, objects.ttl), shared)
     if previous is not None:
         gateway.estimates, gateway.explorer, gateway.ledger = previous.estimates, previous.explorer, previous.ledger
+        gateway.owners = previous.owners
     gateway.listed = UpstreamModels(gateway)
     return gateway
 

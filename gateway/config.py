@@ -357,6 +357,16 @@ class PassthroughConfig(_Strict):
     upstream: str | None = None
     models_ttl: float = Field(60.0, ge=0)
     models_timeout: float = Field(2.0, gt=0)
+    objects: ObjectsConfig = Field(default_factory=lambda: ObjectsConfig())
+
+
+class ObjectsConfig(_Strict):
+    """With gateway keys, which key made which object of the rest of the API (``gateway.objects``): max_items: ids kept
+    in each process (the least recently made go first; with shared state Redis keeps them all); ttl: seconds an id
+    stays its key's (30 days: OpenAI's longest retention of batch and response objects)."""
+
+    max_items: int = Field(100_000, ge=1)
+    ttl: float = Field(30 * 86400.0, gt=0)
 
 
 class EstimatesConfig(_Strict):

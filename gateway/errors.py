@@ -9,6 +9,7 @@
     │   └── UnsupportedMediaType     415
     ├── ModelNotFound                404 model_not_found
     ├── ResponseNotFound             404 response_not_found (a Responses API id the gateway does not hold)
+    ├── ObjectNotFound               404 object_not_found (a file, batch, ... another gateway key made)
     ├── UnknownURL                   404 unknown_url
     ├── MethodNotAllowed             405 method_not_allowed
     ├── UpstreamUnavailable          502 upstream_unavailable (connect refused, reset before the status line)
@@ -115,6 +116,15 @@ class ResponseNotFound(GatewayError):
     status = 404
     error_type = "invalid_request_error"
     code = "response_not_found"
+
+
+class ObjectNotFound(GatewayError):
+    """404 for an object of the rest of the API (a file, a batch, ...) the request's gateway key did not make
+    (``gateway.objects``), answered as OpenAI answers an id the project does not hold ("No such File object")."""
+
+    status = 404
+    error_type = "invalid_request_error"
+    code = "object_not_found"
 
 
 class UnknownURL(GatewayError):

@@ -40,15 +40,18 @@ from gateway.errors import (
     GatewayDraining,
     GatewayError,
     MethodNotAllowed,
+    ObjectNotFound,
     PayloadTooLarge,
     StreamInterrupted,
     UnknownURL,
+    UpstreamBadResponse,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
 from gateway.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of, read_body
 from gateway.health import UNTRACKED
 from gateway.metrics import Metrics
+from gateway.objects import OBJECT_ENDPOINTS, created_ids, filter_list, object_ids, references
 from gateway.policy import Candidate, Decision, RequestFacts
 from gateway.upstream import Answer, Attempt, Body, field_value
 from gateway.wire import chat_usage, check_limits, is_json_type, replace_top_level
@@ -67,6 +70,7 @@ _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _ACCEPT_JSON = {"accept": "application/json"}
 MODELS_RETRY = 5.0  # seconds before asking again an upstream that did not list its models
 USAGE_TAIL = 16 * 1024  # bytes of a JSON or SSE answer kept to read its usage from (it comes last)
+OBJECT_ANSWER = 8 * 1024 * 1024  # bytes of a JSON answer about objects read whole (a list page is at most 100 objects)
 
 
 def endpoint_label(path: str) -> str:
@@ -215,6 +219,8 @@ class Passthrough:
                                            headers={"retry-after": "1"}), "gateway_draining",
                            [(b"x-request-id", ex.rid.encode()), CLOSE])
             return
+        if ex.key is not None and owner is None and not await self._owns(ex, object_ids(path)):
+            return  # an object of another key (or nobody's): answered as an unknown id, never sent upstream
         limits = self.config.limits
         declared = ex.headers.get("content-length")
         # a body is what its framing says, whatever the method (RFC 9112 §6.3)
@@ -304,6 +310,17 @@ class Passthrough:
                 break
         await gw.give_up(ex, decision, plan.reason, last, tried, _closing(ex, raw, [], upload))
 
+    async def _owns(self, ex: PassExchange, ids: list[str], raw: bytes | None = None) -> bool:
+        """Whether every object in ``ids`` is ``ex``'s key's (``gateway.objects``); if not, it is answered 404 (closing
+        the connection when the body was not read: ``raw`` None) and False."""
+        assert ex.key is not None
+        for object_id in ids:
+            if await self.gateway.owners.owner(object_id) != ex.key.name:
+                await ex.error(ObjectNotFound(f"No such object: {object_id}.", param="id"), "client_error",
+                               _closing(ex, raw))
+                return False
+        return True
+
     async def _decide(self, ex: PassExchange, path: str, raw: bytes | None,
                       owner: str | None) -> tuple[Decision, RequestFacts | None] | None:
         """The request's route and routing facts (None: no JSON body with a model), as its gateway key allows them,
@@ -317,6 +334,8 @@ class Passthrough:
         except GatewayError as exc:
             await ex.error(exc, "client_error", _closing(ex, raw))
             return None
+        if ex.key is not None and raw and not await self._owns(ex, references(_json(raw, ex.headers)), raw):
+            return None  # the body names an object of another key
         ex.model, ex.requested = decision.model, facts.model if facts is not None else None
         if ex.key is None:
             return decision, facts
@@ -362,6 +381,8 @@ class Passthrough:
                             *((k.encode("latin-1"), b) for k, v in answer.headers.items()
                               if (b := field_value(v)) is not None),
                             *(h for h in answer.entity_headers() if not (bodiless and h[0] == b"content-length"))]
+        if ex.key is not None and not bodiless and _owned_answer(ex, method, answer.content_type):
+            return await self._relay_owned(ex, attempt, answer, headers, method)
         ex.open_answer(answer.status, headers)
         if bodiless:
             attempt.ok()  # its connection is closed on exit: what it sent is never read
@@ -381,6 +402,63 @@ class Passthrough:
         attempt.ok()
         ex.record("success")
         await ex.end_stream()
+
+
+    async def _relay_owned(self, ex: PassExchange, attempt: Attempt, answer: Answer, headers: Headers,
+                           method: str) -> None:
+        """A JSON answer about a key's objects (``gateway.objects``), read whole (at most :data:`OBJECT_ANSWER` bytes):
+        the object a ``POST`` made is claimed for the key before the client can name it; a list shows the key's own
+        objects only. An answer too large to read whole, or that is no JSON, is a 502 (never shown unfiltered).
+
+        Raises:
+            GatewayError: the answer broke off, or is too large (before anything reached the client: it can fail over).
+        """
+        assert ex.key is not None
+        parts, size = [], 0
+        try:
+            async for data in answer.chunks():
+                size += len(data)
+                if size > OBJECT_ANSWER:
+                    raise UpstreamBadResponse(f"The upstream's answer about objects is over {OBJECT_ANSWER} bytes: "
+                                              "it cannot be scoped to the gateway key.")
+                parts.append(data)
+        except StreamInterrupted as exc:
+            raise UpstreamUnavailable(exc.message, code=exc.code) from exc
+        attempt.done()
+        body = b"".join(parts)
+        owners = self.gateway.owners
+        if method == "POST":
+            for made in created_ids(body):
+                await owners.claim(made, ex.key.name)
+        elif method == "GET":
+            filtered = await filter_list(body, ex.key.name, owners)
+            body = filtered if filtered is not None else body
+        headers = [h for h in headers if h[0] != b"content-length"]
+        headers.append((b"content-length", b"%d" % len(body)))
+        attempt.ok()
+        ex.open_answer(answer.status, headers)
+        ex.bytes_out = len(body)
+        if method == "POST" and bills(ex.endpoint, ex.path):
+            ex.tail = body[-USAGE_TAIL:]
+        await ex.write(body)
+        ex.record("success")
+        await ex.end_stream()
+
+
+def _owned_answer(ex: PassExchange, method: str, content_type: str) -> bool:
+    """Whether an answer is about a key's objects and must be read whole (:meth:`Passthrough._relay_owned`): a JSON
+    answer to a ``POST`` or ``GET`` of an object endpoint (``gateway.objects.OBJECT_ENDPOINTS``)."""
+    return method in ("GET", "POST") and ex.endpoint in OBJECT_ENDPOINTS and "json" in content_type
+
+
+def _json(raw: bytes, headers: dict[str, str]) -> Any:
+    """A JSON body, parsed (None: not JSON, or content-encoded: the upstream's to judge)."""
+    if headers.get("content-encoding", "identity").strip().lower() != "identity":
+        return None
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
 
 
 def _facts(raw: bytes | None, headers: dict[str, str]) -> RequestFacts | None:

@@ -233,6 +233,21 @@ async def test_the_responses_store_is_shared_and_a_delete_reaches_every_replica(
     assert await sb.get("resp_2", "k") is None
 
 
+async def test_which_key_made_an_object_is_known_to_every_replica(
+        replicas: Callable[..., Awaitable[Replica]], redis_server: RedisServer) -> None:
+    from gateway.objects import MemoryOwners
+    from gateway.shared import SharedOwners
+
+    a, b = await replicas(), await replicas()
+    oa = SharedOwners(MemoryOwners(100, 60), a.shared)
+    ob = SharedOwners(MemoryOwners(100, 60), b.shared)
+    await oa.claim("file-1", "k")
+    assert await ob.owner("file-1") == "k" and await ob.owner("file-2") is None
+    assert await ob.owned(["file-1", "file-2"], "k") == {"file-1"} and await ob.owned(["file-1"], "other") == set()
+    redis_server.kill()  # away: each replica's own copy answers
+    assert await oa.owner("file-1") == "k" and await ob.owner("file-1") is None
+
+
 async def test_garbage_in_its_keys_or_on_its_channel_never_takes_shared_state_down(
         replicas: Callable[..., Awaitable[Replica]]) -> None:
     a, b = await replicas(), await replicas()

@@ -204,6 +204,32 @@ def test_two_replicas_sharing_redis_keep_each_response_to_its_key(
         redis.kill()
 
 
+def test_a_file_and_a_batch_are_reached_only_by_the_key_that_made_them(
+        gateway: Proc, upstreams: tuple[EmulatorThread, EmulatorThread]) -> None:
+    """Every key's passthrough request reaches the same upstream account, which answers any id it holds: key B listed
+    and downloaded key A's files and could run a batch on them."""
+    a, b = _sdk(gateway, "a"), _sdk(gateway, "b")
+    line = b'{"custom_id": "1", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "gpt-5.6"}}\n'
+    made = a.files.create(file=("a-secrets.jsonl", line), purpose="batch")
+    batch = a.batches.create(input_file_id=made.id, endpoint="/v1/chat/completions", completion_window="24h")
+    before = _seen(upstreams)
+    for call in (lambda: b.files.retrieve(made.id), lambda: b.files.content(made.id), lambda: b.files.delete(made.id),
+                 lambda: b.batches.retrieve(batch.id), lambda: b.batches.cancel(batch.id),
+                 lambda: b.batches.create(input_file_id=made.id, endpoint="/v1/chat/completions",
+                                          completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert _seen(upstreams) == before  # refused before the upstream was asked
+    assert made.id not in [f.id for f in b.files.list()]  # the list shows B's own only
+    assert batch.id not in [x.id for x in b.batches.list()]
+    mine = b.files.create(file=("b.jsonl", line), purpose="batch")
+    assert [f.id for f in b.files.list()] == [mine.id]
+    # the owner reaches all of it
+    assert a.files.retrieve(made.id).filename == "a-secrets.jsonl" and a.files.content(made.id).content == line
+    assert {made.id} <= {f.id for f in a.files.list()} and mine.id not in {f.id for f in a.files.list()}
+    assert a.batches.retrieve(batch.id).id == batch.id
+
+
 # --- 3. a client that leaves is still charged ----------------------------------------------------------------------
 
 def _cut_stream(gw: Proc, name: str, tokens: int, read: int) -> int:

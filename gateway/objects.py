@@ -1,0 +1,163 @@
+"""Which gateway key owns which object of the rest of the API (files, uploads, batches, vector stores, fine-tuning jobs,
+assistants, threads, conversations, containers, evals, videos), so that with gateway keys on what a key stored only
+that key reaches.
+
+Every key's passthrough request goes to the same upstream account with the gateway's own credential, and an upstream
+answers any id the account holds: without this, key B could list key A's files, read their content, cancel A's batch
+or attach A's file to its own vector store. OpenAI scopes objects to the project that made them (API reference:
+another project's id is "No such File object"); the gateway scopes them to the key:
+
+* a ``POST`` that answers a JSON object with an ``id`` makes that id the requesting key's (:meth:`Owners.claim`);
+* a path that names an object (:func:`object_ids`: each segment that is no word of the API's paths) is served only
+  when every object it names is the requesting key's, else answered 404 as an unknown id is (never sent upstream);
+* a body that names objects (:data:`REFERENCES`: ``input_file_id``, ``file_ids``, ``training_file``, ...) likewise;
+* a list (``GET /v1/files``, ``/v1/batches``, ...) shows the key's own objects only (:func:`filter_list`).
+
+An id the gateway never saw made (made before the gateway, or straight at the provider) is nobody's: no key reaches it.
+Without gateway keys nothing of this applies. Model ids (``/v1/models/{id}``) are not objects.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import orjson
+
+# the fixed words of the OpenAI API's paths (API reference, 2026-11); any other segment names an object
+WORDS = frozenset({
+    "embeddings", "completions", "chat", "responses", "input_items", "input_tokens", "compact", "cancel", "audio",
+    "speech", "transcriptions", "translations", "voices", "images", "generations", "edits", "variations",
+    "moderations", "files", "content", "uploads", "parts", "complete", "batches", "vector_stores", "file_batches",
+    "search", "fine_tuning", "jobs", "checkpoints", "events", "pause", "resume", "permissions", "alpha", "graders",
+    "run", "validate", "models", "assistants", "threads", "runs", "steps", "messages", "submit_tool_outputs",
+    "conversations", "items", "containers", "evals", "videos", "remix", "realtime", "sessions",
+    "transcription_sessions", "client_secrets", "calls", "accept", "reject", "refer", "hangup", "chatkit",
+    "workflows", "skills", "versions", "output_items", "results",
+})
+# the passthrough's endpoint labels (gateway.passthrough.ENDPOINTS) whose JSON answers are about a key's objects: what
+# a POST there makes is claimed, what a GET there lists is filtered
+OBJECT_ENDPOINTS = frozenset({"files", "uploads", "batches", "vector_stores", "fine_tuning", "assistants", "threads",
+                              "conversations", "containers", "evals", "videos", "chat/completions"})
+# body fields that name objects (OpenAI API reference: batches, fine-tuning, vector stores, assistants, threads,
+# responses, conversations, containers, evals)
+REFERENCES = frozenset({"input_file_id", "file_id", "file_ids", "training_file", "validation_file", "vector_store_id",
+                        "vector_store_ids", "assistant_id", "thread_id", "conversation", "container_id",
+                        "previous_response_id", "fine_tuned_model_checkpoint", "upload_id", "eval_id", "video_id"})
+
+
+def object_ids(path: str) -> list[str]:
+    """The objects ``path`` (under /v1, no leading slash) names: each segment after the first that is not a word of
+    the API's paths (:data:`WORDS`); none under ``models`` (model ids are the catalogue, not a key's)."""
+    segments = path.split("/")
+    if segments[0] == "models":
+        return []
+    return [s for s in segments[1:] if s and s not in WORDS]
+
+
+def references(body: Any) -> list[str]:
+    """The object ids a JSON request body names (:data:`REFERENCES`, at the top level and one level down, as in
+    ``tool_resources.file_search.vector_store_ids`` or ``data_sources``)."""
+    out: list[str] = []
+
+    def take(obj: Any, depth: int) -> None:
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                if k in REFERENCES:
+                    if isinstance(v, str):
+                        out.append(v)
+                    elif isinstance(v, list):
+                        out.extend(x for x in v if isinstance(x, str))
+                    elif isinstance(v, dict) and isinstance(v.get("id"), str):  # {"conversation": {"id": ...}}
+                        out.append(v["id"])
+                elif depth < 3 and isinstance(v, dict | list):
+                    take(v, depth + 1)
+        elif isinstance(obj, list) and depth < 3:
+            for v in obj:
+                take(v, depth + 1)
+    take(body, 0)
+    return out
+
+
+def created_ids(answer: bytes) -> list[str]:
+    """The ids a ``POST`` made: the ``id`` of the JSON object it answered with, and of the objects in it (an upload
+    completed holds the ``file`` it made)."""
+    try:
+        parsed = orjson.loads(answer)
+    except orjson.JSONDecodeError:
+        return []
+    if not isinstance(parsed, dict):
+        return []
+    found = [parsed.get("id"), *(v.get("id") for v in parsed.values() if isinstance(v, dict))]
+    return [i for i in found if isinstance(i, str) and i]
+
+
+async def filter_list(answer: bytes, owner: str, owners: Owners) -> bytes | None:
+    """A list answer (``{"object": "list", "data": [...], "first_id", "last_id", "has_more"}``) with only ``owner``'s
+    objects in ``data`` (its ``first_id`` / ``last_id`` those of what is left); None when it is no list."""
+    try:
+        parsed = orjson.loads(answer)
+    except orjson.JSONDecodeError:
+        return None
+    data = parsed.get("data") if isinstance(parsed, dict) else None
+    if not isinstance(data, list):
+        return None
+    ids = [item.get("id") if isinstance(item, dict) else None for item in data]
+    mine = await owners.owned([i for i in ids if isinstance(i, str)], owner)
+    kept = [item for item, i in zip(data, ids, strict=True) if isinstance(i, str) and i in mine]
+    parsed["data"] = kept
+    if "first_id" in parsed:
+        parsed["first_id"] = kept[0]["id"] if kept else None
+    if "last_id" in parsed:
+        parsed["last_id"] = kept[-1]["id"] if kept else None
+    return orjson.dumps(parsed)
+
+
+class Owners(Protocol):
+    """Who owns which object id (module docstring): :class:`MemoryOwners`, or Redis (``gateway.shared``)."""
+
+    async def owner(self, object_id: str) -> str | None:
+        """The key that made ``object_id``, or None (nobody's: unknown, or forgotten)."""
+        ...
+
+    async def owned(self, object_ids: Iterable[str], owner: str) -> set[str]:
+        """Those of ``object_ids`` that ``owner`` made."""
+        ...
+
+    async def claim(self, object_id: str, owner: str) -> None:
+        """``owner`` made ``object_id``."""
+        ...
+
+
+class MemoryOwners:
+    """An :class:`Owners` in this process: at most ``max_items`` ids, each forgotten ``ttl`` seconds after it was
+    claimed (the least recently claimed first when full). ``clock``: seconds (``time.monotonic``)."""
+
+    def __init__(self, max_items: int, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_items = max_items
+        self.ttl = ttl
+        self.clock = clock
+        self._owners: OrderedDict[str, tuple[float, str]] = OrderedDict()  # id -> (expires, owner)
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    async def owner(self, object_id: str) -> str | None:
+        found = self._owners.get(object_id)
+        if found is None:
+            return None
+        if found[0] <= self.clock():
+            del self._owners[object_id]
+            return None
+        return found[1]
+
+    async def owned(self, object_ids: Iterable[str], owner: str) -> set[str]:
+        return {i for i in object_ids if await self.owner(i) == owner}
+
+    async def claim(self, object_id: str, owner: str) -> None:
+        self._owners.pop(object_id, None)
+        self._owners[object_id] = (self.clock() + self.ttl, owner)
+        while len(self._owners) > self.max_items:
+            self._owners.popitem(last=False)
