@@ -52,7 +52,17 @@ from gateway.errors import (
     event_error,
 )
 from gateway.estimates import Estimates
-from gateway.exchange import CLOSE, HANGUP, KEY_SCOPE, ClientGone, Exchange, Headers, headers_of, read_body
+from gateway.exchange import (
+    CLOSE,
+    HANGUP,
+    KEY_SCOPE,
+    BodyBudget,
+    ClientGone,
+    Exchange,
+    Headers,
+    headers_of,
+    read_body,
+)
 from gateway.health import Blame, Health
 from gateway.keys import Hold, Key, Ledger, MemoryLedger, Refusal, Spend, bounded
 from gateway.metrics import Metrics, decode_speed
@@ -173,6 +183,7 @@ class Gateway:
         self.explorer = deadline.Explorer(est.explore, est.probe, est.window / est.samples)
         self.shared: SharedState | None = None  # state shared with other replicas (gateway.shared), or None
         self.ledger: Ledger = MemoryLedger(time.time)  # what gateway keys spent (auth:; shared: a SharedLedger)
+        self.bodies = BodyBudget(config.limits.max_bytes_in_flight, config.limits.key_share)  # held request bytes
         objects = config.passthrough.objects
         self.owners: Owners = MemoryOwners(objects.max_items, objects.ttl)  # which key made which object
         self.draining = False
@@ -190,7 +201,7 @@ class Gateway:
         answers)."""
         ex = Exchange(self.metrics, send, headers_of(scope), kind, scope)
         try:
-            raw = await read_body(ex.headers, receive, self.config.limits.max_request_bytes)
+            raw = await read_body(ex.headers, receive, self.config.limits.max_request_bytes, hold=(self.bodies, ex))
         except ClientGone:
             ex.record("client_disconnect")  # gone while sending its body: counted, nothing to answer
             return

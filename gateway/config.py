@@ -339,11 +339,16 @@ class Limits(_Strict):
     """Size limits in bytes. max_request_bytes: a JSON request body (chat completions, Responses, and the JSON
     bodies of the other endpoints, which are read whole to route on their ``model``); max_event_bytes: one SSE
     event; max_passthrough_bytes: any other body (file uploads, audio), streamed to the upstream as it arrives and
-    never held whole (OpenAI's own file limit is 512 MB)."""
+    never held whole (OpenAI's own file limit is 512 MB); max_bytes_in_flight: the JSON request bodies held in memory
+    at once, in all (past it, 503 ``gateway_busy``); key_share: the share of that one gateway key may hold (past it,
+    429 ``request_bytes_in_flight``). The defaults fit the shipped container limit (512 MiB) with the process, the
+    response store and hundreds of streams."""
 
     max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     max_event_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     max_passthrough_bytes: int = Field(1024 * 1024 * 1024, ge=1024)
+    max_bytes_in_flight: int = Field(128 * 1024 * 1024, ge=1024)
+    key_share: float = Field(0.25, gt=0, le=1)
 
 
 class PassthroughConfig(_Strict):

@@ -18,6 +18,7 @@
     ├── UpstreamAuthFailed           502 upstream_auth_failed (an upstream's 401/403 to the gateway's own key)
     ├── UpstreamsResting             503 upstreams_resting (every candidate's breaker open)
     ├── RateLimited                  429 rate_limit_exceeded (every candidate cooling down after its 429)
+    ├── GatewayBusy                  503 gateway_busy (the request bytes in flight are at their bound)
     ├── GatewayDraining              503 gateway_draining (the process is shutting down)
     └── UpstreamStatusError          the upstream's own 4xx/5xx before the first byte, status kept (a 401/403
                                      only from a ``pass_client_key`` upstream: else UpstreamAuthFailed)
@@ -236,6 +237,14 @@ class KeyOverBudget(GatewayError):
     status = 429
     error_type = "insufficient_quota"
     code = "insufficient_quota"
+
+
+class GatewayBusy(GatewayError):
+    """503: the gateway holds as many request body bytes as it may (``limits.max_bytes_in_flight``); retry shortly."""
+
+    status = 503
+    error_type = "server_error"
+    code = "gateway_busy"
 
 
 class GatewayDraining(GatewayError):

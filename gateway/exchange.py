@@ -18,7 +18,15 @@ from typing import Any
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway import logs
-from gateway.errors import GatewayError, InvalidRequest, PayloadTooLarge, UnsupportedMediaType, error_body
+from gateway.errors import (
+    GatewayBusy,
+    GatewayError,
+    InvalidRequest,
+    PayloadTooLarge,
+    RateLimited,
+    UnsupportedMediaType,
+    error_body,
+)
 from gateway.health import Blame
 from gateway.keys import Hold, Key
 from gateway.metrics import BILLABLE, Metrics
@@ -56,8 +64,8 @@ class Exchange:
 
     __slots__ = ("t0", "rid", "kind", "headers", "tier", "upstream", "model", "stream", "answered", "recorded",
                  "relay", "gone_at", "cut", "task", "on_start", "scope", "status", "rule", "fallback", "requested",
-                 "upstream_model", "attempts", "outcome", "span", "key", "hold", "prompt_tokens", "blame", "_metrics",
-                 "_send", "_start", "_in_flight")
+                 "upstream_model", "attempts", "outcome", "span", "key", "hold", "prompt_tokens", "blame", "held",
+                 "bodies", "_metrics", "_send", "_start", "_in_flight")
 
     def __init__(self, metrics: Metrics, send: Send, headers: dict[str, str], kind: str,
                  scope: Scope | None = None) -> None:
@@ -78,6 +86,8 @@ class Exchange:
         self.hold: Hold | None = None  # what it reserved against its key (gateway.keys), settled by record()
         self.prompt_tokens = 0  # its estimated prompt (RequestFacts.prompt_tokens), once read: an estimated usage's
         self.blame: Blame | None = None  # whom its request-shaped upstream failures are charged to (gateway.health)
+        self.held = 0  # request body bytes it holds in memory (BodyBudget), given back when it is recorded
+        self.bodies: BodyBudget | None = None
         self.tier = "none"
         self.upstream = "none"
         self.model = "other"
@@ -170,6 +180,8 @@ class Exchange:
             return
         self.recorded = True
         self.outcome = outcome
+        if self.held and self.bodies is not None:
+            self.bodies.release(self)
         if self._in_flight is not None:
             self._in_flight.dec()
         duration = (time.perf_counter() if ended is None else ended) - self.t0
@@ -267,14 +279,63 @@ def headers_of(scope: Scope) -> dict[str, str]:
     return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
 
 
-async def read_body(headers: dict[str, str], receive: Receive, limit: int, *, json_only: bool = True) -> bytes:
+class BodyBudget:
+    """The request body bytes held in memory at once (JSON bodies are read whole to route on them): at most ``total``
+    in all and ``total * key_share`` for one gateway key, so that no key's requests exhaust the process's memory for
+    the others (``limits.max_bytes_in_flight``, ``limits.key_share``). A request holds its bytes from its first part
+    until it is recorded (:meth:`Exchange.record` gives them back)."""
+
+    __slots__ = ("total", "per_key", "used", "by_key")
+
+    def __init__(self, total: int, key_share: float) -> None:
+        self.total = total
+        self.per_key = max(1, int(total * key_share))
+        self.used = 0
+        self.by_key: dict[str, int] = {}
+
+    def take(self, ex: Exchange, n: int) -> None:
+        """``ex`` reads ``n`` more body bytes.
+
+        Raises:
+            RateLimited: its gateway key holds its share already (429, ``retry-after``); GatewayBusy: the process holds
+                ``total`` (503, ``retry-after``). Nothing is taken then.
+        """
+        if self.used + n > self.total:
+            raise GatewayBusy("The gateway holds as many request bytes as it may; retry the request.",
+                              headers={"retry-after": "1"})
+        key = ex.key.name if ex.key is not None else None
+        if key is not None:
+            mine = self.by_key.get(key, 0) + n
+            if mine > self.per_key:
+                raise RateLimited(f"The gateway key '{key}' has {self.per_key} request bytes in flight already; retry "
+                                  "when some of its requests have ended.", code="request_bytes_in_flight",
+                                  headers={"retry-after": "1"})
+            self.by_key[key] = mine
+        self.used += n
+        ex.held += n
+        ex.bodies = self
+
+    def release(self, ex: Exchange) -> None:
+        """``ex`` ended: what it held is free again."""
+        n, ex.held = ex.held, 0
+        self.used -= n
+        if ex.key is not None:
+            left = self.by_key.get(ex.key.name, 0) - n
+            if left > 0:
+                self.by_key[ex.key.name] = left
+            else:
+                self.by_key.pop(ex.key.name, None)
+
+
+async def read_body(headers: dict[str, str], receive: Receive, limit: int, *, json_only: bool = True,
+                    hold: tuple[BodyBudget, Exchange] | None = None) -> bytes:
     """The request body, refusing bodies over ``limit`` bytes (413) and, with ``json_only`` (chat completions and
     the Responses API), non-JSON content types (415) and an empty body (400); without it (the passthrough), any
-    body, an empty one included.
+    body, an empty one included. ``hold``: the budget its bytes are held against, and the request holding them.
 
     Raises:
-        UnsupportedMediaType, PayloadTooLarge, InvalidRequest (empty body); ClientGone when the client leaves
-        mid-body.
+        UnsupportedMediaType, PayloadTooLarge, InvalidRequest (empty body); RateLimited, GatewayBusy: over
+        :class:`BodyBudget`; ClientGone when the client leaves mid-body.
     """
     ctype = headers.get("content-type", "application/json").split(";", 1)[0].strip().lower()
     if json_only and ctype != "application/json" and not ctype.endswith("+json"):
@@ -293,6 +354,8 @@ async def read_body(headers: dict[str, str], receive: Receive, limit: int, *, js
             size += len(part)
             if size > limit:
                 raise PayloadTooLarge(f"The request body is over the {limit}-byte limit.")
+            if hold is not None:
+                hold[0].take(hold[1], len(part))
             parts.append(part)
         if not message.get("more_body", False):
             break

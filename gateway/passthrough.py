@@ -234,7 +234,8 @@ class Passthrough:
         raw: bytes | None = None
         if whole or not has_body:
             try:
-                raw = await read_body(ex.headers, receive, limits.max_request_bytes, json_only=False)
+                raw = await read_body(ex.headers, receive, limits.max_request_bytes, json_only=False,
+                                      hold=(gw.bodies, ex))
             except ClientGone:
                 ex.record("client_disconnect")
                 return

@@ -230,6 +230,18 @@ def test_a_file_and_a_batch_are_reached_only_by_the_key_that_made_them(
     assert a.batches.retrieve(batch.id).id == batch.id
 
 
+async def test_one_keys_objects_never_push_another_keys_out_of_the_registry() -> None:
+    from gateway.objects import MemoryOwners
+
+    owners = MemoryOwners(max_items=100, ttl=60, key_share=0.25)
+    for i in range(10):
+        await owners.claim(f"file-a{i}", "a")
+    for i in range(1000):  # a key that makes objects without end keeps its own newest 25
+        await owners.claim(f"file-h{i}", "hostile")
+    assert [await owners.owner(f"file-a{i}") for i in range(10)] == ["a"] * 10
+    assert await owners.owner("file-h999") == "hostile" and await owners.owner("file-h974") is None
+
+
 # --- 3. a client that leaves is still charged ----------------------------------------------------------------------
 
 def _cut_stream(gw: Proc, name: str, tokens: int, read: int) -> int:
@@ -424,6 +436,36 @@ def test_one_key_cannot_fill_the_memory_or_push_out_the_others_responses(
         assert grown < 32 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB"
         assert _sdk(gw, "kept").responses.retrieve(kept.id).id == kept.id  # never pushed out by another key
         assert flood.responses.create(model="gpt-5.6-sol-fast", input="still served").status == "completed"
+    finally:
+        gw.stop()
+
+
+def test_one_keys_bodies_in_flight_are_bounded_and_the_others_are_served(
+        upstreams: tuple[EmulatorThread, EmulatorThread], tmp_path: Path) -> None:
+    """Request bodies are read whole to route on them: a key with many large ones in flight at once (16 MiB each by
+    default) could take the process past its memory limit for everyone."""
+    cfg = _config(*upstreams, limits={"max_bytes_in_flight": 8 * 2**20, "key_share": 0.5})  # 4 MiB for one key
+    gw, _ = start_gateway(cfg, tmp_path)
+    try:
+        def body(tokens: int) -> bytes:  # ~1.5 MiB, streamed slowly: it stays in flight (held) while it streams
+            return orjson.dumps({"model": "gpt-5.6-sol-fast", "stream": True, "messages": [
+                {"role": "user", "content": f"[[emulate tokens={tokens} tps=20]] " + "x" * (3 * 2**19)}]})
+
+        async def go() -> tuple[list[httpx.Response], httpx.Response]:
+            async with httpx.AsyncClient(timeout=30) as c:
+                async def send(name: str, tokens: int) -> httpx.Response:
+                    return await c.post(_url(gw) + "/v1/chat/completions", content=body(tokens),
+                                        headers={**_h(name), "content-type": "application/json"})
+                floods = [asyncio.create_task(send("flood", 40)) for _ in range(3)]
+                await asyncio.sleep(0.5)  # the three are in flight (or refused)
+                other = await send("kept", 2)
+                return list(await asyncio.gather(*floods)), other
+        floods, other = asyncio.run(go())
+        codes = sorted(r.status_code for r in floods)
+        assert codes == [200, 200, 429], codes  # two fit the key's 4 MiB, the third does not
+        refused = next(r for r in floods if r.status_code == 429)
+        assert refused.json()["error"]["code"] == "request_bytes_in_flight" and refused.headers["retry-after"] == "1"
+        assert other.status_code == 200  # another key's request is read and served meanwhile
     finally:
         gw.stop()
 
