@@ -133,13 +133,17 @@ class Owners(Protocol):
 
 class MemoryOwners:
     """An :class:`Owners` in this process: at most ``max_items`` ids, each forgotten ``ttl`` seconds after it was
-    claimed (the least recently claimed first when full). ``clock``: seconds (``time.monotonic``)."""
+    claimed (the least recently claimed first when full), and at most ``key_share`` of them one key's (past it, its own
+    oldest go: no key's objects push out another's). ``clock``: seconds (``time.monotonic``)."""
 
-    def __init__(self, max_items: int, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_items: int, ttl: float, clock: Callable[[], float] = time.monotonic,
+                 key_share: float = 0.25) -> None:
         self.max_items = max_items
         self.ttl = ttl
         self.clock = clock
+        self.per_key = max(1, int(max_items * key_share))
         self._owners: OrderedDict[str, tuple[float, str]] = OrderedDict()  # id -> (expires, owner)
+        self._by_key: dict[str, OrderedDict[str, None]] = {}  # owner -> its ids, oldest first
 
     def __len__(self) -> int:
         return len(self._owners)
@@ -149,7 +153,7 @@ class MemoryOwners:
         if found is None:
             return None
         if found[0] <= self.clock():
-            del self._owners[object_id]
+            self._drop(object_id)
             return None
         return found[1]
 
@@ -157,7 +161,20 @@ class MemoryOwners:
         return {i for i in object_ids if await self.owner(i) == owner}
 
     async def claim(self, object_id: str, owner: str) -> None:
-        self._owners.pop(object_id, None)
+        self._drop(object_id)
         self._owners[object_id] = (self.clock() + self.ttl, owner)
+        mine = self._by_key.setdefault(owner, OrderedDict())
+        mine[object_id] = None
+        while len(mine) > self.per_key:
+            self._drop(next(iter(mine)))
         while len(self._owners) > self.max_items:
-            self._owners.popitem(last=False)
+            self._drop(next(iter(self._owners)))
+
+    def _drop(self, object_id: str) -> None:
+        found = self._owners.pop(object_id, None)
+        if found is None:
+            return
+        mine = self._by_key[found[1]]
+        del mine[object_id]
+        if not mine:
+            del self._by_key[found[1]]
