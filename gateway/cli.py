@@ -150,7 +150,7 @@ def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
     import uvicorn
 
     from gateway.app import serve_app
-    from gateway.server import uvicorn_options
+    from gateway.server import Supervisor, uvicorn_options
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if loaded.config.auth is None and args.host not in ("127.0.0.1", "::1", "localhost"):
@@ -174,11 +174,13 @@ def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
                 "--workers %d without shared state: each worker counts the gateway keys' limits alone, so a key may "
                 "spend up to %d times its limits; give the workers a Redis (state.redis_url) to share them",
                 args.workers, args.workers)
-        # uvicorn's supervisor shares one listening socket between N worker processes; metrics go through
-        # prometheus-client's multiprocess mode so /metrics counts every request exactly once.
+        # uvicorn's supervisor (ours: it stops accepting at once on SIGTERM) shares one listening socket between N
+        # worker processes; metrics go through prometheus-client's multiprocess mode so /metrics counts every
+        # request exactly once.
         with tempfile.TemporaryDirectory(prefix="tiergate-metrics-") as metrics_dir:
             set_worker_environment(loaded.path, Path(metrics_dir), settings)
-            uvicorn.run("gateway.app:create_app_from_env", factory=True, workers=args.workers, **common)
+            config = uvicorn.Config("gateway.app:create_app_from_env", factory=True, workers=args.workers, **common)
+            Supervisor(config, sockets=[config.bind_socket()]).run()
         return 0
     # a factory, so that the app is built inside uvicorn's serve(), after it installed its signal handlers
     server = uvicorn.Server(uvicorn.Config(functools.partial(serve_app, loaded, settings), factory=True, **common))
