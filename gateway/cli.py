@@ -162,11 +162,13 @@ def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
     if args.workers < 1:
         raise ConfigError("--workers: must be at least 1")
     if args.workers > 1:
-        if any(u.responses_mode == "bridge" for u in loaded.config.upstreams):
-            # the store is per process (gateway.conversations): a follow-up may reach a worker that lacks it
+        if loaded.redis_url is None and any(u.responses_mode == "bridge" for u in loaded.config.upstreams):
+            # without Redis the store is per process (gateway.conversations): a follow-up may reach a worker that
+            # lacks it; with Redis every worker reads the shared one (gateway.shared)
             logging.getLogger("gateway").warning(
                 "--workers %d: each worker keeps its own store of bridged Responses API conversations, so a "
-                "previous_response_id made by one worker is not found (400) on the others", args.workers)
+                "previous_response_id made by one worker is not found (400) on the others; give the workers a Redis "
+                "(state.redis_url) to share them", args.workers)
         auth = loaded.config.auth
         if auth is not None and loaded.redis_url is None and any(
                 k.limits.model_dump(exclude_none=True) or k.fast.model_dump(exclude_none=True) for k in auth.keys):
