@@ -152,7 +152,7 @@ def _chat(tokens: int = 3) -> bytes:
 
 def test_workers_refuse_new_connections_at_once_while_a_stream_drains(upstream: Proc, tmp_path: Path) -> None:
     """``--workers 2``: SIGTERM to the supervisor closes the listening socket at once (a new connection, a health
-    probe's say, is refused, not accepted to hang), while the stream in flight runs to its end in its worker."""
+    probe's for one, is refused, not accepted to hang), while the stream in flight runs to its end in its worker."""
     gw = _gateway(upstream, tmp_path, workers=2)
     try:
         stream = Stream(gw.port)
@@ -208,7 +208,8 @@ def test_a_chat_request_on_a_kept_alive_connection_is_served_during_the_drain(up
         assert (status, orjson.loads(body), headers.get(b"connection")) == (503, {"status": "draining"}, b"close")
         assert chat.closed_by_peer() and probe.closed_by_peer()
         gw.popen.wait(15)
-        assert time.monotonic() - t0 < 20  # it did not wait out the grace: no connection was left to wait for
+        # it exited before the grace (counted from after the signal) could have run out: it waited for no connection
+        assert time.monotonic() - t0 < float(ENV["GATEWAY_DRAIN_IDLE_GRACE"])
     finally:
         chat.close()
         probe.close()
