@@ -164,7 +164,7 @@ def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
     import uvicorn
 
     from gateway.app import serve_app
-    from gateway.server import uvicorn_options
+    from gateway.server import Supervisor, uvicorn_options
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if loaded.config.auth is None and args.host not in ("127.0.0.1", "::1", "localhost"):
@@ -181,11 +181,13 @@ def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
     if args.workers < 1:
         raise ConfigError("--workers: must be at least 1")
     if args.workers > 1:
-        if any(u.responses_mode == "bridge" for u in loaded.config.upstreams):
-            # the store is per process (gateway.conversations): a follow-up may reach a worker that lacks it
+        if loaded.redis_url is None and any(u.responses_mode == "bridge" for u in loaded.config.upstreams):
+            # without Redis the store is per process (gateway.conversations): a follow-up may reach a worker that
+            # lacks it; with Redis every worker reads the shared one (gateway.shared)
             logging.getLogger("gateway").warning(
                 "--workers %d: each worker keeps its own store of bridged Responses API conversations, so a "
-                "previous_response_id made by one worker is not found (400) on the others", args.workers)
+                "previous_response_id made by one worker is not found (400) on the others; give the workers a Redis "
+                "(state.redis_url) to share them", args.workers)
         auth = loaded.config.auth
         if auth is not None and loaded.redis_url is None and any(
                 k.limits.model_dump(exclude_none=True) or k.fast.model_dump(exclude_none=True) for k in auth.keys):
@@ -193,11 +195,13 @@ def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
                 "--workers %d without shared state: each worker counts the gateway keys' limits alone, so a key may "
                 "spend up to %d times its limits; give the workers a Redis (state.redis_url) to share them",
                 args.workers, args.workers)
-        # uvicorn's supervisor shares one listening socket between N worker processes; metrics go through
-        # prometheus-client's multiprocess mode so /metrics counts every request exactly once.
+        # uvicorn's supervisor (ours: it stops accepting at once on SIGTERM) shares one listening socket between N
+        # worker processes; metrics go through prometheus-client's multiprocess mode so /metrics counts every
+        # request exactly once.
         with tempfile.TemporaryDirectory(prefix="tiergate-metrics-") as metrics_dir:
             set_worker_environment(loaded.path, Path(metrics_dir), settings)
-            uvicorn.run("gateway.app:create_app_from_env", factory=True, workers=args.workers, **common)
+            config = uvicorn.Config("gateway.app:create_app_from_env", factory=True, workers=args.workers, **common)
+            Supervisor(config, sockets=[config.bind_socket()]).run()
         return 0
     # a factory, so that the app is built inside uvicorn's serve(), after it installed its signal handlers
     server = uvicorn.Server(uvicorn.Config(functools.partial(serve_app, loaded, settings), factory=True, **common))

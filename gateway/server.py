@@ -14,9 +14,15 @@ half a head, or half a body) held its connection forever. This protocol:
 * answers ``400`` in OpenAI's envelope for a request httptools cannot parse, or whose body the client ended
   early, and never writes an answer into a response already under way (one request, one response).
 
+At shutdown (SIGTERM), uvicorn closed every idle keep-alive connection at once, and a request a load balancer sent
+on its pooled connection meanwhile was lost (a connection error). Here an idle connection stays open for
+``drain_idle_grace`` seconds: a request on it is answered (``/readyz``: 503 ``draining``; the rest served as during
+the drain) with ``connection: close``, and one still idle then is closed (:meth:`GuardedHttpToolsProtocol.shutdown`).
+
 The limits come from the process settings (``GATEWAY_MAX_HEAD_BYTES``, ``GATEWAY_HEAD_TIMEOUT``,
-``GATEWAY_BODY_TIMEOUT``, ``GATEWAY_DRAIN_TIMEOUT``) through :func:`configure`, called in every process that
-serves. :func:`drain_on_exit` tells the app when shutdown starts, so that streams drain instead of being cut.
+``GATEWAY_BODY_TIMEOUT``, ``GATEWAY_DRAIN_TIMEOUT``, ``GATEWAY_DRAIN_IDLE_GRACE``) through :func:`configure`, called in
+every process that serves. :func:`drain_on_exit` tells the app when shutdown starts, so that streams drain instead of
+being cut; with ``--workers N``, :class:`Supervisor` stops accepting at once too.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any
 
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.supervisors.multiprocess import Multiprocess
 
 from gateway.errors import error_body
 from gateway.exchange import HANGUP
@@ -86,12 +93,14 @@ class _Flow(FlowControl):
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """``HttpToolsProtocol`` plus a request-head size limit and head/body read deadlines (module docstring).
 
-    Class attributes (set by :func:`configure`): max_head_bytes (bytes), head_timeout and body_timeout (seconds).
+    Class attributes (set by :func:`configure`): max_head_bytes (bytes), head_timeout, body_timeout and
+    drain_idle_grace (seconds).
     """
 
     max_head_bytes = 64 * 1024  # request line plus headers; nginx's large_client_header_buffers is 4 x 8 KiB
     head_timeout = 30.0
     body_timeout = 120.0
+    drain_idle_grace = 5.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -103,10 +112,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._answer: tuple[int, str, str] | None = None  # what the deadline answers (None: just close)
         self._by_progress = False
         self._slow: tuple[int, str, str] = (408, "", "")
+        self._draining = False  # shutdown began: every request from now on is the connection's last
+        self._grace: asyncio.TimerHandle | None = None
         self._arm(self.head_timeout, None)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
+        if self._grace is not None:
+            self._grace.cancel()
         cycle = self.cycle  # the one uvicorn marks disconnected
         super().connection_lost(exc)
         if cycle is not None and cycle.disconnected:
@@ -156,6 +169,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if self.cycle is not None and self.cycle.scope is self.scope:
             self.cycle.tiergate_hangup = hangup  # type: ignore[attr-defined]
+            if self._draining:  # its response says connection: close, and the connection closes after it
+                self.cycle.keep_alive = False
 
     def reading(self, paused: bool) -> None:
         """Reading from the client was paused (the app, or the upstream behind it, takes no more of the body: the
@@ -180,6 +195,28 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # leaves is then still seen (connection_lost). A pipelined request behind this one keeps it paused.
         if self.flow.read_paused and not self.pipeline and self.cycle is not None and not self.cycle.response_complete:
             self.flow.resume_reading()
+
+    def shutdown(self) -> None:
+        """uvicorn's graceful shutdown began (SIGTERM): a request under way is the connection's last (uvicorn's own
+        rule); an idle connection stays open ``drain_idle_grace`` seconds, so that a request already sent on it, or
+        sent before the load balancer took this endpoint out of rotation, is answered (with ``connection: close``),
+        and is closed then if still idle. uvicorn waits for every connection to close: the grace bounds that wait."""
+        self._draining = True
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.keep_alive = False
+        elif self.drain_idle_grace <= 0:
+            self.transport.close()
+        else:
+            self._grace = self.loop.call_later(self.drain_idle_grace, self._close_if_idle)
+
+    def _close_if_idle(self) -> None:
+        """The grace is over: close the connection unless a request came (it closes after its response) or its head
+        is arriving (it becomes a request, or the head deadline closes the connection)."""
+        self._grace = None
+        cycle = self.cycle
+        if (cycle is None or cycle.response_complete) and self._head_bytes == 0 and not self.transport.is_closing():
+            self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
         """A request httptools cannot parse (conflicting ``Content-Length`` and ``Transfer-Encoding``, a bad
@@ -296,6 +333,27 @@ def reload_on_hup(app: Any) -> None:
         signal.signal(signal.SIGHUP, handler)
 
 
+class Supervisor(Multiprocess):
+    """uvicorn's supervisor of ``--workers N`` processes (``Multiprocess``, uvicorn 0.54), which stops accepting
+    connections as soon as it stops, as a single process does on SIGTERM or SIGINT.
+
+    The workers share one listening socket; each process holds a copy, and the kernel keeps it listening while any
+    copy is open. uvicorn's supervisor closed its own only after every worker had exited, so through a whole drain
+    new connections, health probes included, were accepted into a backlog no worker read any more, hung, and were
+    reset at the end (found by an attack on the gateway: reset 7.7 s after SIGTERM with an 8 s
+    ``GATEWAY_DRAIN_TIMEOUT``). Here the supervisor closes its copy when it tells the workers to stop (SIGTERM), at
+    the turn of its loop that sees the signal (uvicorn polls every 0.5 s); each worker closes its own as its shutdown
+    begins (uvicorn's main loop: within 0.1 s), and new connections are refused from then on while the workers drain.
+    A reload (SIGHUP, ``restart_all``) keeps the sockets: the new workers need them.
+    """
+
+    def terminate_all(self) -> None:
+        """Close this process's copy of the listening sockets, then send every worker SIGTERM (its drain)."""
+        for sock in self.sockets:
+            sock.close()
+        super().terminate_all()
+
+
 def uvicorn_options(host: str, port: int, log_level: str, settings: Settings) -> dict[str, Any]:
     """uvicorn's settings for serving the gateway (``uvicorn.Config`` keywords): uvloop, the guarded protocol, no
     access log or proxy-header middleware on the hot path, the keep-alive and drain of ``settings``."""
@@ -313,3 +371,5 @@ def configure(settings: Settings) -> None:
     GuardedHttpToolsProtocol.max_head_bytes = settings.max_head_bytes
     GuardedHttpToolsProtocol.head_timeout = settings.head_timeout
     GuardedHttpToolsProtocol.body_timeout = settings.body_timeout
+    # past the drain's end nothing is served any more: no reason to keep a connection open for requests
+    GuardedHttpToolsProtocol.drain_idle_grace = min(settings.drain_idle_grace, settings.drain_timeout)

@@ -19,6 +19,10 @@ GATEWAY_KEEPALIVE_TIMEOUT 75                     seconds an idle client connecti
 GATEWAY_DRAIN_TIMEOUT  60                        on SIGTERM, seconds in-flight requests may run on
 GATEWAY_STATE_DIR      $XDG_STATE_HOME/tiergate  where the gateway keys' spend is kept across restarts
                        (~/.local/state/tiergate) (gateway.ledger_file); empty: nowhere (it lives as long as the process)
+GATEWAY_DRAIN_IDLE_GRACE 5                       on SIGTERM, seconds an idle kept-alive client connection stays
+                                                 open (at most the drain timeout): a request on it is answered,
+                                                 ``connection: close``, while a load balancer takes the endpoint
+                                                 out of rotation
 GATEWAY_REDIS_URL      (unset: state.redis_url)  Redis the replicas share state through (gateway.shared); read
                                                  with the API keys by the config loader, and wins over the file
 OTEL_TRACES_EXPORTER   (unset: no traces)        otlp or console: OpenTelemetry traces (gateway.tracing; the
@@ -60,6 +64,10 @@ class Settings(BaseSettings):
     drain_timeout: float = Field(60.0, ge=0)
     # the XDG Base Directory spec's place for state that should outlive a restart (its "state data")
     state_dir: Path | None = Field(default_factory=lambda: _xdg_state() / "tiergate")
+    # a load balancer learns of the drain only from failed probes or its endpoint list (Kubernetes: seconds after
+    # the pod began terminating) and sends requests on its pooled connections meanwhile; closing those at SIGTERM
+    # lost each request that raced onto one. Bounded by drain_timeout (server.configure)
+    drain_idle_grace: float = Field(5.0, ge=0)
     # OpenTelemetry's own variable (gateway.tracing): otlp, console, or none/unset (no traces)
     otel_traces_exporter: str | None = Field(None, validation_alias="OTEL_TRACES_EXPORTER")
 

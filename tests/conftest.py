@@ -40,6 +40,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# A test's clients may leave pooled connections open: at the SIGTERM of Proc.stop a gateway keeps them for the drain's
+# idle grace (5 s by default), past stop's 5 s wait, and is killed with its coverage data. Tests of the grace set
+# their own (tests/test_drain.py).
+DEFAULT_ENV = {"GATEWAY_DRAIN_IDLE_GRACE": "0.5"}
+
+
 class Proc:
     """A ``python -m gateway`` subprocess (or ``cmd``) listening on ``port``; output goes to a log file."""
 
@@ -52,7 +58,8 @@ class Proc:
         # nor the machine's ~/.local/state, unless the test names one (a restart that must find it)
         state = {"GATEWAY_STATE_DIR": str(log.with_suffix(".state"))}
         self.popen = subprocess.Popen(cmd or [sys.executable, "-m", "gateway", *args], cwd=ROOT, stdout=self._fh,
-                                      stderr=subprocess.STDOUT, env={**os.environ, **state, **(env or {})})
+                                      stderr=subprocess.STDOUT,
+                                      env={**DEFAULT_ENV, **os.environ, **state, **(env or {})})
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:

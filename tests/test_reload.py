@@ -103,3 +103,38 @@ def test_a_broken_file_is_rejected_and_the_old_config_serves(ups: dict[str, Emul
         proc.stop()
 
 
+
+
+def _workers(proc: Proc) -> set[str]:
+    """The pids of the supervisor's worker processes (uvicorn spawns them: ``spawn_main`` in their command line)."""
+    pid = proc.popen.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    found = set()
+    for child in children:
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.add(child)
+        except OSError:  # it exited meanwhile
+            pass
+    return found
+
+
+def test_with_workers_a_reload_replaces_each_worker_and_the_port_keeps_serving(ups: dict[str, EmulatorThread],
+                                                                              tmp_path: Path) -> None:
+    """``--workers 2``: SIGHUP goes to the supervisor (tiergate's subclass of uvicorn's), which replaces each worker
+    with one that read the file again; then every request is served by the new config, and SIGTERM still ends it."""
+    proc, path = start_gateway(_config(ups["b"], "old-up", ["m"]), tmp_path, extra=("--workers", "2"))
+    try:
+        before = _wait(lambda: _workers(proc) if len(_workers(proc)) == 2 else None)
+        path.write_text(yaml.safe_dump(_config(ups["b"], "new-up", ["m"])))
+        proc.popen.send_signal(signal.SIGHUP)
+        # each replacement starts and is ready before the worker it replaces stops: generous for a loaded runner
+        _wait(lambda: len(now := _workers(proc)) == 2 and not now & before, timeout=60)
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+        for _ in range(10):  # a new connection each time: the kernel spreads them over both workers
+            r = httpx.post(f"http://127.0.0.1:{proc.port}/v1/chat/completions", json=body, timeout=5)
+            assert r.status_code == 200 and r.headers["x-tiergate-upstream"] == "new-up"
+        proc.popen.send_signal(signal.SIGTERM)
+        proc.popen.wait(30)
+    finally:
+        proc.stop()

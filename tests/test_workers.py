@@ -1,5 +1,6 @@
 """``tiergate serve --workers 2``: the workers share the port, and /metrics (answered by either worker)
-merges their samples so every request is counted exactly once."""
+merges their samples so every request is counted exactly once; start-up warns that bridged Responses conversations
+are per worker only when no Redis shares them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from pathlib import Path
 
 import httpx
 
-from conftest import default_config, emulator, fast_directive, sample, start_gateway
+from conftest import RedisServer, default_config, emulator, fast_directive, needs_redis, sample, start_gateway
+
+PER_WORKER = "each worker keeps its own store of bridged Responses API conversations"
 
 
 def test_two_workers_count_every_request_once(tmp_path: Path) -> None:
@@ -40,3 +43,26 @@ def test_two_workers_count_every_request_once(tmp_path: Path) -> None:
         gw.stop()
         fast.stop()
         standard.stop()
+
+
+@needs_redis
+def test_the_per_worker_conversations_warning_is_given_only_without_redis(tmp_path: Path,
+                                                                          redis_server: RedisServer) -> None:
+    """The fast upstream bridges the Responses API (Cerebras dialect). Without Redis each worker keeps its own
+    conversations, and start-up says so; with ``state.redis_url`` every worker reads the shared store (a follow-up
+    works on any worker), so it does not (it used to warn either way)."""
+    fast = emulator("fast", tmp_path)
+    standard = emulator("standard", tmp_path)
+    cfg = default_config(f"http://127.0.0.1:{fast.port}/v1", f"http://127.0.0.1:{standard.port}/v1")
+    assert cfg["upstreams"][0]["dialect"] == "cerebras"  # bridged by default
+    logs = {}
+    try:
+        for name, extra in (("alone", {}), ("redis", {"state": {"redis_url": redis_server.url}})):
+            gw, _ = start_gateway({**cfg, **extra}, tmp_path, extra=("--workers", "2"))
+            gw.stop()
+            logs[name] = gw.log.read_text()
+    finally:
+        fast.stop()
+        standard.stop()
+    assert PER_WORKER in logs["alone"], logs["alone"]
+    assert PER_WORKER not in logs["redis"], logs["redis"]
