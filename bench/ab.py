@@ -63,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
                    if name == "minproxy" else
                    [py, "-m", "gateway", "serve", "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port),
                     "--log-level", "warning"])
+            state = str((a.out / f"state-{name}").resolve())  # with --keys: each gateway's spend its own
             child = kids.start(name, procs.pin_prefix(1) + cmd, a.out / f"{name}.log", cwd=cwd,
-                               env={**env, "PYTHONPATH": str(cwd)})
+                               env={"GATEWAY_STATE_DIR": state, **env, "PYTHONPATH": str(cwd)})
             procs.wait_http_ready(child, f"http://127.0.0.1:{port}/healthz")
             targets[name] = (child.pid, f"http://127.0.0.1:{port}/v1/chat/completions")
         import uvloop

@@ -414,6 +414,7 @@ def run_once(args: argparse.Namespace, sizes: Sizes, out: Path, idx: int, pin: b
         gw_cmd += ["serve", "--config", str(cfg), "--host", "127.0.0.1", "--port", str(gw_port),
                    "--log-level", "warning", "--workers", str(args.workers)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+        env["GATEWAY_STATE_DIR"] = str((out / f"state{suffix}").resolve())  # the keys variant's spend: the run's own
         # uvicorn re-raises the stop signal after its graceful shutdown; under the profiler that must be SIGINT
         # (KeyboardInterrupt unwinds to bench.gwprofile, which then writes its file); SIGTERM would kill it first.
         gw = kids.start("tiergate", gw_cmd, out / f"gateway{suffix}.log", cwd=ROOT, env=env,
