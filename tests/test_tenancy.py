@@ -112,7 +112,7 @@ def test_a_path_with_an_empty_segment_reaches_no_upstream_whatever_its_spelling(
         gateway: Proc, upstreams: tuple[EmulatorThread, EmulatorThread]) -> None:
     """The double slash: the hot path matched the path exactly, so /v1//chat/completions fell to the passthrough,
     which the servers in front of an upstream serve as chat completions, outside the key's limits and accounting."""
-    _fresh_minute()
+    _fresh_minute(6)
     body = b'{"model": "gpt-5.6", "max_tokens": 50000, "messages": [{"role": "user", "content": "hi"}]}'
     status, answer = _raw(gateway, "POST", "/v1/chat/completions", "tpm", body)
     assert status == 429 and b"tokens_per_minute" in answer  # the routed path refuses it
@@ -127,7 +127,7 @@ def test_a_path_with_an_empty_segment_reaches_no_upstream_whatever_its_spelling(
 def test_the_passthrough_reserves_a_json_bodys_tokens_and_counts_any_usage_it_answers(
         gateway: Proc, upstreams: tuple[EmulatorThread, EmulatorThread]) -> None:
     """The passthrough reserved one request and counted usage for embeddings and legacy completions only."""
-    _fresh_minute()
+    _fresh_minute(6)
     over = httpx.post(_url(gateway) + "/v1/completions", headers=_h("tpm"), timeout=10,
                       json={"model": "gpt-5.6", "prompt": "hi", "max_tokens": 50_000})
     assert over.status_code == 429 and over.json()["error"]["code"] == "rate_limit_exceeded", over.text
@@ -265,7 +265,7 @@ def _cut_stream(gw: Proc, name: str, tokens: int, read: int) -> int:
 
 
 def test_a_client_that_leaves_before_the_usage_is_charged_what_was_relayed(gateway: Proc) -> None:
-    _fresh_minute(25)
+    _fresh_minute(12)
     statuses = []
     for i in range(8):  # 6,000 tokens a minute; each stream relays ~1,500 before its client leaves
         before = sample(_metrics(gateway), "tiergate_key_requests_total", key="leaver")
