@@ -12,9 +12,9 @@ Two measurements, each a median over ``--repeat`` runs [min, max]:
    CPU (``/proc/PID/stat``) per 1,000 upstream chunks, and the delay each content chunk took from the upstream's
    write (its ``t=<monotonic ns>`` stamp) to the client, p50 / p99. Every stream is checked (all chunks, then
    ``[DONE]`` or one ``response.completed``); any failure fails the run.
-2. **The relay alone, in this process** (no sockets): the same chat stream fed to ``gateway.relay.Relay`` and to
-   ``gateway.bridge.BridgeRelay`` from memory, a write that drops its bytes; CPU microseconds per upstream chunk
-   (``time.process_time``). This is the translation's own cost, with nothing else in the figure.
+2. **The relay alone, in this process** (no sockets): the same chat stream fed to ``gateway.stream.relay.Relay`` and to
+   ``gateway.responses.bridge.BridgeRelay`` from memory, a write that drops its bytes; CPU microseconds per upstream
+   chunk (``time.process_time``). This is the translation's own cost, with nothing else in the figure.
 
 The chunk-delay columns need CPU pinning (``taskset``); without it the figures are still printed, marked unpinned.
 """
@@ -176,8 +176,8 @@ def _chat_reads(tokens: int) -> list[bytes]:
 
 def in_process(tokens: int, streams: int) -> dict[str, float]:
     """Measurement 2 (module docstring): CPU microseconds per upstream chunk, relay vs bridge."""
-    from gateway import bridge
-    from gateway.relay import Relay
+    from gateway.responses import bridge
+    from gateway.stream.relay import Relay
 
     reads = _chat_reads(tokens)
     body = {"model": "bench", "stream": True, "max_output_tokens": tokens, "input": "benchmark"}

@@ -1,7 +1,8 @@
 """Measured routing at scale, by simulation: the gateway's own policy, failover planning, health, estimates and
-deadline code (``gateway.policy``, ``gateway.failover``, ``gateway.health``, ``gateway.estimates``,
-``gateway.deadline``) drive simulated tiers in a SimPy discrete-event model, at a thousand requests per second and
-more, and three routing policies are compared on deadline hit rate, cost and the fast tier's 429s.
+deadline code (``gateway.routing.policy``, ``gateway.routing.failover``, ``gateway.routing.health``,
+``gateway.observability.estimates``, ``gateway.routing.deadline``) drive simulated tiers in a SimPy discrete-event
+model, at a thousand requests per second and more, and three routing policies are compared on deadline hit rate, cost
+and the fast tier's 429s.
 
 The model (every figure is a flag; the defaults are below and in ``bench/RESULTS.md``):
 
@@ -19,7 +20,7 @@ The model (every figure is a flag; the defaults are below and in ``bench/RESULTS
   shipped config's example gpt-5.6 prices (fast 5 / 40, standard 1.25 / 10 USD per million input / output tokens).
 
 Policies: **static** (the rules, spillover on 429 cooldowns and quota estimates, failover on 429: what Tiergate did
-before deadlines), **deadline** (the same plus each request's budget: ``gateway.deadline.choose`` over the live
+before deadlines), **deadline** (the same plus each request's budget: ``gateway.routing.deadline.choose`` over the live
 estimates), **deadline+hedge** (plus ``hedge: p95`` on the streamed agent and interactive requests).
 
 Run: ``python -m bench.simulate`` (~1-2 min; ``--seconds 20`` for a quick one). Writes ``bench/out/simulate.md``.
@@ -41,12 +42,12 @@ from typing import Any
 
 import simpy
 
-from gateway import deadline, failover
-from gateway.config import GatewayConfig
+from gateway.config.schema import GatewayConfig
 from gateway.errors import upstream_error
-from gateway.estimates import Estimates
-from gateway.health import Health
-from gateway.policy import Candidate, Decision, Policy, RequestFacts
+from gateway.observability.estimates import Estimates
+from gateway.routing import deadline, failover
+from gateway.routing.health import Health
+from gateway.routing.policy import Candidate, Decision, Policy, RequestFacts
 
 POLICIES = ("static", "deadline", "deadline+hedge")
 WORKLOADS = {  # share, output tokens, prompt bytes, budget (whole s, ttft s)
@@ -231,7 +232,7 @@ class Sim:
 
     def _race(self, decision: Decision, cands: list[Candidate], facts: RequestFacts, tokens: int, need: int,
               out: Outcome, t0: float) -> Generator[Any, Any, None]:
-        """First-token hedging as ``gateway.api`` does it: the second candidate after the first's TTFT p95."""
+        """First-token hedging as ``gateway.pipeline.chat`` does it: the second candidate after the first's TTFT p95."""
         firsts = [self.env.event(), self.env.event()]
         procs = [self.env.process(self._attempt(cands[0], facts, decision, tokens, need, firsts[0]))]
         est = self.estimates.latency(cands[0].upstream.name, cands[0].upstream_model, self.env.now)

@@ -48,11 +48,11 @@ def gateway_role(argv: list[str]) -> int:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.config import load_config
-    from gateway.policy import Decision, Policy, RequestFacts
-    from gateway.server import uvicorn_options
-    from gateway.settings import Settings
-    from gateway.upstream import Answer, UpstreamPool
+    from gateway.config.schema import load_config
+    from gateway.config.settings import Settings
+    from gateway.http.server import uvicorn_options
+    from gateway.routing.policy import Decision, Policy, RequestFacts
+    from gateway.upstream.client import Answer, UpstreamPool
 
     records: list[dict[str, float]] = []
     cur: dict[str, float] = {}

@@ -27,10 +27,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from gateway import __version__, bridge, logs, tracing
-from gateway.api import KINDS, Gateway, error_response
-from gateway.config import LoadedConfig, load_config
-from gateway.conversations import Bridged, MemoryResponseStore, Native, ResponseStore
+from gateway import __version__
+from gateway.config.schema import LoadedConfig, load_config
+from gateway.config.settings import Settings, environ, multiprocess_dir
 from gateway.errors import (
     ConfigError,
     GatewayError,
@@ -41,19 +40,22 @@ from gateway.errors import (
     Unauthorized,
     UnknownURL,
 )
-from gateway.exchange import KEY_SCOPE, request_id
-from gateway.health import Health
-from gateway.keys import Keys, MemoryLedger
-from gateway.ledger_file import LedgerFile
-from gateway.metrics import Metrics
-from gateway.objects import MemoryOwners
-from gateway.passthrough import Passthrough, UpstreamModels
-from gateway.policy import Policy
-from gateway.server import configure as configure_client_limits
-from gateway.server import drain_on_exit, reload_on_hup
-from gateway.settings import Settings, environ, multiprocess_dir
-from gateway.shared import SharedLedger, SharedOwners, SharedResponseStore, SharedState
-from gateway.upstream import Transport, UpstreamPool
+from gateway.http.server import configure as configure_client_limits
+from gateway.http.server import drain_on_exit, reload_on_hup
+from gateway.observability import logs, tracing
+from gateway.observability.metrics import Metrics
+from gateway.pipeline.chat import KINDS, Gateway, error_response
+from gateway.pipeline.exchange import KEY_SCOPE, request_id
+from gateway.pipeline.passthrough import Passthrough, UpstreamModels
+from gateway.responses import bridge
+from gateway.responses.store import Bridged, MemoryResponseStore, Native, ResponseStore
+from gateway.routing.health import Health
+from gateway.routing.policy import Policy
+from gateway.state.ledger_file import LedgerFile
+from gateway.state.redis import SharedLedger, SharedOwners, SharedResponseStore, SharedState
+from gateway.tenancy.keys import Keys, MemoryLedger
+from gateway.tenancy.objects import MemoryOwners
+from gateway.upstream.client import Transport, UpstreamPool
 
 log = logging.getLogger("tiergate")
 
@@ -63,8 +65,8 @@ _RESPONSE_OBJECT = re.compile(r"/v1/responses/([^/]+)(/input_items|/cancel)?")
 
 class HotPath:
     """The outer ASGI app: ``POST`` to the two relay endpoints goes straight to the gateway; the rest of ``/v1`` to
-    the passthrough (:mod:`gateway.passthrough`) but for the gateway's own paths (``/v1/models`` listings and the
-    configured models, the responses its bridge made, ``/v1/tiergate/``); everything else (lifespan, /metrics,
+    the passthrough (:mod:`gateway.pipeline.passthrough`) but for the gateway's own paths (``/v1/models`` listings and
+    the configured models, the responses its bridge made, ``/v1/tiergate/``); everything else (lifespan, /metrics,
     /healthz, errors) to the FastAPI app.
 
     Measured with ``bench/``: FastAPI's middleware stack (ServerErrorMiddleware, ExceptionMiddleware, the
@@ -86,7 +88,7 @@ class HotPath:
         sees half of a swap); requests in flight keep the gateway they started on."""
         self.gateway = self.state.gateway = gateway
         auth = gateway.config.auth
-        self.keys = Keys(auth) if auth is not None else None  # gateway keys (gateway.keys), or None: no auth
+        self.keys = Keys(auth) if auth is not None else None  # gateway keys (gateway.tenancy.keys), or None: no auth
         self.passthrough = Passthrough(gateway) if gateway.config.passthrough_upstream is not None else None
         self.routes = {path: gateway.endpoint(kind) for path, kind in KINDS.items()}
         self.own_models = frozenset(f"/v1/models/{m}" for m in gateway.config.model_names())
@@ -220,14 +222,14 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
     """Build the ASGI app for one validated config.
 
     Args:
-        loaded: the config and resolved keys (``gateway.config.load_config``).
+        loaded: the config and resolved keys (``gateway.config.schema.load_config``).
         registry: Prometheus registry to use; a fresh one when None.
         multiprocess_dir: prometheus-client's multiprocess directory when several workers share the port;
             ``/metrics`` then merges every worker's samples, so each request is counted exactly once.
         transport: what reaches the upstreams; an :class:`UpstreamPool` (aiohttp) when None. Tests pass one that
             plays scripted bytes (``gateway.tools.scripted``).
         policy: the routing policy; ``Policy(config)`` when None (``bench.trace`` passes one that times itself).
-        state_dir: where the gateway keys' spend is kept across restarts (``gateway.ledger_file``), or None.
+        state_dir: where the gateway keys' spend is kept across restarts (``gateway.state.ledger_file``), or None.
     """
     config = loaded.config
     if registry is None:
@@ -293,7 +295,7 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
 
 
 def _ledger_file(gateway: Gateway, state_dir: Path | None) -> LedgerFile | None:
-    """What keeps the gateway keys' spend across restarts (``gateway.ledger_file``): with ``auth:`` and a state
+    """What keeps the gateway keys' spend across restarts (``gateway.state.ledger_file``): with ``auth:`` and a state
     directory, this process's own ledger (a shared ledger's local one: what it counts on from while Redis is away)."""
     if state_dir is None or gateway.config.auth is None:
         return None
@@ -479,7 +481,7 @@ def serve_app(loaded: LoadedConfig, settings: Settings, multiprocess_dir: str | 
 
 def create_app_from_env() -> HotPath:
     """App factory for worker processes (``tiergate serve --workers N``): config path and metrics directory
-    come from the environment the supervisor prepared (``gateway.settings.set_worker_environment``).
+    come from the environment the supervisor prepared (``gateway.config.settings.set_worker_environment``).
 
     Raises:
         ConfigError: the config is invalid (the supervisor validated it first, so only if it changed).

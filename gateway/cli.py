@@ -19,11 +19,11 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
-from gateway import logs
-from gateway.config import TIERS, LoadedConfig, load_config
+from gateway.config.schema import TIERS, LoadedConfig, load_config
+from gateway.config.settings import Settings, environ, set_worker_environment
 from gateway.errors import ConfigError
-from gateway.policy import Policy, config_warnings
-from gateway.settings import Settings, environ, set_worker_environment
+from gateway.observability import logs
+from gateway.routing.policy import Policy, config_warnings
 
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.command in ("serve", "demo"):  # the request log and events (gateway.logs), from before the config
+    if args.command in ("serve", "demo"):  # the request log and events (observability.logs), before the config
         fmt = Settings().log_format or ("text" if args.command == "demo" else "json")
         logs.configure(fmt, args.log_level)
         args.log_format = fmt
@@ -123,8 +123,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def _keys_add(name: str, tiers: str) -> int:
     """``tiergate keys add NAME``: a new key on stdout, once (the config keeps only its SHA-256)."""
-    from gateway.config import KeyConfig
-    from gateway.keys import digest, new_key
+    from gateway.config.schema import KeyConfig
+    from gateway.tenancy.keys import digest, new_key
 
     key = new_key()
     try:
@@ -142,7 +142,7 @@ def _keys_add(name: str, tiers: str) -> int:
 
 def _scrape_add(name: str) -> int:
     """``tiergate keys add NAME --metrics``: a new scrape token for ``/metrics`` on stdout, once."""
-    from gateway.keys import digest, new_key
+    from gateway.tenancy.keys import digest, new_key
 
     token = new_key()
     print(f"# a scrape token for /metrics ({name}), shown this once (Prometheus: authorization: {{credentials: ...}}):")
@@ -164,7 +164,7 @@ def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
     import uvicorn
 
     from gateway.app import serve_app
-    from gateway.server import Supervisor, uvicorn_options
+    from gateway.http.server import Supervisor, uvicorn_options
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if loaded.config.auth is None and args.host not in ("127.0.0.1", "::1", "localhost"):
@@ -182,8 +182,8 @@ def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
         raise ConfigError("--workers: must be at least 1")
     if args.workers > 1:
         if loaded.redis_url is None and any(u.responses_mode == "bridge" for u in loaded.config.upstreams):
-            # without Redis the store is per process (gateway.conversations): a follow-up may reach a worker that
-            # lacks it; with Redis every worker reads the shared one (gateway.shared)
+            # without Redis the store is per process (gateway.responses.store): a follow-up may reach a worker that
+            # lacks it; with Redis every worker reads the shared one (gateway.state.redis)
             logging.getLogger("gateway").warning(
                 "--workers %d: each worker keeps its own store of bridged Responses API conversations, so a "
                 "previous_response_id made by one worker is not found (400) on the others; give the workers a Redis "

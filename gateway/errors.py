@@ -121,7 +121,8 @@ class ResponseNotFound(GatewayError):
 
 class ObjectNotFound(GatewayError):
     """404 for an object of the rest of the API (a file, a batch, ...) the request's gateway key did not make
-    (``gateway.objects``), answered as OpenAI answers an id the project does not hold ("No such File object")."""
+    (``gateway.tenancy.objects``), answered as OpenAI answers an id the project does not hold ("No such File
+    object")."""
 
     status = 404
     error_type = "invalid_request_error"
@@ -273,8 +274,8 @@ class UpstreamStatusError(GatewayError):
     Attributes beyond :class:`GatewayError`: ``quota_exhausted`` (a 429 that waiting does not fix: billing or
     credit exhausted, OpenAI's ``insufficient_quota``), ``context_overflow`` (the prompt does not fit the
     model's window, whatever status the upstream chose for it) and ``credential_refused`` (a 401 or 403: the key
-    the upstream got was refused; ``gateway.upstream.Attempt`` makes it an :class:`UpstreamAuthFailed` unless that
-    key was the client's own).
+    the upstream got was refused; ``gateway.upstream.client.Attempt`` makes it an :class:`UpstreamAuthFailed` unless
+    that key was the client's own).
     """
 
     def __init__(

@@ -54,8 +54,8 @@ class Proc:
         self.port = port
         self.log = log
         self._fh = log.open("wb")
-        # each gateway keeps its keys' spend in a directory of its own (gateway.ledger_file): never another test's,
-        # nor the machine's ~/.local/state, unless the test names one (a restart that must find it)
+        # each gateway keeps its keys' spend in a directory of its own (gateway.state.ledger_file): never another
+        # test's, nor the machine's ~/.local/state, unless the test names one (a restart that must find it)
         state = {"GATEWAY_STATE_DIR": str(log.with_suffix(".state"))}
         self.popen = subprocess.Popen(cmd or [sys.executable, "-m", "gateway", *args], cwd=ROOT, stdout=self._fh,
                                       stderr=subprocess.STDOUT,

@@ -1,8 +1,10 @@
-"""The module layering, read from the code's own imports: every import points down, never up or across a layer.
+"""The package layering, read from the code's own imports: every import between packages points down, never up or
+across a layer; and the size of the rooms.
 
-The layers, top to bottom (README "Layout"). A module may import modules of the layers below its own, and none of
-its own layer or above; a new module must be given a layer here. ``gateway.tools`` (the emulator, ``tiergate bench``,
-the scripted transport) stands beside the runtime: no runtime module imports it but the command line.
+The layers, top to bottom (docs: architecture). A module may import modules of the packages below its own and of its
+own package, none of a package beside or above; a new package or top-level module must be given a layer here.
+``gateway.tools`` (the emulator, ``tiergate bench``, the scripted transport) stands beside the runtime: no runtime
+module imports it but the command line.
 """
 
 from __future__ import annotations
@@ -17,98 +19,109 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("python -m gateway", ("__main__",)),
     ("the command line", ("cli",)),
     ("composition root", ("app",)),
-    ("the rest of the /v1 surface", ("passthrough",)),
-    ("HTTP surface", ("api", "server")),
-    ("the client side of a request", ("exchange",)),
-    ("failover planning", ("failover",)),
-    ("deadline routing", ("deadline",)),
-    ("routing policy", ("policy",)),
-    ("upstream attempts and client", ("upstream",)),
-    ("state shared by replicas (Redis) or kept on disk", ("shared", "ledger_file")),
-    ("gateway keys: what they may spend, which objects they made", ("keys", "objects")),
-    ("upstream health and conversation state", ("health", "conversations")),
-    ("the Responses bridge", ("bridge",)),
-    ("SSE relay", ("relay",)),
-    ("wire shapes and the SSE scanner", ("wire", "sse")),
-    ("metrics, live estimates, the request log and traces", ("metrics", "estimates", "logs", "tracing")),
-    ("configuration", ("config", "settings")),
+    ("HTTP surface: dispatch, authentication, the gateway's own endpoints, the server protocol", ("http",)),
+    ("the request pipeline: frame, chat and Responses, hedging, key budgets, conversations, passthrough",
+     ("pipeline",)),
+    ("state shared by replicas (Redis) or kept on disk", ("state",)),
+    ("the Responses API: translators and the store", ("responses",)),
+    ("upstream attempts, the client, dialects", ("upstream",)),
+    ("routing: facts, rules, policy, deadlines, failover planning, health", ("routing",)),
+    ("stream: the SSE scanner and the relay", ("stream",)),
+    ("wire shapes: request checks, JSON bytes, usage", ("wire",)),
+    ("tenancy: gateway keys, what they spend, what they made", ("tenancy",)),
+    ("observability: the per-request recorder, metrics, live estimates, logs, traces", ("observability",)),
+    ("configuration", ("config",)),
     ("the error tree", ("errors",)),
 ]
 # decisions without I/O: routing and failover planning are tested with plain values and a fake clock
-PURE = {"policy", "failover", "deadline", "estimates", "keys"}
+PURE = {"routing/policy.py", "routing/facts.py", "routing/rules.py", "routing/failover.py", "routing/deadline.py",
+        "observability/estimates.py", "tenancy/ledger.py"}
 IO_MODULES = {"asyncio", "aiohttp", "socket", "subprocess", "httpx", "uvicorn", "starlette", "fastapi", "os",
               "prometheus_client", "time"}
 RANK = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
 LAYER = {name: layer for layer, names in LAYERS for name in names}
+MAX_MODULE_LINES = 450  # a room of one idea
+MAX_FUNCTION_LINES = 60  # a declaration table (a dict or list literal, a metrics family table) may be longer
 
 
-def _module(path: Path) -> str:
+def _unit(path: Path) -> str:
+    """The package (or top-level module) ``path`` belongs to: ``routing`` for ``gateway/routing/policy.py``."""
     rel = path.relative_to(GATEWAY).with_suffix("")
-    return ".".join(rel.parts)
+    return rel.parts[0]
 
 
 def _imports(path: Path) -> set[str]:
     """Every module ``path`` imports (at the top or inside a function), as dotted names."""
     tree = ast.parse(path.read_text(), str(path))
+    inside = path.is_relative_to(GATEWAY)
+    package = ".".join(("gateway", *path.relative_to(GATEWAY).parent.parts)) if inside else "gateway"
     out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            out.add(node.module)
-            if node.module == "gateway":  # `from gateway import failover` (not `__version__`: a name, not a module)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # a relative import: from the package the module is in
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            out.add(base)
+            if base == "gateway":  # `from gateway import errors` (not `__version__`: a name, not a module)
                 out.update(f"gateway.{alias.name}" for alias in node.names
                            if (GATEWAY / f"{alias.name}.py").exists() or (GATEWAY / alias.name).is_dir())
     return out
 
 
 def _internal(imported: str) -> str | None:
-    """``gateway.x.y`` -> ``x.y`` for modules of the package, else None."""
+    """``gateway.x.y`` -> ``x`` (the package or top-level module) for modules of the gateway, else None."""
     if imported == "gateway" or not imported.startswith("gateway."):
         return None
-    return imported[len("gateway."):]
+    return imported[len("gateway."):].split(".")[0]
 
 
-RUNTIME = sorted(p for p in GATEWAY.glob("*.py") if p.name != "__init__.py")
+RUNTIME = sorted(p for p in GATEWAY.rglob("*.py") if p.name != "__init__.py" and "tools" not in p.parts)
 TOOLS = sorted((GATEWAY / "tools").glob("*.py"))
 
 
-def test_every_runtime_module_has_a_layer() -> None:
-    missing = [_module(p) for p in RUNTIME if _module(p) not in RANK]
-    assert not missing, f"give these modules a layer in tests/test_architecture.py LAYERS: {missing}"
+def _id(p: Path) -> str:
+    return str(p.relative_to(GATEWAY).with_suffix(""))
 
 
-@pytest.mark.parametrize("path", RUNTIME, ids=lambda p: p.stem)
+def test_every_package_has_a_layer() -> None:
+    missing = sorted({_unit(p) for p in RUNTIME} - RANK.keys())
+    assert not missing, f"give these a layer in tests/test_architecture.py LAYERS: {missing}"
+
+
+@pytest.mark.parametrize("path", RUNTIME, ids=_id)
 def test_imports_point_down(path: Path) -> None:
-    me = _module(path)
+    me = _unit(path)
     wrong = []
     for imported in sorted(_imports(path)):
         target = _internal(imported)
-        if target is None:
-            continue
-        if target.startswith("tools"):
+        if target is None or target == me:
+            continue  # outside the gateway, or inside its own package
+        if target == "tools":
             if me != "cli":
                 wrong.append(f"{imported}: the tools are not on the request path (only the command line runs them)")
             continue
         if target not in RANK:
-            wrong.append(f"{imported}: not a module with a layer")
+            wrong.append(f"{imported}: not a package with a layer")
         elif RANK[target] <= RANK[me]:
             where = "across its layer" if RANK[target] == RANK[me] else "upward"
             wrong.append(f"{imported} ({LAYER[target]}) from {me} ({LAYER[me]}): {where}")
-    assert not wrong, f"gateway/{path.name} imports against the layering:\n  " + "\n  ".join(wrong)
+    assert not wrong, f"gateway/{_id(path)}.py imports against the layering:\n  " + "\n  ".join(wrong)
 
 
 @pytest.mark.parametrize("name", sorted(PURE))
 def test_the_decisions_do_no_io(name: str) -> None:
-    used = {m.split(".")[0] for m in _imports(GATEWAY / f"{name}.py")}
-    assert not used & IO_MODULES, f"gateway/{name}.py is pure (no I/O) but imports {sorted(used & IO_MODULES)}"
+    used = {m.split(".")[0] for m in _imports(GATEWAY / name)}
+    assert not used & IO_MODULES, f"gateway/{name} is pure (no I/O) but imports {sorted(used & IO_MODULES)}"
 
 
 @pytest.mark.parametrize("path", TOOLS, ids=lambda p: p.stem)
 def test_tools_do_not_reach_into_the_request_path(path: Path) -> None:
     """The tools may use the runtime's lower layers (a scripted transport speaks the upstream client's contract), never
-    the HTTP surface or the composition root."""
-    top = {name for name, rank in RANK.items() if rank <= RANK["exchange"]}
+    the HTTP surface, the pipeline or the composition root."""
+    top = {name for name, rank in RANK.items() if rank <= RANK["pipeline"]}
     reached = {t for i in _imports(path) if (t := _internal(i)) in top}
     assert not reached, f"gateway/tools/{path.name} imports {sorted(reached)}"
 
@@ -117,6 +130,39 @@ def test_the_rule_catches_an_upward_import(tmp_path: Path) -> None:
     """The check itself: an import from a lower layer to a higher one is found (the relay once imported the upstream
     client for StreamInterrupted; it now lives in the error tree)."""
     source = tmp_path / "relay.py"
-    source.write_text("from gateway.upstream import UpstreamPool\nimport gateway.errors\n")
-    bad = [t for i in _imports(source) if (t := _internal(i)) and RANK[t] <= RANK["relay"]]
+    source.write_text("from gateway.upstream.client import UpstreamPool\nimport gateway.errors\n")
+    bad = [t for i in _imports(source) if (t := _internal(i)) and RANK[t] <= RANK["stream"]]
     assert bad == ["upstream"]
+
+
+@pytest.mark.parametrize("path", RUNTIME, ids=_id)
+def test_modules_are_rooms_of_one_idea(path: Path) -> None:
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_MODULE_LINES, f"gateway/{_id(path)}.py has {lines} lines: split it by idea"
+
+
+def _long_functions(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno is not None:
+            body = node.body[1:] if ast.get_docstring(node) else node.body  # the docstring is not code
+            if not body:
+                continue
+            lines = (node.end_lineno or 0) - body[0].lineno + 1
+            tables = sum((s.end_lineno or 0) - s.lineno + 1 for s in body if _is_table(s))
+            if lines - tables > MAX_FUNCTION_LINES:
+                out.append(f"{node.name}: {lines - tables} lines")
+    return out
+
+
+def _is_table(stmt: ast.stmt) -> bool:
+    """A statement that only declares a table: an assignment or return of a literal dict, list or tuple."""
+    value = stmt.value if isinstance(stmt, ast.Assign | ast.Return | ast.AnnAssign) else None
+    return isinstance(value, ast.Dict | ast.List | ast.Tuple)
+
+
+@pytest.mark.parametrize("path", RUNTIME, ids=_id)
+def test_functions_fit_on_a_screen(path: Path) -> None:
+    long = _long_functions(path)
+    assert not long, f"gateway/{_id(path)}.py: split these (at most {MAX_FUNCTION_LINES} lines of code): {long}"

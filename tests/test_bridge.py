@@ -1,9 +1,10 @@
-"""The Responses <-> chat-completions bridge (``gateway.bridge``), in-process: golden translations both ways, and every
-bridged event stream checked against the ``openai`` SDK's own types and its ``responses.stream()`` accumulation.
+"""The Responses <-> chat-completions bridge (``gateway.responses.bridge``), in-process: golden translations both ways,
+and every bridged event stream checked against the ``openai`` SDK's own types and its ``responses.stream()``
+accumulation.
 
 The streams come from hand-built chat chunks and from every recorded chat stream in ``shared/fixtures/upstream/``
 (text, tool calls, parallel tool calls, a refusal, reasoning, ``finish_reason: length``, n=2, Groq's error event,
-OpenRouter's error chunk), played through :class:`gateway.bridge.BridgeRelay` as the upstream's reads.
+OpenRouter's error chunk), played through :class:`gateway.responses.bridge.BridgeRelay` as the upstream's reads.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from gateway import bridge
 from gateway.errors import GatewayError
-from gateway.wire import loads
+from gateway.responses import bridge
+from gateway.wire.body import loads
 
 from conftest import FIXTURES, chunk, sse
 
@@ -182,7 +183,7 @@ def test_a_whole_completion_cut_at_the_token_limit_is_incomplete() -> None:
 # ---- response side: streams ----------------------------------------------------------------------------------
 
 class Reads:
-    """An upstream body played from ``reads`` (``gateway.relay.StreamBody``)."""
+    """An upstream body played from ``reads`` (``gateway.stream.relay.StreamBody``)."""
 
     def __init__(self, reads: list[bytes]) -> None:
         self.reads = reads

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.config import load_config
+from gateway.config.schema import load_config
 from gateway.errors import ConfigError
-from gateway.policy import default_rules
+from gateway.routing.policy import default_rules
 
 from conftest import ROOT
 

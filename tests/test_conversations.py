@@ -357,7 +357,7 @@ def test_native_responses_and_input_item_pages_say_what_is_wrong(gw: Proc) -> No
 
 
 async def test_the_store_bounds_and_a_look_that_continues_nothing() -> None:
-    from gateway.conversations import OVERHEAD, Bridged, MemoryResponseStore, encode
+    from gateway.responses.store import OVERHEAD, Bridged, MemoryResponseStore, encode
 
     now = [0.0]
 

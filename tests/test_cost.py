@@ -9,9 +9,9 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway.config import load_config
+from gateway.config.schema import load_config
 from gateway.errors import ConfigError
-from gateway.metrics import Metrics
+from gateway.observability.metrics import Metrics
 
 from conftest import sample
 

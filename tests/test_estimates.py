@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from gateway.config import GatewayConfig, RouteConfig
-from gateway.deadline import DEFAULT_COMPLETION, Budget, Explorer, budget, choose, describe, headers
+from gateway.config.schema import GatewayConfig, RouteConfig
 from gateway.errors import InvalidRequest
-from gateway.estimates import Estimates, quantile
-from gateway.policy import Policy, RequestFacts
+from gateway.observability.estimates import Estimates, quantile
+from gateway.routing.deadline import DEFAULT_COMPLETION, Budget, Explorer, budget, choose, describe, headers
+from gateway.routing.policy import Policy, RequestFacts
 
 
 def test_quantile_interpolates_between_ranks_like_numpy() -> None:

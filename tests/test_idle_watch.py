@@ -1,4 +1,4 @@
-"""The streamed body's idle timeout (``gateway.upstream.IdleWatch``): silence from the upstream ends the stream
+"""The streamed body's idle timeout (``gateway.upstream.client.IdleWatch``): silence from the upstream ends the stream
 after between ``idle`` and ``1.25 * idle`` seconds; bytes that keep coming, or that arrived and wait to be read
 (a slow client), never do; a body that ended is never failed afterwards.
 
@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from gateway.config import UpstreamConfig
+from gateway.config.schema import UpstreamConfig
 from gateway.errors import StreamInterrupted, UpstreamTimeout
 from gateway.tools.emulator import EmulatorThread, Plan, Received
-from gateway.upstream import ERROR_BODY_LIMIT, UpstreamPool, UpstreamResponse
+from gateway.upstream.client import ERROR_BODY_LIMIT, UpstreamPool, UpstreamResponse
 
 IDLE = 0.3
 PLANS: dict[str, Plan] = {

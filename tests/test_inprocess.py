@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.app import HotPath, create_app
-from gateway.config import GatewayConfig, LoadedConfig
+from gateway.config.schema import GatewayConfig, LoadedConfig
 from gateway.tools.emulator import Plan, Received
 from gateway.tools.scripted import ScriptedTransport
 
@@ -290,7 +290,7 @@ async def test_a_request_leaves_no_reference_cycle_for_the_garbage_collector(tmp
 
 
 def test_hangup_calls_back_once_and_also_when_the_client_left_before_the_watch() -> None:
-    from gateway.server import Hangup
+    from gateway.http.server import Hangup
 
     calls: list[str] = []
     h = Hangup()

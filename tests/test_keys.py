@@ -1,6 +1,6 @@
-"""Gateway keys (``auth:``; ``gateway.keys``): 401s the SDK raises as ``AuthenticationError``, tiers per key, limits
-and budgets under concurrency, the fast-tier allowance spilling to the standard tier, two replicas sharing one key's
-limits through a real Redis, and the key never reaching an upstream or a log.
+"""Gateway keys (``auth:``; ``gateway.tenancy.keys``): 401s the SDK raises as ``AuthenticationError``, tiers per key,
+limits and budgets under concurrency, the fast-tier allowance spilling to the standard tier, two replicas sharing one
+key's limits through a real Redis, and the key never reaching an upstream or a log.
 
 The unit tests drive :class:`MemoryLedger` with a fake wall clock; the rest run real gateway processes in front of
 in-process emulators (``EmulatorThread``), which record every header they receive.
@@ -19,9 +19,9 @@ import openai
 import pytest
 import yaml
 
-from gateway.config import AuthConfig, GatewayConfig, KeyConfig, load_config
+from gateway.config.schema import AuthConfig, GatewayConfig, KeyConfig, load_config
 from gateway.errors import ConfigError, KeyOverBudget, RateLimited, Unauthorized
-from gateway.keys import Keys, MemoryLedger, Refusal, Spend, digest, new_key, windows
+from gateway.tenancy.keys import Keys, MemoryLedger, Refusal, Spend, digest, new_key, windows
 from gateway.tools.emulator import EmulatorConfig, EmulatorThread
 
 from conftest import SCRAPE, Proc, RedisServer, needs_redis, sample, scraped, start_gateway

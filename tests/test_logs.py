@@ -280,7 +280,7 @@ def test_lines_of_one_loop_turn_leave_in_whole_line_writes_of_at_most_pipe_buf()
     import asyncio
     import select
 
-    from gateway.logs import TurnFlushed
+    from gateway.observability.logs import TurnFlushed
 
     raw = Recording()
     out = TurnFlushed(raw)  # type: ignore[arg-type]
@@ -314,7 +314,7 @@ def test_lines_of_one_loop_turn_leave_in_whole_line_writes_of_at_most_pipe_buf()
 def test_a_failed_write_loses_its_own_group_of_lines_only() -> None:
     import select
 
-    from gateway.logs import TurnFlushed
+    from gateway.observability.logs import TurnFlushed
 
     class Failing(Recording):
         def write(self, data: bytes) -> int:

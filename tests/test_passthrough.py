@@ -23,10 +23,10 @@ import orjson
 import pytest
 
 from gateway.app import create_app
-from gateway.config import GatewayConfig, LoadedConfig
+from gateway.config.schema import GatewayConfig, LoadedConfig
 from gateway.errors import ModelNotFound, UnknownURL
-from gateway.passthrough import endpoint_label, tail_usage
-from gateway.policy import Policy, RequestFacts
+from gateway.pipeline.passthrough import endpoint_label, tail_usage
+from gateway.routing.policy import Policy, RequestFacts
 from gateway.tools.emulator import EmulatorThread, Plan, Received
 from gateway.tools.scripted import ScriptedTransport
 from gateway.tools.surface import vector
@@ -767,7 +767,7 @@ def test_a_large_json_body_to_an_upstream_that_stops_reading_is_a_504(raw_gw: tu
 
 def test_a_limit_field_of_a_passthrough_body_is_checked_as_openai_checks_it() -> None:
     from gateway.errors import InvalidRequest
-    from gateway.passthrough import _facts
+    from gateway.pipeline.passthrough import _facts
 
     for body, param in ((b'{"model": "m", "prompt": "x", "max_tokens": -5}', "max_tokens"),
                         (b'{"model": "m", "prompt": "x", "max_tokens": 2.5}', "max_tokens")):

@@ -1,5 +1,5 @@
-"""Failover planning (``gateway.failover``), pure and with a fake clock: which candidates to try, the refusal when
-every one rests, whether a failure may go to the next, and how an attempt's verdict reaches health."""
+"""Failover planning (``gateway.routing.failover``), pure and with a fake clock: which candidates to try, the refusal
+when every one rests, whether a failure may go to the next, and how an attempt's verdict reaches health."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway import failover
-from gateway.config import GatewayConfig
+from gateway.config.schema import GatewayConfig
 from gateway.errors import (
     GatewayError,
     RateLimited,
@@ -19,8 +18,9 @@ from gateway.errors import (
     UpstreamUnavailable,
     upstream_error,
 )
-from gateway.health import Health
-from gateway.policy import Policy, RequestFacts
+from gateway.routing import failover
+from gateway.routing.health import Health
+from gateway.routing.policy import Policy, RequestFacts
 
 
 class Clock:

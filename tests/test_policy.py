@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from gateway.config import GatewayConfig
+from gateway.config.schema import GatewayConfig
 from gateway.errors import ModelNotFound
-from gateway.policy import Policy, RequestFacts
+from gateway.routing.policy import Policy, RequestFacts
 
 CONFIG = GatewayConfig.model_validate({
     "default_tier": "standard",

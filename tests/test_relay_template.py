@@ -1,4 +1,5 @@
-"""The relay's template fast path (``gateway.relay.Template``) observes and forwards exactly what the full path does.
+"""The relay's template fast path (``gateway.stream.relay.Template``) observes and forwards exactly what the full path
+does.
 
 A stream is relayed twice over the same reads, in-process: once as shipped, once with ``Relay.LEARN = 0`` (every
 event scanned and parsed). Output bytes and every observed figure must be equal, for every recorded chat stream in
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 
 from gateway.errors import GatewayError
-from gateway.relay import Relay, Template
+from gateway.stream.relay import Relay, Template
 
 from conftest import FIXTURES
 

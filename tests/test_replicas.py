@@ -1,5 +1,5 @@
-"""Three gateway processes share one real ``redis-server`` (``state.redis_url``; ``gateway.shared``) in front of one
-fast upstream whose rate-limit headers count one per-minute token budget for all of them (the emulator's
+"""Three gateway processes share one real ``redis-server`` (``state.redis_url``; ``gateway.state.redis``) in front of
+one fast upstream whose rate-limit headers count one per-minute token budget for all of them (the emulator's
 ``--tokens-per-minute``, as OpenAI and Cerebras count per organisation), and a standard upstream beside it.
 
 ``max_attempts: 1``: a request the fast upstream refuses is answered with its 429, so a client sees every 429 the

@@ -1,4 +1,4 @@
-"""State shared by replicas through a real ``redis-server`` (``gateway.shared``), in one process: two or three
+"""State shared by replicas through a real ``redis-server`` (``gateway.state.redis``), in one process: two or three
 :class:`SharedState` objects on one Redis play the replicas, each with its own :class:`Health`.
 
 The three-gateway-process test against one rate-limited upstream is ``tests/test_replicas.py``.
@@ -15,12 +15,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
-from gateway.config import AuthConfig, KeyConfig, StateConfig, UpstreamConfig
-from gateway.conversations import Bridged, MemoryResponseStore, Native
-from gateway.health import Health, UpstreamHealth
-from gateway.keys import Refusal
-from gateway.metrics import Metrics
-from gateway.shared import Admission, SharedResponseStore, SharedState, SharedVerdicts
+from gateway.config.schema import AuthConfig, KeyConfig, StateConfig, UpstreamConfig
+from gateway.observability.metrics import Metrics
+from gateway.responses.store import Bridged, MemoryResponseStore, Native
+from gateway.routing.health import Health, UpstreamHealth
+from gateway.state.redis import Admission, SharedResponseStore, SharedState, SharedVerdicts
+from gateway.tenancy.keys import Refusal
 
 from conftest import RedisServer, needs_redis, sample
 
@@ -235,8 +235,8 @@ async def test_the_responses_store_is_shared_and_a_delete_reaches_every_replica(
 
 async def test_which_key_made_an_object_is_known_to_every_replica(
         replicas: Callable[..., Awaitable[Replica]], redis_server: RedisServer) -> None:
-    from gateway.objects import MemoryOwners
-    from gateway.shared import SharedOwners
+    from gateway.state.redis import SharedOwners
+    from gateway.tenancy.objects import MemoryOwners
 
     a, b = await replicas(), await replicas()
     oa = SharedOwners(MemoryOwners(100, 60), a.shared)
@@ -271,8 +271,8 @@ async def test_garbage_in_its_keys_or_on_its_channel_never_takes_shared_state_do
 
 async def test_a_key_reservation_redis_answers_too_late_counts_once_and_a_settlement_waits_for_redis(
         replicas: Callable[..., Awaitable[Replica]], redis_server: RedisServer) -> None:
-    from gateway.keys import Keys, MemoryLedger, Spend, digest, windows
-    from gateway.shared import SharedLedger
+    from gateway.state.redis import SharedLedger
+    from gateway.tenancy.keys import Keys, MemoryLedger, Spend, digest, windows
 
     a = await replicas(timeout=0.1)
     key = Keys(AuthConfig(keys=[KeyConfig(name="k", sha256=digest("k"),

@@ -1,4 +1,4 @@
-"""gateway.sse.SSEScanner against the WHATWG event-stream rules and wire contract §3.4.
+"""gateway.stream.sse.SSEScanner against the WHATWG event-stream rules and wire contract §3.4.
 
 Each test compares the scanner with a literal expectation or with ``whatwg()``, an independent
 reference implementation of HTML §9.2.6 written over decoded text; the scanner works on bytes.
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.sse import BOM, EventTooLarge, SSEEvent, SSEScanner
+from gateway.stream.sse import BOM, EventTooLarge, SSEEvent, SSEScanner
 
 FIXTURES = Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures" / "upstream"
 EOLS = (b"\n", b"\r\n", b"\r")

@@ -19,7 +19,7 @@ import openai
 import orjson
 import pytest
 
-from gateway.keys import digest, new_key
+from gateway.tenancy.keys import digest, new_key
 from gateway.tools.emulator import EmulatorConfig, EmulatorThread
 
 from conftest import SCRAPE, SCRAPE_TOKEN, Proc, RedisServer, needs_redis, sample, scraped, start_gateway
@@ -231,7 +231,7 @@ def test_a_file_and_a_batch_are_reached_only_by_the_key_that_made_them(
 
 
 async def test_one_keys_objects_never_push_another_keys_out_of_the_registry() -> None:
-    from gateway.objects import MemoryOwners
+    from gateway.tenancy.objects import MemoryOwners
 
     owners = MemoryOwners(max_items=100, ttl=60, key_share=0.25)
     for i in range(10):

@@ -1,5 +1,5 @@
-"""OpenTelemetry traces (``gateway.tracing``), captured with the SDK's in-memory exporter in-process (the app driven
-by hand, its upstream scripted): the span tree, the GenAI attributes, the first-token event, the client's
+"""OpenTelemetry traces (``gateway.observability.tracing``), captured with the SDK's in-memory exporter in-process (the
+app driven by hand, its upstream scripted): the span tree, the GenAI attributes, the first-token event, the client's
 ``traceparent`` continued and the attempt's sent upstream; and over real sockets, ``traceparent`` received by the
 upstream from a gateway process with ``OTEL_TRACES_EXPORTER=console``. Off, nothing is traced."""
 
@@ -16,8 +16,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import CollectorRegistry
 from test_inprocess import Asgi, _config
 
-from gateway import tracing
 from gateway.app import create_app
+from gateway.observability import tracing
 from gateway.tools.emulator import EmulatorThread, Plan, Received
 from gateway.tools.scripted import ScriptedTransport
 

@@ -1,4 +1,4 @@
-"""gateway.wire: request checks and the upstream body per dialect (wire contract §1, §4, §7 check 12)."""
+"""gateway.wire.body: request checks and the upstream body per dialect (wire contract §1, §4, §7 check 12)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from gateway.errors import InvalidRequest
-from gateway.wire import (
+from gateway.wire.body import (
     client_wants_usage,
     parse_chat_request,
     parse_responses_request,

@@ -1,9 +1,9 @@
-"""A :class:`gateway.upstream.Transport` that plays the emulator's scripted :class:`Plan` objects in-process, without
-sockets: for tests that drive the gateway's ASGI app by hand (Starlette's own tests do the same) and for
+"""A :class:`gateway.upstream.client.Transport` that plays the emulator's scripted :class:`Plan` objects in-process,
+without sockets: for tests that drive the gateway's ASGI app by hand (Starlette's own tests do the same) and for
 ``bench.layers``, which measures the gateway's own CPU with the I/O taken away.
 
-It keeps the upstream client's contract (``gateway.upstream.UpstreamResponse``): the headers a client may see, the
-status line bounded by ``timeouts.idle`` (streams with a ``ttft``: by the caller's deadline), body reads that raise
+It keeps the upstream client's contract (``gateway.upstream.client.UpstreamResponse``): the headers a client may see,
+the status line bounded by ``timeouts.idle`` (streams with a ``ttft``: by the caller's deadline), body reads that raise
 ``StreamInterrupted`` when the plan ends in a cut (``eof``, ``reset``) or in a silence longer than ``idle`` once
 :meth:`ScriptedAnswer.watch_idle` was called, and a ``drop`` that fails as an unreachable upstream does. The socket
 level (framing, keep-alive, stale connections) is what the emulator over real sockets is for.
@@ -15,14 +15,14 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 
-from gateway.config import UpstreamConfig
+from gateway.config.schema import UpstreamConfig
 from gateway.errors import StreamInterrupted, UpstreamTimeout, UpstreamUnavailable
 from gateway.tools.emulator import Plan, Received
-from gateway.upstream import ENTITY_HEADERS, ERROR_BODY_LIMIT, Body, pass_headers
+from gateway.upstream.client import ENTITY_HEADERS, ERROR_BODY_LIMIT, Body, pass_headers
 
 
 class ScriptedAnswer:
-    """One upstream answer played from a :class:`Plan` (``gateway.upstream.Answer``'s interface)."""
+    """One upstream answer played from a :class:`Plan` (``gateway.upstream.client.Answer``'s interface)."""
 
     stale_retried = False
 
@@ -55,7 +55,7 @@ class ScriptedAnswer:
 
         Raises:
             StreamInterrupted: the plan ends in ``eof`` or ``reset``, or is silent past ``idle`` since the last part
-                (when watched), as :class:`gateway.upstream.IdleWatch` would end it.
+                (when watched), as :class:`gateway.upstream.client.IdleWatch` would end it.
         """
         parts = self.plan.parts
         while self._next < len(parts):

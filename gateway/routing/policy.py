@@ -20,7 +20,7 @@ Then candidates are listed: the chosen tier's upstreams that serve the model (th
 then, when the rule and the config allow it, the other tier's. Upstreams that cannot take the request (its
 estimated prompt plus ``max_tokens`` over their ``context_window``, or an image/audio input they lack) are
 left out and the reason is reported as the fallback. Health, quota and concurrency are the upstream layer's
-business (``gateway.health``), not the policy's.
+business (``gateway.routing.health``), not the policy's.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway import bridge
-from gateway.config import (
+from gateway.config.schema import (
     TIERS,
     GatewayConfig,
     MatchConfig,
@@ -45,6 +44,7 @@ from gateway.config import (
     UpstreamConfig,
 )
 from gateway.errors import InvalidRequest, ModelNotFound, UnknownURL
+from gateway.responses import bridge
 
 TIER_HEADER = "x-tiergate-tier"
 BYTES_PER_TOKEN = 4  # OpenAI's rule of thumb for English text: ~4 characters per token
@@ -108,7 +108,7 @@ class RequestFacts:
     @_lazy
     def unbridgeable(self) -> tuple[str, str, str] | None:
         """For a Responses request: (param, why, code) of what the bridge cannot serve
-        (:func:`gateway.bridge.unbridgeable`), or None."""
+        (:func:`gateway.responses.bridge.unbridgeable`), or None."""
         return bridge.unbridgeable(self.body) if self.responses else None
 
     @_lazy
@@ -214,8 +214,8 @@ class Decision:
     is not on the chosen tier (``model_not_on_fast_tier``, ``context_window``, ``modality``), or None;
     trace: one line per earlier rule saying why it did not match; skipped: (upstream, reason) left out;
     index: the 1-based position of the matching rule (0 for the default); route: the matching rule's route (its
-    deadline and hedging settings), or None; deadline: the deadline choice (``gateway.deadline.Choice``) that ordered
-    the candidates when the request had a latency budget, else None.
+    deadline and hedging settings), or None; deadline: the deadline choice (``gateway.routing.deadline.Choice``) that
+    ordered the candidates when the request had a latency budget, else None.
     """
 
     tier: Tier
@@ -458,8 +458,8 @@ class Policy:
 
     def decide_listed(self, facts: RequestFacts, explain: bool = False) -> Decision:
         """The route of a chat-completions or Responses request for a model no upstream is configured for but the
-        passthrough upstream lists (``gateway.passthrough.UpstreamModels``): to that upstream, the model unchanged
-        (rule ``passthrough``).
+        passthrough upstream lists (``gateway.pipeline.passthrough.UpstreamModels``): to that upstream, the model
+        unchanged (rule ``passthrough``).
 
         Raises:
             ModelNotFound: passthrough is off, or the upstream serves no Responses API (``responses: none``).
@@ -473,8 +473,8 @@ class Policy:
 
     def decide_passthrough(self, path: str, facts: RequestFacts | None, explain: bool = False,
                            owner: str | None = None) -> Decision:
-        """The route of a request to the rest of the /v1 surface (``gateway.passthrough``); ``path`` is under /v1
-        (``embeddings``, ``files/file-abc``). A body with a configured ``model`` is routed by the rules, as chat
+        """The route of a request to the rest of the /v1 surface (``gateway.pipeline.passthrough``); ``path`` is under
+        /v1 (``embeddings``, ``files/file-abc``). A body with a configured ``model`` is routed by the rules, as chat
         completions are, among the upstreams that serve ``path`` (the others are skipped: ``endpoint``); any other
         request (object paths, no model, a model no upstream lists) goes to ``passthrough.upstream`` unchanged (rule
         ``passthrough``). ``owner``: the upstream that made the object the path names (a response made natively:

@@ -56,8 +56,8 @@ from gateway.errors import (
     error_body,
     event_error,
 )
-from gateway.sse import EventTooLarge, SSEEvent, SSEScanner
-from gateway.wire import chat_usage
+from gateway.stream.sse import EventTooLarge, SSEEvent, SSEScanner
+from gateway.wire.body import chat_usage
 
 DONE = b"data: [DONE]\n\n"
 DONE_GRACE = 0.02  # seconds to wait for the end of the upstream's body after its [DONE]
@@ -211,7 +211,7 @@ def _closing_quote(data: bytes, start: int) -> int:
 
 
 class StreamBody(Protocol):
-    """What the relay reads: an upstream response body (``gateway.upstream.UpstreamResponse``, or a test fake)."""
+    """What the relay reads: an upstream response body (``gateway.upstream.client.UpstreamResponse``, or a fake)."""
 
     def chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive; raises :class:`StreamInterrupted` when the body breaks or goes silent.

@@ -1,6 +1,6 @@
 """Gateway keys: who may use the gateway, which tiers, and how much (``auth:``; README "Keys, tiers and budgets").
 
-Pure code, no I/O (the Redis ledger that replicas share is ``gateway.shared.SharedLedger``).
+Pure code, no I/O (the Redis ledger that replicas share is ``gateway.state.redis.SharedLedger``).
 
 * **Authentication** (:class:`Keys`): with ``auth:`` configured every ``/v1`` request carries a gateway key, as OpenAI's
   own clients send theirs (``Authorization: Bearer <key>``) or as Azure-style clients do (``api-key: <key>``). The
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
 
-from gateway.config import AuthConfig, KeyConfig, KeyLimits
+from gateway.config.schema import AuthConfig, KeyConfig, KeyLimits
 from gateway.errors import GatewayError, KeyOverBudget, RateLimited, Unauthorized
 
 KEY_PREFIX = "tg-"
@@ -208,7 +208,8 @@ class Hold:
         key: the key; levels: those charged (``all``, and ``fast`` when it was reserved for the fast tier);
         spend: what was reserved; at: the window ids it was reserved in; ledger: where it is settled.
         local: counted in this process's :class:`MemoryLedger`; remote: (counters, hold id) in Redis
-            (``gateway.shared.SharedLedger``), or None; parts: the holds it was extended by (:meth:`Ledger.extend`).
+            (``gateway.state.redis.SharedLedger``), or None; parts: the holds it was extended by
+            (:meth:`Ledger.extend`).
     """
 
     key: Key
@@ -235,7 +236,8 @@ class Hold:
 
 
 class Ledger(Protocol):
-    """Where keys' spending is counted: :class:`MemoryLedger`, or ``gateway.shared.SharedLedger`` across replicas."""
+    """Where keys' spending is counted: :class:`MemoryLedger`, or ``gateway.state.redis.SharedLedger`` across
+    replicas."""
 
     async def reserve(self, key: Key, spend: Spend, fast: bool) -> Hold | Refusal: ...
     async def extend(self, hold: Hold, level: str) -> Refusal | None: ...
@@ -248,7 +250,7 @@ class MemoryLedger:
     def __init__(self, wall: Callable[[], float]) -> None:
         self.wall = wall
         self.counts: dict[tuple[str, str, str, str], tuple[str, float]] = {}  # (key, level, dim, window) -> (id, n)
-        self.version = 0  # bumped by every change of counts (gateway.ledger_file writes only what changed)
+        self.version = 0  # bumped by every change of counts (gateway.state.ledger_file writes only what changed)
 
     def used(self, key: str, level: str, dim: str, window: str, at: str) -> float:
         """What ``key`` has used (and holds) of ``dim`` at ``level`` in window ``at``."""

@@ -1,8 +1,8 @@
 """Failover planning: which candidates to try now, what a failure means, and whether to go on. Pure code, no I/O.
 
-The policy (``gateway.policy``) lists the candidates a request may go to; this module decides, from the upstreams'
-health read at an injected ``now`` (``gateway.health``), which of them to try and in what order, and, after each
-failed attempt, whether the next one may still serve it. The caller (``gateway.api``) does the I/O.
+The policy (``gateway.routing.policy``) lists the candidates a request may go to; this module decides, from the
+upstreams' health read at an injected ``now`` (``gateway.routing.health``), which of them to try and in what order, and,
+after each failed attempt, whether the next one may still serve it. The caller (``gateway.pipeline.chat``) does the I/O.
 
 Rules (README "How a request is routed"; wire contract §4):
 
@@ -34,8 +34,8 @@ from gateway.errors import (
     UpstreamStatusError,
     UpstreamTimeout,
 )
-from gateway.health import SOFT_REASONS, Blame, Health, UpstreamHealth
-from gateway.policy import Candidate, Decision
+from gateway.routing.health import SOFT_REASONS, Blame, Health, UpstreamHealth
+from gateway.routing.policy import Candidate, Decision
 
 
 @dataclass
@@ -78,7 +78,7 @@ def plan(decision: Decision, health: Health, now: float, need_tokens: int, max_a
     Args:
         now: the health clock's time (``health.clock()``); need_tokens: the request's estimated prompt plus its
             ``max_tokens`` (for the quota estimates); blame: the request's source, for the upstreams that rest for
-            some sources alone (``gateway.health``: whose fault), or None.
+            some sources alone (``gateway.routing.health``: whose fault), or None.
     """
     usable: list[Candidate] = []
     soft: list[Candidate] = []
@@ -144,8 +144,8 @@ def reason(exc: GatewayError) -> str:
 
 def outcome(exc: GatewayError, blame: Blame | None = None, tried: int = 1) -> str:
     """The request's outcome label when every one of its ``tried`` attempts failed with, last, ``exc``: ``client_error``
-    when each failed request-shaped on two upstreams or more (``blame``: ``gateway.health``, whose fault); else an
-    upstream that answered with an error status (its own, or a refused key) is ``upstream_error``."""
+    when each failed request-shaped on two upstreams or more (``blame``: ``gateway.routing.health``, whose fault); else
+    an upstream that answered with an error status (its own, or a refused key) is ``upstream_error``."""
     if blame is not None and blame.everywhere(tried):
         return "client_error"
     if isinstance(exc, UpstreamTimeout):

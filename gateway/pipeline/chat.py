@@ -5,15 +5,17 @@ machinery or Starlette request object on the hot path): the body is parsed once 
 facts, and the client's bytes go upstream. Each step has its module:
 
 ====================  =======================================================================================
-read                  :func:`gateway.exchange.read_body`, :func:`gateway.wire.parse_request`
-decide                :meth:`gateway.policy.Policy.decide` (rules -> tier, candidates, explanation)
-by deadline           :func:`gateway.deadline.choose` over :class:`gateway.estimates.Estimates` (a latency budget only)
-plan                  :func:`gateway.failover.plan` (spillover, refusal), :meth:`gateway.failover.Plan.go_on`
-attempt               :class:`gateway.upstream.Attempt` (one owner per upstream attempt: answer, slot, verdict);
+read                  :func:`gateway.pipeline.exchange.read_body`, :func:`gateway.wire.body.parse_request`
+decide                :meth:`gateway.routing.policy.Policy.decide` (rules -> tier, candidates, explanation)
+by deadline           :func:`gateway.routing.deadline.choose` over :class:`gateway.observability.estimates.Estimates` (a
+latency budget only) plan                  :func:`gateway.routing.failover.plan` (spillover, refusal),
+:meth:`gateway.routing.failover.Plan.go_on` attempt               :class:`gateway.upstream.client.Attempt` (one owner
+per upstream attempt: answer, slot, verdict);
                       with ``hedge``, two racing to their first token (:meth:`Gateway._race`)
-relay or answer       :class:`gateway.relay.Relay` (SSE, byte-exact), or the whole JSON body
-record                :meth:`gateway.exchange.Exchange.record` (once) -> :class:`gateway.metrics.Metrics`
-====================  =======================================================================================
+relay or answer       :class:`gateway.stream.relay.Relay` (SSE, byte-exact), or the whole JSON body
+record                :meth:`gateway.pipeline.exchange.Exchange.record` (once) ->
+:class:`gateway.observability.metrics.Metrics` ====================
+=======================================================================================
 
 One watcher task per request awaits the client's ``http.disconnect`` and cancels the request wherever it is (waiting
 for the upstream's headers, for the first token, mid-stream, or in a non-streaming call); the attempt's exit then
@@ -36,9 +38,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway import bridge, deadline, failover, logs, tracing
-from gateway.config import GatewayConfig, UpstreamConfig
-from gateway.conversations import Bridged, Native, ResponseStore
+from gateway.config.schema import GatewayConfig, UpstreamConfig
 from gateway.errors import (
     GatewayDraining,
     GatewayError,
@@ -51,8 +51,10 @@ from gateway.errors import (
     UpstreamUnavailable,
     event_error,
 )
-from gateway.estimates import Estimates
-from gateway.exchange import (
+from gateway.observability import logs, tracing
+from gateway.observability.estimates import Estimates
+from gateway.observability.metrics import Metrics, decode_speed
+from gateway.pipeline.exchange import (
     CLOSE,
     HANGUP,
     KEY_SCOPE,
@@ -63,15 +65,17 @@ from gateway.exchange import (
     headers_of,
     read_body,
 )
-from gateway.health import Blame, Health
-from gateway.keys import Hold, Key, Ledger, MemoryLedger, Refusal, Spend, bounded
-from gateway.metrics import Metrics, decode_speed
-from gateway.objects import MemoryOwners, Owners
-from gateway.policy import Candidate, Continuation, Decision, Policy, RequestFacts
-from gateway.relay import Relay, StreamStats, Write
-from gateway.shared import Admission, SharedState, SharedVerdicts
-from gateway.upstream import Answer, Attempt, Transport, Verdicts
-from gateway.wire import (
+from gateway.responses import bridge
+from gateway.responses.store import Bridged, Native, ResponseStore
+from gateway.routing import deadline, failover
+from gateway.routing.health import Blame, Health
+from gateway.routing.policy import Candidate, Continuation, Decision, Policy, RequestFacts
+from gateway.state.redis import Admission, SharedState, SharedVerdicts
+from gateway.stream.relay import Relay, StreamStats, Write
+from gateway.tenancy.keys import Hold, Key, Ledger, MemoryLedger, Refusal, Spend, bounded
+from gateway.tenancy.objects import MemoryOwners, Owners
+from gateway.upstream.client import Answer, Attempt, Transport, Verdicts
+from gateway.wire.body import (
     chat_usage,
     client_wants_usage,
     dumps,
@@ -110,7 +114,7 @@ def key_tiers(key: Key, decision: Decision) -> Decision:
 class Watch:
     """What tells a request that its client left: it then cancels the request's task (``ex.task``) wherever it is,
     noting when the client left (``ex.gone_at``); see :meth:`Gateway.begin`. Under the gateway's own server protocol
-    the ``tiergate.hangup`` ASGI extension in ``scope`` calls :meth:`left` (``gateway.server.Hangup``); under any
+    the ``tiergate.hangup`` ASGI extension in ``scope`` calls :meth:`left` (``gateway.http.server.Hangup``); under any
     other server (and hand-written ASGI calls) a task awaits ``http.disconnect``, one per request."""
 
     __slots__ = ("ex", "receive", "task", "hangup")
@@ -157,7 +161,7 @@ MAX_NEED = 10**9  # tokens a request may count against a quota estimate or a key
 
 
 class Listing(Protocol):
-    """What the passthrough upstream's ``/v1/models`` lists (``gateway.passthrough.UpstreamModels``)."""
+    """What the passthrough upstream's ``/v1/models`` lists (``gateway.pipeline.passthrough.UpstreamModels``)."""
 
     async def lists(self, model: str) -> bool: ...
 
@@ -181,7 +185,7 @@ class Gateway:
         est = config.estimates
         self.estimates = Estimates(est.window, est.samples)  # fed by every relayed stream, read by deadlines
         self.explorer = deadline.Explorer(est.explore, est.probe, est.window / est.samples)
-        self.shared: SharedState | None = None  # state shared with other replicas (gateway.shared), or None
+        self.shared: SharedState | None = None  # state shared with other replicas (gateway.state.redis), or None
         self.ledger: Ledger = MemoryLedger(time.time)  # what gateway keys spent (auth:; shared: a SharedLedger)
         self.bodies = BodyBudget(config.limits.max_bytes_in_flight, config.limits.key_share)  # held request bytes
         objects = config.passthrough.objects
@@ -361,8 +365,8 @@ class Gateway:
                     need: int) -> tuple[Decision, failover.Plan, dict[str, Admission | None]]:
         """The request's candidates (``failover.plan``, from the local health), after its gateway key's say
         (:meth:`keyed`); with shared state, its first candidate admitted by the shared quota estimate
-        (``gateway.shared``): one the estimate refuses now looks short locally too, so planning again spills it over
-        (every candidate short: the first is tried anyway, as without Redis).
+        (``gateway.state.redis``): one the estimate refuses now looks short locally too, so planning again spills it
+        over (every candidate short: the first is tried anyway, as without Redis).
 
         Returns:
             the decision (its candidates as the key allows them), the plan (a refusal, when the key refuses the
@@ -393,13 +397,13 @@ class Gateway:
 
     async def keyed(self, ex: Exchange, key: Key, decision: Decision, facts: RequestFacts | None,
                     need: int) -> tuple[Decision, GatewayError | None]:
-        """What the request's gateway key allows (``gateway.keys``), on every path that reaches an upstream (chat
-        completions, the Responses API and the passthrough alike): the candidates on its tiers (:meth:`on_key_tiers`),
-        then a reservation against its limits of one request, ``need`` tokens (its estimated prompt plus
-        ``max_tokens``) and their estimated cost (:meth:`estimated_cost`; ``facts`` None: a body that is not JSON,
-        reserved as one request), at the fast level too when the first candidate is on the fast tier; a fast allowance
-        short sends the request to the other tier (:meth:`off_fast`). Returns the decision, and the refusal (403: no
-        tier it may use serves the model; 429: a limit) or None (``ex.hold`` then holds the reservation).
+        """What the request's gateway key allows (``gateway.tenancy.keys``), on every path that reaches an upstream
+        (chat completions, the Responses API and the passthrough alike): the candidates on its tiers
+        (:meth:`on_key_tiers`), then a reservation against its limits of one request, ``need`` tokens (its estimated
+        prompt plus ``max_tokens``) and their estimated cost (:meth:`estimated_cost`; ``facts`` None: a body that is not
+        JSON, reserved as one request), at the fast level too when the first candidate is on the fast tier; a fast
+        allowance short sends the request to the other tier (:meth:`off_fast`). Returns the decision, and the refusal
+        (403: no tier it may use serves the model; 429: a limit) or None (``ex.hold`` then holds the reservation).
         """
         try:
             decision = self.on_key_tiers(key, decision)
@@ -458,9 +462,9 @@ class Gateway:
     @staticmethod
     def estimated_cost(cand: Candidate, decision: Decision, facts: RequestFacts | None) -> float:
         """USD a request is expected to cost on ``cand``: its estimated prompt, and its ``max_tokens`` (else
-        ``deadline.DEFAULT_COMPLETION``), at the prices ``gateway.metrics`` will bill it at (a model the config does
-        not name: only the upstream's ``model_prices``); 0 when unpriced or without ``facts`` (a body that is not
-        JSON)."""
+        ``deadline.DEFAULT_COMPLETION``), at the prices ``gateway.observability.metrics`` will bill it at (a model the
+        config does not name: only the upstream's ``model_prices``); 0 when unpriced or without ``facts`` (a body that
+        is not JSON)."""
         if facts is None:
             return 0.0
         up = cand.upstream
@@ -532,7 +536,7 @@ class Gateway:
 
     async def _continuation(self, body: dict[str, Any], refresh: bool, key: Key | None) -> Continuation | None:
         """What the store knows of the response a Responses request continues (``previous_response_id``), for the
-        caller's gateway ``key``: only its own responses are found (``gateway.conversations``: owners).
+        caller's gateway ``key``: only its own responses are found (``gateway.responses.store``: owners).
 
         Raises:
             InvalidRequest: 400 ``previous_response_not_found``: the response is another key's, or the gateway made it
@@ -562,8 +566,8 @@ class Gateway:
     def _payload(self, ex: Exchange, cand: Candidate, raw: bytes, facts: RequestFacts,
                  strip_usage: bool) -> tuple[bytes, str]:
         """The bytes to send ``cand`` and the path under its base URL: chat completions as the client sent them; a
-        Responses request as it came (native), translated (bridge: ``gateway.bridge``), or, when it continues a
-        conversation only the gateway holds, with that conversation inline (native)."""
+        Responses request as it came (native), translated (bridge: ``gateway.responses.bridge``), or, when it continues
+        a conversation only the gateway holds, with that conversation inline (native)."""
         up, body = cand.upstream, facts.body  # read, never changed: the next candidate gets the same
         if ex.kind == "chat":
             return upstream_body(raw, body, cand.upstream_model, up.dialect,
@@ -670,7 +674,7 @@ class Gateway:
 
     def _measured(self, attempt: Attempt, decision: Decision, facts: RequestFacts, stats: StreamStats) -> None:
         """Feed the live estimates with a stream that ran to its end: its decode speed (the gateway's formula,
-        ``gateway.metrics``) and its completion length (its TTFT went in at the first token)."""
+        ``gateway.observability.metrics``) and its completion length (its TTFT went in at the first token)."""
         usage = stats.usage
         completion = usage.get("completion_tokens") if usage is not None else None
         if not isinstance(completion, int) or completion < stats.token_chunks:
@@ -819,7 +823,7 @@ class Gateway:
 
     def _by_deadline(self, decision: Decision, facts: RequestFacts, budget: deadline.Budget,
                      preview: bool = False) -> Decision:
-        """The decision with its candidates ordered by deadline routing (``gateway.deadline``), counted; with
+        """The decision with its candidates ordered by deadline routing (``gateway.routing.deadline``), counted; with
         ``preview`` (the route endpoint), what a request would get now: nothing counted, explored or probed."""
         choice = deadline.choose(decision, facts, budget, self.estimates, self.health.clock(),
                                  self.explorer.preview() if preview else self.explorer)
@@ -1043,7 +1047,8 @@ class Gateway:
         return out
 
     def estimates_json(self) -> bytes:
-        """``GET /v1/tiergate/estimates``: every live estimate (``gateway.estimates``), and the gauges refreshed."""
+        """``GET /v1/tiergate/estimates``: every live estimate (``gateway.observability.estimates``), and the gauges
+        refreshed."""
         now = self.health.clock()
         self.metrics.set_estimates(self.estimates.latencies(now))
         return dumps({"object": "tiergate.estimates", **self.estimates.snapshot(now),
@@ -1101,8 +1106,9 @@ class _Race:
 
 
 def blame_source(key: Key | None, raw: bytes) -> str:
-    """Whom a request's request-shaped failures are charged to (``gateway.health``: whose fault): its gateway key, or,
-    without keys, its body (one request shape; Python's hash of its bytes, computed only when a failure asks)."""
+    """Whom a request's request-shaped failures are charged to (``gateway.routing.health``: whose fault): its gateway
+    key, or, without keys, its body (one request shape; Python's hash of its bytes, computed only when a failure
+    asks)."""
     return key.name if key is not None else f"body:{hash(raw) & 0xFFFFFFFFFFFF:x}"
 
 

@@ -12,8 +12,8 @@ With it (redis-py's asyncio client; any Redis 6.2 or newer):
   does when its local estimate is short). The answer's report is written by another script, not awaited.
 * **Cooldowns and breaker transitions.** A replica's 429 cooldown or opened breaker goes to the hash
   ``...:rest`` (until its end) and, like a closed breaker, to the channel ``{prefix}:events``; every replica applies
-  the others' to its own :class:`gateway.health.Health` (its ``shared_*`` methods), so planning stays local and pure.
-  A replica that starts, or finds Redis again, reads the hashes first. Not awaited by any request.
+  the others' to its own :class:`gateway.routing.health.Health` (its ``shared_*`` methods), so planning stays local and
+  pure. A replica that starts, or finds Redis again, reads the hashes first. Not awaited by any request.
 * **The Responses store** (:class:`SharedResponseStore`): every bridged conversation and every native response's
   upstream, so a follow-up may reach any replica.
 
@@ -54,14 +54,14 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
-from gateway import logs
-from gateway.config import StateConfig
-from gateway.conversations import MemoryResponseStore, Record, decode, encode, items_of, previous_of
+from gateway.config.schema import StateConfig
 from gateway.errors import GatewayError
-from gateway.health import Health, Mark, UpstreamHealth, quota_report
-from gateway.keys import DIMENSIONS, Hold, Key, MemoryLedger, Refusal, Spend, bounded, windows
-from gateway.metrics import Metrics
-from gateway.objects import MemoryOwners
+from gateway.observability import logs
+from gateway.observability.metrics import Metrics
+from gateway.responses.store import MemoryResponseStore, Record, decode, encode, items_of, previous_of
+from gateway.routing.health import Health, Mark, UpstreamHealth, quota_report
+from gateway.tenancy.keys import DIMENSIONS, Hold, Key, MemoryLedger, Refusal, Spend, bounded, windows
+from gateway.tenancy.objects import MemoryOwners
 
 log = logging.getLogger("tiergate")
 FAILURES = (RedisError, OSError, TimeoutError)
@@ -211,12 +211,12 @@ return out
 """
 
 
-# KEYS: one counter per limit of a gateway key (gateway.keys: level, dimension, window id), then the reservation's
-# hold and its tombstone (all under the key's hash tag). ARGV: per counter its limit, the amount to add, its ms to
-# live and its floor; then the hold's ms to live. A counter Redis does not hold (it restarted without its data, or
-# evicted it) starts from its floor: the last value the calling replica saw of it, never from nothing. All or nothing:
-# {1, the counters' new values...} when every limit leaves room (the amounts added, and kept in the hold for its
-# settlement), {0, the first that does not, the counters' values...} and nothing added, or {2}: the reservation was
+# KEYS: one counter per limit of a gateway key (gateway.tenancy.keys: level, dimension, window id), then the
+# reservation's hold and its tombstone (all under the key's hash tag). ARGV: per counter its limit, the amount to add,
+# its ms to live and its floor; then the hold's ms to live. A counter Redis does not hold (it restarted without its
+# data, or evicted it) starts from its floor: the last value the calling replica saw of it, never from nothing. All or
+# nothing: {1, the counters' new values...} when every limit leaves room (the amounts added, and kept in the hold for
+# its settlement), {0, the first that does not, the counters' values...} and nothing added, or {2}: the reservation was
 # cancelled before it arrived (a replica that gave up waiting for it settled it locally; see _KEY_SETTLE).
 _KEY_RESERVE = _SAFE + """
 local n = #KEYS - 2
@@ -404,9 +404,9 @@ class SharedState:
                          ahead=(int(reply[8]), int(reply[9])))
 
     def observed(self, h: UpstreamHealth, report: dict[str, tuple[float, float]], admission: Admission | None) -> None:
-        """An answer of ``h``'s upstream came: its rate-limit report (``gateway.health.quota_report``; empty: none),
-        and the end of its reservation's flight, go with the next pipeline, not awaited. ``admission``: the attempt's
-        (None: it reserved nothing in Redis)."""
+        """An answer of ``h``'s upstream came: its rate-limit report (``gateway.routing.health.quota_report``; empty:
+        none), and the end of its reservation's flight, go with the next pipeline, not awaited. ``admission``: the
+        attempt's (None: it reserved nothing in Redis)."""
         mark = admission.mark if admission is not None else None
         if not report:
             if admission is not None and admission.member is not None:
@@ -437,7 +437,7 @@ class SharedState:
         base = self._base(upstream)
         self._queue("observe", lambda pipe: pipe.evalsha(self._landed.sha, 1, base, member))
 
-    # gateway.health.Listener: this replica's transitions, for the others
+    # gateway.routing.health.Listener: this replica's transitions, for the others
 
     def rested(self, upstream: str, kind: str, until: float, exhausted: bool) -> None:
         """``upstream`` rests (``kind`` ``cooldown`` or ``open``) until ``until`` (the health clock's time)."""
@@ -677,8 +677,8 @@ class SharedState:
 
 
 class SharedVerdicts:
-    """An attempt's verdicts (``gateway.upstream.Verdicts``) told to its upstream's local health, and its answer's
-    rate-limit report also to the shared estimate (with the attempt's admission mark)."""
+    """An attempt's verdicts (``gateway.upstream.client.Verdicts``) told to its upstream's local health, and its
+    answer's rate-limit report also to the shared estimate (with the attempt's admission mark)."""
 
     __slots__ = ("local", "shared", "admission", "reported")
 
@@ -708,11 +708,11 @@ class SharedVerdicts:
 
 
 class SharedResponseStore:
-    """A :class:`gateway.conversations.ResponseStore` that keeps every record in Redis (``{prefix}:response:{id}``, a
+    """A :class:`gateway.responses.store.ResponseStore` that keeps every record in Redis (``{prefix}:response:{id}``, a
     hash of its encoded record and the id it continues, living ``response_store.ttl`` after it was put or last
     continued) and in this process's :class:`MemoryResponseStore` too, which answers while Redis is away. Redis holds
     the records of every replica; its own ``maxmemory`` bounds them (``response_store.max_*`` bound the local copy).
-    A record is found only by its owner, here as in the local copy (``gateway.conversations``)."""
+    A record is found only by its owner, here as in the local copy (``gateway.responses.store``)."""
 
     def __init__(self, local: MemoryResponseStore, shared: SharedState) -> None:
         self.local = local
@@ -771,8 +771,8 @@ class SharedResponseStore:
 
 
 class SharedOwners:
-    """A ``gateway.objects.Owners`` every replica shares: ``{prefix}:object:{id}`` holds the key that made the object,
-    living ``ttl`` after it was claimed; ``local`` (this process's) answers while Redis is away."""
+    """A ``gateway.tenancy.objects.Owners`` every replica shares: ``{prefix}:object:{id}`` holds the key that made the
+    object, living ``ttl`` after it was claimed; ``local`` (this process's) answers while Redis is away."""
 
     def __init__(self, local: MemoryOwners, shared: SharedState) -> None:
         self.local = local
@@ -816,12 +816,13 @@ def _number(value: Any) -> float | None:
 
 
 class SharedLedger:
-    """A ``gateway.keys.Ledger`` whose counts every replica shares (``{prefix}:{key:NAME}:{level}:{dimension}:{window}:
-    {id}`` counters, one hash slot per key): a reservation is one atomic script in the request's pipeline, which keeps
-    what it added in a hold; its settlement replaces that by what the request used.
+    """A ``gateway.tenancy.keys.Ledger`` whose counts every replica shares
+    (``{prefix}:{key:NAME}:{level}:{dimension}:{window}: {id}`` counters, one hash slot per key): a reservation is one
+    atomic script in the request's pipeline, which keeps what it added in a hold; its settlement replaces that by what
+    the request used.
 
     Every answer of Redis gives the counters' values, which the replica keeps twice: in ``local`` (so that while Redis
-    is away it counts on from what every replica had spent, not from zero; ``gateway.ledger_file`` keeps ``local``
+    is away it counts on from what every replica had spent, not from zero; ``gateway.state.ledger_file`` keeps ``local``
     across a restart of the replica) and as each counter's *floor*, sent with every write: a counter Redis lost (it
     restarted without its data, or evicted it) starts again from the last value this replica saw, not from zero.
 
@@ -862,13 +863,13 @@ class SharedLedger:
         self.local.version += 1
 
     async def reserve(self, key: Key, spend: Spend, fast: bool) -> Hold | Refusal:
-        """See ``gateway.keys.MemoryLedger.reserve``."""
+        """See ``gateway.tenancy.keys.MemoryLedger.reserve``."""
         now = windows(self.local.wall())
         return await self._reserve(key, spend, ("all", "fast") if fast else ("all",), {w: v[0] for w, v in now.items()},
                                    now)
 
     async def extend(self, hold: Hold, level: str) -> Refusal | None:
-        """See ``gateway.keys.MemoryLedger.extend``: the extension is a part of ``hold``, settled with it."""
+        """See ``gateway.tenancy.keys.MemoryLedger.extend``: the extension is a part of ``hold``, settled with it."""
         got = await self._reserve(hold.key, hold.spend, (level,), hold.at, windows(self.local.wall()))
         if isinstance(got, Refusal):
             return got
@@ -906,9 +907,9 @@ class SharedLedger:
         return Hold(key, levels, spend, dict(at), self, local=False, remote=(counters, hold_id))
 
     def settle(self, hold: Hold, used: Spend, fast: bool) -> None:
-        """See ``gateway.keys.MemoryLedger.settle``: each part of the hold (it and its extensions) takes what the
-        request used, here (a part counted here) and in Redis (queued, not awaited; kept for later while Redis is away):
-        a part counted here adds what was used there too, once."""
+        """See ``gateway.tenancy.keys.MemoryLedger.settle``: each part of the hold (it and its extensions) takes what
+        the request used, here (a part counted here) and in Redis (queued, not awaited; kept for later while Redis is
+        away): a part counted here adds what was used there too, once."""
         for part in [hold, *hold.parts]:
             if part.local:
                 self.local.settle(part, used, fast)

@@ -38,10 +38,10 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.supervisors.multiprocess import Multiprocess
 
+from gateway.config.settings import Settings
 from gateway.errors import error_body
-from gateway.exchange import HANGUP
-from gateway.settings import Settings
-from gateway.wire import is_json_type
+from gateway.pipeline.exchange import HANGUP
+from gateway.wire.body import is_json_type
 
 _JSON_BY_DEFAULT = frozenset({b"/v1/chat/completions", b"/v1/responses"})
 

@@ -8,9 +8,9 @@ variable               default                   meaning
 GATEWAY_CONFIG         config/gateway.yaml       path of the YAML file with upstreams and routes
 GATEWAY_HOST           127.0.0.1                 address to listen on
 GATEWAY_PORT           8080                      TCP port to listen on
-GATEWAY_LOG_LEVEL      info                      uvicorn/gateway log level (and the events' lowest, gateway.logs)
-GATEWAY_LOG_FORMAT     json (serve), text (demo) the request log and events on stdout: json or text
-GATEWAY_LOG_SAMPLE     1                         share (0-1) of successful requests written to the request log
+GATEWAY_LOG_LEVEL      info                      uvicorn/gateway log level (and the events' lowest,
+gateway.observability.logs) GATEWAY_LOG_FORMAT     json (serve), text (demo) the request log and events on stdout: json
+or text GATEWAY_LOG_SAMPLE     1                         share (0-1) of successful requests written to the request log
 GATEWAY_WORKERS        1                         worker processes (``tiergate serve --workers``)
 GATEWAY_MAX_HEAD_BYTES 65536                     largest request line plus headers; larger -> 431
 GATEWAY_HEAD_TIMEOUT   30                        seconds to send a request head; then the connection closes
@@ -18,14 +18,16 @@ GATEWAY_BODY_TIMEOUT   120                       seconds to send a request body;
 GATEWAY_KEEPALIVE_TIMEOUT 75                     seconds an idle client connection stays open
 GATEWAY_DRAIN_TIMEOUT  60                        on SIGTERM, seconds in-flight requests may run on
 GATEWAY_STATE_DIR      $XDG_STATE_HOME/tiergate  where the gateway keys' spend is kept across restarts
-                       (~/.local/state/tiergate) (gateway.ledger_file); empty: nowhere (it lives as long as the process)
+                       (~/.local/state/tiergate) (gateway.state.ledger_file); empty: nowhere (it lives as long as the
+                       process)
 GATEWAY_DRAIN_IDLE_GRACE 5                       on SIGTERM, seconds an idle kept-alive client connection stays
                                                  open (at most the drain timeout): a request on it is answered,
                                                  ``connection: close``, while a load balancer takes the endpoint
                                                  out of rotation
-GATEWAY_REDIS_URL      (unset: state.redis_url)  Redis the replicas share state through (gateway.shared); read
+GATEWAY_REDIS_URL      (unset: state.redis_url)  Redis the replicas share state through (gateway.state.redis); read
                                                  with the API keys by the config loader, and wins over the file
-OTEL_TRACES_EXPORTER   (unset: no traces)        otlp or console: OpenTelemetry traces (gateway.tracing; the
+OTEL_TRACES_EXPORTER   (unset: no traces)        otlp or console: OpenTelemetry traces (gateway.observability.tracing;
+the
                                                  otel extra); the exporter reads the other OTEL_* variables
 =====================  ========================  ==============================================
 
@@ -68,7 +70,7 @@ class Settings(BaseSettings):
     # the pod began terminating) and sends requests on its pooled connections meanwhile; closing those at SIGTERM
     # lost each request that raced onto one. Bounded by drain_timeout (server.configure)
     drain_idle_grace: float = Field(5.0, ge=0)
-    # OpenTelemetry's own variable (gateway.tracing): otlp, console, or none/unset (no traces)
+    # OpenTelemetry's own variable (gateway.observability.tracing): otlp, console, or none/unset (no traces)
     otel_traces_exporter: str | None = Field(None, validation_alias="OTEL_TRACES_EXPORTER")
 
 

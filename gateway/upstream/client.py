@@ -37,8 +37,8 @@ import orjson
 from pydantic import SecretStr
 from yarl import URL
 
-from gateway import __version__, logs, tracing
-from gateway.config import UpstreamConfig
+from gateway import __version__
+from gateway.config.schema import UpstreamConfig
 from gateway.errors import (
     GatewayError,
     StreamInterrupted,
@@ -50,7 +50,8 @@ from gateway.errors import (
     event_error,
     upstream_error,
 )
-from gateway.health import Blame, request_shaped, retry_wait
+from gateway.observability import logs, tracing
+from gateway.routing.health import Blame, request_shaped, retry_wait
 
 RESPONSE_HEADER_ALLOW = ("openai-processing-ms", "retry-after", "retry-after-ms", "x-should-retry")
 RESPONSE_HEADER_PREFIX_ALLOW = ("x-ratelimit-",)
@@ -108,8 +109,8 @@ class Transport(Protocol):
 
 
 class Verdicts(Protocol):
-    """What an attempt tells an upstream's health (:class:`gateway.health.UpstreamHealth`, or
-    :data:`gateway.health.UNTRACKED`)."""
+    """What an attempt tells an upstream's health (:class:`gateway.routing.health.UpstreamHealth`, or
+    :data:`gateway.routing.health.UNTRACKED`)."""
 
     def start(self, now: float, need_tokens: int) -> Any: ...
     def finish(self) -> None: ...
@@ -132,8 +133,9 @@ class Attempt:
         is then an answer, and the upstream's timeouts bound connect and silence, never the whole exchange);
         client_key: the client's ``Authorization`` value, sent instead of the upstream's key when the upstream
         says ``pass_client_key`` (else ignored: the client's key never reaches an upstream); span / trace: the
-        attempt's trace span and the W3C Trace Context headers sent upstream (``gateway.tracing``), or None; blame:
-        whom a request-shaped failure is charged to (``gateway.health.Blame``; None: nobody, the upstream alone).
+        attempt's trace span and the W3C Trace Context headers sent upstream (``gateway.observability.tracing``), or
+        None; blame: whom a request-shaped failure is charged to (``gateway.routing.health.Blame``; None: nobody, the
+        upstream alone).
 
     Attributes:
         answer: the open answer after :meth:`send`, else None.
@@ -148,7 +150,7 @@ class Attempt:
                  blame: Blame | None = None) -> None:
         self.upstream = upstream
         self.blame = blame
-        self.span = span  # the attempt's trace span (gateway.tracing), or None
+        self.span = span  # the attempt's trace span (gateway.observability.tracing), or None
         self._trace = trace
         self._error: BaseException | None = None
         self.health = health
@@ -613,7 +615,7 @@ class UpstreamPool:
         if auth:
             headers["Authorization"] = auth
         if trace:
-            headers.update(trace)  # W3C Trace Context: the attempt's span (gateway.tracing)
+            headers.update(trace)  # W3C Trace Context: the attempt's span (gateway.observability.tracing)
         # a passthrough path is sent as the client encoded it (yarl would otherwise re-quote and normalise it)
         url: str | URL = upstream.base_url + path if forward is None else URL(upstream.base_url + path, encoded=True)
         skip = SKIP_FORWARDED if forward is not None else None  # no content type or accept of aiohttp's own making

@@ -17,7 +17,6 @@ from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
-from gateway import logs
 from gateway.errors import (
     GatewayBusy,
     GatewayError,
@@ -27,10 +26,11 @@ from gateway.errors import (
     UnsupportedMediaType,
     error_body,
 )
-from gateway.health import Blame
-from gateway.keys import Hold, Key
-from gateway.metrics import BILLABLE, Metrics
-from gateway.relay import Relay
+from gateway.observability import logs
+from gateway.observability.metrics import BILLABLE, Metrics
+from gateway.routing.health import Blame
+from gateway.stream.relay import Relay
+from gateway.tenancy.keys import Hold, Key
 
 JSON = b"application/json"
 KEY_SCOPE = "tiergate.key"  # the ASGI scope entry that holds a request's authenticated gateway key
@@ -42,7 +42,7 @@ log = logging.getLogger("tiergate")
 
 
 # the ASGI extension (``scope["extensions"]``) through which the gateway's server protocol tells a request that its
-# client's connection was lost (``gateway.server.Hangup``)
+# client's connection was lost (``gateway.http.server.Hangup``)
 HANGUP = "tiergate.hangup"
 
 
@@ -81,11 +81,11 @@ class Exchange:
         self.upstream_model: str | None = None
         self.attempts = 0
         self.outcome: str | None = None  # as recorded
-        self.span: Any = None  # the request's trace span (gateway.tracing), or None
+        self.span: Any = None  # the request's trace span (gateway.observability.tracing), or None
         self.key: Key | None = (scope or {}).get(KEY_SCOPE)  # its gateway key (auth:), authenticated by the app
-        self.hold: Hold | None = None  # what it reserved against its key (gateway.keys), settled by record()
+        self.hold: Hold | None = None  # what it reserved against its key (gateway.tenancy.keys), settled by record()
         self.prompt_tokens = 0  # its estimated prompt (RequestFacts.prompt_tokens), once read: an estimated usage's
-        self.blame: Blame | None = None  # whom its request-shaped upstream failures are charged to (gateway.health)
+        self.blame: Blame | None = None  # whom its request-shaped upstream failures are charged to (routing.health)
         self.held = 0  # request body bytes it holds in memory (BodyBudget), given back when it is recorded
         self.bodies: BodyBudget | None = None
         self.tier = "none"
@@ -228,7 +228,7 @@ class Exchange:
                         self.tier)
 
     def _log(self, outcome: str, duration: float, kw: dict[str, Any], cost: float | None) -> None:
-        """The request's line in the request log (``gateway.logs``): never its body or a credential."""
+        """The request's line in the request log (``gateway.observability.logs``): never its body or a credential."""
         usage = kw.get("usage")
         details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
         ttft = kw.get("ttft")

@@ -8,14 +8,16 @@ newest; README "Deadlines and live estimates"), each with a central value and a 
   (slope clamped at 0; flat while every sample has about the same size), plus the median (central) or the p90
   (tail) of the samples' residuals from it. ``prompt_tokens`` is the gateway's own estimate (request bytes / 4),
   the same figure routing reads when it predicts, so that the line is fitted and used in one unit.
-* **decode speed** (output tokens/s, the gateway's time-per-output-token formula, ``gateway.metrics``): median
+* **decode speed** (output tokens/s, the gateway's time-per-output-token formula, ``gateway.observability.metrics``):
+median
   (central) and p10 (tail: the slow side).
 * **completion length** per route (the matching rule and the model), for requests without ``max_tokens``: median
   and p90, in tokens.
 
 A series with no sample left in the window is *unmeasured* (None): it aged out, and deadline routing re-measures it
-(``gateway.deadline``). Summaries are computed when asked for and cached until a sample ages out or, once new samples
-arrived, for at most :data:`REFRESH` seconds, so that recording a sample costs an append and reading one a lookup.
+(``gateway.routing.deadline``). Summaries are computed when asked for and cached until a sample ages out or, once new
+samples arrived, for at most :data:`REFRESH` seconds, so that recording a sample costs an append and reading one a
+lookup.
 """
 
 from __future__ import annotations

@@ -129,7 +129,8 @@ class Metrics:
         self.unpriced = Counter(f"{p}_unpriced_requests",
                                 "Requests answered by an upstream that added no cost: no usage reported, or no "
                                 "prices configured for the upstream.", _T, registry=registry)
-        # the rest of the /v1 surface (gateway.passthrough); endpoint: gateway.passthrough.ENDPOINTS or "other"
+        # the rest of the /v1 surface (gateway.pipeline.passthrough); endpoint: gateway.pipeline.passthrough.ENDPOINTS
+        # or "other"
         _E = ("endpoint", "tier", "upstream")
         self.pt_requests = Counter(f"{p}_passthrough_requests", "Requests to the other /v1 endpoints (embeddings, "
                                    "audio, files, ...) by endpoint, tier, upstream and outcome.", (*_E, "outcome"),
@@ -141,7 +142,7 @@ class Metrics:
                                    registry=registry)
         self.pt_bytes_out = Counter(f"{p}_passthrough_response_bytes", "Response body bytes sent to clients.", _E,
                                     registry=registry)
-        # measured routing (gateway.estimates, gateway.deadline, hedging in gateway.api)
+        # measured routing (gateway.observability.estimates, gateway.routing.deadline, hedging in gateway.pipeline.chat)
         self.deadline_decisions = Counter(
             f"{p}_deadline_decisions", "Requests with a latency budget, by the tier and upstream chosen and the "
             "verdict (meets, fastest, explore, probe, unmeasured).", ("tier", "upstream", "verdict"),
@@ -167,7 +168,7 @@ class Metrics:
                                multiprocess_mode="mostrecent")
         self.est_samples = Gauge(f"{p}_estimate_samples", "TTFT samples in the live estimate's window.", _L,
                                  registry=registry, multiprocess_mode="mostrecent")
-        # gateway keys (gateway.keys): labelled by the key's name from the config, never the key
+        # gateway keys (gateway.tenancy.keys): labelled by the key's name from the config, never the key
         self.key_requests = Counter(f"{p}_key_requests", "Requests by gateway key and outcome.", ("key", "outcome"),
                                     registry=registry)
         self.key_tokens = Counter(f"{p}_key_tokens", "Tokens from upstream usage by gateway key and type (input, "
@@ -183,7 +184,7 @@ class Metrics:
                                       registry=registry)
         self.auth_failures = Counter(f"{p}_auth_failures", "Requests answered 401 (auth: configured), by reason: "
                                      "missing, malformed, unknown.", ("reason",), registry=registry)
-        # replicas' shared state (gateway.shared)
+        # replicas' shared state (gateway.state.redis)
         self.shared_up = Gauge(f"{p}_shared_state_up", "1 while the Redis the replicas share state through answers, 0 "
                                "while this process goes on with its local state; absent without state.redis_url.", (),
                                registry=registry, multiprocess_mode="livemin")
@@ -223,8 +224,8 @@ class Metrics:
         self._initialise(routes)
 
     def set_estimates(self, latency: Iterable[tuple[str, str, Any]]) -> None:
-        """Publish the live estimates: (upstream, model, ``gateway.estimates.Latency`` or None) each; unmeasured ones
-        have no series (Prometheus: absent, not zero)."""
+        """Publish the live estimates: (upstream, model, ``gateway.observability.estimates.Latency`` or None) each;
+        unmeasured ones have no series (Prometheus: absent, not zero)."""
         for gauge in (self.est_ttft, self.est_prefill, self.est_speed, self.est_samples):
             gauge.clear()
         for upstream, model, est in latency:

@@ -68,7 +68,7 @@ class Timeouts(_Strict):
 
 
 class HealthConfig(_Strict):
-    """Per-upstream health settings (``gateway.health``); times in seconds.
+    """Per-upstream health settings (``gateway.routing.health``); times in seconds.
 
     failures: consecutive failures that open the circuit breaker; open_seconds: how long it stays open before
     one probe is let through; cooldown_default / cooldown_max: rest after a 429 without / with a retry hint
@@ -126,7 +126,7 @@ class UpstreamConfig(_Strict):
     # USD per million tokens by model name as the client sends it, for any model (embeddings, models only this
     # upstream lists, ...); overrides prices. A model priced by neither adds no cost (tiergate_unpriced_requests)
     model_prices: dict[str, Prices] = {}
-    # the rest of the /v1 surface it serves (gateway.passthrough): paths under /v1, each covering its sub-paths
+    # the rest of the /v1 surface it serves (gateway.pipeline.passthrough): paths under /v1, each covering its sub-paths
     # ("audio" covers "audio/speech"), "*" for all; None: all for the openai dialect, none for cerebras (whose API
     # serves chat completions only). Chat completions and the Responses API are governed by models and responses.
     endpoints: list[str] | None = None
@@ -284,10 +284,10 @@ class RouteConfig(_Strict):
 
     deadline_ms / ttft_deadline_ms: a latency budget for the requests the rule matches (whole answer / first token,
     milliseconds), as if each had sent ``x-tiergate-deadline-ms`` / ``x-tiergate-ttft-deadline-ms`` (a request's own
-    budget wins): the gateway then picks among the candidates by their live estimates (``gateway.deadline``).
+    budget wins): the gateway then picks among the candidates by their live estimates (``gateway.routing.deadline``).
     hedge: streams only, first-token hedging: after this many seconds without a token from the first candidate, start
     the next one too; the first to produce a token is relayed, the other cancelled. ``p95``: that candidate's live TTFT
-    p95 (``gateway.estimates``; no hedge while it is unmeasured). None: no hedging.
+    p95 (``gateway.observability.estimates``; no hedge while it is unmeasured). None: no hedging.
     """
 
     tier: Tier
@@ -323,7 +323,7 @@ class AliasConfig(_Strict):
 class ResponseStore(_Strict):
     """Bounds of the gateway's store of bridged Responses API responses (``store: true``, the API's default), kept so
     that ``previous_response_id`` can continue them and ``GET``/``DELETE /v1/responses/{id}`` reach them. In memory,
-    per process (``gateway.conversations``). max_items: responses kept; max_bytes: the memory they may take (their
+    per process (``gateway.responses.store``). max_items: responses kept; max_bytes: the memory they may take (their
     JSON bytes, which is how they are held, plus 256 bytes each); ttl: seconds a response is kept after it was made or
     last continued; key_share: the share of both bounds one gateway key may hold (``auth:``). The oldest go first (a
     key over its share: its own oldest). The default 64 MiB fits the shipped container limit (512 MiB) beside the
@@ -352,7 +352,7 @@ class Limits(_Strict):
 
 
 class PassthroughConfig(_Strict):
-    """The rest of the /v1 surface (``gateway.passthrough``). upstream: where object paths (``/v1/files/...``,
+    """The rest of the /v1 surface (``gateway.pipeline.passthrough``). upstream: where object paths (``/v1/files/...``,
     ``/v1/batches/...``) and bodies whose model no upstream lists go; None: the first standard-tier upstream of the
     ``openai`` dialect that serves any endpoint, else the first upstream that does; enabled: false answers 404 for
     everything but chat completions, the Responses API and the gateway's own paths; models_ttl: seconds the
@@ -366,16 +366,17 @@ class PassthroughConfig(_Strict):
 
 
 class ObjectsConfig(_Strict):
-    """With gateway keys, which key made which object of the rest of the API (``gateway.objects``): max_items: ids kept
-    in each process (the least recently made go first; with shared state Redis keeps them all); ttl: seconds an id
-    stays its key's (30 days: OpenAI's longest retention of batch and response objects)."""
+    """With gateway keys, which key made which object of the rest of the API (``gateway.tenancy.objects``): max_items:
+    ids kept in each process (the least recently made go first; with shared state Redis keeps them all); ttl: seconds an
+    id stays its key's (30 days: OpenAI's longest retention of batch and response objects)."""
 
     max_items: int = Field(100_000, ge=1)
     ttl: float = Field(30 * 86400.0, gt=0)
 
 
 class EstimatesConfig(_Strict):
-    """Live latency estimates per upstream and model (``gateway.estimates``), read by deadline routing and hedging.
+    """Live latency estimates per upstream and model (``gateway.observability.estimates``), read by deadline routing and
+    hedging.
 
     window: seconds of traffic an estimate reflects (older samples age out; with none left the candidate is
     unmeasured); samples: the newest samples kept per upstream and model (and per route for completion lengths);
@@ -392,8 +393,9 @@ class EstimatesConfig(_Strict):
 
 
 class StateConfig(_Strict):
-    """State shared by replicas through Redis (``gateway.shared``): quota estimates with every replica's reservations,
-    429 cooldowns, breaker transitions and the Responses store. Off without a URL: each process keeps its own.
+    """State shared by replicas through Redis (``gateway.state.redis``): quota estimates with every replica's
+    reservations, 429 cooldowns, breaker transitions and the Responses store. Off without a URL: each process keeps its
+    own.
 
     redis_url: ``redis://[:password@]host:port/db`` (``rediss://`` for TLS, ``unix://`` for a socket); the environment
     variable ``GATEWAY_REDIS_URL`` gives it instead, and wins (a password then stays out of the file, in a Secret;
@@ -417,8 +419,8 @@ class StateConfig(_Strict):
 
 
 class KeyLimits(_Strict):
-    """What one gateway key may spend (``gateway.keys``; None: no limit). Minutes are fixed windows (the current UTC
-    minute), days and months UTC calendar ones; tokens are the request's estimate (prompt bytes / 4 plus its
+    """What one gateway key may spend (``gateway.tenancy.keys``; None: no limit). Minutes are fixed windows (the current
+    UTC minute), days and months UTC calendar ones; tokens are the request's estimate (prompt bytes / 4 plus its
     ``max_tokens``) while it runs, then its usage; USD from its usage at the serving upstream's ``prices``, as
     ``tiergate_cost_usd_total``."""
 
@@ -466,7 +468,7 @@ class MetricsAccess(_Strict):
 
 
 class AuthConfig(_Strict):
-    """Gateway keys (``gateway.keys``): with this section every ``/v1`` request must carry one (``Authorization:
+    """Gateway keys (``gateway.tenancy.keys``): with this section every ``/v1`` request must carry one (``Authorization:
     Bearer`` or ``api-key``). keys: the keys; keys_file: a YAML file with more (a list of the same entries, e.g. a
     mounted Secret), read with the config (and again on ``SIGHUP``); metrics: who may read ``/metrics``
     (:class:`MetricsAccess`; by default a scrape token)."""
@@ -598,7 +600,7 @@ def load_config(path: Path, environ: Mapping[str, str] | None = None, *, require
 
     Args:
         path: YAML file.
-        environ: where ``api_key_env`` variables are looked up (``gateway.settings.environ()``).
+        environ: where ``api_key_env`` variables are looked up (``gateway.config.settings.environ()``).
         require_keys: when true, a named key variable that is unset or empty is an error.
 
     Raises:

@@ -1,10 +1,10 @@
 """The rest of the OpenAI ``/v1`` surface, passed through: embeddings, legacy completions, moderations, audio,
 images, files and uploads, batches, vector stores, fine-tuning, and any other path under ``/v1`` the gateway does not
-serve itself (chat completions and the Responses API are :mod:`gateway.api`'s; ``/v1/models`` is merged in
+serve itself (chat completions and the Responses API are :mod:`gateway.pipeline.chat`'s; ``/v1/models`` is merged in
 :mod:`gateway.app`). An application that points ``OPENAI_BASE_URL`` at the gateway keeps working whole.
 
-Where a request goes (:meth:`gateway.policy.Policy.decide_passthrough`): a JSON body with a configured ``model`` is
-routed by the rules, among the upstreams whose ``endpoints`` cover the path, and fails over before its first byte as
+Where a request goes (:meth:`gateway.routing.policy.Policy.decide_passthrough`): a JSON body with a configured ``model``
+is routed by the rules, among the upstreams whose ``endpoints`` cover the path, and fails over before its first byte as
 chat completions do; anything else (object paths such as ``/v1/files/{id}``, bodies without a model, a model no
 upstream lists, multipart uploads) goes once, unchanged, to ``passthrough.upstream``. The ``x-tiergate-*`` headers say
 what served it.
@@ -13,12 +13,13 @@ Both ways streamed and bounded: a JSON body is read whole (it is routed on, and 
 ``limits.max_request_bytes``); any other body streams to the upstream as it arrives (``limits.max_passthrough_bytes``,
 never held whole, never sent twice); the answer streams back as it comes (binary audio, legacy completions' SSE,
 JSON), its bytes untouched (never decoded: ``content-encoding`` and ``content-length`` stay true). Headers follow
-chat's rules (``gateway.upstream``): the upstream's key, never the client's (unless ``pass_client_key``), no cookie or
-hop-by-hop header either way. The path goes as the client encoded it; a dot segment is never sent. An upstream's
-error answer keeps its status with its body normalised to OpenAI's envelope, but a 401 or 403 to the gateway's own key,
-which is a 502 ``upstream_auth_failed`` (``gateway.upstream.Attempt.failed``); the gateway's own errors use it too. A
-client that leaves, mid-upload or mid-download, closes the upstream request; an upstream that stops taking an upload
-for its idle timeout is a 504. These requests leave the upstreams' health alone (:class:`gateway.health.Untracked`).
+chat's rules (``gateway.upstream.client``): the upstream's key, never the client's (unless ``pass_client_key``), no
+cookie or hop-by-hop header either way. The path goes as the client encoded it; a dot segment is never sent. An
+upstream's error answer keeps its status with its body normalised to OpenAI's envelope, but a 401 or 403 to the
+gateway's own key, which is a 502 ``upstream_auth_failed`` (``gateway.upstream.client.Attempt.failed``); the gateway's
+own errors use it too. A client that leaves, mid-upload or mid-download, closes the upstream request; an upstream that
+stops taking an upload for its idle timeout is a 504. These requests leave the upstreams' health alone
+(:class:`gateway.routing.health.Untracked`).
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ from typing import Any
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from gateway import failover
-from gateway.api import MAX_NEED, Gateway, Watch
 from gateway.errors import (
     GatewayDraining,
     GatewayError,
@@ -48,13 +47,15 @@ from gateway.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from gateway.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of, read_body
-from gateway.health import UNTRACKED
-from gateway.metrics import Metrics
-from gateway.objects import OBJECT_ENDPOINTS, created_ids, filter_list, object_ids, references
-from gateway.policy import Candidate, Decision, RequestFacts
-from gateway.upstream import Answer, Attempt, Body, field_value
-from gateway.wire import chat_usage, check_limits, is_json_type, replace_top_level
+from gateway.observability.metrics import Metrics
+from gateway.pipeline.chat import MAX_NEED, Gateway, Watch
+from gateway.pipeline.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of, read_body
+from gateway.routing import failover
+from gateway.routing.health import UNTRACKED
+from gateway.routing.policy import Candidate, Decision, RequestFacts
+from gateway.tenancy.objects import OBJECT_ENDPOINTS, created_ids, filter_list, object_ids, references
+from gateway.upstream.client import Answer, Attempt, Body, field_value
+from gateway.wire.body import chat_usage, check_limits, is_json_type, replace_top_level
 
 log = logging.getLogger("tiergate")
 # the endpoint label of the passthrough metrics (bounded): the first path here that the request's path is or is under,
@@ -264,7 +265,7 @@ class Passthrough:
                     body_from: Receive | None, watch: Watch, owner: str | None = None) -> None:
         """decide -> candidates -> for each attempt: send, relay -> record. ``raw``: the body read whole (None: it
         streams from ``body_from``, once: then a single attempt). Failover only before the first byte, for a body
-        held whole. The upstreams' health is neither read nor told (:class:`gateway.health.Untracked`)."""
+        held whole. The upstreams' health is neither read nor told (:class:`gateway.routing.health.Untracked`)."""
         upload = None
         gw = self.gateway
         decided = await self._decide(ex, path, raw, owner)
@@ -312,8 +313,8 @@ class Passthrough:
         await gw.give_up(ex, decision, plan.reason, last, tried, _closing(ex, raw, [], upload))
 
     async def _owns(self, ex: PassExchange, ids: list[str], raw: bytes | None = None) -> bool:
-        """Whether every object in ``ids`` is ``ex``'s key's (``gateway.objects``); if not, it is answered 404 (closing
-        the connection when the body was not read: ``raw`` None) and False."""
+        """Whether every object in ``ids`` is ``ex``'s key's (``gateway.tenancy.objects``); if not, it is answered 404
+        (closing the connection when the body was not read: ``raw`` None) and False."""
         assert ex.key is not None
         for object_id in ids:
             if await self.gateway.owners.owner(object_id) != ex.key.name:
@@ -407,9 +408,9 @@ class Passthrough:
 
     async def _relay_owned(self, ex: PassExchange, attempt: Attempt, answer: Answer, headers: Headers,
                            method: str) -> None:
-        """A JSON answer about a key's objects (``gateway.objects``), read whole (at most :data:`OBJECT_ANSWER` bytes):
-        the object a ``POST`` made is claimed for the key before the client can name it; a list shows the key's own
-        objects only. An answer too large to read whole, or that is no JSON, is a 502 (never shown unfiltered).
+        """A JSON answer about a key's objects (``gateway.tenancy.objects``), read whole (at most :data:`OBJECT_ANSWER`
+        bytes): the object a ``POST`` made is claimed for the key before the client can name it; a list shows the key's
+        own objects only. An answer too large to read whole, or that is no JSON, is a 502 (never shown unfiltered).
 
         Raises:
             GatewayError: the answer broke off, or is too large (before anything reached the client: it can fail over).
@@ -448,7 +449,7 @@ class Passthrough:
 
 def _owned_answer(ex: PassExchange, method: str, content_type: str) -> bool:
     """Whether an answer is about a key's objects and must be read whole (:meth:`Passthrough._relay_owned`): a JSON
-    answer to a ``POST`` or ``GET`` of an object endpoint (``gateway.objects.OBJECT_ENDPOINTS``)."""
+    answer to a ``POST`` or ``GET`` of an object endpoint (``gateway.tenancy.objects.OBJECT_ENDPOINTS``)."""
     return method in ("GET", "POST") and ex.endpoint in OBJECT_ENDPOINTS and "json" in content_type
 
 

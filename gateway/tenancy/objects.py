@@ -37,8 +37,8 @@ WORDS = frozenset({
     "transcription_sessions", "client_secrets", "calls", "accept", "reject", "refer", "hangup", "chatkit",
     "workflows", "skills", "versions", "output_items", "results",
 })
-# the passthrough's endpoint labels (gateway.passthrough.ENDPOINTS) whose JSON answers are about a key's objects: what
-# a POST there makes is claimed, what a GET there lists is filtered
+# the passthrough's endpoint labels (gateway.pipeline.passthrough.ENDPOINTS) whose JSON answers are about a key's
+# objects: what a POST there makes is claimed, what a GET there lists is filtered
 OBJECT_ENDPOINTS = frozenset({"files", "uploads", "batches", "vector_stores", "fine_tuning", "assistants", "threads",
                               "conversations", "containers", "evals", "videos", "chat/completions"})
 # body fields that name objects (OpenAI API reference: batches, fine-tuning, vector stores, assistants, threads,
@@ -116,7 +116,7 @@ async def filter_list(answer: bytes, owner: str, owners: Owners) -> bytes | None
 
 
 class Owners(Protocol):
-    """Who owns which object id (module docstring): :class:`MemoryOwners`, or Redis (``gateway.shared``)."""
+    """Who owns which object id (module docstring): :class:`MemoryOwners`, or Redis (``gateway.state.redis``)."""
 
     async def owner(self, object_id: str) -> str | None:
         """The key that made ``object_id``, or None (nobody's: unknown, or forgotten)."""

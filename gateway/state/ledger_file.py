@@ -1,7 +1,7 @@
 """What gateway keys spent, kept on disk, so that a restart starts from it (``GATEWAY_STATE_DIR``; README "Tenancy").
 
-A :class:`gateway.keys.MemoryLedger` lives in one process: without this, a restart (a deploy, a crash, an OOM kill)
-set every key's day and month spend back to zero. :class:`LedgerFile` keeps each counter of the current windows
+A :class:`gateway.tenancy.keys.MemoryLedger` lives in one process: without this, a restart (a deploy, a crash, an OOM
+kill) set every key's day and month spend back to zero. :class:`LedgerFile` keeps each counter of the current windows
 (minute, day and month) in one JSON file: at start-up the ledger is seeded from it, and every ``every`` seconds
 (and once more at shutdown) what this process added since its last write is added to the file, under an exclusive
 ``flock`` so that the workers of ``--workers N`` sharing the file add up instead of overwriting each other. Each
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import orjson
 
-from gateway import logs
-from gateway.keys import MemoryLedger, windows
+from gateway.observability import logs
+from gateway.tenancy.keys import MemoryLedger, windows
 
 log = logging.getLogger("tiergate")
 FILE = "ledger.json"

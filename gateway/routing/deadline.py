@@ -6,9 +6,9 @@ found winning: the headers ``x-tiergate-deadline-ms`` (the whole answer) and ``x
 token), the same in ``metadata`` (``deadline_ms``, ``ttft_deadline_ms``; OpenAI's metadata values are strings), or the
 matching rule's ``route: {deadline_ms, ttft_deadline_ms}``. Without a budget nothing here runs.
 
-For each candidate the prediction is, at the tail (``gateway.estimates``): TTFT = the TTFT line at the request's
-prompt size plus the p90 residual; whole answer = TTFT + (completion - 1) / p10 decode speed, where completion is
-``max_tokens`` when given, else the p90 completion length of the route (:data:`DEFAULT_COMPLETION` until measured).
+For each candidate the prediction is, at the tail (``gateway.observability.estimates``): TTFT = the TTFT line at the
+request's prompt size plus the p90 residual; whole answer = TTFT + (completion - 1) / p10 decode speed, where completion
+is ``max_tokens`` when given, else the p90 completion length of the route (:data:`DEFAULT_COMPLETION` until measured).
 Its cost is the upstream's ``prices`` (or ``model_prices``) times the estimated prompt and the median completion.
 Then, in this order:
 
@@ -21,7 +21,7 @@ Then, in this order:
    tier that recovers is noticed before its slow samples age out.
 
 The chosen candidate comes first; the others keep the policy's order behind it for failover. Quota, concurrency and
-health spillover (``gateway.failover``) apply after the choice.
+health spillover (``gateway.routing.failover``) apply after the choice.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.config import RouteConfig, Tier, UpstreamConfig
+from gateway.config.schema import RouteConfig, Tier, UpstreamConfig
 from gateway.errors import InvalidRequest
-from gateway.estimates import Estimates, Latency
-from gateway.policy import Candidate, Decision, RequestFacts
-from gateway.wire import dumps
+from gateway.observability.estimates import Estimates, Latency
+from gateway.routing.policy import Candidate, Decision, RequestFacts
+from gateway.wire.body import dumps
 
 DEADLINE_HEADER = "x-tiergate-deadline-ms"
 TTFT_DEADLINE_HEADER = "x-tiergate-ttft-deadline-ms"
@@ -203,7 +203,8 @@ class Explorer:
 
 def price(up: UpstreamConfig, model: str) -> tuple[float, float, float] | None:
     """(input, cached input, output) USD per token of ``model`` (the configured name) on ``up``: its
-    ``model_prices`` entry, else its ``prices``; None when unpriced (as ``gateway.metrics`` prices a request)."""
+    ``model_prices`` entry, else its ``prices``; None when unpriced (as ``gateway.observability.metrics`` prices a
+    request)."""
     priced = up.model_prices.get(model) or up.prices
     return priced.per_token() if priced is not None else None
 

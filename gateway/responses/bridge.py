@@ -27,7 +27,7 @@ function ``tools`` (flat)                   ``tools`` (nested under ``function``
 ``message.output_text.logprobs``
 ==========================================  =============================================================
 
-The upstream's dialect rules then apply (``gateway.wire.upstream_body``: Cerebras gets its allowlist). Dropped on
+The upstream's dialect rules then apply (``gateway.wire.body.upstream_body``: Cerebras gets its allowlist). Dropped on
 purpose, because a chat upstream cannot act on them and they change no output: ``store`` and ``metadata`` (kept
 by the gateway, echoed in the response), ``reasoning.summary`` (no summaries come from chat), caching hints
 (``prompt_cache_retention``, ``prompt_cache_options``), ``stream_options``, ``truncation: "disabled"``. Anything
@@ -58,9 +58,9 @@ from typing import Any
 import orjson
 
 from gateway.errors import UpstreamBadResponse, event_error
-from gateway.relay import Relay, Write, delta_has_token
-from gateway.sse import SSEEvent
-from gateway.wire import dumps, loads
+from gateway.stream.relay import Relay, Write, delta_has_token
+from gateway.stream.sse import SSEEvent
+from gateway.wire.body import dumps, loads
 
 ID_PREFIX = "resp_tg"  # the ids of responses the gateway made: it knows an unknown one of these expired
 # fields of a Responses request the bridge maps or may drop (module docstring); anything else is not bridged
@@ -544,10 +544,10 @@ class _Item:
 class BridgeRelay(Relay):
     """The relay of a bridged stream: reads a chat-completions stream, writes the Responses event stream.
 
-    It keeps the relay's contract (``gateway.relay``): nothing is written before the first token, so an error before
-    it is still an HTTP error; usage, first and last token and the finish are observed per chunk; the stream ends at
-    ``[DONE]``, at EOF, or ``finish_grace`` after every choice finished. What it writes is translated, per chunk as it
-    arrives (module docstring). ``output`` holds the finished output items, ``response`` the final Response object.
+    It keeps the relay's contract (``gateway.stream.relay``): nothing is written before the first token, so an error
+    before it is still an HTTP error; usage, first and last token and the finish are observed per chunk; the stream ends
+    at ``[DONE]``, at EOF, or ``finish_grace`` after every choice finished. What it writes is translated, per chunk as
+    it arrives (module docstring). ``output`` holds the finished output items, ``response`` the final Response object.
     """
 
     def __init__(self, draft: Draft, *, max_event_bytes: int, finish_grace: float,

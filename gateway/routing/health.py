@@ -31,7 +31,7 @@ source rest the upstream for that source alone for ``open_seconds`` (:meth:`Upst
 source). A request that failed that way on every upstream it tried (two or more) is the request's fault, not theirs:
 its failures are taken back (:meth:`UpstreamHealth.retract`).
 
-Replicas that share state (``gateway.shared``) tell each other their cooldowns and breaker transitions through a
+Replicas that share state (``gateway.state.redis``) tell each other their cooldowns and breaker transitions through a
 :class:`Listener`, and apply the others' with the ``shared_*`` methods (which tell no listener).
 """
 
@@ -48,9 +48,9 @@ from dataclasses import dataclass
 from random import random
 from typing import Any, Protocol, TypeVar
 
-from gateway import logs
-from gateway.config import UpstreamConfig
+from gateway.config.schema import UpstreamConfig
 from gateway.errors import GatewayError, UpstreamStatusError
+from gateway.observability import logs
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
@@ -80,7 +80,7 @@ class Blame:
 
     Attributes:
         charged: (upstream name, its verdicts, source) of each request-shaped failure charged so far, in order (the
-            verdicts: ``gateway.upstream.Verdicts``, which can take one back).
+            verdicts: ``gateway.upstream.client.Verdicts``, which can take one back).
     """
 
     __slots__ = ("_source", "_known", "charged")
@@ -196,7 +196,7 @@ Mark = tuple[int, int]  # (requests, tokens) sent to an upstream so far, its own
 
 
 class Listener(Protocol):
-    """Told of the transitions other replicas should know (``gateway.shared``); times are the health clock's."""
+    """Told of the transitions other replicas should know (``gateway.state.redis``); times are the health clock's."""
 
     def rested(self, upstream: str, kind: str, until: float, exhausted: bool) -> None:
         """Rests until ``until``: ``kind`` ``cooldown`` (a 429; ``exhausted``: the quota is) or ``open`` (breaker)."""
@@ -447,7 +447,7 @@ class UpstreamHealth:
             self.success()
         return rest
 
-    # what other replicas report (gateway.shared): applied without telling the listener back
+    # what other replicas report (gateway.state.redis): applied without telling the listener back
 
     def shared_rest(self, kind: str, until: float, exhausted: bool) -> None:
         """Another replica's cooldown (``kind`` ``cooldown``) or open breaker (``open``) until ``until``."""
@@ -524,8 +524,8 @@ def _up(candidate: Any) -> UpstreamConfig:
 
 class Untracked:
     """The health of an attempt that reads and changes no upstream's: a request of the rest of /v1
-    (``gateway.passthrough``). Its rate-limit headers are the limits of another model or endpoint (OpenAI's are per
-    model), its failures those of another endpoint, and an upload may hold a connection for minutes; none of that
+    (``gateway.pipeline.passthrough``). Its rate-limit headers are the limits of another model or endpoint (OpenAI's are
+    per model), its failures those of another endpoint, and an upload may hold a connection for minutes; none of that
     may move the breaker, cooldown, quota estimate or concurrency count that route chat completions."""
 
     def start(self, now: float, need_tokens: int) -> None:

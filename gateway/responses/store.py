@@ -187,7 +187,7 @@ class MemoryResponseStore:
         return self._drop(response_id)
 
     def forget(self, response_id: str) -> None:
-        """Drop ``response_id`` whoever owns it (another replica deleted it: ``gateway.shared``)."""
+        """Drop ``response_id`` whoever owns it (another replica deleted it: ``gateway.state.redis``)."""
         self._drop(response_id)
 
     def _get(self, response_id: str, owner: str | None, *, touch: bool) -> _Entry | None:

@@ -99,7 +99,7 @@ def start_request(headers: dict[str, str], method: str, path: str, operation: st
 
 
 def end_request(span: Any, ex: Any) -> None:
-    """End the request's span with what the request did (``ex``: the ``gateway.exchange.Exchange``)."""
+    """End the request's span with what the request did (``ex``: the ``gateway.pipeline.exchange.Exchange``)."""
     model = ex.requested
     if model:
         span.update_name(f"{span.name} {model}")
@@ -122,7 +122,7 @@ def start_attempt(parent: Any, operation: str, upstream: Any, model: str) -> tup
     """An upstream attempt's span under the request's ``parent`` span, and the W3C Trace Context headers to send
     upstream (``traceparent``, and ``tracestate`` when the client sent one)."""
     t = TRACING
-    url = urlsplit(upstream.base_url)  # validated at start-up (gateway.config): its port is a port
+    url = urlsplit(upstream.base_url)  # validated at start-up (gateway.config.schema): its port is a port
     span = t.tracer.start_span(f"{operation} {model}", context=t.api.set_span_in_context(parent),
                                kind=t.api.SpanKind.CLIENT, attributes={
                                    "gen_ai.operation.name": operation, "gen_ai.provider.name": upstream.dialect,
