@@ -233,7 +233,7 @@ async def client_us(kind: str, loaded: Any, port: int, n: int) -> float:
 async def own_us(cfg: Path, sizes: dict[str, int]) -> tuple[float, float]:
     """The gateway's own CPU microseconds per (non-streaming, 4-token streamed) request, with fake I/O."""
     from gateway.app import create_app
-    from gateway.config.schema import load_config
+    from gateway.config.load import load_config
     from gateway.tools.emulator import Plan, Received
     from gateway.tools.scripted import ScriptedTransport
 
@@ -288,7 +288,7 @@ async def own_us(cfg: Path, sizes: dict[str, int]) -> tuple[float, float]:
 
 def measure(args: argparse.Namespace, pin: bool) -> dict[str, list[float]]:
     """Every layer, ``args.repeat`` times: cell key -> microseconds per request, one value per run."""
-    from gateway.config.schema import load_config
+    from gateway.config.load import load_config
 
     sizes, out = QUICK if args.quick else FULL, args.out
     cells: dict[str, list[float]] = {key: [] for row in ROWS for key in (row[2], row[4])}

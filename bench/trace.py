@@ -48,7 +48,7 @@ def gateway_role(argv: list[str]) -> int:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.config.schema import load_config
+    from gateway.config.load import load_config
     from gateway.config.settings import Settings
     from gateway.http.server import uvicorn_options
     from gateway.routing.policy import Decision, Policy, RequestFacts

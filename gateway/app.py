@@ -28,7 +28,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway import __version__
-from gateway.config.schema import LoadedConfig, load_config
+from gateway.config.load import LoadedConfig, load_config
 from gateway.config.settings import Settings, environ, multiprocess_dir
 from gateway.errors import (
     ConfigError,

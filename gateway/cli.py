@@ -19,7 +19,8 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
-from gateway.config.schema import TIERS, LoadedConfig, load_config
+from gateway.config.base import TIERS
+from gateway.config.load import LoadedConfig, load_config
 from gateway.config.settings import Settings, environ, set_worker_environment
 from gateway.errors import ConfigError
 from gateway.observability import logs
@@ -123,7 +124,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _keys_add(name: str, tiers: str) -> int:
     """``tiergate keys add NAME``: a new key on stdout, once (the config keeps only its SHA-256)."""
-    from gateway.config.schema import KeyConfig
+    from gateway.config.auth import KeyConfig
     from gateway.tenancy.keys import digest, new_key
 
     key = new_key()

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.config.schema import load_config
+from gateway.config.load import load_config
 from gateway.errors import ConfigError
 from gateway.routing.policy import default_rules
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway.config.schema import load_config
+from gateway.config.load import load_config
 from gateway.errors import ConfigError
 from gateway.observability.metrics import Metrics
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from gateway.config.schema import GatewayConfig, RouteConfig
+from gateway.config.routes import RouteConfig
+from gateway.config.schema import GatewayConfig
 from gateway.errors import InvalidRequest
 from gateway.observability.estimates import Estimates, quantile
 from gateway.routing.deadline import DEFAULT_COMPLETION, Budget, Explorer, budget, choose, describe, headers

@@ -631,7 +631,7 @@ def test_drain_timeout_ends_what_is_left_in_band(tmp_path: Path) -> None:
 async def test_readyz_fails_once_draining(fake: EmulatorThread, tmp_path: Path) -> None:
     """Case 15: readiness fails at the drain's first step (in-process: with the signal the listener closes too)."""
     from gateway.app import create_app
-    from gateway.config.schema import load_config
+    from gateway.config.load import load_config
 
     path = tmp_path / "ready.yaml"
     path.write_text(orjson.dumps(_config(fake)).decode())

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.config.schema import UpstreamConfig
+from gateway.config.upstreams import UpstreamConfig
 from gateway.routing.health import Health, UpstreamHealth, parse_reset, parse_retry_after
 from gateway.routing.policy import Candidate
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from gateway.config.schema import UpstreamConfig
+from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import StreamInterrupted, UpstreamTimeout
 from gateway.tools.emulator import EmulatorThread, Plan, Received
 from gateway.upstream.client import ERROR_BODY_LIMIT, UpstreamPool, UpstreamResponse

@@ -17,7 +17,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.app import HotPath, create_app
-from gateway.config.schema import GatewayConfig, LoadedConfig
+from gateway.config.load import LoadedConfig
+from gateway.config.schema import GatewayConfig
 from gateway.tools.emulator import Plan, Received
 from gateway.tools.scripted import ScriptedTransport
 

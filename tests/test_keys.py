@@ -19,7 +19,9 @@ import openai
 import pytest
 import yaml
 
-from gateway.config.schema import AuthConfig, GatewayConfig, KeyConfig, load_config
+from gateway.config.auth import AuthConfig, KeyConfig
+from gateway.config.load import load_config
+from gateway.config.schema import GatewayConfig
 from gateway.errors import ConfigError, KeyOverBudget, RateLimited, Unauthorized
 from gateway.tenancy.keys import Keys, MemoryLedger, Refusal, Spend, digest, new_key, windows
 from gateway.tools.emulator import EmulatorConfig, EmulatorThread

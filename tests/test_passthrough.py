@@ -23,7 +23,8 @@ import orjson
 import pytest
 
 from gateway.app import create_app
-from gateway.config.schema import GatewayConfig, LoadedConfig
+from gateway.config.load import LoadedConfig
+from gateway.config.schema import GatewayConfig
 from gateway.errors import ModelNotFound, UnknownURL
 from gateway.pipeline.passthrough import endpoint_label, tail_usage
 from gateway.routing.policy import Policy, RequestFacts

@@ -15,7 +15,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
-from gateway.config.schema import AuthConfig, KeyConfig, StateConfig, UpstreamConfig
+from gateway.config.auth import AuthConfig, KeyConfig
+from gateway.config.schema import StateConfig
+from gateway.config.upstreams import UpstreamConfig
 from gateway.observability.metrics import Metrics
 from gateway.responses.store import Bridged, MemoryResponseStore, Native
 from gateway.routing.health import Health, UpstreamHealth

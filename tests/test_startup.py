@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from gateway.app import create_app
-from gateway.config.schema import load_config
+from gateway.config.load import load_config
 
 from conftest import default_config
 

@@ -38,7 +38,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.config.schema import GatewayConfig, UpstreamConfig
+from gateway.config.schema import GatewayConfig
+from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import (
     GatewayDraining,
     GatewayError,

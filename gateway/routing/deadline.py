@@ -30,7 +30,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.config.schema import RouteConfig, Tier, UpstreamConfig
+from gateway.config.base import Tier
+from gateway.config.routes import RouteConfig
+from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import InvalidRequest
 from gateway.observability.estimates import Estimates, Latency
 from gateway.routing.policy import Candidate, Decision, RequestFacts

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from random import random
 from typing import Any, Protocol, TypeVar
 
-from gateway.config.schema import UpstreamConfig
+from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import GatewayError, UpstreamStatusError
 from gateway.observability import logs
 

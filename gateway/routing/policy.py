@@ -32,17 +32,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.config.schema import (
-    TIERS,
-    GatewayConfig,
-    MatchConfig,
-    Range,
-    RouteConfig,
-    RuleConfig,
-    StrMatch,
-    Tier,
-    UpstreamConfig,
-)
+from gateway.config.base import TIERS, Tier
+from gateway.config.routes import MatchConfig, Range, RouteConfig, RuleConfig, StrMatch
+from gateway.config.schema import GatewayConfig
+from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import InvalidRequest, ModelNotFound, UnknownURL
 from gateway.responses import bridge
 

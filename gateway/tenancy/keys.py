@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
 
-from gateway.config.schema import AuthConfig, KeyConfig, KeyLimits
+from gateway.config.auth import AuthConfig, KeyConfig, KeyLimits
 from gateway.errors import GatewayError, KeyOverBudget, RateLimited, Unauthorized
 
 KEY_PREFIX = "tg-"

@@ -15,7 +15,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 
-from gateway.config.schema import UpstreamConfig
+from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import StreamInterrupted, UpstreamTimeout, UpstreamUnavailable
 from gateway.tools.emulator import Plan, Received
 from gateway.upstream.client import ENTITY_HEADERS, ERROR_BODY_LIMIT, Body, pass_headers

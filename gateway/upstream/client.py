@@ -38,7 +38,7 @@ from pydantic import SecretStr
 from yarl import URL
 
 from gateway import __version__
-from gateway.config.schema import UpstreamConfig
+from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import (
     GatewayError,
     StreamInterrupted,

@@ -1,0 +1,158 @@
+"""One upstream of the config (``upstreams:``): where it is, which tier, its dialect, timeouts, health settings, models,
+prices and what else of the API it serves."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+from urllib.parse import urlsplit
+
+from pydantic import Field, field_validator, model_validator
+
+from gateway.config.base import Strict, Tier
+
+
+class Timeouts(Strict):
+    """Per-upstream timeouts in seconds.
+
+    connect: TCP connect (and TLS) to the upstream.
+    ttft: streams only: longest wait from sending the request to the first token-bearing event (status line
+        included); past it, with nothing yet sent to the client, the next candidate is tried. When set, it and
+        not ``idle`` bounds the silence before the first token (a model may think longer than ``idle`` allows
+        between tokens). None: ``idle`` bounds it (reasoning models can think for minutes before their first
+        visible token).
+    idle: longest silence from the upstream between events once tokens flow (and, without ``ttft``, while
+        waiting for the status line and the first token); a stream that stalls longer ends with an in-band
+        error (detected within ``1.25 * idle``; bytes the upstream sent that wait for a slow client are not
+        silence).
+    finish_grace: once every choice has its ``finish_reason``, how long to wait for the rest of the stream (the
+        usage chunk, ``[DONE]``) before ending the client's stream with ``[DONE]`` and closing the upstream;
+        also how long the gateway reads on for usage when the client leaves after the finish.
+    total: whole non-streaming request; streams have no total timeout.
+    """
+
+    connect: float = Field(5.0, gt=0)
+    ttft: float | None = Field(None, gt=0)
+    idle: float = Field(120.0, gt=0)
+    finish_grace: float = Field(2.0, ge=0)
+    total: float = Field(600.0, gt=0)
+
+
+class HealthConfig(Strict):
+    """Per-upstream health settings (``gateway.routing.health``); times in seconds.
+
+    failures: consecutive failures that open the circuit breaker; open_seconds: how long it stays open before
+    one probe is let through; cooldown_default / cooldown_max: rest after a 429 without / with a retry hint
+    (the hint is capped); max_concurrent: requests in flight before new ones spill over (None: no limit);
+    quota_reserve: remaining ``requests`` / ``tokens`` to keep unused (spill over before going under);
+    exhausted_cooldown: rest after a 429 that says the quota or credit is exhausted (``insufficient_quota``);
+    queue_seconds: with ``max_concurrent``, wait up to this long for a free slot before spilling over (None:
+    spill over at once).
+    """
+
+    failures: int = Field(5, ge=1)
+    open_seconds: float = Field(30.0, gt=0)
+    cooldown_default: float = Field(1.0, ge=0)
+    cooldown_max: float = Field(60.0, ge=0)
+    exhausted_cooldown: float = Field(300.0, ge=0)
+    max_concurrent: int | None = Field(None, ge=1)
+    queue_seconds: float | None = Field(None, gt=0)
+    quota_reserve: dict[Literal["requests", "tokens"], int] = {}
+
+
+class Prices(Strict):
+    """What an upstream charges, in USD per million tokens (``prompt_tokens`` includes the cached ones).
+
+    cached_input: the price of cached prompt tokens; when absent they cost the ``input`` price.
+    """
+
+    input: float = Field(ge=0)
+    output: float = Field(ge=0)
+    cached_input: float | None = Field(None, ge=0)
+
+    def per_token(self) -> tuple[float, float, float]:
+        """(input, cached input, output) in USD per token."""
+        cached = self.input if self.cached_input is None else self.cached_input
+        return self.input / 1e6, cached / 1e6, self.output / 1e6
+
+
+class UpstreamConfig(Strict):
+    """One upstream endpoint of a tier."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    tier: Tier
+    base_url: str
+    api_key_env: str | None = None
+    dialect: Literal["openai", "cerebras"] = "openai"
+    # how it serves POST /v1/responses: natively, through the gateway's Responses <-> chat bridge, or not at all;
+    # None: native for the openai dialect, bridge for cerebras (whose API serves chat completions only)
+    responses: Literal["native", "bridge", "none"] | None = None
+    timeouts: Timeouts = Timeouts()
+    models: dict[str, str] = Field(min_length=1)
+    context_window: int | None = Field(None, ge=1)
+    modalities: list[Literal["text", "image", "audio"]] = ["text", "image", "audio"]
+    weight: int = Field(1, ge=1)
+    health: HealthConfig = HealthConfig()
+    prices: Prices | None = None  # USD per million tokens of the models above; None: unpriced (no cost is recorded)
+    # USD per million tokens by model name as the client sends it, for any model (embeddings, models only this
+    # upstream lists, ...); overrides prices. A model priced by neither adds no cost (tiergate_unpriced_requests)
+    model_prices: dict[str, Prices] = {}
+    # the rest of the /v1 surface it serves (gateway.pipeline.passthrough): paths under /v1, each covering its sub-paths
+    # ("audio" covers "audio/speech"), "*" for all; None: all for the openai dialect, none for cerebras (whose API
+    # serves chat completions only). Chat completions and the Responses API are governed by models and responses.
+    endpoints: list[str] | None = None
+    # send the client's own Authorization header to this upstream instead of the upstream's key (a sidecar in
+    # front of applications that each hold their own OpenAI key); otherwise the client's key never leaves
+    pass_client_key: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_max_connections(cls, value: object) -> object:
+        if isinstance(value, dict) and "max_connections" in value:
+            raise ValueError("max_connections is no longer a setting (it was never applied: each request in flight "
+                             "has its own upstream connection); limit requests with health.max_concurrent")
+        return value
+
+    @model_validator(mode="after")
+    def _one_key(self) -> UpstreamConfig:
+        if self.pass_client_key and self.api_key_env is not None:
+            raise ValueError("pass_client_key sends the client's own key: api_key_env would never be used (set it "
+                             "to null)")
+        return self
+
+    @field_validator("endpoints")
+    @classmethod
+    def _endpoint_paths(cls, value: list[str] | None) -> list[str] | None:
+        for path in value or ():
+            if path != "*" and not re.fullmatch(r"[a-z0-9_]+(/[a-z0-9_]+)*", path):
+                raise ValueError(f"{path!r}: give a path under /v1 such as 'embeddings' or 'audio/speech', or '*'")
+        return value
+
+    @property
+    def endpoint_paths(self) -> tuple[str, ...]:
+        """``endpoints``, or its default for the dialect."""
+        if self.endpoints is not None:
+            return tuple(self.endpoints)
+        return () if self.dialect == "cerebras" else ("*",)
+
+    def serves(self, path: str) -> bool:
+        """Whether it serves ``path`` (under /v1, no leading slash: ``embeddings``, ``files/file-abc/content``)."""
+        return any(mine == "*" or path == mine or path.startswith(mine + "/") for mine in self.endpoint_paths)
+
+    @property
+    def responses_mode(self) -> Literal["native", "bridge", "none"]:
+        """``responses``, or its default for the dialect."""
+        if self.responses is not None:
+            return self.responses
+        return "bridge" if self.dialect == "cerebras" else "native"
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        try:
+            urlsplit(value).port  # noqa: B018 - urllib checks the port when it is read
+        except ValueError as exc:
+            raise ValueError(f"bad port: {exc}") from exc
+        return value.rstrip("/")
