@@ -91,3 +91,21 @@ def test_cerebras_time_info_and_labels_are_bounded(stack: Stack) -> None:
         assert _delta(before, after, "tiergate_upstream_reported_seconds_count", phase=phase, tier="fast") == 1
     # labels never carry request ids or raw client values
     assert "req_" not in after and "chatcmpl" not in after
+
+
+def test_every_family_of_the_table_is_an_attribute_of_its_kind() -> None:
+    """The families table (gateway.observability.families) is what Metrics builds: each row an attribute of the kind
+    its annotation says, registered under its name."""
+    from prometheus_client import CollectorRegistry
+
+    from gateway.observability.families import FAMILIES, PREFIX
+    from gateway.observability.metrics import Metrics
+
+    registry = CollectorRegistry()
+    metrics = Metrics(registry, [], [])
+    names = {m.name for m in registry.collect()}
+    for family in FAMILIES:
+        assert isinstance(getattr(metrics, family.attr), family.kind)
+        assert Metrics.__annotations__[family.attr] == family.kind.__name__
+        assert f"{PREFIX}_{family.name}" in names
+    assert len({f.attr for f in FAMILIES}) == len(FAMILIES) == len(Metrics.__annotations__)

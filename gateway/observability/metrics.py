@@ -34,17 +34,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-PREFIX = "tiergate"
-TPOT_BUCKETS = (0.0005, 0.00075, 0.001, 0.00125, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02,
-                0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5)
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 15,
-                30, 60, 120)
-DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600, 900)
-TPS_BUCKETS = (5, 10, 20, 30, 40, 50, 75, 100, 150, 200, 300, 400, 500, 600, 750, 1000, 1500, 2000, 3000, 5000)
-OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
-TOKEN_TYPES = ("input", "output", "cached_input", "reasoning")
+from gateway.observability.families import FAMILIES, TOKEN_TYPES
 
-_T = ("tier", "upstream", "model")
 # outcomes for which an upstream produced an answer (and may bill for it): these add cost or count as unpriced
 BILLABLE = ("success", "stream_error", "client_disconnect")
 STATES = ("closed", "open", "half_open", "cooldown")
@@ -63,6 +54,49 @@ class Metrics:
             upstream lists, embeddings, ...); it overrides ``prices``. Any other model is unpriced.
     """
 
+    requests: Counter
+    ttft: Histogram
+    tpot: Histogram
+    tps: Histogram
+    duration: Histogram
+    overhead: Histogram
+    tokens: Counter
+    usage_missing: Counter
+    usage_estimated: Counter
+    upstream_errors: Counter
+    fallbacks: Counter
+    spillovers: Counter
+    upstream_state: Gauge
+    quota_remaining: Gauge
+    attempts: Histogram
+    decisions: Counter
+    in_flight: Gauge
+    upstream_reported: Histogram
+    cost: Counter
+    responses: Counter
+    tasks: Gauge
+    unpriced: Counter
+    pt_requests: Counter
+    pt_duration: Histogram
+    pt_bytes_in: Counter
+    pt_bytes_out: Counter
+    deadline_decisions: Counter
+    hedges: Counter
+    hedge_cost: Counter
+    est_ttft: Gauge
+    est_prefill: Gauge
+    est_speed: Gauge
+    est_samples: Gauge
+    key_requests: Counter
+    key_tokens: Counter
+    key_cost: Counter
+    key_refusals: Counter
+    key_downgrades: Counter
+    auth_failures: Counter
+    shared_up: Gauge
+    shared_errors: Counter
+    shared_dropped: Counter
+
     def __init__(self, registry: CollectorRegistry, models: Iterable[str],
                  routes: Iterable[tuple[str, str, Iterable[str]]],
                  prices: Mapping[str, tuple[float, float, float]] | None = None,
@@ -72,129 +106,8 @@ class Metrics:
         self.prices = dict(prices or {})
         self.model_prices = dict(model_prices or {})
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
-        p = PREFIX
-        self.requests = Counter(f"{p}_requests", "Client requests by tier, upstream, model and outcome.",
-                                (*_T, "outcome"), registry=registry)
-        self.ttft = Histogram(f"{p}_time_to_first_token_seconds",
-                              "Request arrival to the first token-bearing chunk (streams).", _T,
-                              buckets=TTFT_BUCKETS, registry=registry)
-        self.tpot = Histogram(f"{p}_time_per_output_token_seconds",
-                              "(t_last_token - t_first_token) / (completion_tokens - 1), from upstream usage.", _T,
-                              buckets=TPOT_BUCKETS, registry=registry)
-        self.tps = Histogram(f"{p}_output_tokens_per_second", "Decode speed: the inverse of time per output token.",
-                             _T, buckets=TPS_BUCKETS, registry=registry)
-        self.duration = Histogram(f"{p}_request_duration_seconds", "Request arrival to the last byte sent.",
-                                  (*_T, "stream"), buckets=DURATION_BUCKETS, registry=registry)
-        self.overhead = Histogram(f"{p}_gateway_overhead_seconds",
-                                  "Gateway time from request arrival to the upstream request being sent.",
-                                  ("tier",), buckets=OVERHEAD_BUCKETS, registry=registry)
-        self.tokens = Counter(f"{p}_tokens", "Tokens from usage, by type; usage: reported by the upstream, or "
-                              "estimated by the gateway (a stream without usage: its relayed token chunks and the "
-                              "estimated prompt).", (*_T, "token_type", "usage"), registry=registry)
-        self.usage_missing = Counter(f"{p}_usage_missing", "Successful requests whose upstream reported no usage.",
-                                     _T, registry=registry)
-        self.usage_estimated = Counter(f"{p}_usage_estimated", "Requests answered without the upstream's usage whose "
-                                       "tokens and cost were estimated from the relayed token chunks and the "
-                                       "estimated prompt.", _T, registry=registry)
-        self.upstream_errors = Counter(f"{p}_upstream_errors", "Failed upstream attempts by reason.",
-                                       ("tier", "upstream", "reason"), registry=registry)
-        self.fallbacks = Counter(f"{p}_fallbacks", "Requests served by another candidate than the first, by reason.",
-                                 ("from_tier", "to_tier", "reason"), registry=registry)
-        self.spillovers = Counter(
-            f"{p}_spillovers", "Candidates passed over before sending, by reason (circuit_open, circuit_half_open, "
-            "cooldown, quota_requests, quota_tokens, concurrency).", ("tier", "upstream", "reason"), registry=registry)
-        self.upstream_state = Gauge(f"{p}_upstream_state", "1 for the upstream's current health state, else 0.",
-                                    ("upstream", "state"), registry=registry, multiprocess_mode="livemostrecent")
-        self.quota_remaining = Gauge(f"{p}_upstream_quota_remaining",
-                                     "Remaining requests or tokens as last reported in the upstream's rate-limit "
-                                     "headers, minus what was sent since.", ("upstream", "kind"), registry=registry,
-                                     multiprocess_mode="livemostrecent")
-        self.attempts = Histogram(f"{p}_upstream_attempts", "Upstream attempts per request.", (),
-                                  buckets=(1, 2, 3, 4, 5, 10), registry=registry)
-        self.decisions = Counter(f"{p}_routing_decisions", "Routing decisions by rule and chosen tier.",
-                                 ("rule", "tier"), registry=registry)
-        self.in_flight = Gauge(f"{p}_in_flight_requests", "Streams being relayed now.", ("tier", "upstream"),
-                               registry=registry, multiprocess_mode="livesum")
-        self.upstream_reported = Histogram(
-            f"{p}_upstream_reported_seconds", "Upstream-reported timings: Cerebras time_info, openai-processing-ms.",
-            ("tier", "upstream", "phase"), buckets=TTFT_BUCKETS, registry=registry)
-        self.cost = Counter(f"{p}_cost_usd", "Cost in USD from usage (reported or estimated, as tokens) and the "
-                            "configured prices.", (*_T, "usage"), registry=registry)
-        self.responses = Counter(f"{p}_responses_api_requests", "Responses API requests answered, by how the upstream "
-                                 "served them: natively, or through the gateway's chat-completions bridge.",
-                                 ("tier", "upstream", "mode"), registry=registry)
-        self.tasks = Gauge(f"{p}_event_loop_tasks", "asyncio tasks alive in the process at scrape time (requests in "
-                           "flight and their watchers, plus the server's own); flat when nothing leaks.", (),
-                           registry=registry, multiprocess_mode="livesum")
-        self.unpriced = Counter(f"{p}_unpriced_requests",
-                                "Requests answered by an upstream that added no cost: no usage reported, or no "
-                                "prices configured for the upstream.", _T, registry=registry)
-        # the rest of the /v1 surface (gateway.pipeline.passthrough); endpoint: gateway.pipeline.passthrough.ENDPOINTS
-        # or "other"
-        _E = ("endpoint", "tier", "upstream")
-        self.pt_requests = Counter(f"{p}_passthrough_requests", "Requests to the other /v1 endpoints (embeddings, "
-                                   "audio, files, ...) by endpoint, tier, upstream and outcome.", (*_E, "outcome"),
-                                   registry=registry)
-        self.pt_duration = Histogram(f"{p}_passthrough_request_duration_seconds",
-                                     "Passthrough request arrival to the last byte sent.", _E,
-                                     buckets=DURATION_BUCKETS, registry=registry)
-        self.pt_bytes_in = Counter(f"{p}_passthrough_request_bytes", "Request body bytes sent upstream.", _E,
-                                   registry=registry)
-        self.pt_bytes_out = Counter(f"{p}_passthrough_response_bytes", "Response body bytes sent to clients.", _E,
-                                    registry=registry)
-        # measured routing (gateway.observability.estimates, gateway.routing.deadline, hedging in gateway.pipeline.chat)
-        self.deadline_decisions = Counter(
-            f"{p}_deadline_decisions", "Requests with a latency budget, by the tier and upstream chosen and the "
-            "verdict (meets, fastest, explore, probe, unmeasured).", ("tier", "upstream", "verdict"),
-            registry=registry)
-        self.hedges = Counter(
-            f"{p}_hedges", "First-token hedges started, by outcome: won (the hedge's first token came first and was "
-            "relayed), lost (the first candidate's did; the hedge was cancelled), cancelled (the request ended "
-            "before either produced a token).", ("outcome",), registry=registry)
-        self.hedge_cost = Counter(
-            f"{p}_hedge_cost_usd", "Estimated cost of cancelled hedge losers: their reported usage if any, else the "
-            "estimated prompt at the input price (an upstream may bill a prefill it started).", ("tier", "upstream"),
-            registry=registry)
-        _L = ("upstream", "model")
-        self.est_ttft = Gauge(
-            f"{p}_estimated_ttft_seconds", "Live TTFT estimate at a 1,000-token prompt (the gateway's estimate of "
-            "prompt size): stat p50 (central) or p90 (tail); absent while unmeasured.", (*_L, "stat"),
-            registry=registry, multiprocess_mode="mostrecent")
-        self.est_prefill = Gauge(f"{p}_estimated_ttft_seconds_per_prompt_token", "Slope of the live TTFT estimate: "
-                                 "seconds added per prompt token.", _L, registry=registry,
-                                 multiprocess_mode="mostrecent")
-        self.est_speed = Gauge(f"{p}_estimated_output_tokens_per_second", "Live decode speed estimate: stat p50 "
-                               "(central) or p10 (tail: the slow side).", (*_L, "stat"), registry=registry,
-                               multiprocess_mode="mostrecent")
-        self.est_samples = Gauge(f"{p}_estimate_samples", "TTFT samples in the live estimate's window.", _L,
-                                 registry=registry, multiprocess_mode="mostrecent")
-        # gateway keys (gateway.tenancy.keys): labelled by the key's name from the config, never the key
-        self.key_requests = Counter(f"{p}_key_requests", "Requests by gateway key and outcome.", ("key", "outcome"),
-                                    registry=registry)
-        self.key_tokens = Counter(f"{p}_key_tokens", "Tokens from upstream usage by gateway key and type (input, "
-                                  "output).", ("key", "token_type"), registry=registry)
-        self.key_cost = Counter(f"{p}_key_cost_usd", "Cost in USD by gateway key (as tiergate_cost_usd_total).",
-                                ("key",), registry=registry)
-        self.key_refusals = Counter(f"{p}_key_refusals", "Requests refused (429) by their gateway key's limits, by "
-                                    "the limit (requests_per_minute, tokens_per_minute, usd_per_day, usd_per_month).",
-                                    ("key", "limit"), registry=registry)
-        self.key_downgrades = Counter(f"{p}_key_downgrades", "Requests served by another tier than routing chose "
-                                      "because of their gateway key: key_tier (the key may not use it), "
-                                      "key_allowance (its fast-tier allowance is spent).", ("key", "reason"),
-                                      registry=registry)
-        self.auth_failures = Counter(f"{p}_auth_failures", "Requests answered 401 (auth: configured), by reason: "
-                                     "missing, malformed, unknown.", ("reason",), registry=registry)
-        # replicas' shared state (gateway.state.redis)
-        self.shared_up = Gauge(f"{p}_shared_state_up", "1 while the Redis the replicas share state through answers, 0 "
-                               "while this process goes on with its local state; absent without state.redis_url.", (),
-                               registry=registry, multiprocess_mode="livemin")
-        self.shared_errors = Counter(
-            f"{p}_shared_state_errors", "Redis operations that failed or outlasted state.timeout, by operation "
-            "(admit, observe, rest, store, subscribe, ping): the gateway went on with its local state.", ("op",),
-            registry=registry)
-        self.shared_dropped = Counter(f"{p}_shared_state_dropped", "Updates for the other replicas not sent because "
-                                      "Redis was unreachable (cooldowns, breaker transitions, quota reports).", (),
-                                      registry=registry)
+        for family in FAMILIES:
+            setattr(self, family.attr, family.build(registry))
         self._initialise(routes)
 
     def _initialise(self, routes: Iterable[tuple[str, str, Iterable[str]]]) -> None:
