@@ -46,8 +46,9 @@ from gateway.config.schema import GatewayConfig
 from gateway.errors import upstream_error
 from gateway.observability.estimates import Estimates
 from gateway.routing import deadline, failover
+from gateway.routing.facts import Candidate, Decision, RequestFacts
 from gateway.routing.health import Health
-from gateway.routing.policy import Candidate, Decision, Policy, RequestFacts
+from gateway.routing.policy import Policy
 
 POLICIES = ("static", "deadline", "deadline+hedge")
 WORKLOADS = {  # share, output tokens, prompt bytes, budget (whole s, ttft s)

@@ -51,7 +51,8 @@ def gateway_role(argv: list[str]) -> int:
     from gateway.config.load import load_config
     from gateway.config.settings import Settings
     from gateway.http.server import uvicorn_options
-    from gateway.routing.policy import Decision, Policy, RequestFacts
+    from gateway.routing.facts import Decision, RequestFacts
+    from gateway.routing.policy import Policy
     from gateway.upstream.client import Answer, UpstreamPool
 
     records: list[dict[str, float]] = []

@@ -24,7 +24,8 @@ from gateway.config.load import LoadedConfig, load_config
 from gateway.config.settings import Settings, environ, set_worker_environment
 from gateway.errors import ConfigError
 from gateway.observability import logs
-from gateway.routing.policy import Policy, config_warnings
+from gateway.routing.policy import Policy
+from gateway.routing.rules import config_warnings
 
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
 

@@ -12,7 +12,7 @@ import yaml
 
 from gateway.config.load import load_config
 from gateway.errors import ConfigError
-from gateway.routing.policy import default_rules
+from gateway.routing.rules import default_rules
 
 from conftest import ROOT
 

@@ -12,7 +12,8 @@ from gateway.config.schema import GatewayConfig
 from gateway.errors import InvalidRequest
 from gateway.observability.estimates import Estimates, quantile
 from gateway.routing.deadline import DEFAULT_COMPLETION, Budget, Explorer, budget, choose, describe, headers
-from gateway.routing.policy import Policy, RequestFacts
+from gateway.routing.facts import RequestFacts
+from gateway.routing.policy import Policy
 
 
 def test_quantile_interpolates_between_ranks_like_numpy() -> None:

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from gateway.config.upstreams import UpstreamConfig
+from gateway.routing.facts import Candidate
 from gateway.routing.health import Health, UpstreamHealth, parse_reset, parse_retry_after
-from gateway.routing.policy import Candidate
 
 
 def upstream(name: str = "u", tier: str = "fast", **kw: Any) -> UpstreamConfig:

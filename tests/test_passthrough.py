@@ -27,7 +27,8 @@ from gateway.config.load import LoadedConfig
 from gateway.config.schema import GatewayConfig
 from gateway.errors import ModelNotFound, UnknownURL
 from gateway.pipeline.passthrough import endpoint_label, tail_usage
-from gateway.routing.policy import Policy, RequestFacts
+from gateway.routing.facts import RequestFacts
+from gateway.routing.policy import Policy
 from gateway.tools.emulator import EmulatorThread, Plan, Received
 from gateway.tools.scripted import ScriptedTransport
 from gateway.tools.surface import vector

@@ -19,8 +19,9 @@ from gateway.errors import (
     upstream_error,
 )
 from gateway.routing import failover
+from gateway.routing.facts import RequestFacts
 from gateway.routing.health import Health
-from gateway.routing.policy import Policy, RequestFacts
+from gateway.routing.policy import Policy
 
 
 class Clock:

@@ -8,7 +8,8 @@ import pytest
 
 from gateway.config.schema import GatewayConfig
 from gateway.errors import ModelNotFound
-from gateway.routing.policy import Policy, RequestFacts
+from gateway.routing.facts import RequestFacts
+from gateway.routing.policy import Policy
 
 CONFIG = GatewayConfig.model_validate({
     "default_tier": "standard",

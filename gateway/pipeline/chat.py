@@ -69,8 +69,9 @@ from gateway.pipeline.exchange import (
 from gateway.responses import bridge
 from gateway.responses.store import Bridged, Native, ResponseStore
 from gateway.routing import deadline, failover
+from gateway.routing.facts import Candidate, Continuation, Decision, RequestFacts
 from gateway.routing.health import Blame, Health
-from gateway.routing.policy import Candidate, Continuation, Decision, Policy, RequestFacts
+from gateway.routing.policy import Policy
 from gateway.state.redis import Admission, SharedState, SharedVerdicts
 from gateway.stream.relay import Relay, StreamStats, Write
 from gateway.tenancy.keys import Hold, Key, Ledger, MemoryLedger, Refusal, Spend, bounded
@@ -532,7 +533,7 @@ class Gateway:
         cont = await self._continuation(body, refresh, key)
         if cont is not None and cont.history:
             size += len(dumps(list(cont.history)))  # the conversation goes upstream too: routing counts it
-        return RequestFacts(body, headers, size, responses=True, continuation=cont,
+        return RequestFacts(body, headers, size, responses=True, continuation=cont, bridgeable=bridge.unbridgeable,
                             defaults=key.cfg.metadata if key is not None else None)
 
     async def _continuation(self, body: dict[str, Any], refresh: bool, key: Key | None) -> Continuation | None:

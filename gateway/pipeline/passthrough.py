@@ -51,8 +51,8 @@ from gateway.observability.metrics import Metrics
 from gateway.pipeline.chat import MAX_NEED, Gateway, Watch
 from gateway.pipeline.exchange import CLOSE, ClientGone, Exchange, Headers, headers_of, read_body
 from gateway.routing import failover
+from gateway.routing.facts import Candidate, Decision, RequestFacts
 from gateway.routing.health import UNTRACKED
-from gateway.routing.policy import Candidate, Decision, RequestFacts
 from gateway.tenancy.objects import OBJECT_ENDPOINTS, created_ids, filter_list, object_ids, references
 from gateway.upstream.client import Answer, Attempt, Body, field_value
 from gateway.wire.body import chat_usage, check_limits, is_json_type, replace_top_level

@@ -35,7 +35,7 @@ from gateway.config.routes import RouteConfig
 from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import InvalidRequest
 from gateway.observability.estimates import Estimates, Latency
-from gateway.routing.policy import Candidate, Decision, RequestFacts
+from gateway.routing.facts import Candidate, Decision, RequestFacts
 from gateway.wire.body import dumps
 
 DEADLINE_HEADER = "x-tiergate-deadline-ms"

@@ -34,8 +34,8 @@ from gateway.errors import (
     UpstreamStatusError,
     UpstreamTimeout,
 )
+from gateway.routing.facts import Candidate, Decision
 from gateway.routing.health import SOFT_REASONS, Blame, Health, UpstreamHealth
-from gateway.routing.policy import Candidate, Decision
 
 
 @dataclass

@@ -1,0 +1,209 @@
+"""What routing reads of a request and what it decides: :class:`RequestFacts` (each fact computed on first use),
+:class:`Continuation` (what the gateway knows of the response a Responses request continues), and the
+:class:`Decision` with its :class:`Candidate` upstreams. Pure code, no I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.config.base import Tier
+from gateway.config.routes import RouteConfig
+from gateway.config.upstreams import UpstreamConfig
+
+TIER_HEADER = "x-tiergate-tier"
+
+
+BYTES_PER_TOKEN = 4  # OpenAI's rule of thumb for English text: ~4 characters per token
+
+
+_IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
+
+
+_AUDIO_PARTS = frozenset({"input_audio", "audio"})
+
+
+Bridgeable = Callable[[Mapping[str, Any]], "tuple[str, str, str] | None"]
+
+
+class _lazy:  # noqa: N801 - a decorator, named like functools.cached_property
+    """Compute an attribute on first use and store it on the instance (``functools.cached_property`` without the
+    lock it takes on every access in Python 3.11, which made it the costliest part of routing)."""
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn = fn
+        self.name = fn.__name__
+
+    def __get__(self, obj: Any, cls: type | None = None) -> Any:
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.fn(obj)
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """What the gateway knows of the response a Responses request continues (its ``previous_response_id``).
+
+    upstream: the upstream that made it natively (only it can continue it: affinity), or None; held: the gateway
+    made it through the bridge and holds the whole conversation (any upstream may continue it); history: that
+    conversation's items when held. Neither: made elsewhere; only a native upstream might know it.
+    """
+
+    response_id: str
+    upstream: str | None = None
+    held: bool = False
+    history: tuple[dict[str, Any], ...] = ()
+
+
+class RequestFacts:
+    """What routing can read from one request; each fact is computed on first use.
+
+    Args:
+        body: the parsed chat-completions or Responses API body (``model`` already checked to be a string).
+        headers: request headers with lower-case names.
+        size: the request body's length in bytes (for the prompt-size estimate).
+        responses: the body is a Responses API request (``POST /v1/responses``).
+        continuation: for a Responses request with ``previous_response_id``, what the gateway knows of it.
+        bridgeable: for a Responses request, what the Responses bridge cannot serve of a body (param, why, code), or
+            None: routing reads it, the bridge knows it (routing imports no translator).
+        defaults: ``metadata`` read as if the client had sent it, under what it did send (its gateway key's).
+    """
+
+    def __init__(self, body: Mapping[str, Any], headers: Mapping[str, str], size: int = 0, *,
+                 responses: bool = False, continuation: Continuation | None = None,
+                 defaults: Mapping[str, str] | None = None, bridgeable: Bridgeable | None = None) -> None:
+        self._bridgeable = bridgeable
+        self.defaults = defaults
+        self.body = body
+        self.headers = headers
+        self.size = size
+        self.model: str = body["model"]
+        self.responses = responses
+        self.continuation = continuation
+
+    @_lazy
+    def unbridgeable(self) -> tuple[str, str, str] | None:
+        """For a Responses request: (param, why, code) of what the bridge cannot serve (the ``bridgeable`` check it
+        was given: ``gateway.responses.request.unbridgeable``), or None."""
+        return self._bridgeable(self.body) if self.responses and self._bridgeable is not None else None
+
+    @_lazy
+    def stream(self) -> bool:
+        return self.body.get("stream") is True
+
+    @_lazy
+    def service_tier(self) -> str | None:
+        value = self.body.get("service_tier")
+        return value if isinstance(value, str) else None
+
+    @_lazy
+    def metadata(self) -> dict[str, Any]:
+        value = self.body.get("metadata")
+        given = value if isinstance(value, dict) else {}
+        return {**self.defaults, **given} if self.defaults else given
+
+    @_lazy
+    def tier_header(self) -> str | None:
+        value = self.headers.get(TIER_HEADER)
+        return value.strip().lower() if value else None
+
+    @_lazy
+    def user_agent(self) -> str:
+        return self.headers.get("user-agent", "")
+
+    @_lazy
+    def tools(self) -> bool:
+        tools = self.body.get("tools")
+        return isinstance(tools, list) and len(tools) > 0
+
+    @_lazy
+    def tool_choice(self) -> str | None:
+        value = self.body.get("tool_choice")
+        if isinstance(value, dict):
+            return "function"
+        return value if isinstance(value, str) else None
+
+    @_lazy
+    def _parts(self) -> frozenset[str]:
+        kinds: set[str] = set()
+        messages = self.body.get("messages")
+        if not isinstance(messages, list):  # a Responses API body: ``input`` items carry content parts
+            messages = self.body.get("input")
+        for message in messages if isinstance(messages, list) else ():
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                kinds.update(str(p["type"]) for p in content if isinstance(p, dict) and isinstance(p.get("type"), str))
+        return frozenset(kinds)
+
+    @_lazy
+    def images(self) -> bool:
+        return not self._parts.isdisjoint(_IMAGE_PARTS)
+
+    @_lazy
+    def audio(self) -> bool:
+        modalities = self.body.get("modalities")
+        wants_audio = isinstance(modalities, list) and "audio" in modalities
+        return wants_audio or not self._parts.isdisjoint(_AUDIO_PARTS)
+
+    @_lazy
+    def prompt_tokens(self) -> int:
+        """Estimated prompt tokens: request bytes / 4 (cheap and offline; no tokenizer on the hot path)."""
+        return -(-self.size // BYTES_PER_TOKEN)
+
+    @_lazy
+    def max_tokens(self) -> int | None:
+        for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+            value = self.body.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return None
+
+    @_lazy
+    def n(self) -> int:
+        value = self.body.get("n")
+        return value if isinstance(value, int) and not isinstance(value, bool) else 1
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every fact, for ``POST /v1/tiergate/route``."""
+        return {"model": self.model, "stream": self.stream, "service_tier": self.service_tier,
+                "metadata": self.metadata, "tier_header": self.tier_header, "user_agent": self.user_agent,
+                "tools": self.tools, "tool_choice": self.tool_choice, "images": self.images, "audio": self.audio,
+                "prompt_tokens_estimate": self.prompt_tokens, "max_tokens": self.max_tokens, "n": self.n,
+                "api": "responses" if self.responses else "chat", "unbridgeable": self.unbridgeable,
+                "previous_response_id": self.continuation.response_id if self.continuation else None}
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One upstream to try: the upstream config and the model id to send it."""
+
+    upstream: UpstreamConfig
+    upstream_model: str
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The route for one request.
+
+    tier: the tier the matching rule chose; rule: its name; reason: one human sentence; model: the configured
+    (alias-resolved) model name; candidates: upstreams in the order to try; fallback: why the first candidate
+    is not on the chosen tier (``model_not_on_fast_tier``, ``context_window``, ``modality``), or None;
+    trace: one line per earlier rule saying why it did not match; skipped: (upstream, reason) left out;
+    index: the 1-based position of the matching rule (0 for the default); route: the matching rule's route (its
+    deadline and hedging settings), or None; deadline: the deadline choice (``gateway.routing.deadline.Choice``) that
+    ordered the candidates when the request had a latency budget, else None.
+    """
+
+    tier: Tier
+    rule: str
+    reason: str
+    model: str
+    candidates: tuple[Candidate, ...]
+    fallback: str | None = None
+    trace: tuple[str, ...] = ()
+    skipped: tuple[tuple[str, str], ...] = ()
+    index: int = 0
+    route: RouteConfig | None = None
+    deadline: Any = None
