@@ -10,7 +10,8 @@ import pytest
 
 from gateway.config.upstreams import UpstreamConfig
 from gateway.routing.facts import Candidate
-from gateway.routing.health import Health, UpstreamHealth, parse_reset, parse_retry_after
+from gateway.routing.health import Health, UpstreamHealth
+from gateway.routing.ratelimits import parse_reset, parse_retry_after
 
 
 def upstream(name: str = "u", tier: str = "fast", **kw: Any) -> UpstreamConfig:

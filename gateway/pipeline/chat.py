@@ -69,8 +69,9 @@ from gateway.pipeline.exchange import (
 from gateway.responses import bridge
 from gateway.responses.store import Bridged, Native, ResponseStore
 from gateway.routing import deadline, failover
+from gateway.routing.blame import Blame
 from gateway.routing.facts import Candidate, Continuation, Decision, RequestFacts
-from gateway.routing.health import Blame, Health
+from gateway.routing.health import Health
 from gateway.routing.policy import Policy
 from gateway.state.redis import Admission, SharedState, SharedVerdicts
 from gateway.stream.relay import Relay, StreamStats, Write

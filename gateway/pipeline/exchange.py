@@ -28,7 +28,7 @@ from gateway.errors import (
 )
 from gateway.observability import logs
 from gateway.observability.metrics import BILLABLE, Metrics
-from gateway.routing.health import Blame
+from gateway.routing.blame import Blame
 from gateway.stream.relay import Relay
 from gateway.tenancy.keys import Hold, Key
 

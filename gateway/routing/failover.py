@@ -34,8 +34,9 @@ from gateway.errors import (
     UpstreamStatusError,
     UpstreamTimeout,
 )
+from gateway.routing.blame import Blame
 from gateway.routing.facts import Candidate, Decision
-from gateway.routing.health import SOFT_REASONS, Blame, Health, UpstreamHealth
+from gateway.routing.health import SOFT_REASONS, Health, UpstreamHealth
 
 
 @dataclass

@@ -38,9 +38,6 @@ Replicas that share state (``gateway.state.redis``) tell each other their cooldo
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-import re
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
@@ -51,139 +48,13 @@ from typing import Any, Protocol, TypeVar
 from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import GatewayError, UpstreamStatusError
 from gateway.observability import logs
+from gateway.routing.blame import MAX_SOURCES, Blame, request_shaped
+from gateway.routing.ratelimits import quota_report, retry_wait
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
-_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 SOFT_REASONS = frozenset({"quota_requests", "quota_tokens", "concurrency"})  # estimates: try anyway if nothing else
+
+
 T = TypeVar("T")
-# failures without a status that a request's content can cause (gateway.errors codes): a first token or an answer that
-# never comes (a prompt that takes the upstream too long), a broken, oversized or nonsensical answer
-SHAPED_CODES = frozenset({"upstream_ttft_timeout", "upstream_idle_timeout", "upstream_stream_interrupted",
-                          "upstream_event_too_large", "upstream_bad_response"})
-MAX_SOURCES = 1024  # sources whose recent request-shaped failures an upstream remembers (the least recent go first)
-
-
-def request_shaped(exc: GatewayError) -> bool:
-    """Whether ``exc`` is a failure a request's own content can cause (module docstring: whose fault): a 5xx status
-    (an error event's included), or one of :data:`SHAPED_CODES`. A refused or reset connection is not."""
-    if isinstance(exc, UpstreamStatusError):
-        return exc.status >= 500
-    return exc.code in SHAPED_CODES
-
-
-class Blame:
-    """Who one request's request-shaped failures are charged to (module docstring: whose fault), and which it charged.
-
-    Args:
-        source: the request's source, computed when first asked (a gateway key's name, or a digest of the body: only a
-            failure, or an upstream resting for some source, asks).
-
-    Attributes:
-        charged: (upstream name, its verdicts, source) of each request-shaped failure charged so far, in order (the
-            verdicts: ``gateway.upstream.client.Verdicts``, which can take one back).
-    """
-
-    __slots__ = ("_source", "_known", "charged")
-
-    def __init__(self, source: Callable[[], str]) -> None:
-        self._source = source
-        self._known: str | None = None
-        self.charged: list[tuple[str, Any, str]] = []
-
-    def who(self) -> str:
-        """The request's source (computed once)."""
-        if self._known is None:
-            self._known = self._source()
-        return self._known
-
-    def everywhere(self, tried: int) -> bool:
-        """Whether every one of the ``tried`` attempts failed request-shaped, on two upstreams or more: the request's
-        fault (module docstring)."""
-        return tried >= 2 and len(self.charged) == tried and len({name for name, _, _ in self.charged}) >= 2
-
-    def retract(self) -> None:
-        """Take back every failure charged (:meth:`UpstreamHealth.retract`); charge nothing more."""
-        for _, verdicts, source in self.charged:
-            verdicts.retract(source)
-        self.charged = []
-
-
-@functools.lru_cache(maxsize=1024)  # one per answer with rate-limit headers; the values repeat ("6m0s", "1ms", ...)
-def parse_reset(value: str) -> float | None:
-    """Seconds from a rate-limit reset header: ``1.5`` (Cerebras), ``6m0s``, ``120ms``, ``1m19.156s`` (OpenAI)."""
-    value = value.strip()
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    parts = _DURATION.findall(value)
-    if not parts or "".join(n + u for n, u in parts) != value:
-        return None
-    return sum(float(n) * _UNITS[u] for n, u in parts)
-
-
-def parse_retry_after(headers: Mapping[str, str]) -> float | None:
-    """Seconds to wait from ``retry-after-ms`` (float ms) or ``retry-after`` (float seconds), as the SDK reads them."""
-    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
-        value = headers.get(name)
-        if value:
-            try:
-                return max(0.0, float(value) * scale)
-            except ValueError:
-                continue
-    return None
-
-
-def quota_report(headers: Mapping[str, str]) -> dict[str, tuple[float, float]]:
-    """The tightest window of each kind an answer's ``x-ratelimit-remaining-*`` / ``-reset-*`` headers report:
-    ``{"requests" | "tokens": (remaining, seconds to its reset)}``; a window without a readable reset is taken for
-    the per-minute one both OpenAI and Cerebras use (60 s)."""
-    seen: dict[str, tuple[float, float]] = {}
-    for name, value in headers.items():
-        if not name.startswith("x-ratelimit-remaining-"):
-            continue
-        suffix = name[len("x-ratelimit-remaining-"):]  # requests, tokens, requests-day, tokens-minute, ...
-        kind = suffix.split("-", 1)[0]
-        if kind not in ("requests", "tokens"):
-            continue
-        try:
-            remaining = float(value)
-        except ValueError:
-            continue
-        reset = parse_reset(headers.get(f"x-ratelimit-reset-{suffix}", ""))
-        if kind not in seen or remaining < seen[kind][0]:
-            seen[kind] = (remaining, 60.0 if reset is None else reset)
-    return seen
-
-
-def retry_wait(headers: Mapping[str, str]) -> float | None:
-    """Seconds a 429 asks to wait: its retry hint, else the reset of the window it exhausted, else None.
-
-    Cerebras answers 429 with ``x-ratelimit-reset-requests-minute`` / ``-tokens-minute`` (float seconds) and no
-    ``retry-after`` (its rate-limit docs). The windows whose ``x-ratelimit-remaining-*`` is 0 decide (the longest
-    of them); with no remaining counts at all, the soonest reset (a daily window's reset is hours away and says
-    nothing about which window ran out).
-    """
-    wait = parse_retry_after(headers)
-    if wait is not None:
-        return wait
-    empty: list[float] = []
-    resets: list[float] = []
-    for name, value in headers.items():
-        if not name.startswith("x-ratelimit-reset-"):
-            continue
-        reset = parse_reset(value)
-        if reset is None:
-            continue
-        resets.append(reset)
-        remaining = headers.get("x-ratelimit-remaining-" + name[len("x-ratelimit-reset-"):])
-        with contextlib.suppress(ValueError):
-            if remaining is not None and float(remaining) <= 0:
-                empty.append(reset)
-    if empty:
-        return max(empty)
-    has_counts = any(n.startswith("x-ratelimit-remaining-") for n in headers)
-    return min(resets) if resets and not has_counts else None
 
 
 @dataclass
@@ -545,4 +416,3 @@ class Untracked:
 
 
 UNTRACKED = Untracked()
-

@@ -59,7 +59,8 @@ from gateway.errors import GatewayError
 from gateway.observability import logs
 from gateway.observability.metrics import Metrics
 from gateway.responses.store import MemoryResponseStore, Record, decode, encode, items_of, previous_of
-from gateway.routing.health import Health, Mark, UpstreamHealth, quota_report
+from gateway.routing.health import Health, Mark, UpstreamHealth
+from gateway.routing.ratelimits import quota_report
 from gateway.tenancy.keys import DIMENSIONS, Hold, Key, MemoryLedger, Refusal, Spend, bounded, windows
 from gateway.tenancy.objects import MemoryOwners
 

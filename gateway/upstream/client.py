@@ -51,7 +51,8 @@ from gateway.errors import (
     upstream_error,
 )
 from gateway.observability import logs, tracing
-from gateway.routing.health import Blame, request_shaped, retry_wait
+from gateway.routing.blame import Blame, request_shaped
+from gateway.routing.ratelimits import retry_wait
 
 RESPONSE_HEADER_ALLOW = ("openai-processing-ms", "retry-after", "retry-after-ms", "x-should-retry")
 RESPONSE_HEADER_PREFIX_ALLOW = ("x-ratelimit-",)

@@ -1,0 +1,93 @@
+"""Rate-limit headers as OpenAI and Cerebras send them: reset durations (``6m0s``, ``120ms``, Cerebras' float seconds),
+retry hints (``retry-after-ms``, ``retry-after``), the tightest window of each kind an answer reports, and how long a
+429 asks to wait. Pure code over a header mapping."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Mapping
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+
+
+_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+
+
+@functools.lru_cache(maxsize=1024)  # one per answer with rate-limit headers; the values repeat ("6m0s", "1ms", ...)
+def parse_reset(value: str) -> float | None:
+    """Seconds from a rate-limit reset header: ``1.5`` (Cerebras), ``6m0s``, ``120ms``, ``1m19.156s`` (OpenAI)."""
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    parts = _DURATION.findall(value)
+    if not parts or "".join(n + u for n, u in parts) != value:
+        return None
+    return sum(float(n) * _UNITS[u] for n, u in parts)
+
+
+def parse_retry_after(headers: Mapping[str, str]) -> float | None:
+    """Seconds to wait from ``retry-after-ms`` (float ms) or ``retry-after`` (float seconds), as the SDK reads them."""
+    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value:
+            try:
+                return max(0.0, float(value) * scale)
+            except ValueError:
+                continue
+    return None
+
+
+def quota_report(headers: Mapping[str, str]) -> dict[str, tuple[float, float]]:
+    """The tightest window of each kind an answer's ``x-ratelimit-remaining-*`` / ``-reset-*`` headers report:
+    ``{"requests" | "tokens": (remaining, seconds to its reset)}``; a window without a readable reset is taken for
+    the per-minute one both OpenAI and Cerebras use (60 s)."""
+    seen: dict[str, tuple[float, float]] = {}
+    for name, value in headers.items():
+        if not name.startswith("x-ratelimit-remaining-"):
+            continue
+        suffix = name[len("x-ratelimit-remaining-"):]  # requests, tokens, requests-day, tokens-minute, ...
+        kind = suffix.split("-", 1)[0]
+        if kind not in ("requests", "tokens"):
+            continue
+        try:
+            remaining = float(value)
+        except ValueError:
+            continue
+        reset = parse_reset(headers.get(f"x-ratelimit-reset-{suffix}", ""))
+        if kind not in seen or remaining < seen[kind][0]:
+            seen[kind] = (remaining, 60.0 if reset is None else reset)
+    return seen
+
+
+def retry_wait(headers: Mapping[str, str]) -> float | None:
+    """Seconds a 429 asks to wait: its retry hint, else the reset of the window it exhausted, else None.
+
+    Cerebras answers 429 with ``x-ratelimit-reset-requests-minute`` / ``-tokens-minute`` (float seconds) and no
+    ``retry-after`` (its rate-limit docs). The windows whose ``x-ratelimit-remaining-*`` is 0 decide (the longest
+    of them); with no remaining counts at all, the soonest reset (a daily window's reset is hours away and says
+    nothing about which window ran out).
+    """
+    wait = parse_retry_after(headers)
+    if wait is not None:
+        return wait
+    empty: list[float] = []
+    resets: list[float] = []
+    for name, value in headers.items():
+        if not name.startswith("x-ratelimit-reset-"):
+            continue
+        reset = parse_reset(value)
+        if reset is None:
+            continue
+        resets.append(reset)
+        remaining = headers.get("x-ratelimit-remaining-" + name[len("x-ratelimit-reset-"):])
+        with contextlib.suppress(ValueError):
+            if remaining is not None and float(remaining) <= 0:
+                empty.append(reset)
+    if empty:
+        return max(empty)
+    has_counts = any(n.startswith("x-ratelimit-remaining-") for n in headers)
+    return min(resets) if resets and not has_counts else None
