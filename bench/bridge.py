@@ -13,7 +13,7 @@ Two measurements, each a median over ``--repeat`` runs [min, max]:
    write (its ``t=<monotonic ns>`` stamp) to the client, p50 / p99. Every stream is checked (all chunks, then
    ``[DONE]`` or one ``response.completed``); any failure fails the run.
 2. **The relay alone, in this process** (no sockets): the same chat stream fed to ``gateway.stream.relay.Relay`` and to
-   ``gateway.responses.bridge.BridgeRelay`` from memory, a write that drops its bytes; CPU microseconds per upstream
+   ``gateway.responses.stream.BridgeRelay`` from memory, a write that drops its bytes; CPU microseconds per upstream
    chunk (``time.process_time``). This is the translation's own cost, with nothing else in the figure.
 
 The chunk-delay columns need CPU pinning (``taskset``); without it the figures are still printed, marked unpinned.
@@ -176,7 +176,9 @@ def _chat_reads(tokens: int) -> list[bytes]:
 
 def in_process(tokens: int, streams: int) -> dict[str, float]:
     """Measurement 2 (module docstring): CPU microseconds per upstream chunk, relay vs bridge."""
-    from gateway.responses import bridge
+    from gateway.responses.ids import ID_PREFIX, new_id
+    from gateway.responses.stream import BridgeRelay
+    from gateway.responses.whole import Draft
     from gateway.stream.relay import Relay
 
     reads = _chat_reads(tokens)
@@ -189,7 +191,7 @@ def in_process(tokens: int, streams: int) -> dict[str, float]:
         t0 = time.process_time()
         for _ in range(streams):
             relay = (Relay(strip_usage_chunk=False, max_event_bytes=1 << 20) if kind == "relayed" else
-                     bridge.BridgeRelay(bridge.Draft(body, bridge.new_id(bridge.ID_PREFIX)), max_event_bytes=1 << 20,
+                     BridgeRelay(Draft(body, new_id(ID_PREFIX)), max_event_bytes=1 << 20,
                                         finish_grace=2.0))
             stats = await relay.run(_Reads(reads), drop)
             if stats.token_chunks != tokens or not stats.done:

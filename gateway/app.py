@@ -47,7 +47,7 @@ from gateway.observability.metrics import Metrics
 from gateway.pipeline.chat import KINDS, Gateway, error_response
 from gateway.pipeline.exchange import KEY_SCOPE, request_id
 from gateway.pipeline.passthrough import Passthrough, UpstreamModels
-from gateway.responses import bridge
+from gateway.responses.ids import ID_PREFIX
 from gateway.responses.store import Bridged, MemoryResponseStore, Native, ResponseStore
 from gateway.routing.health import Health
 from gateway.routing.policy import Policy
@@ -199,7 +199,7 @@ class HotPath:
             return record.upstream
         # an id the gateway never held for this key: with gateway keys it reaches no upstream (which would answer it
         # with the gateway's own credential, whoever made it), as another key's response does not; the app's 404
-        return record is None and not found[1].startswith(bridge.ID_PREFIX) and self.keys is None
+        return record is None and not found[1].startswith(ID_PREFIX) and self.keys is None
 
 
 def freeze_startup_objects() -> None:

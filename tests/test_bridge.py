@@ -1,10 +1,10 @@
-"""The Responses <-> chat-completions bridge (``gateway.responses.bridge``), in-process: golden translations both ways,
+"""The Responses <-> chat-completions bridge (``gateway.responses.stream``), in-process: golden translations both ways,
 and every bridged event stream checked against the ``openai`` SDK's own types and its ``responses.stream()``
 accumulation.
 
 The streams come from hand-built chat chunks and from every recorded chat stream in ``shared/fixtures/upstream/``
 (text, tool calls, parallel tool calls, a refusal, reasoning, ``finish_reason: length``, n=2, Groq's error event,
-OpenRouter's error chunk), played through :class:`gateway.responses.bridge.BridgeRelay` as the upstream's reads.
+OpenRouter's error chunk), played through :class:`gateway.responses.stream.BridgeRelay` as the upstream's reads.
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from gateway.errors import GatewayError
-from gateway.responses import bridge
+from gateway.responses.ids import ID_PREFIX, new_id
+from gateway.responses.request import as_input, chat_request, input_items, native_input, unbridgeable
+from gateway.responses.stream import BridgeRelay, _Item
+from gateway.responses.whole import Draft, response_usage, whole_response
 from gateway.wire.body import loads
 
 from conftest import FIXTURES, chunk, sse
@@ -47,8 +50,8 @@ def test_a_string_input_with_instructions_and_every_mapped_option() -> None:
             "reasoning": {"effort": "high", "summary": "auto"}, "top_logprobs": 2,
             "store": True, "metadata": {"workload": "agent"}, "truncation": "disabled",
             "include": ["message.output_text.logprobs"], "prompt_cache_retention": "24h"}
-    assert bridge.unbridgeable(body) is None
-    assert bridge.chat_request(body, []) == {
+    assert unbridgeable(body) is None
+    assert chat_request(body, []) == {
         "model": "m",
         "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
         "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
@@ -83,8 +86,8 @@ def test_every_input_item_type_and_the_history_before_it() -> None:
             {"type": "input_file", "file_id": "file_1", "filename": "a.pdf"}]},
         {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
     ]}
-    assert bridge.unbridgeable(body) is None
-    assert bridge.chat_request(body, history)["messages"] == [
+    assert unbridgeable(body) is None
+    assert chat_request(body, history)["messages"] == [
         {"role": "user", "content": "weather in Oslo and Rome?"},  # text alone: a plain string
         {"role": "assistant", "content": "Checking.", "tool_calls": [  # parallel calls join the message before them
             {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}},
@@ -104,7 +107,7 @@ def test_every_input_item_type_and_the_history_before_it() -> None:
 
 
 def test_a_named_tool_choice_and_json_object() -> None:
-    chat = bridge.chat_request({"model": "m", "input": "x", "tools": [TOOL], "tool_choice": {
+    chat = chat_request({"model": "m", "input": "x", "tools": [TOOL], "tool_choice": {
         "type": "function", "name": "get_weather"}, "text": {"format": {"type": "json_object"}}}, [])
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert chat["response_format"] == {"type": "json_object"}
@@ -129,7 +132,7 @@ def test_a_named_tool_choice_and_json_object() -> None:
     ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]}, "input"),
 ])
 def test_what_the_bridge_cannot_serve_is_named(extra: dict[str, Any], param: str) -> None:
-    found = bridge.unbridgeable({"model": "m", "input": "x", **extra})
+    found = unbridgeable({"model": "m", "input": "x", **extra})
     assert found is not None and found[0] == param
 
 
@@ -138,15 +141,15 @@ def test_a_conversation_moved_to_a_native_upstream_loses_only_what_it_cannot_rea
              {"type": "reasoning", "id": "rs_tg1", "summary": []},
              {"type": "message", "id": "msg_tg2", "status": "completed", "role": "assistant", "content": [
                  {"type": "output_text", "text": "b", "annotations": []}]}]
-    assert bridge.as_input(items) == [{"type": "message", "role": "user", "content": "a"},
+    assert as_input(items) == [{"type": "message", "role": "user", "content": "a"},
                                       {"type": "message", "role": "assistant", "content": [
                                           {"type": "output_text", "text": "b", "annotations": []}]}]
 
 
 # ---- response side: whole ------------------------------------------------------------------------------------
 
-def _draft(**body: Any) -> bridge.Draft:
-    return bridge.Draft({"model": "m", "input": "x", **body}, bridge.new_id(bridge.ID_PREFIX))
+def _draft(**body: Any) -> Draft:
+    return Draft({"model": "m", "input": "x", **body}, new_id(ID_PREFIX))
 
 
 def test_a_whole_completion_with_reasoning_text_refusal_and_tool_calls() -> None:
@@ -158,7 +161,7 @@ def test_a_whole_completion_with_reasoning_text_refusal_and_tool_calls() -> None
                             "function": {"name": "g", "arguments": "{\"a\":1}"}}]}}],
         "usage": {"prompt_tokens": 10, "completion_tokens": 7, "total_tokens": 17,
                   "prompt_tokens_details": {"cached_tokens": 4}, "completion_tokens_details": {"reasoning_tokens": 2}}}
-    response = bridge.whole_response(completion, _draft(tools=[TOOL]))
+    response = whole_response(completion, _draft(tools=[TOOL]))
     parsed = Response.model_validate(response)
     assert parsed.status == "completed" and parsed.model == "m-2026" and parsed.id.startswith("resp_tg")
     assert [o.type for o in parsed.output] == ["reasoning", "message", "function_call", "function_call"]
@@ -175,7 +178,7 @@ def test_a_whole_completion_with_reasoning_text_refusal_and_tool_calls() -> None
 def test_a_whole_completion_cut_at_the_token_limit_is_incomplete() -> None:
     completion = {"choices": [{"index": 0, "finish_reason": "length", "message": {"role": "assistant",
                                                                                   "content": "Once upon"}}]}
-    parsed = Response.model_validate(bridge.whole_response(completion, _draft(max_output_tokens=2)))
+    parsed = Response.model_validate(whole_response(completion, _draft(max_output_tokens=2)))
     assert parsed.status == "incomplete" and parsed.incomplete_details is not None
     assert parsed.incomplete_details.reason == "max_output_tokens" and parsed.max_output_tokens == 2
 
@@ -198,8 +201,8 @@ class Reads:
             yield self.reads[self.i - 1]
 
 
-async def _bridge(reads: list[bytes], **body: Any) -> tuple[list[dict[str, Any]], bridge.BridgeRelay]:
-    relay = bridge.BridgeRelay(_draft(**body), max_event_bytes=1 << 20, finish_grace=0.05)
+async def _bridge(reads: list[bytes], **body: Any) -> tuple[list[dict[str, Any]], BridgeRelay]:
+    relay = BridgeRelay(_draft(**body), max_event_bytes=1 << 20, finish_grace=0.05)
     written: list[bytes] = []
 
     async def write(data: bytes) -> None:
@@ -335,26 +338,26 @@ async def test_the_recorded_refusal_and_parallel_calls_keep_their_content() -> N
 
 
 def test_usage_maps_with_its_details() -> None:
-    assert bridge.response_usage({"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+    assert response_usage({"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
                                   "prompt_tokens_details": {"cached_tokens": 1},
                                   "completion_tokens_details": {"reasoning_tokens": 2}}) == {
         "input_tokens": 5, "input_tokens_details": {"cached_tokens": 1, "cache_write_tokens": 0}, "output_tokens": 3,
         "output_tokens_details": {"reasoning_tokens": 2}, "total_tokens": 8}
-    assert bridge.response_usage(None) is None
+    assert response_usage(None) is None
 
 
 def test_input_items_get_ids_and_keep_what_they_hold() -> None:
-    items = bridge.input_items({"input": [{"role": "user", "content": "a"}, copy.deepcopy(TOOL | {"type": "x"})]})
+    items = input_items({"input": [{"role": "user", "content": "a"}, copy.deepcopy(TOOL | {"type": "x"})]})
     assert items[0]["type"] == "message" and items[0]["id"].startswith("msg_tg") and items[0]["content"] == "a"
-    assert bridge.input_items({"input": "hi"})[0]["content"] == [{"type": "input_text", "text": "hi"}]
+    assert input_items({"input": "hi"})[0]["content"] == [{"type": "input_text", "text": "hi"}]
 
 
 @pytest.mark.parametrize(("kind", "content_index"), [
     ("response.output_text.delta", 0), ("response.refusal.delta", 1), ("response.reasoning_text.delta", 0),
     ("response.function_call_arguments.delta", None)])
 def test_a_delta_event_from_its_cached_head_is_what_emit_writes(kind: str, content_index: int | None) -> None:
-    relay = bridge.BridgeRelay(_draft(), max_event_bytes=1 << 20, finish_grace=0.05)
-    item = bridge._Item(0, "message", "msg_tg")
+    relay = BridgeRelay(_draft(), max_event_bytes=1 << 20, finish_grace=0.05)
+    item = _Item(0, "message", "msg_tg")
     fast: list[bytes] = []
     slow: list[bytes] = []
     for text in ("Hel", 'lo "quoted"\n', "\ud800 lone surrogate", "é"):
@@ -408,7 +411,7 @@ async def test_logprobs_the_request_asked_for_are_carried() -> None:
     delta = next(e for e in events if e["type"] == "response.output_text.delta")
     assert delta["logprobs"] == lp["content"]
     assert final.output[0].content[0].logprobs[0].token == "Hi"
-    whole = bridge.whole_response({"choices": [{"index": 0, "finish_reason": "stop", "logprobs": lp, "message": {
+    whole = whole_response({"choices": [{"index": 0, "finish_reason": "stop", "logprobs": lp, "message": {
         "role": "assistant", "content": "Hi"}}]}, _draft())
     assert whole["output"][0]["content"][0]["logprobs"] == lp["content"]
 
@@ -422,7 +425,7 @@ async def test_a_failed_stream_keeps_the_text_it_sent_and_continues_validly() ->
     assert message["status"] == "incomplete" and message["content"][0]["text"] == "partial"
     # an assistant turn that said nothing is not sent to a chat upstream (chat APIs refuse it)
     empty = {"type": "message", "role": "assistant", "status": "incomplete", "content": []}
-    assert bridge.chat_request({"model": "m", "input": "again"}, [empty])["messages"] == [
+    assert chat_request({"model": "m", "input": "again"}, [empty])["messages"] == [
         {"role": "user", "content": "again"}]
 
 
@@ -436,13 +439,13 @@ async def test_a_refusal_before_text_keeps_its_content_index() -> None:
 
 
 def test_content_as_text_parts_is_read_and_a_completion_without_a_message_is_a_bad_response() -> None:
-    whole = bridge.whole_response({"choices": [{"index": 0, "finish_reason": "stop", "message": {
+    whole = whole_response({"choices": [{"index": 0, "finish_reason": "stop", "message": {
         "role": "assistant", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}}]},
         _draft(tool_choice=None, parallel_tool_calls=None))
     assert Response.model_validate(whole).output_text == "Hello"  # and null echoes are the API's defaults
     for completion in ({"error": {"message": "x"}}, {"choices": []}, {}, {"choices": [{"message": None}]}):
         with pytest.raises(GatewayError) as info:
-            bridge.whole_response(completion, _draft())
+            whole_response(completion, _draft())
         assert info.value.status == 502 and info.value.code == "upstream_bad_response"
 
 
@@ -460,7 +463,7 @@ def test_content_as_text_parts_is_read_and_a_completion_without_a_message_is_a_b
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]}, "input[0]"),
 ])
 def test_a_value_of_the_wrong_shape_is_named_not_dropped(extra: dict[str, Any], param: str) -> None:
-    found = bridge.unbridgeable({"model": "m", "input": "x", **extra})
+    found = unbridgeable({"model": "m", "input": "x", **extra})
     assert found is not None and (found[0], found[2]) == (param, "invalid_type")
 
 
@@ -473,23 +476,23 @@ def test_reasoning_sent_back_bridges_and_is_dropped() -> None:
         {"type": "message", "id": "msg_tg1", "role": "assistant", "status": "completed",
          "content": [{"type": "output_text", "text": "Hello", "annotations": []}]},
         {"role": "user", "content": "again"}]}
-    assert bridge.unbridgeable(body) is None
-    assert bridge.chat_request(body, [])["messages"] == [
+    assert unbridgeable(body) is None
+    assert chat_request(body, [])["messages"] == [
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"},
         {"role": "user", "content": "again"}]
     # to a native upstream: the gateway's own items lose their ids and the reasoning goes; the upstream's stay
     body["input"].append({"type": "function_call", "id": "fc_up1", "call_id": "c", "name": "f", "arguments": "{}"})
-    assert bridge.native_input(body) == [
+    assert native_input(body) == [
         {"role": "user", "content": "hi"},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello",
                                                                "annotations": []}]},
         {"role": "user", "content": "again"},
         {"type": "function_call", "id": "fc_up1", "call_id": "c", "name": "f", "arguments": "{}"}]
-    assert bridge.native_input({"model": "m", "input": "hi"}) is None
+    assert native_input({"model": "m", "input": "hi"}) is None
 
 
 def test_a_tool_output_with_an_image_is_not_flattened_to_text() -> None:
-    found = bridge.unbridgeable({"model": "m", "input": [{"type": "function_call_output", "call_id": "c", "output": [
+    found = unbridgeable({"model": "m", "input": [{"type": "function_call_output", "call_id": "c", "output": [
         {"type": "input_text", "text": "see"}, {"type": "input_image", "image_url": "https://example.com/a.png"}]}]})
     assert found is not None and (found[0], found[2]) == ("input[0].output", "unsupported_parameter")
 
@@ -513,7 +516,7 @@ async def test_what_the_token_limit_cut_is_marked_incomplete() -> None:
     assert [i["status"] for i in events[-1]["response"]["output"]] == ["completed", "incomplete"]
     done = [e["item"]["status"] for e in events if e["type"] == "response.output_item.done"]
     assert done == ["completed", "incomplete"]
-    whole = bridge.whole_response({"choices": [{"index": 0, "finish_reason": "length", "message": {
+    whole = whole_response({"choices": [{"index": 0, "finish_reason": "length", "message": {
         "role": "assistant", "content": "Once upon"}}]}, _draft(max_output_tokens=2))
     assert [i["status"] for i in whole["output"]] == ["incomplete"]
 

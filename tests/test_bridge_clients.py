@@ -1,7 +1,7 @@
 """The clients agents run, unchanged, on the fast tier through the Responses bridge, over loopback sockets.
 
 The session stack's fast tier is a Cerebras-dialect emulator (chat completions only: its ``/v1/responses`` is a 404,
-as on the real API), so every Responses request the fast tier serves went through ``gateway.responses.bridge``. Each
+as on the real API), so every Responses request the fast tier serves went through ``gateway.responses.stream``. Each
 client is pointed at the gateway and nothing else changes; each test asserts the fast tier served every request it made
 (``x-tiergate-tier``, read from the wire by an httpx event hook or the client's own response object), the answer,
 and its tool calls, checked against the tools' JSON schemas.

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from gateway.errors import GatewayError
-from gateway.stream.relay import Relay, Template
+from gateway.stream.relay import Relay
+from gateway.stream.template import Template
 
 from conftest import FIXTURES
 

@@ -66,8 +66,11 @@ from gateway.pipeline.exchange import (
     headers_of,
     read_body,
 )
-from gateway.responses import bridge
+from gateway.responses.ids import ID_PREFIX, new_id
+from gateway.responses.request import as_input, chat_request, input_items, native_input, unbridgeable
 from gateway.responses.store import Bridged, Native, ResponseStore
+from gateway.responses.stream import BridgeRelay
+from gateway.responses.whole import Draft, whole_response
 from gateway.routing import deadline, failover
 from gateway.routing.blame import Blame
 from gateway.routing.facts import Candidate, Continuation, Decision, RequestFacts
@@ -534,7 +537,7 @@ class Gateway:
         cont = await self._continuation(body, refresh, key)
         if cont is not None and cont.history:
             size += len(dumps(list(cont.history)))  # the conversation goes upstream too: routing counts it
-        return RequestFacts(body, headers, size, responses=True, continuation=cont, bridgeable=bridge.unbridgeable,
+        return RequestFacts(body, headers, size, responses=True, continuation=cont, bridgeable=unbridgeable,
                             defaults=key.cfg.metadata if key is not None else None)
 
     async def _continuation(self, body: dict[str, Any], refresh: bool, key: Key | None) -> Continuation | None:
@@ -561,7 +564,7 @@ class Gateway:
             raise InvalidRequest(f"Previous response with id '{previous}' not found: the earlier turns of its "
                                  "conversation are no longer held (response_store bounds).",
                                  param="previous_response_id", code="previous_response_not_found")
-        if previous.startswith(bridge.ID_PREFIX) or self.config.auth is not None:
+        if previous.startswith(ID_PREFIX) or self.config.auth is not None:
             raise InvalidRequest(f"Previous response with id '{previous}' not found.", param="previous_response_id",
                                  code="previous_response_not_found")
         return Continuation(previous)  # made elsewhere: a native upstream may know it
@@ -569,7 +572,7 @@ class Gateway:
     def _payload(self, ex: Exchange, cand: Candidate, raw: bytes, facts: RequestFacts,
                  strip_usage: bool) -> tuple[bytes, str]:
         """The bytes to send ``cand`` and the path under its base URL: chat completions as the client sent them; a
-        Responses request as it came (native), translated (bridge: ``gateway.responses.bridge``), or, when it continues
+        Responses request as it came (native), translated (bridge: ``gateway.responses.stream``), or, when it continues
         a conversation only the gateway holds, with that conversation inline (native)."""
         up, body = cand.upstream, facts.body  # read, never changed: the next candidate gets the same
         if ex.kind == "chat":
@@ -578,14 +581,14 @@ class Gateway:
         cont = facts.continuation
         history = list(cont.history) if cont is not None and cont.held else []
         if up.responses_mode == "bridge":
-            chat = bridge.chat_request(body, history)
+            chat = chat_request(body, history)
             return upstream_body(dumps(chat), chat, cand.upstream_model, up.dialect,
                                  ex.stream and up.dialect == "openai"), "/chat/completions"
         if history:
             body = {**{k: v for k, v in body.items() if k != "previous_response_id"},
-                    "input": bridge.as_input([*history, *bridge.input_items(body)])}
+                    "input": as_input([*history, *input_items(body)])}
             raw = dumps(body)
-        elif b"_tg" in raw and (own := bridge.native_input(body)) is not None:  # the bytes test spares a scan
+        elif b"_tg" in raw and (own := native_input(body)) is not None:  # the bytes test spares a scan
             body = {**body, "input": own}
             raw = dumps(body)
         return upstream_body(raw, body, cand.upstream_model, up.dialect, False), "/responses"
@@ -631,7 +634,7 @@ class Gateway:
         draft = self._draft(ex, up, facts)
         hold = None if attempt.first_token_by is not None else up.timeouts.idle  # no ttft: idle bounds the hold
         if draft:
-            return bridge.BridgeRelay(draft, max_event_bytes=limit, finish_grace=up.timeouts.finish_grace,
+            return BridgeRelay(draft, max_event_bytes=limit, finish_grace=up.timeouts.finish_grace,
                                       hold_seconds=hold)
         return Relay(strip_usage_chunk=strip_usage, max_event_bytes=limit, responses=ex.kind == "responses",
                      choices=facts.n, finish_grace=up.timeouts.finish_grace, hold_seconds=hold)
@@ -648,7 +651,7 @@ class Gateway:
         if first is not None and sent is not None:  # the live TTFT estimate learns at the first token
             self.estimates.observe_ttft(up.name, up.models.get(decision.model, decision.model), self.health.clock(),
                                         prompt_tokens=facts.prompt_tokens, ttft=first - sent)
-        bridged = isinstance(relay, bridge.BridgeRelay)
+        bridged = isinstance(relay, BridgeRelay)
         ex.open_stream(headers, "text/event-stream; charset=utf-8" if bridged else answer.content_type)
         write = ex.write if ex.kind == "chat" else self._keeping_write(ex, facts, up, relay)
         try:
@@ -850,7 +853,7 @@ class Gateway:
         """``ex.write`` for a Responses stream, keeping first what a follow-up needs (an agent sends its next turn the
         moment it reads the terminal event): with the first byte, the count by mode and a native response's
         upstream (its id came in ``response.created``); before a bridged response's terminal event, the response."""
-        bridging = relay if isinstance(relay, bridge.BridgeRelay) else None
+        bridging = relay if isinstance(relay, BridgeRelay) else None
         bridged = bridging is not None
         started = kept = False
 
@@ -885,7 +888,7 @@ class Gateway:
         if not isinstance(parsed, dict):
             raise UpstreamBadResponse("The upstream answered 200 with a body that is not a JSON object.")
         up, draft = attempt.upstream, self._draft(ex, attempt.upstream, facts)
-        response = bridge.whole_response(parsed, draft) if draft else None  # UpstreamBadResponse: no completion
+        response = whole_response(parsed, draft) if draft else None  # UpstreamBadResponse: no completion
         attempt.ok()
         usage, time_info = parsed.get("usage"), parsed.get("time_info")
         usage = chat_usage(usage) if isinstance(usage, dict) else None
@@ -907,11 +910,11 @@ class Gateway:
         await ex.whole(200, data if response is None else dumps(response), headers)
 
     @staticmethod
-    def _draft(ex: Exchange, up: UpstreamConfig, facts: RequestFacts) -> bridge.Draft | None:
+    def _draft(ex: Exchange, up: UpstreamConfig, facts: RequestFacts) -> Draft | None:
         """The Response object a bridged Responses request answers with, or None (not bridged)."""
         if ex.kind != "responses" or up.responses_mode != "bridge":
             return None
-        return bridge.Draft(dict(facts.body), bridge.new_id(bridge.ID_PREFIX))
+        return Draft(dict(facts.body), new_id(ID_PREFIX))
 
     def _count(self, up: UpstreamConfig, bridged: bool) -> None:
         self.metrics.responses.labels(up.tier, up.name, "bridge" if bridged else "native").inc()
@@ -927,7 +930,7 @@ class Gateway:
         """A bridged response's record: the response, this turn's input items, the response it continued, and the
         gateway key that made it (its owner)."""
         cont = facts.continuation
-        return Bridged(response, bridge.input_items(facts.body), cont.response_id if cont and cont.held else None,
+        return Bridged(response, input_items(facts.body), cont.response_id if cont and cont.held else None,
                        _owner(ex))
 
     async def give_up(self, ex: Exchange, decision: Decision, reason: str | None, last: GatewayError | None,

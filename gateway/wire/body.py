@@ -64,7 +64,7 @@ def parse_chat_request(raw: bytes) -> dict[str, Any]:
 def parse_responses_request(raw: bytes) -> dict[str, Any]:
     """Parse and check a Responses API body (``POST /v1/responses``) just enough to route it and to read the
     conversation it continues (OpenAI API reference, "Create a model response"). The rest is the upstream's to
-    check, or, for a bridged upstream, ``gateway.responses.bridge``'s.
+    check, or, for a bridged upstream, ``gateway.responses.stream``'s.
 
     Raises:
         InvalidRequest: not a JSON object, ``model`` missing or not a non-empty string, ``stream`` not a boolean,

@@ -1,0 +1,133 @@
+"""The Responses bridge's whole-answer translator: a chat completion as a Response object (:func:`whole_response`), from
+the :class:`Draft` the request made (its id, echoed fields and status), with usage in Responses terms
+(:func:`response_usage`). OpenAI API reference, "The response object"."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gateway.errors import UpstreamBadResponse
+from gateway.responses.ids import new_id
+from gateway.responses.request import _dict, _list
+
+
+def response_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Chat ``usage`` as a Responses ``ResponseUsage`` (OpenAPI ``CompletionUsage`` -> ``ResponseUsage``)."""
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))
+    details = _dict(usage.get("prompt_tokens_details"))
+    cached, written = _int(details.get("cached_tokens")), _int(details.get("cache_write_tokens"))
+    reasoning = _int(_dict(usage.get("completion_tokens_details")).get("reasoning_tokens"))
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
+            "total_tokens": _int(usage.get("total_tokens")) or prompt + completion}
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _str(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _content_text(content: Any) -> str:
+    """A chat message's or delta's content as text: a string, or the text of its ``text`` parts (some servers send
+    parts lists in answers too)."""
+    if isinstance(content, str):
+        return content
+    return "".join(p["text"] for p in _list(content) if isinstance(p, dict) and isinstance(p.get("text"), str))
+
+
+_LOGPROB_KEYS = ("token", "logprob", "bytes")
+
+
+def _logprobs(logprobs: Any) -> list[dict[str, Any]]:
+    """Chat ``choice.logprobs.content`` as Responses ``logprobs`` (the same fields: token, logprob, bytes and
+    top_logprobs; OpenAPI ``ChatCompletionTokenLogprob`` -> ``ResponseOutputText.Logprob``)."""
+    out = []
+    for entry in _list(_dict(logprobs).get("content")):
+        if isinstance(entry, dict) and isinstance(entry.get("token"), str):
+            top = [{k: t.get(k) or ([] if k == "bytes" else t.get(k)) for k in _LOGPROB_KEYS}
+                   for t in _list(entry.get("top_logprobs")) if isinstance(t, dict)]
+            out.append({"token": entry["token"], "logprob": entry.get("logprob", 0.0),
+                        "bytes": entry.get("bytes") or [], "top_logprobs": top})
+    return out
+
+
+class Draft:
+    """The Response object a bridged request answers with, echoing the request (OpenAPI ``Response``).
+
+    Args:
+        body: the Responses request; response_id: its id (:func:`new_id` with :data:`ID_PREFIX`).
+    """
+
+    def __init__(self, body: dict[str, Any], response_id: str) -> None:
+        self.id = response_id
+        self.body = body
+        self.created_at = int(time.time())
+        self.model: str = body["model"]
+
+    def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+                 incomplete: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
+        b = self.body
+        text = _dict(b.get("text"))
+        reasoning = _dict(b.get("reasoning"))
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "background": False, "error": error,
+            "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
+            "max_tool_calls": None, "model": self.model, "output": output,
+            "parallel_tool_calls": b.get("parallel_tool_calls") is not False,
+            "previous_response_id": b.get("previous_response_id"),
+            "reasoning": {"effort": reasoning.get("effort"), "summary": None},
+            "service_tier": b.get("service_tier"), "store": b.get("store", True),
+            "temperature": b.get("temperature"), "text": {"format": text.get("format") or {"type": "text"},
+                                                          "verbosity": text.get("verbosity")},
+            "tool_choice": b.get("tool_choice") or "auto", "tools": _list(b.get("tools")), "top_p": b.get("top_p"),
+            "truncation": b.get("truncation", "disabled"), "usage": usage, "user": b.get("user"),
+            "metadata": b.get("metadata") or {},
+        }
+
+
+_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+
+
+def whole_response(completion: dict[str, Any], draft: Draft) -> dict[str, Any]:
+    """A chat completion (non-streaming) as the Response object: reasoning, then the message (text and refusal
+    parts), then one ``function_call`` item per tool call; ``finish_reason: "length"`` -> ``incomplete``."""
+    choices = _list(completion.get("choices"))
+    choice = _dict(choices[0]) if choices else {}
+    message = choice.get("message")
+    if "error" in completion or not isinstance(message, dict):
+        raise UpstreamBadResponse("The upstream answered 200 without a chat completion message.")
+    if isinstance(completion.get("model"), str):
+        draft.model = completion["model"]
+    incomplete = _INCOMPLETE.get(str(choice.get("finish_reason")))
+    status = "incomplete" if incomplete else "completed"  # the items the limit cut too, as the API marks them
+    output: list[dict[str, Any]] = []
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if isinstance(reasoning, str) and reasoning:
+        output.append({"id": new_id("rs_tg"), "type": "reasoning", "status": "completed", "summary": [],
+                       "content": [{"type": "reasoning_text", "text": reasoning}]})
+    parts: list[dict[str, Any]] = []
+    text = _content_text(message.get("content"))
+    if text:
+        parts.append({"type": "output_text", "text": text, "annotations": [],
+                      "logprobs": _logprobs(choice.get("logprobs"))})
+    if isinstance(message.get("refusal"), str) and message["refusal"]:
+        parts.append({"type": "refusal", "refusal": message["refusal"]})
+    if parts:
+        output.append({"id": new_id("msg_tg"), "type": "message", "status": status, "role": "assistant",
+                       "content": parts})
+    for call in _list(message.get("tool_calls")):
+        call = _dict(call)
+        fn = _dict(call.get("function"))
+        output.append({"id": new_id("fc_tg"), "type": "function_call", "status": status,
+                       "call_id": _str(call.get("id")) or new_id("call_tg"), "name": _str(fn.get("name")),
+                       "arguments": _str(fn.get("arguments"))})
+    return draft.response(status, output,
+                          response_usage(completion.get("usage")), incomplete)
