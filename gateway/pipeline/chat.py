@@ -77,7 +77,8 @@ from gateway.routing.facts import Candidate, Continuation, Decision, RequestFact
 from gateway.routing.health import Health
 from gateway.routing.policy import Policy
 from gateway.state.redis import Admission, SharedState, SharedVerdicts
-from gateway.stream.relay import Relay, StreamStats, Write
+from gateway.stream.relay import Relay
+from gateway.stream.stats import StreamStats, Write
 from gateway.tenancy.keys import Hold, Key, Ledger, MemoryLedger, Refusal, Spend, bounded
 from gateway.tenancy.objects import MemoryOwners, Owners
 from gateway.upstream.client import Answer, Attempt, Transport, Verdicts

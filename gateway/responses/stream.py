@@ -58,8 +58,9 @@ from gateway.errors import event_error
 from gateway.responses.ids import new_id
 from gateway.responses.request import _dict, _list
 from gateway.responses.whole import _INCOMPLETE, Draft, _content_text, _logprobs, _str, response_usage
-from gateway.stream.relay import Relay, Write, delta_has_token
+from gateway.stream.relay import Relay
 from gateway.stream.sse import SSEEvent
+from gateway.stream.stats import Write, delta_has_token
 from gateway.wire.body import dumps, loads
 
 

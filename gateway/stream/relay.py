@@ -25,24 +25,18 @@ every choice has its ``finish_reason``, after ``finish_grace`` seconds of waitin
 client's stream then ends with ``[DONE]``; the upstream connection is closed). An EOF before every choice
 finished (or before a Responses terminal event) is an interrupted stream, never a silent truncation.
 
-**The common chunk without a parse.** Most events of a stream are the same chunk but for one text (the content, a
-reasoning or refusal delta, a tool call's arguments) and, on OpenAI, a random ``obfuscation`` value. The first such
-chunk is parsed and becomes the stream's :class:`Template`; a read made only of events that fit it is observed by
-comparing bytes and forwarded as it came. Anything else (a finish, usage, an error, another shape, a read that ends
-inside an event) goes through the scanner and a JSON parse as before, with the same result
-(tests/test_relay_template.py).
-
-While relaying it fills a :class:`StreamStats`: arrival times of the first and last token-bearing chunk
-(content, refusal, reasoning or tool-call delta; not a role-only chunk), usage wherever the dialect puts
-it, Cerebras ``time_info``, and how the stream ended. Metrics are recorded from it once, at the end.
+**The common chunk without a parse** (``gateway.stream.template``): a read made only of events that fit the
+stream's template is observed by comparing bytes and forwarded as it came; anything else goes through the scanner
+and a JSON parse, with the same result. While relaying it fills a :class:`gateway.stream.stats.StreamStats`, from
+which the request is recorded once, at the end.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol
+from collections.abc import AsyncIterator
+from typing import Any
 
 from orjson import JSONDecodeError, loads
 
@@ -56,6 +50,7 @@ from gateway.errors import (
     event_error,
 )
 from gateway.stream.sse import EventTooLarge, SSEEvent, SSEScanner
+from gateway.stream.stats import StreamBody, StreamStats, Write, delta_has_token
 from gateway.stream.template import Template
 from gateway.wire.body import chat_usage
 
@@ -69,76 +64,6 @@ HOLD_BYTES = 256 * 1024  # bytes of output held before the first token at most; 
 
 
 _RESPONSE_TERMINAL = ("response.completed", "response.incomplete", "response.failed")
-
-
-_TOKEN_KEYS = frozenset({"content", "refusal", "reasoning", "reasoning_content", "tool_calls", "function_call"})
-
-
-Write = Callable[[bytes], Awaitable[None]]
-
-
-def delta_has_token(delta: Any) -> bool:
-    """Whether a chat-completions chunk's ``delta`` carries a token: non-empty content, refusal, reasoning
-    (``reasoning`` or ``reasoning_content``) or a tool call; a role-only delta does not (wire contract §6)."""
-    if type(delta) is not dict:
-        return False
-    if delta.get("content"):
-        return True
-    return any(value and key in _TOKEN_KEYS for key, value in delta.items())
-
-
-def has_token(choices: Any) -> bool:
-    """Whether some choice of a chunk's ``choices`` carries a token (:func:`delta_has_token`)."""
-    return type(choices) is list and any(type(c) is dict and delta_has_token(c.get("delta")) for c in choices)
-
-
-class StreamBody(Protocol):
-    """What the relay reads: an upstream response body (``gateway.upstream.client.UpstreamResponse``, or a fake)."""
-
-    def chunks(self) -> AsyncIterator[bytes]:
-        """Body bytes as they arrive; raises :class:`StreamInterrupted` when the body breaks or goes silent.
-        Callable again after a cancelled iteration, going on where it stopped."""
-        ...
-
-    def watch_idle(self) -> None:
-        """From now on, bound the upstream's silence by its idle timeout."""
-        ...
-
-
-class StreamStats:
-    """What one relayed stream did. Times are ``time.perf_counter()`` seconds.
-
-    Attributes:
-        t_first_token / t_last_token: arrival of the first / last token-bearing chunk, or None.
-        token_chunks: token-bearing chunks received.
-        usage: the last ``usage`` object seen (OpenAI/Azure usage chunk, Cerebras finish chunk,
-            ``x_groq.usage``, or llama.cpp ``timings`` mapped to prompt/completion tokens), or None.
-        time_info: Cerebras' ``time_info`` (seconds), or None.
-        done: the stream's end was sent to the client: ``[DONE]``, or a Responses API terminal event
-            (``response.completed``, ``response.incomplete``, ``response.failed``).
-        finished: every choice has its ``finish_reason`` (chat streams): the answer is complete.
-        complete: the upstream body was read to its end (its connection can be reused).
-        error: None on success; else ``upstream_error_event``, ``upstream_stream_interrupted``,
-            ``upstream_idle_timeout`` or ``upstream_event_too_large``.
-        response_id: a Responses API stream's response id (from ``response.created``), or None.
-        error_event: the last in-band error event the upstream sent (its parsed data), or None.
-    """
-
-    __slots__ = ("t_first_token", "t_last_token", "token_chunks", "usage", "time_info", "done", "finished",
-                 "complete", "error", "response_id", "error_event")
-
-    def __init__(self) -> None:
-        self.t_first_token: float | None = None
-        self.t_last_token: float | None = None
-        self.token_chunks = 0
-        self.usage: dict[str, Any] | None = None
-        self.time_info: dict[str, Any] | None = None
-        self.done = False
-        self.finished = False
-        self.complete = False
-        self.error: str | None = None
-        self.response_id: str | None = None
-        self.error_event: dict[str, Any] | None = None
 
 
 class Relay:

@@ -30,7 +30,7 @@ from typing import Any, TextIO
 import aiohttp
 import orjson
 
-from gateway.stream.relay import has_token
+from gateway.stream.stats import has_token
 
 TIER_COLOURS = {"fast": "#e4572e", "standard": "#3a7ca5"}
 OTHER_COLOURS = ("#6a994e", "#8e6c8a", "#bc6c25", "#577590")

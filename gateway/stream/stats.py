@@ -1,0 +1,78 @@
+"""What a relayed stream is made of and what is measured of it: the body the relay reads (:class:`StreamBody`), the
+write it answers with (:data:`Write`), when a chunk carries a token (:func:`has_token`: content, refusal, reasoning or
+a tool-call delta, never a role-only chunk), and the figures of one stream (:class:`StreamStats`: first and last token
+times, token-bearing chunks, usage, the upstream's own timing, how it ended)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
+
+_TOKEN_KEYS = frozenset({"content", "refusal", "reasoning", "reasoning_content", "tool_calls", "function_call"})
+
+
+Write = Callable[[bytes], Awaitable[None]]
+
+
+def delta_has_token(delta: Any) -> bool:
+    """Whether a chat-completions chunk's ``delta`` carries a token: non-empty content, refusal, reasoning
+    (``reasoning`` or ``reasoning_content``) or a tool call; a role-only delta does not (wire contract §6)."""
+    if type(delta) is not dict:
+        return False
+    if delta.get("content"):
+        return True
+    return any(value and key in _TOKEN_KEYS for key, value in delta.items())
+
+
+def has_token(choices: Any) -> bool:
+    """Whether some choice of a chunk's ``choices`` carries a token (:func:`delta_has_token`)."""
+    return type(choices) is list and any(type(c) is dict and delta_has_token(c.get("delta")) for c in choices)
+
+
+class StreamBody(Protocol):
+    """What the relay reads: an upstream response body (``gateway.upstream.client.UpstreamResponse``, or a fake)."""
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        """Body bytes as they arrive; raises :class:`StreamInterrupted` when the body breaks or goes silent.
+        Callable again after a cancelled iteration, going on where it stopped."""
+        ...
+
+    def watch_idle(self) -> None:
+        """From now on, bound the upstream's silence by its idle timeout."""
+        ...
+
+
+class StreamStats:
+    """What one relayed stream did. Times are ``time.perf_counter()`` seconds.
+
+    Attributes:
+        t_first_token / t_last_token: arrival of the first / last token-bearing chunk, or None.
+        token_chunks: token-bearing chunks received.
+        usage: the last ``usage`` object seen (OpenAI/Azure usage chunk, Cerebras finish chunk,
+            ``x_groq.usage``, or llama.cpp ``timings`` mapped to prompt/completion tokens), or None.
+        time_info: Cerebras' ``time_info`` (seconds), or None.
+        done: the stream's end was sent to the client: ``[DONE]``, or a Responses API terminal event
+            (``response.completed``, ``response.incomplete``, ``response.failed``).
+        finished: every choice has its ``finish_reason`` (chat streams): the answer is complete.
+        complete: the upstream body was read to its end (its connection can be reused).
+        error: None on success; else ``upstream_error_event``, ``upstream_stream_interrupted``,
+            ``upstream_idle_timeout`` or ``upstream_event_too_large``.
+        response_id: a Responses API stream's response id (from ``response.created``), or None.
+        error_event: the last in-band error event the upstream sent (its parsed data), or None.
+    """
+
+    __slots__ = ("t_first_token", "t_last_token", "token_chunks", "usage", "time_info", "done", "finished",
+                 "complete", "error", "response_id", "error_event")
+
+    def __init__(self) -> None:
+        self.t_first_token: float | None = None
+        self.t_last_token: float | None = None
+        self.token_chunks = 0
+        self.usage: dict[str, Any] | None = None
+        self.time_info: dict[str, Any] | None = None
+        self.done = False
+        self.finished = False
+        self.complete = False
+        self.error: str | None = None
+        self.response_id: str | None = None
+        self.error_event: dict[str, Any] | None = None
