@@ -53,7 +53,8 @@ def gateway_role(argv: list[str]) -> int:
     from gateway.http.server import uvicorn_options
     from gateway.routing.facts import Decision, RequestFacts
     from gateway.routing.policy import Policy
-    from gateway.upstream.client import Answer, UpstreamPool
+    from gateway.upstream.attempt import Answer
+    from gateway.upstream.client import UpstreamPool
 
     records: list[dict[str, float]] = []
     cur: dict[str, float] = {}

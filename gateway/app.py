@@ -55,7 +55,8 @@ from gateway.state.ledger_file import LedgerFile
 from gateway.state.redis import SharedLedger, SharedOwners, SharedResponseStore, SharedState
 from gateway.tenancy.keys import Keys, MemoryLedger
 from gateway.tenancy.objects import MemoryOwners
-from gateway.upstream.client import Transport, UpstreamPool
+from gateway.upstream.attempt import Transport
+from gateway.upstream.client import UpstreamPool
 
 log = logging.getLogger("tiergate")
 

@@ -18,7 +18,9 @@ import pytest
 from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import StreamInterrupted, UpstreamTimeout
 from gateway.tools.emulator import EmulatorThread, Plan, Received
-from gateway.upstream.client import ERROR_BODY_LIMIT, UpstreamPool, UpstreamResponse
+from gateway.upstream.attempt import ERROR_BODY_LIMIT
+from gateway.upstream.client import UpstreamPool
+from gateway.upstream.response import UpstreamResponse
 
 IDLE = 0.3
 PLANS: dict[str, Plan] = {

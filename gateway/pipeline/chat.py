@@ -81,7 +81,7 @@ from gateway.stream.relay import Relay
 from gateway.stream.stats import StreamStats, Write
 from gateway.tenancy.keys import Hold, Key, Ledger, MemoryLedger, Refusal, Spend, bounded
 from gateway.tenancy.objects import MemoryOwners, Owners
-from gateway.upstream.client import Answer, Attempt, Transport, Verdicts
+from gateway.upstream.attempt import Answer, Attempt, Transport, Verdicts
 from gateway.wire.body import (
     chat_usage,
     client_wants_usage,

@@ -54,7 +54,8 @@ from gateway.routing import failover
 from gateway.routing.facts import Candidate, Decision, RequestFacts
 from gateway.routing.health import UNTRACKED
 from gateway.tenancy.objects import OBJECT_ENDPOINTS, created_ids, filter_list, object_ids, references
-from gateway.upstream.client import Answer, Attempt, Body, field_value
+from gateway.upstream.attempt import Answer, Attempt, Body
+from gateway.upstream.headers import field_value
 from gateway.wire.body import chat_usage, check_limits, is_json_type, replace_top_level
 
 log = logging.getLogger("tiergate")

@@ -1,0 +1,265 @@
+"""One try of one upstream, with one owner (``async with Attempt(...)``): it holds the upstream's concurrency slot, the
+open answer and the first-token deadline; its exit is the only place the answer is released (read to its end) or
+closed (anything else), the slot given back and the upstream's health told the verdict (a request-shaped failure
+charged to the request's source). Also the contracts it works over: the :class:`Transport` that sends, the
+:class:`Answer` it gets, the :class:`Verdicts` it tells."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from types import TracebackType
+from typing import Any, Protocol
+
+import orjson
+
+from gateway.config.upstreams import UpstreamConfig
+from gateway.errors import (
+    GatewayError,
+    UpstreamAuthFailed,
+    UpstreamBadResponse,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    event_error,
+    upstream_error,
+)
+from gateway.observability import logs, tracing
+from gateway.routing.blame import Blame, request_shaped
+from gateway.routing.ratelimits import retry_wait
+
+Body = bytes | AsyncIterable[bytes] | None  # None: no body (a GET)
+
+
+ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error answer kept for its message; the rest is dropped
+
+
+# a streamed answer labelled with one of these is not an event stream; any other label (text/plain, none, ...) on a
+# 200 to a stream request is relayed as one (issue 10 case 6: mislabelled streams)
+NOT_A_STREAM = ("application/json", "text/html")
+
+
+class Answer(Protocol):
+    """An open upstream answer, as :class:`UpstreamResponse` gives it (``headers``: the ones a client may see)."""
+
+    status: int
+    headers: dict[str, str]
+    content_type: str
+    stale_retried: bool
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+    def entity_headers(self) -> list[tuple[bytes, bytes]]: ...
+    def watch_idle(self) -> None: ...
+    async def read(self) -> bytes: ...
+    async def read_error(self, limit: int = ...) -> bytes: ...
+    def release(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Transport(Protocol):
+    """What sends a request upstream and waits for its status line (:meth:`UpstreamPool.send`)."""
+
+    @property
+    def ready(self) -> bool: ...
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    async def send(self, upstream: UpstreamConfig, body: Body, *, stream: bool, request_id: str,
+                   path: str = "/chat/completions", method: str = "POST",
+                   forward: Mapping[str, str] | None = None, client_key: str | None = None,
+                   trace: Mapping[str, str] | None = None) -> Answer: ...
+
+
+class Verdicts(Protocol):
+    """What an attempt tells an upstream's health (:class:`gateway.routing.health.UpstreamHealth`, or
+    :data:`gateway.routing.health.UNTRACKED`)."""
+
+    def start(self, now: float, need_tokens: int) -> Any: ...
+    def finish(self) -> None: ...
+    def observe_headers(self, headers: Mapping[str, str], now: float, mark: Any = None) -> None: ...
+    def settle(self, exc: GatewayError | None, now: float, need_tokens: int = 0,
+               source: str | None = None) -> None: ...
+    def retract(self, source: str) -> None: ...
+
+
+class Attempt:
+    """One try of one upstream (module docstring); use it as ``async with Attempt(...) as attempt``.
+
+    Args:
+        transport: the client; upstream: the upstream to try; health: its health, told the verdict on exit;
+        clock: the health clock (``Health.clock``, seconds); need_tokens: the request's estimated prompt plus
+        ``max_tokens`` (charged to the quota estimate); stream: the request streams (a first-token deadline
+        of ``upstream.timeouts.ttft`` then applies, status line included); request_id: sent as
+        ``X-Client-Request-Id``; path: under the upstream's base URL (with its query string); method: the HTTP
+        method; forward: for a passthrough request, the client's headers (:data:`FORWARD_HEADERS` cross; any 2xx
+        is then an answer, and the upstream's timeouts bound connect and silence, never the whole exchange);
+        client_key: the client's ``Authorization`` value, sent instead of the upstream's key when the upstream
+        says ``pass_client_key`` (else ignored: the client's key never reaches an upstream); span / trace: the
+        attempt's trace span and the W3C Trace Context headers sent upstream (``gateway.observability.tracing``), or
+        None; blame: whom a request-shaped failure is charged to (``gateway.routing.health.Blame``; None: nobody, the
+        upstream alone).
+
+    Attributes:
+        answer: the open answer after :meth:`send`, else None.
+        first_token_by: the first-token deadline (an ``asyncio`` loop time), or None.
+        sent_at: when :meth:`send` began (``time.perf_counter()`` seconds; the start of the attempt's own TTFT).
+    """
+
+    def __init__(self, transport: Transport, upstream: UpstreamConfig, health: Verdicts,
+                 clock: Callable[[], float], *, need_tokens: int, stream: bool, request_id: str,
+                 path: str, method: str = "POST", forward: Mapping[str, str] | None = None,
+                 client_key: str | None = None, span: Any = None, trace: Mapping[str, str] | None = None,
+                 blame: Blame | None = None) -> None:
+        self.upstream = upstream
+        self.blame = blame
+        self.span = span  # the attempt's trace span (gateway.observability.tracing), or None
+        self._trace = trace
+        self._error: BaseException | None = None
+        self.health = health
+        self.answer: Answer | None = None
+        self.first_token_by: float | None = None
+        self.sent_at: float | None = None
+        self._transport = transport
+        self._clock = clock
+        self._need = need_tokens
+        self._stream = stream
+        self._rid = request_id
+        self._path = path
+        self._method = method
+        self._forward = forward
+        self._client_key = client_key if upstream.pass_client_key else None
+        self._complete = False
+        self._verdict = False
+        self._mark: Any = None
+
+    async def __aenter__(self) -> Attempt:
+        self._mark = self.health.start(self._clock(), self._need)
+        ttft = self.upstream.timeouts.ttft if self._stream else None
+        if ttft:
+            self.first_token_by = asyncio.get_running_loop().time() + ttft
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if isinstance(exc, GatewayError):
+            self.failed(exc)
+        if self.span is not None:
+            tracing.end_attempt(self.span, exc or self._error)
+        answer, self.answer = self.answer, None
+        if answer is not None:
+            if self._complete:
+                answer.release()
+            else:
+                answer.close()  # never pooled half-read
+        self.health.finish()
+
+    async def send(self, body: Body) -> Answer:
+        """Send the request and wait for a 200 (a passthrough request: any 2xx), bounded by the first-token deadline
+        when there is one.
+
+        Raises:
+            UpstreamTimeout (``upstream_ttft_timeout``), UpstreamUnavailable: no status line; UpstreamStatusError:
+                the upstream answered another status (its error body read and normalised); UpstreamAuthFailed: that
+                status was a 401 or 403 to the gateway's own key (:meth:`failed`); the stream checks of
+                :meth:`stream_answer` do not apply yet.
+        """
+        self.sent_at = time.perf_counter()
+        try:
+            async with asyncio.timeout_at(self.first_token_by):
+                answer = self.answer = await self._transport.send(
+                    self.upstream, body, stream=self._stream, request_id=self._rid, path=self._path,
+                    method=self._method, forward=self._forward, client_key=self._client_key, trace=self._trace)
+        except TimeoutError as err:
+            raise UpstreamTimeout(f"No first token from the upstream within {self.upstream.timeouts.ttft:g} s.",
+                                  code="upstream_ttft_timeout") from err
+        self.health.observe_headers(answer.headers, self._clock(), self._mark)
+        if answer.status != 200 and not (self._forward is not None and 200 <= answer.status < 300):
+            if 300 <= answer.status < 400:  # a redirect to the upstream's own hosts, or a 304 to a request never
+                # made conditional: nothing a client of the gateway can follow or use
+                raise UpstreamBadResponse(f"The upstream answered {answer.status}, which the gateway does not relay.")
+            raise self._judged(await self._status_error(answer))
+        if self._stream and answer.content_type.split(";", 1)[0].strip().lower() in NOT_A_STREAM:
+            raise self._judged(await self._not_a_stream(answer))
+        return answer
+
+    def ok(self) -> None:
+        """The attempt worked (its answer reached the client whole, or its stream ran to its end)."""
+        if not self._verdict:
+            self._verdict = True
+            self.health.settle(None, self._clock())
+
+    def failed(self, exc: GatewayError) -> GatewayError:
+        """The attempt failed with ``exc`` (told to the upstream's health once); returns the error to answer, fail over
+        and count by: ``exc``, or, when it is a 401 or 403 the upstream gave the gateway's own key (an error event of a
+        200 stream included), an :class:`UpstreamAuthFailed` (logged here)."""
+        exc = self._judged(exc)
+        self._error = exc
+        if not self._verdict:
+            self._verdict = True
+            blame = self.blame
+            if blame is not None and request_shaped(exc):
+                source = blame.who()
+                self.health.settle(exc, self._clock(), self._need, source)
+                blame.charged.append((self.upstream.name, self.health, source))  # what the request may take back
+            else:
+                self.health.settle(exc, self._clock(), self._need)
+        return exc
+
+    def done(self) -> None:
+        """The answer was read to its end: on exit its connection goes back to the pool."""
+        self._complete = True
+
+    def void(self) -> None:
+        """The attempt ended for a reason that is not the upstream's (the client left mid-upload, or its body
+        was over the limit): no verdict is told to its health."""
+        self._verdict = True
+
+    def _judged(self, exc: GatewayError) -> GatewayError:
+        """Whose fault ``exc`` is: a 401 or 403 from an upstream that got the gateway's own key says that key is wrong
+        or lacks access, so it becomes :class:`UpstreamAuthFailed` (502; failover; a breaker failure, as every request
+        will fail the same way until an operator fixes the key), logged once as ``upstream_auth_failed`` with the
+        upstream's words, keys masked (``logs.redact``). From a ``pass_client_key`` upstream it was the client's own
+        key: kept, and relayed."""
+        if not isinstance(exc, UpstreamStatusError) or not exc.credential_refused or self.upstream.pass_client_key:
+            return exc
+        up = self.upstream
+        logs.event("upstream_auth_failed", "warning", request_id=self._rid, upstream=up.name, tier=up.tier,
+                   path=self._path.split("?", 1)[0], status=exc.status, type=logs.redact(exc.error_type, 100),
+                   code=None if exc.code is None else logs.redact(exc.code, 100), message=logs.redact(exc.message))
+        refused = UpstreamAuthFailed(up.name, exc.status, exc.code)
+        refused.__cause__ = exc
+        return refused
+
+    async def _read_error(self, answer: Answer) -> tuple[bytes, bool]:
+        """Up to 64 KiB of an error body, bounded by the first-token deadline; (bytes, whether read to the end)."""
+        try:
+            async with asyncio.timeout_at(self.first_token_by):
+                return await answer.read_error(), True
+        except (GatewayError, TimeoutError):
+            return b"", False
+
+    async def _status_error(self, answer: Answer) -> UpstreamStatusError:
+        """The upstream's non-200 answer as an error to relay or fail over on, with its status and headers even when
+        its body does not arrive (stalls, breaks, or outlasts the first-token deadline): the status line already
+        said what happened. A 429 without a retry hint gets ``retry-after`` from the reset of the window it
+        exhausted (``health.retry_wait``)."""
+        data, whole = await self._read_error(answer)
+        self._complete = whole
+        err = upstream_error(answer.status, data, answer.headers)
+        if err.status == 429 and "retry-after" not in err.headers and "retry-after-ms" not in err.headers:
+            wait = retry_wait(answer.headers)
+            if wait is not None:
+                err.headers["retry-after"] = str(max(1, math.ceil(wait)))
+        return err
+
+    async def _not_a_stream(self, answer: Answer) -> GatewayError:
+        """A stream request answered 200 with a JSON (or HTML) body: the error it holds, with the status it names
+        (some upstreams answer an error this way), or :class:`UpstreamBadResponse`."""
+        data, _ = await self._read_error(answer)
+        try:
+            parsed = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict) and parsed.get("error"):
+            return event_error(parsed)
+        return UpstreamBadResponse("The upstream answered a stream request without an event stream.")
