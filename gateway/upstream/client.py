@@ -1,20 +1,12 @@
-"""Upstream attempts and the HTTP client under them: one pooled aiohttp session per process, outbound header rules,
-error mapping.
+"""The HTTP client under upstream attempts: one pooled aiohttp session per process (:class:`UpstreamPool`), the
+production :class:`gateway.upstream.attempt.Transport`; tests use one that plays scripted bytes
+(``gateway.tools.scripted``).
 
-An :class:`Attempt` is one try of one upstream, from sending the request to the end of its answer, with one owner
-(``async with``): it holds the upstream's concurrency slot, the open answer and the first-token deadline, and its
-exit is the only place the answer is released (read to its end) or closed (anything else), the slot given back and
-the upstream's health told the verdict. The client under it is a :class:`Transport`: :class:`UpstreamPool`
-(aiohttp) in production, or a fake that plays scripted bytes in tests (``gateway.tools.scripted``).
-
-aiohttp is used for upstream I/O on the hot path instead of httpx: measured on this machine it costs a
-third of the CPU per relayed chunk and serves ~15x the non-streaming requests/s (issue 2's table;
-``bench/`` re-measures it). This is the only module that imports aiohttp or catches its exceptions.
-
-Headers sent upstream are built, not copied: ``Authorization`` carries the upstream's own key (never the
-client's), ``Accept-Encoding: identity`` keeps ``Content-Encoding`` and the body in agreement, and no
-client credential, cookie or hop-by-hop header crosses. Headers returned to the client pass an
-allowlist (:data:`RESPONSE_HEADER_ALLOW`).
+aiohttp is used for upstream I/O on the hot path instead of httpx: measured on this machine it costs a third of the
+CPU per relayed chunk and serves ~15x the non-streaming requests/s (``bench/`` re-measures it). Only this module and
+``gateway.upstream.response`` import aiohttp or catch its exceptions. A request that went out on a pooled connection
+the upstream had just closed is sent once more on a new one (RFC 9112 §9.3.1); a body held whole but large goes in
+pieces whose writing is watched.
 """
 
 from __future__ import annotations
