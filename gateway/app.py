@@ -51,8 +51,11 @@ from gateway.responses.ids import ID_PREFIX
 from gateway.responses.store import Bridged, MemoryResponseStore, Native, ResponseStore
 from gateway.routing.health import Health
 from gateway.routing.policy import Policy
+from gateway.state.ledger import SharedLedger
 from gateway.state.ledger_file import LedgerFile
-from gateway.state.redis import SharedLedger, SharedOwners, SharedResponseStore, SharedState
+from gateway.state.owners import SharedOwners
+from gateway.state.redis import SharedState
+from gateway.state.store import SharedResponseStore
 from gateway.tenancy.keys import Keys, MemoryLedger
 from gateway.tenancy.objects import MemoryOwners
 from gateway.upstream.attempt import Transport

@@ -21,7 +21,9 @@ from gateway.config.upstreams import UpstreamConfig
 from gateway.observability.metrics import Metrics
 from gateway.responses.store import Bridged, MemoryResponseStore, Native
 from gateway.routing.health import Health, UpstreamHealth
-from gateway.state.redis import Admission, SharedResponseStore, SharedState, SharedVerdicts
+from gateway.state.quota import SharedVerdicts
+from gateway.state.redis import Admission, SharedState
+from gateway.state.store import SharedResponseStore
 from gateway.tenancy.keys import Refusal
 
 from conftest import RedisServer, needs_redis, sample
@@ -237,7 +239,7 @@ async def test_the_responses_store_is_shared_and_a_delete_reaches_every_replica(
 
 async def test_which_key_made_an_object_is_known_to_every_replica(
         replicas: Callable[..., Awaitable[Replica]], redis_server: RedisServer) -> None:
-    from gateway.state.redis import SharedOwners
+    from gateway.state.owners import SharedOwners
     from gateway.tenancy.objects import MemoryOwners
 
     a, b = await replicas(), await replicas()
@@ -273,7 +275,7 @@ async def test_garbage_in_its_keys_or_on_its_channel_never_takes_shared_state_do
 
 async def test_a_key_reservation_redis_answers_too_late_counts_once_and_a_settlement_waits_for_redis(
         replicas: Callable[..., Awaitable[Replica]], redis_server: RedisServer) -> None:
-    from gateway.state.redis import SharedLedger
+    from gateway.state.ledger import SharedLedger
     from gateway.tenancy.keys import Keys, MemoryLedger, Spend, digest, windows
 
     a = await replicas(timeout=0.1)

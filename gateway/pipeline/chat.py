@@ -76,7 +76,8 @@ from gateway.routing.blame import Blame
 from gateway.routing.facts import Candidate, Continuation, Decision, RequestFacts
 from gateway.routing.health import Health
 from gateway.routing.policy import Policy
-from gateway.state.redis import Admission, SharedState, SharedVerdicts
+from gateway.state.quota import SharedVerdicts
+from gateway.state.redis import Admission, SharedState
 from gateway.stream.relay import Relay
 from gateway.stream.stats import StreamStats, Write
 from gateway.tenancy.keys import Hold, Key, Ledger, MemoryLedger, Refusal, Spend, bounded

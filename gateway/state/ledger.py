@@ -1,0 +1,139 @@
+"""What gateway keys spent, counted by every replica in Redis (:class:`SharedLedger`): one atomic script per
+reservation in the request's pipeline, a settlement that replaces the reservation by what was used, and what was
+spent while Redis was away added back when it answers again (``lua/key_reserve.lua``, ``lua/key_settle.lua``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from gateway.state.link import DAY_MS, MAX_PENDING, RedisLink, number
+from gateway.tenancy.keys import DIMENSIONS, Hold, Key, MemoryLedger, Refusal, Spend, bounded, windows
+
+TOMB_MS = 600_000  # a reservation that arrives later than this after its cancel is counted (none waits that long)
+
+
+WINDOW_MS = {"minute": 120_000, "day": 2 * DAY_MS, "month": 32 * DAY_MS}  # a counter outlives its window a little
+
+
+class SharedLedger:
+    """A ``gateway.tenancy.keys.Ledger`` whose counts every replica shares
+    (``{prefix}:{key:NAME}:{level}:{dimension}:{window}: {id}`` counters, one hash slot per key): a reservation is one
+    atomic script in the request's pipeline, which keeps what it added in a hold; its settlement replaces that by what
+    the request used.
+
+    Every answer of Redis gives the counters' values, which the replica keeps twice: in ``local`` (so that while Redis
+    is away it counts on from what every replica had spent, not from zero; ``gateway.state.ledger_file`` keeps ``local``
+    across a restart of the replica) and as each counter's *floor*, sent with every write: a counter Redis lost (it
+    restarted without its data, or evicted it) starts again from the last value this replica saw, not from zero.
+
+    While Redis is away, ``local`` counts this replica's requests, and their settlements wait (bounded) and add what
+    they used to the shared counters when Redis answers again, so that what was spent meanwhile counts for every
+    replica. A reservation that got no answer in time may still be counted when Redis answers: its settlement then
+    replaces it by what was used (a tombstone voids it if it arrives later still), so it counts once.
+    """
+
+    def __init__(self, shared: RedisLink, local: MemoryLedger) -> None:
+        self.shared = shared
+        self.local = local
+        self.waiting: list[tuple[list[str], list[str]]] = []  # settlements for when Redis answers again
+        # the last value Redis gave of each counter: (key, level, dim, window) -> (window id, value)
+        self.seen: dict[tuple[str, str, str, str], tuple[str, float]] = {}
+        shared.on_restored.append(self._resend)
+
+    def _counter(self, key: Key, level: str, dim: str, window: str, at: str) -> str:
+        return f"{self.shared.prefix}:{{key:{key.name}}}:{level}:{dim}:{window}:{at}"
+
+    def _hold_keys(self, key: Key, hold_id: str) -> list[str]:
+        base = f"{self.shared.prefix}:{{key:{key.name}}}"
+        return [f"{base}:hold:{hold_id}", f"{base}:tomb:{hold_id}"]
+
+    def _floor(self, key: Key, level: str, dim: str, window: str, at: str) -> str:
+        found = self.seen.get((key.name, level, dim, window))
+        return repr(found[1]) if found is not None and found[0] == at else "0"
+
+    def _saw(self, key: Key, limits: list[tuple[str, str, str, float]], at: dict[str, str], values: list[Any]) -> None:
+        """Redis gave ``values`` for the counters of ``limits``: keep them as floors, and as this replica's own counts
+        (what it counts on from while Redis is away)."""
+        counts = self.local.counts
+        for (level, dim, window, _), raw in zip(limits, values, strict=False):
+            value = number(raw)
+            if value is not None:
+                slot = (key.name, level, dim, window)
+                self.seen[slot] = counts[slot] = (at[window], max(0.0, value))
+        self.local.version += 1
+
+    async def reserve(self, key: Key, spend: Spend, fast: bool) -> Hold | Refusal:
+        """See ``gateway.tenancy.keys.MemoryLedger.reserve``."""
+        now = windows(self.local.wall())
+        return await self._reserve(key, spend, ("all", "fast") if fast else ("all",), {w: v[0] for w, v in now.items()},
+                                   now)
+
+    async def extend(self, hold: Hold, level: str) -> Refusal | None:
+        """See ``gateway.tenancy.keys.MemoryLedger.extend``: the extension is a part of ``hold``, settled with it."""
+        got = await self._reserve(hold.key, hold.spend, (level,), hold.at, windows(self.local.wall()))
+        if isinstance(got, Refusal):
+            return got
+        hold.parts.append(got)  # its own counters and hold id; the hold's own levels stay its own
+        return None
+
+    async def _reserve(self, key: Key, spend: Spend, levels: tuple[str, ...], at: dict[str, str],
+                       now: dict[str, tuple[str, float]]) -> Hold | Refusal:
+        """Reserve ``spend`` at ``levels`` in the windows ``at`` (ids; ``now``: the current windows, for a refusal's
+        wait): in Redis, or, without an answer in time, here (and settled there when Redis answers again)."""
+        limits = bounded(key, levels)
+        if not limits:
+            return Hold(key, levels, spend, dict(at), self, local=False)
+        counters = [self._counter(key, level, dim, window, at[window]) for level, dim, window, _ in limits]
+        hold_id = os.urandom(8).hex()
+        args: list[Any] = []
+        for level, dim, window, limit in limits:
+            args += [repr(limit), repr(max(0.0, spend.get(dim))), WINDOW_MS[window],
+                     self._floor(key, level, dim, window, at[window])]
+        args.append(max(WINDOW_MS[w] for _, _, w, _ in limits))
+        keys = [*counters, *self._hold_keys(key, hold_id)]
+        done, replies = await self.shared.ask("keys", lambda pipe: pipe.evalsha(
+            self.shared.key_reserve.sha, len(keys), *keys, *args))
+        if not done or replies[0][0] == 2:  # counted here; settled there when Redis answers
+            got = self.local.take_at(key, spend, levels, at, now)
+            if isinstance(got, Hold):
+                got.ledger, got.remote = self, (counters, hold_id)
+            return got
+        reply = replies[0]
+        if reply[0] == 0:
+            self._saw(key, limits, at, list(reply[2:]))
+            level, dim, window, _ = limits[int(reply[1]) - 1]
+            return Refusal(level, next(a for d, w, a in DIMENSIONS if d == dim and w == window), now[window][1])
+        self._saw(key, limits, at, list(reply[1:]))
+        return Hold(key, levels, spend, dict(at), self, local=False, remote=(counters, hold_id))
+
+    def settle(self, hold: Hold, used: Spend, fast: bool) -> None:
+        """See ``gateway.tenancy.keys.MemoryLedger.settle``: each part of the hold (it and its extensions) takes what
+        the request used, here (a part counted here) and in Redis (queued, not awaited; kept for later while Redis is
+        away): a part counted here adds what was used there too, once."""
+        for part in [hold, *hold.parts]:
+            if part.local:
+                self.local.settle(part, used, fast)
+            if part.remote is None:
+                continue
+            counters, hold_id = part.remote
+            args: list[str] = []
+            for level, dim, window, _ in bounded(part.key, part.levels):
+                args += [repr(max(0.0, used.get(dim))) if level == "all" or fast else "0",
+                         self._floor(part.key, level, dim, window, part.at[window]), str(WINDOW_MS[window])]
+            self._send([*counters, *self._hold_keys(part.key, hold_id)],
+                       [*args, str(TOMB_MS), "1" if part.local else "0"])
+
+    def _send(self, keys: list[str], args: list[str]) -> None:
+        if not self.shared.up:
+            if len(self.waiting) < MAX_PENDING:
+                self.waiting.append((keys, args))
+            else:
+                self.shared.metrics.shared_dropped.inc()
+            return
+        self.shared.queue("keys", lambda pipe: pipe.evalsha(self.shared.key_settle.sha, len(keys), *keys, *args))
+
+    def _resend(self) -> None:
+        waiting, self.waiting = self.waiting, []
+        for keys, args in waiting:
+            self._send(keys, args)

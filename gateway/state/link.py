@@ -1,0 +1,232 @@
+"""One process's link to the Redis the replicas share (``state.redis_url``): a per-event-loop-turn pipeline that
+carries every command asked in that turn in one round trip, bounded by ``state.timeout``, and the bookkeeping of Redis
+being away (every failure counted; the first logged; a ping every ``state.retry`` seconds until it answers again,
+then whoever asked to be told is called). The shared state's parts build on it: ``gateway.state.redis`` (quota
+estimates, cooldowns and breakers), ``store``, ``ledger`` and ``owners``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from pydantic import SecretStr
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, RedisError
+
+from gateway.config.schema import StateConfig
+from gateway.observability import logs
+from gateway.observability.metrics import Metrics
+from gateway.state import scripts
+
+log = logging.getLogger("tiergate")
+
+FAILURES = (RedisError, OSError, TimeoutError)
+
+DAY_MS = 86_400_000
+MAX_PENDING = 10_000  # commands asked in one event-loop turn; past it they are dropped (and counted)
+
+@dataclass
+class _Ask:
+    """Commands for the next pipeline: ``add`` queues them; ``future`` (an awaiting request) gets their replies, else
+    ``then`` gets the first one."""
+
+    op: str
+    add: Callable[[Pipeline], Any]
+    future: asyncio.Future[list[Any]] | None
+    then: Callable[[Any], None] | None = None
+
+
+class _Failed(Exception):
+    """The pipeline carrying an ask failed (counted there)."""
+
+
+def number(value: Any) -> float | None:
+    """A Redis reply as a finite number, or None (absent, an error reply, or not a number)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+
+class RedisLink:
+    """The transport of the shared state (module docstring); see :class:`gateway.state.redis.SharedState`.
+
+    Args:
+        url: the Redis URL (a secret: it may hold a password); cfg: ``state:``; metrics: where its errors are counted;
+        wall: the wall clock (seconds) times cross processes in.
+
+    Attributes:
+        up: Redis answered the last operation (False from start until the first ping answers).
+        replica: this process's name in the messages (host, pid, random), so that it skips its own.
+        on_restored: called each time Redis answers again; on_deleted: told the response ids other replicas deleted.
+    """
+
+    def __init__(self, url: SecretStr, cfg: StateConfig, metrics: Metrics, *,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.wall = wall
+        self.prefix = cfg.key_prefix
+        self.channel = f"{self.prefix}:events"
+        self.replica = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
+        slow = max(cfg.timeout, 1.0)  # off the request path (connects, the subscriber); asyncio.timeout bounds the rest
+        self.redis: Redis = Redis.from_url(url.get_secret_value(), socket_timeout=slow, socket_connect_timeout=slow,
+                                           retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self._admit = self.redis.register_script(scripts.ADMIT)
+        self._observe = self.redis.register_script(scripts.OBSERVE)
+        self._landed = self.redis.register_script(scripts.LANDED)
+        self._rest = self.redis.register_script(scripts.REST)
+        self._history = self.redis.register_script(scripts.HISTORY)
+        self.key_reserve = self.redis.register_script(scripts.KEY_RESERVE)
+        self.key_settle = self.redis.register_script(scripts.KEY_SETTLE)
+        self.up = False
+        self.on_deleted: list[Callable[[str], None]] = []  # told the ids other replicas deleted
+        self.on_restored: list[Callable[[], None]] = []  # called each time Redis answers again
+        self._asks: list[_Ask] = []  # commands for the next pipeline (one per event-loop turn)
+        self._flushes: set[asyncio.Task[None]] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._said_down = False
+        metrics.shared_up.set(0)
+
+    async def ask(self, op: str, add: Callable[[Pipeline], Any]) -> tuple[bool, list[Any]]:
+        """Send the commands ``add(pipeline)`` queues with everything else asked in this event-loop turn, and wait
+        for their replies within ``state.timeout``.
+
+        Returns:
+            (True, the replies of the commands ``add`` queued), or (False, []) when Redis is away, failed, answered
+            one of them with an error (a lost script after a restart included) or was too slow: counted, and the
+            caller goes on with its local state.
+        """
+        if not self.up:
+            return False, []
+        ask = _Ask(op, add, asyncio.get_running_loop().create_future())
+        self._send(ask)
+        assert ask.future is not None
+        try:
+            async with asyncio.timeout(self.cfg.timeout):
+                replies = await ask.future
+        except TimeoutError as exc:
+            self._failed(op, exc)
+            return False, []
+        except _Failed:
+            return False, []  # counted where the pipeline failed
+        return True, replies
+
+    def history_command(self, pipe: Pipeline, response_id: str, refresh_ms: int, most: int) -> Any:
+        """Queue the chain walk of a conversation (see ``_HISTORY``) in ``pipe``."""
+        return pipe.evalsha(self._history.sha, 0, self.prefix, response_id, refresh_ms, most)
+
+    def forget(self, response_id: str) -> None:
+        """Tell the other replicas to drop their local copy of a deleted response (queued, not awaited)."""
+        message = orjson.dumps({"r": self.replica, "e": "deleted", "id": response_id})
+        self.queue("store", lambda pipe: pipe.publish(self.channel, message))
+
+    def queue(self, op: str, add: Callable[[Pipeline], Any], then: Callable[[Any], None] | None = None) -> None:
+        """Send ``add``'s commands with the next pipeline, not awaited (``then`` gets the first reply); dropped (and
+        counted) while Redis is away."""
+        if not self.up:
+            self.metrics.shared_dropped.inc()
+            return
+        self._send(_Ask(op, add, None, then))
+
+    def _send(self, ask: _Ask) -> None:
+        if len(self._asks) >= MAX_PENDING:
+            self._refuse(ask)
+            return
+        self._asks.append(ask)
+        if len(self._asks) == 1:  # the first of this turn: one pipeline will carry them all
+            task = asyncio.get_running_loop().create_task(self._flush())
+            self._flushes.add(task)
+            task.add_done_callback(self._flushes.discard)
+
+    async def _flush(self) -> None:
+        """Send every command asked so far in one pipeline (several pipelines may be in flight: each takes a
+        connection from the pool) and hand each asker its replies."""
+        batch, self._asks = self._asks, []
+        pipe = self.redis.pipeline(transaction=False)
+        counts = []
+        for ask in batch:
+            before = len(pipe.command_stack)
+            ask.add(pipe)
+            counts.append(len(pipe.command_stack) - before)
+        try:
+            replies = await pipe.execute(raise_on_error=False)
+        except FAILURES as exc:
+            self._failed(batch[0].op, exc)
+            for ask in batch:
+                self._refuse(ask)
+            return
+        at = 0
+        for ask, n in zip(batch, counts, strict=True):
+            self._answer(ask, replies[at:at + n])
+            at += n
+
+    def _answer(self, ask: _Ask, replies: list[Any]) -> None:
+        error = next((r for r in replies if isinstance(r, Exception)), None)
+        if error is not None:
+            if isinstance(error, NoScriptError):  # Redis lost its scripts: the reconnect loads them again
+                self._failed(ask.op, error)
+            else:  # this command's own trouble, not Redis being away: the others go on
+                self.metrics.shared_errors.labels(ask.op).inc()
+                log.warning("shared state: Redis refused a %s command: %s", ask.op, error)
+            self._refuse(ask)
+        elif ask.future is not None:
+            if not ask.future.done():
+                ask.future.set_result(replies)
+        elif ask.then is not None and replies:
+            ask.then(replies[0])
+
+    def _refuse(self, ask: _Ask) -> None:
+        """An ask that will get no reply: its awaiting request goes on locally; an update is counted as dropped."""
+        if ask.future is None:
+            self.metrics.shared_dropped.inc()
+        elif not ask.future.done():
+            ask.future.set_exception(_Failed())
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        """An operation failed: count it; the first failure since Redis last answered marks it away and is logged."""
+        self.metrics.shared_errors.labels(op).inc()
+        if self.up or not self._said_down:
+            self._said_down = True
+            logs.event("shared_state_unavailable", "warning", op=op, error=f"{type(exc).__name__}: {exc}",
+                       retry_s=self.cfg.retry)
+            log.warning("shared state (Redis) unavailable (%s: %s): going on with local state, retrying every %g s",
+                        op, exc, self.cfg.retry)
+        self.up = False
+        self.metrics.shared_up.set(0)
+
+    def _restored(self) -> None:
+        if self._said_down:
+            logs.event("shared_state_restored")
+            log.warning("shared state (Redis) answers again")
+        self._said_down = False
+        self.up = True
+        self.metrics.shared_up.set(1)
+        for callback in self.on_restored:
+            callback()
+
+    async def stop(self) -> None:
+        """Stop the subscriber and the pipelines in flight, and close the connections (updates still queued are
+        dropped)."""
+        tasks = [*self._tasks, *self._flushes]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks = []
+        with contextlib.suppress(*FAILURES):
+            await self.redis.aclose()

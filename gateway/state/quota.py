@@ -1,0 +1,43 @@
+"""An attempt's verdicts told to its upstream's local health and, its answer's rate-limit report, to the shared quota
+estimate (:class:`SharedVerdicts`: the ``gateway.upstream.attempt.Verdicts`` of a replica with shared state)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from gateway.errors import GatewayError
+from gateway.routing.health import Mark, UpstreamHealth
+from gateway.routing.ratelimits import quota_report
+from gateway.state.redis import Admission, SharedState
+
+
+class SharedVerdicts:
+    """An attempt's verdicts (``gateway.upstream.client.Verdicts``) told to its upstream's local health, and its
+    answer's rate-limit report also to the shared estimate (with the attempt's admission mark)."""
+
+    __slots__ = ("local", "shared", "admission", "reported")
+
+    def __init__(self, local: UpstreamHealth, shared: SharedState, admission: Admission | None) -> None:
+        self.local, self.shared, self.admission = local, shared, admission
+        self.reported = False
+
+    def start(self, now: float, need_tokens: int) -> Mark:
+        return self.local.start(now, need_tokens)
+
+    def finish(self) -> None:
+        self.local.finish()
+        if not self.reported and self.admission is not None and self.admission.member is not None:
+            self.shared.landed(self.local.name, self.admission.member)
+
+    def observe_headers(self, headers: Mapping[str, str], now: float, mark: Any = None) -> None:
+        report = quota_report(headers)
+        self.local.observe_report(report, now, mark)
+        self.reported = True
+        self.shared.observed(self.local, report, self.admission)
+
+    def settle(self, exc: GatewayError | None, now: float, need_tokens: int = 0, source: str | None = None) -> None:
+        self.local.settle(exc, now, need_tokens, source)
+
+    def retract(self, source: str) -> None:
+        self.local.retract(source)
