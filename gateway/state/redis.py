@@ -14,9 +14,9 @@ With it (redis-py's asyncio client; any Redis 6.2 or newer):
   ``...:rest`` (until its end) and, like a closed breaker, to the channel ``{prefix}:events``; every replica applies
   the others' to its own :class:`gateway.routing.health.Health` (its ``shared_*`` methods), so planning stays local and
   pure. A replica that starts, or finds Redis again, reads the hashes first. Not awaited by any request.
-* **The Responses store** (``gateway.state.store``), **the keys' ledger** (``gateway.state.ledger``) and **who made which
-  object** (``gateway.state.owners``), over the same link (``gateway.state.link``). The store holds every bridged
-  conversation and every native response's upstream, so a follow-up may reach any replica.
+* **The Responses store** (``gateway.state.store``), **the keys' ledger** (``gateway.state.ledger``) and **who made
+  which object** (``gateway.state.owners``), over the same link (``gateway.state.link``). The store holds every
+  bridged conversation and every native response's upstream, so a follow-up may reach any replica.
 
 Every command a request or an update sends in one event-loop turn goes in one pipeline (one round trip on one
 connection, however many requests are in flight): measured, that and packing each script's arguments into one string
