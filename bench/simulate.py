@@ -218,7 +218,7 @@ class Sim:
         self.outcomes.append(out)
         need = facts.prompt_tokens + tokens
         plan = failover.plan(decision, self.health, self.env.now, need, self.cfg.max_attempts)
-        if plan.refusal is not None:
+        if not plan.candidates:  # every candidate rests: refused
             return
         hedge = decision.route is not None and decision.route.hedge is not None and len(plan.candidates) > 1
         if hedge:

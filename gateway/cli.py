@@ -31,13 +31,27 @@ DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` and run the chosen subcommand; returns the process exit code."""
+    """Parse ``argv`` and run the chosen subcommand; returns the process exit code (2: a bad ``GATEWAY_*`` variable
+    or flag; 130: interrupted)."""
     try:
         settings = Settings()
     except ValidationError as exc:  # a bad GATEWAY_* variable: named, exit 2, never a traceback
         problems = "; ".join(f"GATEWAY_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}" for e in exc.errors())
         print(f"tiergate: invalid environment: {problems}", file=sys.stderr)
         return 2
+    args = _parser(settings).parse_args(argv)
+    try:
+        return _run(args)
+    except BrokenPipeError:  # e.g. `tiergate check-config FILE | head`
+        sys.stderr.close()
+        return 0
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn re-raises SIGINT after its graceful shutdown; no traceback
+        return 130
+
+
+def _parser(settings: Settings) -> argparse.ArgumentParser:
+    """The command line: ``serve``, ``demo``, ``emulate``, ``keys add``, ``check-config``, ``bench`` (defaults from
+    ``settings``)."""
     parser = argparse.ArgumentParser(prog="tiergate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -48,8 +62,24 @@ def main(argv: list[str] | None = None) -> int:
 
     demo = sub.add_parser("demo", help="run the gateway with two emulated tiers; no API keys needed")
     _listen_flags(demo, settings)
+    _emulate_flags(sub.add_parser("emulate", help="run one emulated OpenAI-compatible upstream"))
 
-    emulate = sub.add_parser("emulate", help="run one emulated OpenAI-compatible upstream")
+    keys = sub.add_parser("keys", help="gateway keys (auth:): make one")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    add = keys_sub.add_parser("add", help="print a new gateway key once, and the config line that admits it")
+    add.add_argument("name", help="the key's name in metrics and the request log (letters, digits, _ . -)")
+    add.add_argument("--tiers", default="fast,standard", help="tiers it may use, comma-separated (default both)")
+    add.add_argument("--metrics", action="store_true",
+                     help="a scrape token instead: it reads /metrics and nothing else (auth.metrics)")
+
+    check = sub.add_parser("check-config", help="validate a config file and print the resolved routes")
+    check.add_argument("file", type=Path)
+    _bench_flags(sub.add_parser("bench", help="send a mix of streamed requests through a running gateway; compare "
+                                "tiers"))
+    return parser
+
+
+def _emulate_flags(emulate: argparse.ArgumentParser) -> None:
     emulate.add_argument("--tier", choices=TIERS, default="fast")
     emulate.add_argument("--host", default="127.0.0.1")
     emulate.add_argument("--port", type=int, default=9101)
@@ -63,18 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     emulate.add_argument("--timing-log", type=Path,
                          help="append when each streamed answer's request came and its first and last token left")
 
-    keys = sub.add_parser("keys", help="gateway keys (auth:): make one")
-    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
-    add = keys_sub.add_parser("add", help="print a new gateway key once, and the config line that admits it")
-    add.add_argument("name", help="the key's name in metrics and the request log (letters, digits, _ . -)")
-    add.add_argument("--tiers", default="fast,standard", help="tiers it may use, comma-separated (default both)")
-    add.add_argument("--metrics", action="store_true",
-                     help="a scrape token instead: it reads /metrics and nothing else (auth.metrics)")
 
-    check = sub.add_parser("check-config", help="validate a config file and print the resolved routes")
-    check.add_argument("file", type=Path)
-
-    bench = sub.add_parser("bench", help="send a mix of streamed requests through a running gateway; compare tiers")
+def _bench_flags(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--base-url", default="http://127.0.0.1:8080/v1", help="OpenAI base URL of the gateway")
     bench.add_argument("--requests", type=int, default=40, help="requests to send in all (default 40)")
     bench.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (default 4)")
@@ -87,15 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--out", default="tiergate-bench.html", help="HTML chart to write ('' for none)")
     bench.add_argument("--json", help="also write the per-tier summary as JSON to this file")
     bench.add_argument("--quiet", action="store_true", help="no progress line")
-
-    args = parser.parse_args(argv)
-    try:
-        return _run(args)
-    except BrokenPipeError:  # e.g. `tiergate check-config FILE | head`
-        sys.stderr.close()
-        return 0
-    except KeyboardInterrupt:  # Ctrl-C: uvicorn re-raises SIGINT after its graceful shutdown; no traceback
-        return 130
 
 
 def _run(args: argparse.Namespace) -> int:

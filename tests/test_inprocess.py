@@ -16,9 +16,10 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway.app import HotPath, create_app
+from gateway.app import create_app
 from gateway.config.load import LoadedConfig
 from gateway.config.schema import GatewayConfig
+from gateway.http.dispatch import HotPath
 from gateway.tools.emulator import Plan, Received
 from gateway.tools.scripted import ScriptedTransport
 

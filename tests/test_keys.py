@@ -23,7 +23,8 @@ from gateway.config.auth import AuthConfig, KeyConfig
 from gateway.config.load import load_config
 from gateway.config.schema import GatewayConfig
 from gateway.errors import ConfigError, KeyOverBudget, RateLimited, Unauthorized
-from gateway.tenancy.keys import Keys, MemoryLedger, Refusal, Spend, digest, new_key, windows
+from gateway.tenancy.keys import Keys, digest, new_key
+from gateway.tenancy.ledger import MemoryLedger, Refusal, Spend, windows
 from gateway.tools.emulator import EmulatorConfig, EmulatorThread
 
 from conftest import SCRAPE, Proc, RedisServer, needs_redis, sample, scraped, start_gateway

@@ -26,7 +26,7 @@ from gateway.app import create_app
 from gateway.config.load import LoadedConfig
 from gateway.config.schema import GatewayConfig
 from gateway.errors import ModelNotFound, UnknownURL
-from gateway.pipeline.passthrough import endpoint_label, tail_usage
+from gateway.pipeline.upload import endpoint_label, tail_usage
 from gateway.routing.facts import RequestFacts
 from gateway.routing.policy import Policy
 from gateway.tools.emulator import EmulatorThread, Plan, Received
@@ -769,11 +769,11 @@ def test_a_large_json_body_to_an_upstream_that_stops_reading_is_a_504(raw_gw: tu
 
 def test_a_limit_field_of_a_passthrough_body_is_checked_as_openai_checks_it() -> None:
     from gateway.errors import InvalidRequest
-    from gateway.pipeline.passthrough import _facts
+    from gateway.pipeline.upload import passthrough_facts
 
     for body, param in ((b'{"model": "m", "prompt": "x", "max_tokens": -5}', "max_tokens"),
                         (b'{"model": "m", "prompt": "x", "max_tokens": 2.5}', "max_tokens")):
         with pytest.raises(InvalidRequest) as info:
-            _facts(body, {"content-type": "application/json"})
+            passthrough_facts(body, {"content-type": "application/json"})
         assert info.value.param == param and info.value.status == 400
-    assert _facts(b'{"model": "m", "prompt": "x", "max_tokens": 16}', {}) is not None
+    assert passthrough_facts(b'{"model": "m", "prompt": "x", "max_tokens": 16}', {}) is not None

@@ -53,7 +53,7 @@ def _names(plan: failover.Plan) -> list[str]:
 def test_healthy_candidates_in_policy_order_capped_by_max_attempts() -> None:
     policy, health, clock = _setup()
     plan = _plan(policy, health, clock)
-    assert _names(plan) == ["f1", "f2", "s1"] and plan.reason is None and plan.refusal is None
+    assert _names(plan) == ["f1", "f2", "s1"] and plan.reason is None and not plan.resting
     assert _names(_plan(policy, health, clock, max_attempts=2)) == ["f1", "f2"]
 
 
@@ -80,7 +80,7 @@ def test_only_soft_reasons_left_tries_the_first_anyway() -> None:
     for name in ("f1", "f2", "s1"):
         health[name].start(clock(), 1)  # every one at its concurrency limit
     plan = _plan(policy, health, clock)
-    assert _names(plan) == ["f1"] and plan.refusal is None  # the upstream is the judge
+    assert _names(plan) == ["f1"] and not plan.resting  # the upstream is the judge
 
 
 def test_a_concurrency_limit_with_queue_seconds_is_waited_on() -> None:
@@ -108,11 +108,12 @@ def test_every_candidate_resting_is_refused(setup: str, status: int, code: str) 
             h.failure(clock())
             h.failure(clock())
     plan = _plan(policy, health, clock)
-    assert plan.candidates == [] and plan.refusal is not None
-    assert (plan.refusal.status, plan.refusal.code) == (status, code)
-    assert isinstance(plan.refusal, RateLimited if status == 429 else UpstreamsResting)
-    assert int(plan.refusal.headers["retry-after"]) >= 1
-    assert (plan.refusal.headers.get("x-should-retry") == "false") == (setup == "exhausted")
+    assert plan.candidates == [] and plan.resting
+    refused = failover.refusal(plan.resting, clock())
+    assert (refused.status, refused.code) == (status, code)
+    assert isinstance(refused, RateLimited if status == 429 else UpstreamsResting)
+    assert int(refused.headers["retry-after"]) >= 1
+    assert (refused.headers.get("x-should-retry") == "false") == (setup == "exhausted")
 
 
 def _status(status: int, body: bytes = b"{}") -> UpstreamStatusError:

@@ -24,7 +24,7 @@ from gateway.routing.health import Health, UpstreamHealth
 from gateway.state.quota import SharedVerdicts
 from gateway.state.redis import Admission, SharedState
 from gateway.state.store import SharedResponseStore
-from gateway.tenancy.keys import Refusal
+from gateway.tenancy.ledger import Refusal
 
 from conftest import RedisServer, needs_redis, sample
 
@@ -276,7 +276,8 @@ async def test_garbage_in_its_keys_or_on_its_channel_never_takes_shared_state_do
 async def test_a_key_reservation_redis_answers_too_late_counts_once_and_a_settlement_waits_for_redis(
         replicas: Callable[..., Awaitable[Replica]], redis_server: RedisServer) -> None:
     from gateway.state.ledger import SharedLedger
-    from gateway.tenancy.keys import Keys, MemoryLedger, Spend, digest, windows
+    from gateway.tenancy.keys import Keys, digest
+    from gateway.tenancy.ledger import MemoryLedger, Spend, windows
 
     a = await replicas(timeout=0.1)
     key = Keys(AuthConfig(keys=[KeyConfig(name="k", sha256=digest("k"),

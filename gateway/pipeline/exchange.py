@@ -30,7 +30,8 @@ from gateway.observability import logs
 from gateway.observability.metrics import BILLABLE, Metrics
 from gateway.routing.blame import Blame
 from gateway.stream.relay import Relay
-from gateway.tenancy.keys import Hold, Key
+from gateway.tenancy.keys import Key
+from gateway.tenancy.ledger import Hold
 
 JSON = b"application/json"
 KEY_SCOPE = "tiergate.key"  # the ASGI scope entry that holds a request's authenticated gateway key

@@ -49,16 +49,15 @@ class Plan:
             becomes the reason of the last failure as attempts fail over.
         queued: names of the candidates to wait on for a concurrency slot (``health.queue_seconds``).
         spilled: (candidate, why) for each candidate passed over now (``tiergate_spillovers_total``).
-        refusal: the answer when every candidate rests, or when the request's gateway key refuses it (then
-            ``candidates`` is empty); outcome: its ``tiergate_requests_total`` outcome.
+        resting: when every candidate rests (then ``candidates`` is empty), their health: :func:`refusal` is the
+            answer the caller raises.
     """
 
     candidates: list[Candidate]
     reason: str | None = None
     queued: frozenset[str] = frozenset()
     spilled: list[tuple[Candidate, str]] = field(default_factory=list)
-    refusal: GatewayError | None = None
-    outcome: str = "upstream_unavailable"
+    resting: list[UpstreamHealth] = field(default_factory=list)
 
     def go_on(self, failed: Candidate, exc: GatewayError) -> bool:
         """After ``failed``'s attempt failed with ``exc``: may the next candidate still serve the request? Records
@@ -106,7 +105,7 @@ def plan(decision: Decision, health: Health, now: float, need_tokens: int, max_a
     if not usable and soft:
         return Plan(soft[:1], decision.fallback, spilled=spilled)
     if not usable:
-        return Plan([], spilled=spilled, refusal=refusal(resting, now, blame.who() if blame is not None else None))
+        return Plan([], spilled=spilled, resting=resting)
     return Plan(usable[:max_attempts], first_spill or decision.fallback, frozenset(queued), spilled)
 
 

@@ -8,7 +8,8 @@ import os
 from typing import Any
 
 from gateway.state.link import DAY_MS, MAX_PENDING, RedisLink, number
-from gateway.tenancy.keys import DIMENSIONS, Hold, Key, MemoryLedger, Refusal, Spend, bounded, windows
+from gateway.tenancy.keys import Key
+from gateway.tenancy.ledger import DIMENSIONS, Hold, MemoryLedger, Refusal, Spend, bounded, windows
 
 TOMB_MS = 600_000  # a reservation that arrives later than this after its cancel is counted (none waits that long)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import orjson
 
 from gateway.observability import logs
-from gateway.tenancy.keys import MemoryLedger, windows
+from gateway.tenancy.ledger import MemoryLedger, windows
 
 log = logging.getLogger("tiergate")
 FILE = "ledger.json"

@@ -203,7 +203,7 @@ def chat_usage(usage: dict[str, Any]) -> dict[str, Any]:
             "completion_tokens_details": {"reasoning_tokens": out.get("reasoning_tokens", 0)}}
 
 
-def client_wants_usage(body: dict[str, Any]) -> bool:
+def client_wants_usage(body: Mapping[str, Any]) -> bool:
     """True when the client itself asked for the usage chunk (``stream_options.include_usage: true``)."""
     options = body.get("stream_options")
     return isinstance(options, dict) and options.get("include_usage") is True

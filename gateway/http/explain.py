@@ -1,0 +1,105 @@
+"""The gateway explaining itself, off the hot path: ``POST /v1/tiergate/route`` (what a request would get, and why,
+without calling any upstream, counting or reserving anything) and ``GET /v1/tiergate/estimates`` (the live estimates
+deadline routing and hedging read).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.errors import GatewayError
+from gateway.http.errors import error_response
+from gateway.pipeline.budgets import key_tiers
+from gateway.pipeline.exchange import KEY_SCOPE, ClientGone, read_body
+from gateway.pipeline.gateway import Gateway
+from gateway.routing import deadline
+from gateway.routing.facts import Decision, RequestFacts
+from gateway.tenancy.keys import Key
+from gateway.wire.body import dumps, loads, parse_chat_request, parse_responses_request
+
+
+async def route(gateway: Gateway, request: Request) -> Response:
+    """``POST /v1/tiergate/route``: the decision and its trace for a chat-completions or Responses body, narrowed to the
+    tiers of the caller's gateway key (a 403 where serving it would be one); no upstream call, nothing counted or
+    reserved."""
+    key: Key | None = request.scope.get(KEY_SCOPE)
+    try:
+        facts, decision = await _decide(gateway, request, key)
+    except GatewayError as exc:
+        return error_response(exc, {})
+    except ClientGone:
+        return Response(b"", 400)
+    out: dict[str, Any] = {
+        "api": "responses" if facts.responses else "chat",
+        "tier": decision.tier,
+        "rule": decision.rule,
+        "reason": decision.reason,
+        "model": decision.model,
+        "fallback": decision.fallback,
+        "candidates": [{"upstream": c.upstream.name, "tier": c.upstream.tier, "model": c.upstream_model,
+                        **({"responses": c.upstream.responses_mode} if facts.responses else {})}
+                       for c in decision.candidates],
+        "skipped": [{"upstream": name, "reason": why} for name, why in decision.skipped],
+        "facts": facts.as_dict(),
+        "key": None if key is None else {"name": key.name, "tiers": list(key.cfg.tiers)},
+        "trace": list(decision.trace),
+        # tier and rule stay the rule's; the first candidate is what serves
+        "deadline": None if (choice := decision.deadline) is None else {
+            **choice.as_dict(), "reason": deadline.describe(choice), "fallback": choice.fallback},
+        "estimates": _estimates_of(gateway, decision, facts),
+    }
+    return Response(dumps(out), 200, media_type="application/json")
+
+
+async def _decide(gateway: Gateway, request: Request, key: Key | None) -> tuple[RequestFacts, Decision]:
+    """The facts and decision a request with this body and these headers would get, in serving's order: the rules,
+    deadline routing (a preview: nothing counted, explored or probed), then the key's tiers (its limits are not
+    reserved).
+
+    Raises:
+        GatewayError: what serving it would answer (400, 403, 404); ClientGone: the client left mid-body.
+    """
+    headers = {k.lower(): v for k, v in request.headers.items()}
+    raw = await read_body(headers, request.receive, gateway.config.limits.max_request_bytes)
+    try:
+        probe = loads(raw)
+    except ValueError:
+        probe = None  # the parser below says what is wrong with it
+    responses = not (isinstance(probe, dict) and "messages" in probe)  # which API's body it is
+    body = parse_responses_request(raw) if responses else parse_chat_request(raw)
+    defaults = key.cfg.metadata if key is not None else None  # the key's metadata, as serving reads it
+    facts = (await gateway.conversations.responses_facts(body, headers, len(raw), refresh=False, key=key)
+             if responses else RequestFacts(body, headers, len(raw), defaults=defaults))
+    decision = gateway.policy.decide(facts, explain=True)
+    budget = deadline.budget(facts, decision.route)
+    if budget is not None:
+        decision = gateway.chat.by_deadline(decision, facts, budget, preview=True)
+    if key is not None:
+        decision = key_tiers(key, decision)
+    return facts, decision
+
+
+def _estimates_of(gateway: Gateway, decision: Decision, facts: RequestFacts) -> list[dict[str, Any]]:
+    """The live estimate of each candidate, at the request's prompt size, for the route endpoint."""
+    now, out = gateway.health.clock(), []
+    for c in decision.candidates:
+        est = gateway.estimates.latency(c.upstream.name, c.upstream_model, now)
+        out.append({"upstream": c.upstream.name, "measured": est is not None, **({} if est is None else {
+            "ttft_p50_ms": round(est.ttft(facts.prompt_tokens, tail=False) * 1000, 1),
+            "ttft_p90_ms": round(est.ttft(facts.prompt_tokens) * 1000, 1),
+            "tokens_per_second_p50": None if est.speed is None else round(est.speed.central, 1),
+            "tokens_per_second_p10": None if est.speed is None else round(est.speed.tail, 1),
+            "samples": est.samples, "age_s": round(est.age(now), 3)})})
+    return out
+
+
+def estimates(gateway: Gateway) -> bytes:
+    """``GET /v1/tiergate/estimates``: every live estimate (``gateway.observability.estimates``), and the gauges
+    refreshed."""
+    now = gateway.health.clock()
+    gateway.metrics.set_estimates(gateway.estimates.latencies(now))
+    return dumps({"object": "tiergate.estimates", **gateway.estimates.snapshot(now),
+                  "explore": gateway.explorer.share, "probe_s": gateway.explorer.probe})

@@ -1,0 +1,122 @@
+"""A passthrough answer on its way to the client: sent (a streamed body's writer bounded by its progress), then relayed
+as it arrives with its bytes untouched, the tail of a billed answer kept for its usage; an answer about a key's objects
+read whole, to claim what it made or show the key's own objects only (``gateway.tenancy.objects``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.errors import StreamInterrupted, UpstreamBadResponse, UpstreamTimeout, UpstreamUnavailable
+from gateway.pipeline.exchange import Headers
+from gateway.pipeline.upload import USAGE_TAIL, PassExchange, Upload, bills
+from gateway.routing.facts import Decision
+from gateway.tenancy.objects import OBJECT_ENDPOINTS, Owners, created_ids, filter_list
+from gateway.upstream.attempt import Answer, Attempt, Body
+from gateway.upstream.headers import field_value
+
+OBJECT_ANSWER = 8 * 1024 * 1024  # bytes of a JSON answer about objects read whole (a list page is at most 100 objects)
+
+
+async def send(attempt: Attempt, body: Body | None, upload: Upload | None) -> Answer:
+    """:meth:`Attempt.send`; a streamed body's writer bounded as :class:`Upload` says.
+
+    Raises:
+        UpstreamTimeout: the upstream stopped taking the body for its idle timeout; as :meth:`Attempt.send`.
+    """
+    if upload is None:
+        return await attempt.send(body)
+    try:
+        async with asyncio.timeout(None) as window:
+            upload.window = window
+            try:
+                return await attempt.send(upload)
+            finally:
+                upload.window = None
+    except TimeoutError as exc:
+        raise UpstreamTimeout(f"The upstream took no request body for {attempt.upstream.timeouts.idle:g} s.",
+                              code="upstream_timeout") from exc
+
+
+async def relay(ex: PassExchange, attempt: Attempt, answer: Answer, decision: Decision, reason: str | None,
+                method: str, owners: Owners) -> None:
+    """Relay a 2xx answer as it arrives, bytes untouched; for a ``POST`` that makes something billed by usage
+    (:func:`bills`), keep the tail of its JSON or SSE body to read the usage from (a stored object fetched again is
+    not billed again).
+
+    Raises:
+        GatewayError: the answer broke off. Before its first byte reached the client, it can fail over; after,
+            the client's connection is cut without its end (a truncated body must never look complete).
+    """
+    bodiless = answer.status in (204, 205)  # no content, whatever the upstream sent (RFC 9110 §15.3.5-6)
+    headers: Headers = [*ex.route_headers(ex.tier, ex.upstream, decision.rule, reason),
+                        *((k.encode("latin-1"), b) for k, v in answer.headers.items()
+                          if (b := field_value(v)) is not None),
+                        *(h for h in answer.entity_headers() if not (bodiless and h[0] == b"content-length"))]
+    if ex.key is not None and not bodiless and owned_answer(ex, method, answer.content_type):
+        return await relay_owned(ex, attempt, answer, headers, method, owners)
+    ex.open_answer(answer.status, headers)
+    if bodiless:
+        attempt.ok()  # its connection is closed on exit: what it sent is never read
+        ex.record("success")
+        return await ex.end_stream()
+    ctype = answer.content_type
+    keep = method == "POST" and bills(ex.endpoint, ex.path) and ("json" in ctype or "event-stream" in ctype)
+    try:
+        async for data in answer.chunks():
+            ex.bytes_out += len(data)
+            if keep:
+                ex.tail = (ex.tail + data)[-USAGE_TAIL:]
+            await ex.write(data)
+    except StreamInterrupted as exc:
+        raise UpstreamUnavailable(exc.message, code=exc.code) from exc
+    attempt.done()
+    attempt.ok()
+    ex.record("success")
+    await ex.end_stream()
+
+
+async def relay_owned(ex: PassExchange, attempt: Attempt, answer: Answer, headers: Headers, method: str,
+                      owners: Owners) -> None:
+    """A JSON answer about a key's objects (``gateway.tenancy.objects``), read whole (at most :data:`OBJECT_ANSWER`
+    bytes): the object a ``POST`` made is claimed for the key before the client can name it; a list shows the key's
+    own objects only. An answer too large to read whole, or that is no JSON, is a 502 (never shown unfiltered).
+
+    Raises:
+        GatewayError: the answer broke off, or is too large (before anything reached the client: it can fail over).
+    """
+    assert ex.key is not None
+    parts, size = [], 0
+    try:
+        async for data in answer.chunks():
+            size += len(data)
+            if size > OBJECT_ANSWER:
+                raise UpstreamBadResponse(f"The upstream's answer about objects is over {OBJECT_ANSWER} bytes: "
+                                          "it cannot be scoped to the gateway key.")
+            parts.append(data)
+    except StreamInterrupted as exc:
+        raise UpstreamUnavailable(exc.message, code=exc.code) from exc
+    attempt.done()
+    body = b"".join(parts)
+    if method == "POST":
+        for made in created_ids(body):
+            await owners.claim(made, ex.key.name)
+    elif method == "GET":
+        filtered = await filter_list(body, ex.key.name, owners)
+        body = filtered if filtered is not None else body
+    headers = [h for h in headers if h[0] != b"content-length"]
+    headers.append((b"content-length", b"%d" % len(body)))
+    attempt.ok()
+    ex.open_answer(answer.status, headers)
+    ex.bytes_out = len(body)
+    if method == "POST" and bills(ex.endpoint, ex.path):
+        ex.tail = body[-USAGE_TAIL:]
+    await ex.write(body)
+    ex.record("success")
+    await ex.end_stream()
+
+
+def owned_answer(ex: PassExchange, method: str, content_type: str) -> bool:
+    """Whether an answer is about a key's objects and must be read whole (:func:`relay_owned`): a JSON answer to a
+    ``POST`` or ``GET`` of an object endpoint (``gateway.tenancy.objects.OBJECT_ENDPOINTS``)."""
+    return method in ("GET", "POST") and ex.endpoint in OBJECT_ENDPOINTS and "json" in content_type

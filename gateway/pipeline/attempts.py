@@ -1,0 +1,243 @@
+"""One routed request's attempts: the state of its way through its candidates (:class:`Turn`), what an attempt may
+tell the upstream's health and whether it may go at all (:meth:`Attempts.verdicts`), the bytes it sends
+(:meth:`Attempts.payload`), and the attempt body itself (:meth:`Attempts.run`: send, hold until the first token,
+deliver), which the sequential failover loop and the hedge race both call: it exists once.
+
+Errors travel one way: raised. An attempt that may not go, or fails before its first byte reached the client, raises
+the error its caller fails over on (or answers with); past the first byte nothing raises for the upstream's trouble.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gateway.config.schema import GatewayConfig
+from gateway.config.upstreams import UpstreamConfig
+from gateway.errors import GatewayError, RateLimited, UpstreamsResting, UpstreamUnavailable
+from gateway.observability import logs, tracing
+from gateway.observability.metrics import Metrics
+from gateway.pipeline.budgets import KeyBudgets
+from gateway.pipeline.delivery import Delivery
+from gateway.pipeline.exchange import Exchange, Headers
+from gateway.responses.request import as_input, chat_request, input_items, native_input
+from gateway.routing import deadline, failover
+from gateway.routing.facts import Candidate, Decision, RequestFacts
+from gateway.routing.failover import Plan
+from gateway.routing.health import Health
+from gateway.state.quota import SharedVerdicts
+from gateway.state.redis import Admission, SharedState
+from gateway.stream.relay import Relay
+from gateway.upstream.attempt import Answer, Attempt, Transport, Verdicts
+from gateway.wire.body import dumps, upstream_body
+
+
+@dataclass(slots=True)
+class Turn:
+    """One routed request on its way through its candidates.
+
+    Attributes:
+        ex: its exchange; raw: the client's body; facts, decision, plan: what routing read and chose;
+        need: its estimated prompt plus ``max_tokens`` (tokens); strip_usage: the client did not ask for the usage
+        chunk the gateway asks for; admitted: the shared quota admissions made while planning (upstream name -> the
+        admission, or None: Redis asked nothing); tried: attempts started; last: the last failure, or None.
+    """
+
+    ex: Exchange
+    raw: bytes
+    facts: RequestFacts
+    decision: Decision
+    plan: Plan
+    need: int
+    strip_usage: bool
+    admitted: dict[str, Admission | None] = field(default_factory=dict)
+    tried: int = 0
+    last: GatewayError | None = None
+
+
+class Claim(Protocol):
+    """How a hedged attempt takes the request at its first token (``gateway.pipeline.hedging.Race``)."""
+
+    def claim(self, cand: Candidate) -> bool: ...
+    def won(self, cand: Candidate, hedge: bool) -> None: ...
+    def lost(self, cand: Candidate, attempt: Attempt, relay: Relay | None) -> None: ...
+
+
+class Attempts:
+    """The attempts of every routed request of one gateway (module docstring)."""
+
+    def __init__(self, config: GatewayConfig, transport: Transport, health: Health, shared: SharedState | None,
+                 metrics: Metrics, budgets: KeyBudgets, delivery: Delivery) -> None:
+        self.config = config
+        self.transport = transport
+        self.health = health
+        self.shared = shared
+        self.metrics = metrics
+        self.budgets = budgets
+        self.delivery = delivery
+
+    async def run(self, turn: Turn, cand: Candidate, race: Claim | None = None, hedge: bool = False) -> None:
+        """Try ``cand``: send, hold until the first token, then deliver the answer (a hedged attempt delivers only if it
+        claims the request first; else it is lost, and ends).
+
+        Raises:
+            GatewayError: it may not go, or it failed before anything reached the client (counted; its upstream's
+                health told); the caller fails over or answers with it.
+        """
+        ex, up = turn.ex, cand.upstream
+        verdicts = await self.verdicts(turn, cand)
+        turn.tried += 1
+        tried = turn.tried
+        payload, path = self.payload(turn, cand)
+        if race is None or tried == 1:
+            attempting(self.metrics, ex, turn.decision, up, tried, turn.plan.reason)
+        relay: Relay | None = None
+        async with self.open(ex, up, turn.need, path, verdicts) as attempt:
+            try:
+                answer = await attempt.send(payload)
+                if not ex.stream:
+                    headers = self.answer_headers(ex, turn.decision, up, turn.plan.reason, answer)
+                    return await self.delivery.whole(ex, attempt, answer, headers, turn.decision, turn.facts)
+                relay = self.delivery.relay(ex, attempt, turn.strip_usage, turn.facts)
+                await relay.first(answer, attempt.first_token_by)
+            except GatewayError as exc:
+                failed = attempt.failed(exc)  # judged: an upstream's 401/403 to the gateway's key is its own
+                self.metrics.upstream_errors.labels(up.tier, up.name, failover.reason(failed)).inc()
+                raise failed from None
+            except asyncio.CancelledError:
+                if race is not None:  # lost the race (or the client left): not the upstream's fault
+                    attempt.void()
+                    race.lost(cand, attempt, relay)
+                raise
+            reason = turn.plan.reason
+            if race is not None:
+                if not race.claim(cand):  # a token too, in the same instant as the winner's: lost all the same
+                    attempt.void()
+                    race.lost(cand, attempt, relay)
+                    return
+                race.won(cand, hedge)
+                reason = "hedge" if hedge else reason
+                if tried > 1:  # the second candidate won: label the request with it
+                    attempting(self.metrics, ex, turn.decision, up, tried, reason, overhead=False)
+            headers = self.answer_headers(ex, turn.decision, up, reason, answer)
+            await self.delivery.deliver(ex, attempt, answer, headers, relay, turn.decision, turn.facts)
+
+    async def verdicts(self, turn: Turn, cand: Candidate) -> Verdicts:
+        """What an attempt to ``cand`` tells (its upstream's health; with shared state, the shared estimate too), once
+        it may go: after a wait for a concurrency slot (``plan.queued``), within the key's fast allowance, and, with
+        shared state, once the shared quota estimate admitted its need (planning admitted the first candidate).
+
+        Raises:
+            GatewayError: it may not go: spilled over (counted; the answer if nothing else serves), but the last
+                candidate, which is tried anyway (the upstream judges).
+        """
+        ex, plan, up = turn.ex, turn.plan, cand.upstream
+        health = self.health[up.name]
+        if up.name in plan.queued and not await health.wait_for_slot():
+            raise self.stayed_busy(plan, up)
+        if ex.hold is not None and up.tier == "fast" and not ex.hold.charges("fast"):
+            await self.budgets.fast_allowance(ex.hold, plan)
+        if self.shared is None:
+            return health
+        if up.name in turn.admitted:
+            admission = turn.admitted.pop(up.name)
+            return SharedVerdicts(health, self.shared, admission if admission is not None and admission.ok else None)
+        admission = await self.shared.admit(health, turn.need)
+        if admission is None or admission.ok or cand is plan.candidates[-1]:
+            return SharedVerdicts(health, self.shared, admission if admission is not None and admission.ok else None)
+        why = f"quota_{admission.refused}"
+        self.metrics.spillovers.labels(up.tier, up.name, why).inc()
+        logs.event("spillover", upstream=up.name, tier=up.tier, reason=why, shared=True)
+        plan.reason = plan.reason or f"spillover_{why}"
+        raise RateLimited(f"The shared quota estimate of every upstream for this model is short ({why}).",
+                          headers={"retry-after": "1"})
+
+    def stayed_busy(self, plan: Plan, up: UpstreamConfig) -> GatewayError:
+        """A candidate waited on for a concurrency slot got none in ``health.queue_seconds``: it is spilled over."""
+        self.metrics.spillovers.labels(up.tier, up.name, "concurrency").inc()
+        plan.reason = plan.reason or "spillover_concurrency"
+        return UpstreamsResting("Every upstream for this model stayed at its concurrency limit.",
+                                headers={"retry-after": "1"})
+
+    def payload(self, turn: Turn, cand: Candidate) -> tuple[bytes, str]:
+        """The bytes to send ``cand`` and the path under its base URL: chat completions as the client sent them; a
+        Responses request as it came (native), translated (bridged: ``gateway.responses.request``), or, when it
+        continues a conversation only the gateway holds, with that conversation inline (native)."""
+        ex, raw = turn.ex, turn.raw
+        up, body = cand.upstream, turn.facts.body  # read, never changed: the next candidate gets the same
+        if ex.kind == "chat":
+            return upstream_body(raw, body, cand.upstream_model, up.dialect,
+                                 turn.strip_usage and up.dialect == "openai"), "/chat/completions"
+        cont = turn.facts.continuation
+        history = list(cont.history) if cont is not None and cont.held else []
+        if up.responses_mode == "bridge":
+            chat = chat_request(body, history)
+            return upstream_body(dumps(chat), chat, cand.upstream_model, up.dialect,
+                                 ex.stream and up.dialect == "openai"), "/chat/completions"
+        if history:
+            body = {**{k: v for k, v in body.items() if k != "previous_response_id"},
+                    "input": as_input([*history, *input_items(body)])}
+            raw = dumps(body)
+        elif b"_tg" in raw and (own := native_input(body)) is not None:  # the bytes test spares a scan
+            body = {**body, "input": own}
+            raw = dumps(body)
+        return upstream_body(raw, body, cand.upstream_model, up.dialect, False), "/responses"
+
+    def open(self, ex: Exchange, up: UpstreamConfig, need: int, path: str, verdicts: Verdicts) -> Attempt:
+        """An attempt on ``up`` (``async with`` it), with its trace span when the request is traced."""
+        span = trace = None
+        if ex.span is not None:
+            span, trace = tracing.start_attempt(ex.span, "chat", up, up.models.get(ex.model, ex.model))
+        return Attempt(self.transport, up, verdicts, self.health.clock, need_tokens=need, stream=ex.stream,
+                       request_id=ex.rid, path=path, client_key=ex.headers.get("authorization"), span=span,
+                       trace=trace, blame=ex.blame)
+
+    def answer_headers(self, ex: Exchange, decision: Decision, up: UpstreamConfig, reason: str | None,
+                       answer: Answer) -> Headers:
+        """The headers of a 200 from ``up``: what served it, and the upstream headers a client may see."""
+        if answer.stale_retried:
+            self.metrics.upstream_errors.labels(up.tier, up.name, "stale_connection").inc()
+        out = ex.route_headers(up.tier, up.name, decision.rule, reason)
+        if decision.deadline is not None:
+            out += deadline.headers(decision.deadline, up.name)
+        return [*out, *((k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items())]
+
+
+def attempting(metrics: Metrics, ex: Exchange, decision: Decision, up: UpstreamConfig, tried: int,
+               reason: str | None, overhead: bool = True) -> None:
+    """An attempt on ``up`` starts (or, without ``overhead``, a hedge that started later won): label the request with
+    it, count the gateway's overhead, and what to count once its answer starts to reach the client (it can no longer
+    fail over)."""
+    ex.tier, ex.upstream = up.tier, up.name
+    ex.upstream_model = up.models.get(decision.model) or (None if decision.model == "other" else decision.model)
+    ex.attempts = tried
+    if overhead:
+        metrics.child(metrics.overhead, up.tier).observe(time.perf_counter() - ex.t0)
+
+    def on_start() -> None:
+        metrics.attempts.observe(tried)
+        if reason is not None:  # set only by a fallback: tier lacks the model, spillover, or failover
+            metrics.fallbacks.labels(decision.tier, up.tier, reason).inc()
+    ex.on_start = on_start
+
+
+async def give_up(metrics: Metrics, ex: Exchange, decision: Decision, reason: str | None, last: GatewayError | None,
+                  tried: int, extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    """Every candidate failed (or none could be tried): answer the last failure (with ``extra`` headers). A request
+    that failed request-shaped on every upstream it tried is its own fault: its failures are taken back
+    (``gateway.routing.blame``)."""
+    if last is None:
+        last = UpstreamUnavailable("No upstream is configured for this model.")
+    metrics.attempts.observe(tried)
+    outcome = failover.outcome(last, ex.blame, tried)
+    if outcome == "client_error" and ex.blame is not None:  # it failed alike everywhere: the request's fault
+        logs.event("request_failed_everywhere", request_id=ex.rid, attempts=tried, status=last.status)
+        ex.blame.retract()
+    headers = (ex.route_headers(ex.tier, ex.upstream, decision.rule, reason) if ex.upstream != "none"
+               else [(b"x-request-id", ex.rid.encode())])
+    if failover.final_retry_hint(last, tried):
+        headers.append((b"x-should-retry", b"false"))
+    await ex.error(last, outcome, [*headers, *extra])

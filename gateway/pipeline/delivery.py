@@ -1,0 +1,167 @@
+"""An answer on its way to the client once an attempt has it: a stream relayed past its first token (or translated,
+for a bridged Responses request), or a whole JSON body checked and passed on; the live estimates fed with what was
+measured, and the request recorded once. Nothing raises for the upstream's trouble once the first byte left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+
+from gateway.config.schema import GatewayConfig
+from gateway.config.upstreams import UpstreamConfig
+from gateway.errors import UpstreamBadResponse, UpstreamUnavailable, event_error
+from gateway.observability import tracing
+from gateway.observability.estimates import Estimates
+from gateway.observability.metrics import Metrics, decode_speed
+from gateway.pipeline.conversations import Conversations
+from gateway.pipeline.exchange import Exchange, Headers
+from gateway.responses.ids import ID_PREFIX, new_id
+from gateway.responses.stream import BridgeRelay
+from gateway.responses.whole import Draft, whole_response
+from gateway.routing.facts import Decision, RequestFacts
+from gateway.routing.health import Health
+from gateway.stream.relay import Relay
+from gateway.stream.stats import StreamStats
+from gateway.upstream.attempt import Answer, Attempt
+from gateway.wire.body import chat_usage, dumps
+
+
+def draft(ex: Exchange, up: UpstreamConfig, facts: RequestFacts) -> Draft | None:
+    """The Response object a bridged Responses request answers with, or None (not bridged)."""
+    if ex.kind != "responses" or up.responses_mode != "bridge":
+        return None
+    return Draft(dict(facts.body), new_id(ID_PREFIX))
+
+
+class Delivery:
+    """Delivering the answers of one gateway (module docstring); ``estimates`` learns from them on ``health``'s
+    clock; ``conversations`` keeps what a Responses follow-up needs as the answer leaves."""
+
+    def __init__(self, config: GatewayConfig, estimates: Estimates, health: Health, metrics: Metrics,
+                 conversations: Conversations) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.estimates = estimates
+        self.health = health
+        self.conversations = conversations
+
+    def relay(self, ex: Exchange, attempt: Attempt, strip_usage: bool, facts: RequestFacts) -> Relay:
+        """The relay of ``attempt``'s event stream: a :class:`Relay`, or, for a bridged Responses request, the
+        bridge's translating relay; ``ex.relay`` once it is the answer's (:meth:`deliver`)."""
+        up, limit = attempt.upstream, self.config.limits.max_event_bytes
+        made = draft(ex, up, facts)
+        hold = None if attempt.first_token_by is not None else up.timeouts.idle  # no ttft: idle bounds the hold
+        if made:
+            return BridgeRelay(made, max_event_bytes=limit, finish_grace=up.timeouts.finish_grace, hold_seconds=hold)
+        return Relay(strip_usage_chunk=strip_usage, max_event_bytes=limit, responses=ex.kind == "responses",
+                     choices=facts.n, finish_grace=up.timeouts.finish_grace, hold_seconds=hold)
+
+    async def deliver(self, ex: Exchange, attempt: Attempt, answer: Answer, headers: Headers, relay: Relay,
+                      decision: Decision, facts: RequestFacts) -> None:
+        """Relay the rest of a stream whose first token ``relay`` holds (:meth:`Relay.first`); its status line and
+        headers leave with the first write. Nothing raises for the upstream's trouble from here on."""
+        up = attempt.upstream
+        ex.relay = relay
+        first, sent = relay.stats.t_first_token, attempt.sent_at
+        if attempt.span is not None:
+            tracing.first_token(attempt.span)
+        if first is not None and sent is not None:  # the live TTFT estimate learns at the first token
+            self.estimates.observe_ttft(up.name, up.models.get(decision.model, decision.model), self.health.clock(),
+                                        prompt_tokens=facts.prompt_tokens, ttft=first - sent)
+        bridged = isinstance(relay, BridgeRelay)
+        ex.open_stream(headers, "text/event-stream; charset=utf-8" if bridged else answer.content_type)
+        write = ex.write if ex.kind == "chat" else self.conversations.keeping_write(ex, facts, up, relay)
+        try:
+            await relay.release(write)  # the first token leaves here, before a task is made: no loop turn in TTFT
+            # the rest in a task of its own: each chunk's resumption then crosses three coroutine frames instead of
+            # eight (this one, the attempt's, serve, handle, the app's and uvicorn's are not between the loop and the
+            # relay); a cancel of this request's task cancels it too (asyncio passes a cancel to the task awaited)
+            stats = await asyncio.get_running_loop().create_task(relay.rest(write))
+        except asyncio.CancelledError:
+            if ex.gone_at is not None:
+                await relay.tail(answer)  # the client left: a finished answer's usage still follows
+                if relay.stats.error:  # it had already failed (an agent may close on response.failed)
+                    self.broke(ex, attempt, relay.stats)
+            raise
+        self.ended(ex, attempt, decision, facts, stats)
+        await ex.end_stream()
+
+    def ended(self, ex: Exchange, attempt: Attempt, decision: Decision, facts: RequestFacts,
+              stats: StreamStats) -> None:
+        """A relayed stream ended (its last byte is about to leave): tell its upstream's health, feed the estimates,
+        record the request."""
+        if attempt.span is not None:
+            tracing.usage(attempt.span, stats.usage, None)
+        if stats.error:
+            self.broke(ex, attempt, stats)
+        else:
+            attempt.ok()
+            self.measured(attempt, decision, facts, stats)
+        if stats.complete:
+            attempt.done()
+        ex.record("stream_error" if stats.error else "success", **ex.stream_figures())
+
+    def measured(self, attempt: Attempt, decision: Decision, facts: RequestFacts, stats: StreamStats) -> None:
+        """Feed the live estimates with a stream that ran to its end: its decode speed (the gateway's formula,
+        ``gateway.observability.metrics``) and its completion length (its TTFT went in at the first token)."""
+        usage = stats.usage
+        completion = usage.get("completion_tokens") if usage is not None else None
+        if not isinstance(completion, int) or completion < stats.token_chunks:
+            completion = stats.token_chunks
+        first, last = stats.t_first_token, stats.t_last_token
+        now = self.health.clock()
+        speed = (decode_speed(last - first, stats.token_chunks, completion) if first is not None and last is not None
+                 else None)
+        if speed is not None:
+            up = attempt.upstream
+            self.estimates.observe_speed(up.name, up.models.get(decision.model, decision.model), now, speed)
+        if facts.max_tokens is None:  # the lengths predict only requests without a limit: sampled from those
+            self.estimates.observe_length(decision.rule, decision.model, now, completion)
+
+    def broke(self, ex: Exchange, attempt: Attempt, stats: StreamStats) -> None:
+        """The stream failed after its first token: count it, and tell the upstream's health (its own error event's
+        status says whose fault it is: Groq's tool_use_failed carries status_code 400, the request's; an overloaded
+        server_error counts against the upstream)."""
+        assert stats.error is not None
+        self.metrics.upstream_errors.labels(ex.tier, ex.upstream, stats.error).inc()
+        if stats.error_event is not None:
+            attempt.failed(event_error(stats.error_event))
+        else:
+            attempt.failed(UpstreamUnavailable("The upstream stream broke after its first token.", code=stats.error))
+
+    async def whole(self, ex: Exchange, attempt: Attempt, answer: Answer, headers: Headers, decision: Decision,
+                    facts: RequestFacts) -> None:
+        """Relay a non-streaming answer untouched after checking it is a JSON object and reading its usage (a bridged
+        Responses request: the chat completion as a Response object).
+
+        Raises:
+            UpstreamTimeout, UpstreamUnavailable: the body did not arrive; UpstreamBadResponse: it is not a JSON
+                object. Nothing was sent yet.
+        """
+        data = await answer.read()
+        attempt.done()
+        try:
+            parsed = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise UpstreamBadResponse("The upstream answered 200 with a body that is not a JSON object.")
+        up, made = attempt.upstream, draft(ex, attempt.upstream, facts)
+        response = whole_response(parsed, made) if made else None  # UpstreamBadResponse: no completion
+        attempt.ok()
+        usage, time_info = parsed.get("usage"), parsed.get("time_info")
+        usage = chat_usage(usage) if isinstance(usage, dict) else None
+        if attempt.span is not None:
+            tracing.usage(attempt.span, usage, parsed.get("model"))
+        if facts.max_tokens is None and usage is not None and isinstance(completion := usage.get("completion_tokens"),
+                                                                          int):
+            self.estimates.observe_length(decision.rule, decision.model, self.health.clock(), completion)
+        ex.status = 200  # before the record: the log line names the status answered
+        ex.record("success", usage=usage,
+                  time_info=time_info if isinstance(time_info, dict) else None,
+                  processing_ms=answer.headers.get("openai-processing-ms"))
+        if ex.kind == "responses":  # kept before the answer leaves: the client's next turn may follow at once
+            await self.conversations.keep_whole(ex, facts, up, parsed, response)
+        await ex.whole(200, data if response is None else dumps(response), headers)

@@ -1,0 +1,174 @@
+"""The frame every request runs in (chat completions, the Responses API and the passthrough alike): what tells it that
+its client left (:class:`Watch`), the requests in flight, how a request ends however its story ends (a client gone,
+the drain time over, a bug: never a stack trace, never two answers), and the drain (:class:`Frame`).
+
+The frame's steps (begin, await the story, interrupted or crashed, end) are inline in each endpoint rather than one
+wrapper coroutine: a coroutine between the task and the story costs every resumption of the story (measured: ~1.5 us
+of own CPU per plain request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from starlette.types import Receive, Scope
+
+from gateway.errors import GatewayDraining, GatewayError
+from gateway.pipeline.exchange import CLOSE, HANGUP, Exchange
+
+log = logging.getLogger("tiergate")
+_NO_EXTENSIONS: dict[str, Any] = {}
+DRAINING = "The gateway is shutting down; retry the request."
+
+
+class Watch:
+    """What tells a request that its client left: it then cancels the request's task (``ex.task``) wherever it is,
+    noting when the client left (``ex.gone_at``); see :meth:`Frame.begin`. Under the gateway's own server protocol
+    the ``tiergate.hangup`` ASGI extension in ``scope`` calls :meth:`left` (``gateway.http.server.Hangup``); under any
+    other server (and hand-written ASGI calls) a task awaits ``http.disconnect``, one per request."""
+
+    __slots__ = ("ex", "receive", "task", "hangup")
+
+    def __init__(self, ex: Exchange, receive: Receive, scope: Scope) -> None:
+        self.ex = ex
+        self.receive = receive
+        self.task: asyncio.Task[None] | None = None
+        self.hangup = scope.get("extensions", _NO_EXTENSIONS).get(HANGUP)
+
+    def start(self) -> None:
+        """Start watching (once; from then on ``receive`` is the watch's)."""
+        if self.hangup is not None:
+            self.hangup.watch(self.left)
+        elif self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            while (await self.receive())["type"] != "http.disconnect":
+                pass
+        except asyncio.CancelledError:
+            # stopped: the request is over. Ending without the exception matters: a task cancelled keeps its
+            # CancelledError, whose traceback holds this frame, this watch and its task, a cycle that only the
+            # garbage collector frees. Measured (bench.trace): those cycles, ~15 objects a request, made the gen-0
+            # collections that most of the slowest 1 % of TTFTs had inside them (0.25-0.4 ms each).
+            return
+        self.left()
+
+    def left(self) -> None:
+        """The client left: note when, and cancel the request's task wherever it is."""
+        self.ex.gone_at = time.perf_counter()
+        self.ex.task.cancel()
+
+    def stop(self) -> None:
+        """The request is over: stop watching."""
+        if self.hangup is not None:
+            self.hangup.watch(None)
+        elif self.task is not None:
+            self.task.cancel()
+
+
+class Frame:
+    """The requests one gateway serves now, and its drain.
+
+    Attributes:
+        draining: the process is shutting down (``/readyz`` answers 503); see :meth:`begin_drain`.
+        active: the requests in flight (their exchanges); inline in the hot endpoint, which adds and discards its own.
+    """
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.active: set[Exchange] = set()
+        self._drain_deadline = float("inf")  # loop time
+
+    def in_flight(self) -> int:
+        """Requests this gateway is serving now."""
+        return len(self.active)
+
+    def drain_over(self) -> bool:
+        """The drain time ran out: a request that arrives now is answered 503."""
+        return self.draining and asyncio.get_running_loop().time() >= self._drain_deadline
+
+    async def too_late(self, ex: Exchange) -> bool:
+        """Whether the drain ran out before this request's body was complete; then it is answered 503 (its connection
+        closed: nothing in flight is waited for any more)."""
+        if not self.drain_over():
+            return False
+        await ex.error(GatewayDraining(DRAINING, headers={"retry-after": "1"}), "gateway_draining",
+                       [(b"x-request-id", ex.rid.encode()), CLOSE])
+        return True
+
+    def begin(self, ex: Exchange, watch: Watch, now: bool = True) -> None:
+        """A request's story starts in the current task: ``watch`` starts now, or, with ``now`` false, when the story
+        starts it (a request body still streaming upstream: until its end, ``receive`` is the body's)."""
+        ex.task = asyncio.current_task()
+        if now:
+            watch.start()
+        self.active.add(ex)
+
+    async def interrupted(self, ex: Exchange) -> bool:
+        """The story was cancelled: if by the client leaving or the drain's end, end the request cleanly and return
+        True; False when the cancel is someone else's (the caller re-raises it)."""
+        if ex.gone_at is None and not ex.cut:
+            return False
+        ex.task.uncancel()
+        await (self._left(ex) if ex.gone_at is not None else self._cut_off(ex))
+        return True
+
+    async def crashed(self, ex: Exchange, scope: Scope) -> None:
+        """A bug: log it and answer like the rest of the app, never with a stack trace, never twice."""
+        log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+        if not ex.answered:
+            ex.status = 500
+        ex.record("gateway_error")
+        if not ex.answered:
+            with contextlib.suppress(RuntimeError):  # uvicorn refuses a second status line: nothing to add
+                await ex.error(GatewayError("The gateway had an internal error; it has been logged."), "gateway_error")
+
+    def end(self, ex: Exchange, watch: Watch) -> None:
+        """The request is over, however it ended."""
+        self.active.discard(ex)
+        watch.stop()
+
+    async def _left(self, ex: Exchange) -> None:
+        """The client disconnected. When it had the whole answer (every choice finished: SDK loops often ``break`` on
+        ``finish_reason``; the usage that follows was read by the delivery) it is a success; when the stream had
+        already failed (it got the in-band error), a ``stream_error``; else a ``client_disconnect``. Either way the
+        duration ends when the client left."""
+        stats = ex.relay.stats if ex.relay is not None else None
+        outcome = ("client_disconnect" if stats is None else "stream_error" if stats.error else
+                   "success" if stats.finished else "client_disconnect")
+        ex.record(outcome, ended=ex.gone_at, **ex.stream_figures())
+
+    # shutting down
+
+    def begin_drain(self, timeout: float) -> None:
+        """Shutting down: from now on ``/readyz`` fails; requests in flight run to their end for up to ``timeout``
+        seconds, then each one still running ends: a started stream with an in-band error event
+        (``gateway_draining``), anything else with a 503. Call from the event loop's thread."""
+        if self.draining:
+            return
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        self._drain_deadline = loop.time() + timeout
+        loop.call_later(timeout, self._cut_all)
+
+    def _cut_all(self) -> None:
+        for ex in list(self.active):
+            if ex.task is not None and not ex.recorded:
+                ex.cut = True
+                ex.task.cancel()
+
+    async def _cut_off(self, ex: Exchange) -> None:
+        """The drain time ran out while the request was in flight: end it (see :meth:`begin_drain`)."""
+        message = "The gateway is shutting down and its drain time ran out; retry the request."
+        with contextlib.suppress(Exception):  # the client may be gone too: nothing more to tell it
+            if ex.answered and ex.stream:
+                await ex.end_stream_with_error(message, "gateway_draining")
+            elif not ex.answered:
+                await ex.error(GatewayDraining(message, headers={"retry-after": "1"}), "gateway_draining",
+                               [(b"x-request-id", ex.rid.encode()), CLOSE])
+        ex.record("gateway_draining", **ex.stream_figures())

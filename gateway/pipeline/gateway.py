@@ -1,0 +1,65 @@
+"""What one config serves with: its collaborators, built together by the composition root (``gateway.app``) and
+swapped together by a reload (``gateway.http.dispatch``). No attribute is set after construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.config.schema import GatewayConfig
+from gateway.observability.estimates import Estimates
+from gateway.observability.metrics import Metrics
+from gateway.pipeline.budgets import KeyBudgets
+from gateway.pipeline.chat import ChatPipeline
+from gateway.pipeline.conversations import Conversations
+from gateway.pipeline.frame import Frame
+from gateway.pipeline.models import UpstreamModels
+from gateway.pipeline.passthrough import Passthrough
+from gateway.responses.store import ResponseStore
+from gateway.routing import deadline
+from gateway.routing.health import Health
+from gateway.routing.policy import Policy
+from gateway.state.redis import SharedState
+from gateway.tenancy.keys import Keys
+from gateway.tenancy.ledger import Ledger
+from gateway.tenancy.objects import Owners
+from gateway.upstream.attempt import Transport
+
+
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: a reload tells the old from the new
+class Gateway:
+    """The request path of one config.
+
+    Attributes:
+        config, policy: what it routes by; keys: its gateway keys (``auth:``), or None; chat: the hot path;
+        passthrough: the rest of /v1 (None: passthrough is off); frame: its requests in flight and its drain;
+        transport: its upstream connections; conversations, store, owners, ledger, estimates, explorer, health,
+        shared: the state it reads and changes (carried over by a reload); listed: what the passthrough upstream lists.
+    """
+
+    config: GatewayConfig
+    policy: Policy
+    keys: Keys | None
+    chat: ChatPipeline
+    passthrough: Passthrough | None
+    frame: Frame
+    transport: Transport
+    metrics: Metrics
+    health: Health
+    conversations: Conversations
+    store: ResponseStore
+    owners: Owners
+    ledger: Ledger
+    budgets: KeyBudgets
+    estimates: Estimates
+    explorer: deadline.Explorer
+    shared: SharedState | None
+    listed: UpstreamModels
+
+    def in_flight(self) -> int:
+        """Requests this gateway is serving now."""
+        return self.frame.in_flight()
+
+    def begin_drain(self, timeout: float) -> None:
+        """Shutting down: see :meth:`gateway.pipeline.frame.Frame.begin_drain`."""
+        self.frame.begin_drain(timeout)

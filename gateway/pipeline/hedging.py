@@ -1,0 +1,192 @@
+"""First-token hedging (docs: deadlines and hedging): a stream whose rule hedges tries its first candidate; when that
+has produced no token-bearing event after the hedge delay, the second starts too, if its health would take a request
+now (a hedge is extra load, never forced). The first to produce a token is relayed and the other is cancelled at once
+(its attempt's exit closes its connection; its estimated cost is counted). A failure of the first before the second
+started fails over to it at once, as without hedging. The client sees one answer. Each racer runs the one attempt
+body (``gateway.pipeline.attempts.Attempts.run``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from gateway.config.upstreams import UpstreamConfig
+from gateway.errors import GatewayError
+from gateway.observability import logs
+from gateway.observability.estimates import Estimates
+from gateway.observability.metrics import Metrics
+from gateway.pipeline.attempts import Attempts, Turn
+from gateway.routing import deadline
+from gateway.routing.facts import Candidate, Decision, RequestFacts
+from gateway.routing.failover import Plan
+from gateway.routing.health import Health
+from gateway.stream.relay import Relay
+from gateway.upstream.attempt import Attempt
+
+
+def may_race(decision: Decision, plan: Plan) -> bool:
+    """Whether a stream races its candidates: its rule hedges, it has two candidates or more, none to be waited on for
+    a concurrency slot."""
+    route = decision.route
+    return route is not None and route.hedge is not None and len(plan.candidates) > 1 and not plan.queued
+
+
+class Race:
+    """The state of one hedged request: its racers' tasks, the winner (the first candidate to produce a token), and
+    each failed racer's error. ``settled`` is set at a claim or a failure. It is the racers' ``Claim``."""
+
+    def __init__(self, hedging: Hedging, turn: Turn) -> None:
+        self.hedging = hedging
+        self.turn = turn
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.winner: Candidate | None = None
+        self.hedged = False  # the second candidate was started as a hedge (not as a failover)
+        self.failures: dict[str, GatewayError] = {}
+        self.settled = asyncio.Event()
+
+    def start(self, cand: Candidate, hedge: bool = False) -> None:
+        """Start ``cand``'s racer (``hedge``: as the hedge, not as a failover)."""
+        racer = self._run(cand, hedge)
+        self.tasks[cand.upstream.name] = asyncio.get_running_loop().create_task(racer)
+
+    async def _run(self, cand: Candidate, hedge: bool) -> None:
+        try:
+            await self.hedging.attempts.run(self.turn, cand, self, hedge)
+        except GatewayError as exc:
+            self.failures[cand.upstream.name] = exc
+            self.settled.set()
+
+    def claim(self, cand: Candidate) -> bool:
+        """``cand`` has its first token: it wins unless the other won first; the other is cancelled now."""
+        if self.winner is not None:
+            return False
+        self.winner = cand
+        for name, task in self.tasks.items():
+            if name != cand.upstream.name:
+                task.cancel()
+        self.settled.set()
+        return True
+
+    def won(self, cand: Candidate, hedge: bool) -> None:
+        """``cand`` claimed the request: counted (won and lost are counted before the answer leaves)."""
+        if self.hedged:
+            self.hedging.metrics.hedges.labels("won" if hedge else "lost").inc()
+
+    def lost(self, cand: Candidate, attempt: Attempt, relay: Relay | None) -> None:
+        """``cand``'s racer ended without the request: when the other won, what it may have cost is counted."""
+        if self.winner is not None and self.winner is not cand:
+            self.hedging.lost(cand.upstream, self.turn.decision, self.turn.facts, attempt, relay)
+
+    async def finish(self) -> None:
+        """Wait for every racer to end (the winner's stream relayed, the loser closed)."""
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        for task in self.tasks.values():
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]  # a bug in a racer: the frame answers it
+
+    async def stop(self) -> None:
+        """The request was cancelled (the client left, the drain ran out): cancel every racer and wait for them."""
+        for task in self.tasks.values():
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+
+class Hedging:
+    """The hedged requests of one gateway (module docstring)."""
+
+    def __init__(self, attempts: Attempts, estimates: Estimates, health: Health, metrics: Metrics) -> None:
+        self.attempts = attempts
+        self.estimates = estimates
+        self.health = health
+        self.metrics = metrics
+
+    async def race(self, turn: Turn) -> list[Candidate]:
+        """Race ``turn``'s first two candidates (module docstring).
+
+        Returns:
+            the candidates the failover may still go on to: none when a racer answered, else those after the two
+            when the second's failure allows it (``turn.last``, ``turn.tried``: how it went; the request is labelled
+            with the upstream that failed last).
+        """
+        plan, ex = turn.plan, turn.ex
+        race = Race(self, turn)
+        first, second = plan.candidates[0], plan.candidates[1]
+        race.start(first)
+        hedged = False
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.delay(turn.decision, first, turn.facts)):
+                    await race.settled.wait()  # a first token, or a failure
+            if race.winner is None and not race.failures:
+                if self.health[second.upstream.name].unavailable(self.health.clock(), turn.need, ex.blame) is None:
+                    hedged = race.hedged = True  # no token within the delay: hedge
+                    race.start(second, hedge=True)
+                else:
+                    await race.settled.wait()  # the second would refuse: no hedge; the first's token or failure
+            failed = race.failures.get(first.upstream.name)
+            if race.winner is None and len(race.tasks) == 1 and failed is not None and plan.go_on(first, failed):
+                logs.event("failover", request_id=ex.rid, upstream=first.upstream.name, tier=first.upstream.tier,
+                           reason=plan.reason)
+                race.start(second)
+            await race.finish()
+        except asyncio.CancelledError:
+            await race.stop()
+            if hedged and race.winner is None:
+                self.metrics.hedges.labels("cancelled").inc()
+            raise
+        return self._after(turn, race, hedged)
+
+    def _after(self, turn: Turn, race: Race, hedged: bool) -> list[Candidate]:
+        """What is left once no racer answered: the last failure, the attempts made, the candidates after the two."""
+        if race.winner is not None:
+            return []
+        if hedged:  # won and lost are counted at the claim, before the answer leaves
+            self.metrics.hedges.labels("cancelled").inc()
+        turn.tried = len(race.tasks)
+        if not race.failures:
+            return []
+        first, second = turn.plan.candidates[0], turn.plan.candidates[1]
+        name, turn.last = [*race.failures.items()][-1]  # the one that failed last
+        up = first.upstream if name == first.upstream.name else second.upstream
+        ex, model = turn.ex, turn.decision.model
+        ex.tier, ex.upstream = up.tier, up.name
+        ex.upstream_model, ex.attempts = up.models.get(model, model), turn.tried
+        go_on = turn.tried == 2 and turn.plan.go_on(second, turn.last)
+        return turn.plan.candidates[2:] if go_on else []
+
+    def delay(self, decision: Decision, cand: Candidate, facts: RequestFacts) -> float | None:
+        """Seconds to wait for ``cand``'s first token before hedging: the route's fixed delay, or ``p95``: its live
+        TTFT p95 at the request's prompt size (None while unmeasured: no hedge)."""
+        hedge = decision.route.hedge if decision.route is not None else None
+        if hedge != "p95":
+            return float(hedge) if hedge is not None else None
+        est = self.estimates.latency(cand.upstream.name, cand.upstream_model, self.health.clock())
+        return est.ttft_p95(facts.prompt_tokens) if est is not None else None
+
+    def lost(self, up: UpstreamConfig, decision: Decision, facts: RequestFacts, attempt: Attempt,
+             relay: Relay | None) -> None:
+        """A racer cancelled because the other produced a token first: count what it may have cost (its usage if it
+        reported any, else the estimated prompt at the input price), and, when it waited longer than its measured
+        TTFT estimate's median, feed that wait to the estimate as a lower bound of its TTFT: a tier whose hedges keep
+        winning is then still seen to be slow. A shorter wait (it lost just after the hedge started) says nothing,
+        nor does any wait of an unmeasured upstream (it would become its estimate; the probe measures it)."""
+        usage: Any = relay.stats.usage if relay is not None else None
+        price = deadline.price(up, decision.model)
+        if price is not None:
+            p_in, _, p_out = price
+            prompt = usage.get("prompt_tokens") if usage else None
+            completion = usage.get("completion_tokens") if usage else None
+            cost = (prompt if isinstance(prompt, int) else facts.prompt_tokens) * p_in + \
+                (completion if isinstance(completion, int) else 0) * p_out
+            if cost > 0:
+                self.metrics.hedge_cost.labels(up.tier, up.name).inc(cost)
+        if attempt.sent_at is None:
+            return
+        waited, now = time.perf_counter() - attempt.sent_at, self.health.clock()
+        model = up.models.get(decision.model, decision.model)
+        est = self.estimates.latency(up.name, model, now)
+        if est is not None and waited > est.ttft(facts.prompt_tokens, tail=False):
+            self.estimates.observe_ttft(up.name, model, now, prompt_tokens=facts.prompt_tokens, ttft=waited)
