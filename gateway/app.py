@@ -31,6 +31,7 @@ from gateway.http.server import drain_on_exit, reload_on_hup
 from gateway.observability import logs, tracing
 from gateway.observability.estimates import Estimates
 from gateway.observability.metrics import Metrics
+from gateway.observability.recorder import Observers
 from gateway.pipeline.attempts import Attempts
 from gateway.pipeline.budgets import KeyBudgets
 from gateway.pipeline.chat import ChatPipeline
@@ -178,15 +179,16 @@ def assemble(loaded: LoadedConfig, metrics: Metrics, transport: Transport, *, po
     policy = policy if policy is not None else Policy(config)
     frame = Frame()
     bodies = BodyBudget(config.limits.max_bytes_in_flight, config.limits.key_share)  # request bytes held
-    budgets = KeyBudgets(ledger, metrics)
-    conversations = Conversations(store, metrics, keyed=config.auth is not None)
-    delivery = Delivery(config, estimates, health, metrics, conversations)
-    attempts = Attempts(config, transport, health, shared, metrics, budgets, delivery)
-    hedging = Hedging(attempts, estimates, health, metrics)
+    observers = Observers(metrics, estimates, health.clock)  # what each request's recorder feeds
+    budgets = KeyBudgets(ledger)
+    conversations = Conversations(store, keyed=config.auth is not None)
+    delivery = Delivery(config, conversations)
+    attempts = Attempts(config, transport, health, shared, budgets, delivery)
+    hedging = Hedging(attempts, estimates, health)
     listed = UpstreamModels(config, transport, health.clock)
     chat = ChatPipeline(config, policy, frame, bodies, budgets, conversations, attempts, hedging, estimates, explorer,
-                        health, shared, metrics, listed)
-    passthrough = (Passthrough(config, policy, frame, bodies, budgets, owners, transport, health, metrics)
+                        health, shared, observers, listed)
+    passthrough = (Passthrough(config, policy, frame, bodies, budgets, owners, transport, health, observers)
                    if config.passthrough_upstream is not None else None)
     return Gateway(config=config, policy=policy, keys=Keys(config.auth) if config.auth is not None else None,
                    chat=chat, passthrough=passthrough, frame=frame, transport=transport, metrics=metrics, health=health,

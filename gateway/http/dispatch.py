@@ -25,8 +25,9 @@ from gateway.config.settings import environ
 from gateway.errors import ConfigError, Unauthorized
 from gateway.http.errors import error_response
 from gateway.observability import logs
+from gateway.observability.recorder import request_id
 from gateway.pipeline.chat import KINDS
-from gateway.pipeline.exchange import KEY_SCOPE, request_id
+from gateway.pipeline.exchange import KEY_SCOPE
 from gateway.pipeline.gateway import Gateway
 from gateway.responses.ids import ID_PREFIX
 from gateway.responses.store import Native

@@ -10,7 +10,6 @@ the error its caller fails over on (or answers with); past the first byte nothin
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -18,8 +17,6 @@ from typing import Protocol
 from gateway.config.schema import GatewayConfig
 from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import GatewayError, RateLimited, UpstreamsResting, UpstreamUnavailable
-from gateway.observability import logs, tracing
-from gateway.observability.metrics import Metrics
 from gateway.pipeline.budgets import KeyBudgets
 from gateway.pipeline.delivery import Delivery
 from gateway.pipeline.exchange import Exchange, Headers
@@ -70,12 +67,11 @@ class Attempts:
     """The attempts of every routed request of one gateway (module docstring)."""
 
     def __init__(self, config: GatewayConfig, transport: Transport, health: Health, shared: SharedState | None,
-                 metrics: Metrics, budgets: KeyBudgets, delivery: Delivery) -> None:
+                 budgets: KeyBudgets, delivery: Delivery) -> None:
         self.config = config
         self.transport = transport
         self.health = health
         self.shared = shared
-        self.metrics = metrics
         self.budgets = budgets
         self.delivery = delivery
 
@@ -93,7 +89,7 @@ class Attempts:
         tried = turn.tried
         payload, path = self.payload(turn, cand)
         if race is None or tried == 1:
-            attempting(self.metrics, ex, turn.decision, up, tried, turn.plan.reason)
+            attempting(ex, turn.decision, up, tried, turn.plan.reason)
         relay: Relay | None = None
         async with self.open(ex, up, turn.need, path, verdicts) as attempt:
             try:
@@ -105,7 +101,7 @@ class Attempts:
                 await relay.first(answer, attempt.first_token_by)
             except GatewayError as exc:
                 failed = attempt.failed(exc)  # judged: an upstream's 401/403 to the gateway's key is its own
-                self.metrics.upstream_errors.labels(up.tier, up.name, failover.reason(failed)).inc()
+                ex.upstream_failed(up.tier, up.name, failover.reason(failed))
                 raise failed from None
             except asyncio.CancelledError:
                 if race is not None:  # lost the race (or the client left): not the upstream's fault
@@ -121,7 +117,7 @@ class Attempts:
                 race.won(cand, hedge)
                 reason = "hedge" if hedge else reason
                 if tried > 1:  # the second candidate won: label the request with it
-                    attempting(self.metrics, ex, turn.decision, up, tried, reason, overhead=False)
+                    attempting(ex, turn.decision, up, tried, reason, overhead=False)
             headers = self.answer_headers(ex, turn.decision, up, reason, answer)
             await self.delivery.deliver(ex, attempt, answer, headers, relay, turn.decision, turn.facts)
 
@@ -137,9 +133,9 @@ class Attempts:
         ex, plan, up = turn.ex, turn.plan, cand.upstream
         health = self.health[up.name]
         if up.name in plan.queued and not await health.wait_for_slot():
-            raise self.stayed_busy(plan, up)
+            raise self.stayed_busy(ex, plan, up)
         if ex.hold is not None and up.tier == "fast" and not ex.hold.charges("fast"):
-            await self.budgets.fast_allowance(ex.hold, plan)
+            await self.budgets.fast_allowance(ex, ex.hold, plan)
         if self.shared is None:
             return health
         if up.name in turn.admitted:
@@ -149,15 +145,14 @@ class Attempts:
         if admission is None or admission.ok or cand is plan.candidates[-1]:
             return SharedVerdicts(health, self.shared, admission if admission is not None and admission.ok else None)
         why = f"quota_{admission.refused}"
-        self.metrics.spillovers.labels(up.tier, up.name, why).inc()
-        logs.event("spillover", upstream=up.name, tier=up.tier, reason=why, shared=True)
+        ex.spilled(up.tier, up.name, why, shared=True)
         plan.reason = plan.reason or f"spillover_{why}"
         raise RateLimited(f"The shared quota estimate of every upstream for this model is short ({why}).",
                           headers={"retry-after": "1"})
 
-    def stayed_busy(self, plan: Plan, up: UpstreamConfig) -> GatewayError:
+    def stayed_busy(self, ex: Exchange, plan: Plan, up: UpstreamConfig) -> GatewayError:
         """A candidate waited on for a concurrency slot got none in ``health.queue_seconds``: it is spilled over."""
-        self.metrics.spillovers.labels(up.tier, up.name, "concurrency").inc()
+        ex.spilled(up.tier, up.name, "concurrency", logged=False)
         plan.reason = plan.reason or "spillover_concurrency"
         return UpstreamsResting("Every upstream for this model stayed at its concurrency limit.",
                                 headers={"retry-after": "1"})
@@ -188,9 +183,7 @@ class Attempts:
 
     def open(self, ex: Exchange, up: UpstreamConfig, need: int, path: str, verdicts: Verdicts) -> Attempt:
         """An attempt on ``up`` (``async with`` it), with its trace span when the request is traced."""
-        span = trace = None
-        if ex.span is not None:
-            span, trace = tracing.start_attempt(ex.span, "chat", up, up.models.get(ex.model, ex.model))
+        span, trace = ex.attempt_span(up, up.models.get(ex.model, ex.model))
         return Attempt(self.transport, up, verdicts, self.health.clock, need_tokens=need, stream=ex.stream,
                        request_id=ex.rid, path=path, client_key=ex.headers.get("authorization"), span=span,
                        trace=trace, blame=ex.blame)
@@ -199,42 +192,32 @@ class Attempts:
                        answer: Answer) -> Headers:
         """The headers of a 200 from ``up``: what served it, and the upstream headers a client may see."""
         if answer.stale_retried:
-            self.metrics.upstream_errors.labels(up.tier, up.name, "stale_connection").inc()
+            ex.upstream_failed(up.tier, up.name, "stale_connection")
         out = ex.route_headers(up.tier, up.name, decision.rule, reason)
         if decision.deadline is not None:
             out += deadline.headers(decision.deadline, up.name)
         return [*out, *((k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items())]
 
 
-def attempting(metrics: Metrics, ex: Exchange, decision: Decision, up: UpstreamConfig, tried: int,
-               reason: str | None, overhead: bool = True) -> None:
-    """An attempt on ``up`` starts (or, without ``overhead``, a hedge that started later won): label the request with
-    it, count the gateway's overhead, and what to count once its answer starts to reach the client (it can no longer
-    fail over)."""
-    ex.tier, ex.upstream = up.tier, up.name
-    ex.upstream_model = up.models.get(decision.model) or (None if decision.model == "other" else decision.model)
-    ex.attempts = tried
-    if overhead:
-        metrics.child(metrics.overhead, up.tier).observe(time.perf_counter() - ex.t0)
-
-    def on_start() -> None:
-        metrics.attempts.observe(tried)
-        if reason is not None:  # set only by a fallback: tier lacks the model, spillover, or failover
-            metrics.fallbacks.labels(decision.tier, up.tier, reason).inc()
-    ex.on_start = on_start
+def attempting(ex: Exchange, decision: Decision, up: UpstreamConfig, tried: int, reason: str | None,
+               overhead: bool = True) -> None:
+    """An attempt on ``up`` starts (or, without ``overhead``, a hedge that started later won): the request takes its
+    labels (:meth:`~gateway.observability.recorder.Recorder.attempting`)."""
+    model = up.models.get(decision.model) or (None if decision.model == "other" else decision.model)
+    ex.attempting(up.tier, up.name, model, tried, decision.tier, reason, overhead)
 
 
-async def give_up(metrics: Metrics, ex: Exchange, decision: Decision, reason: str | None, last: GatewayError | None,
+async def give_up(ex: Exchange, decision: Decision, reason: str | None, last: GatewayError | None,
                   tried: int, extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
     """Every candidate failed (or none could be tried): answer the last failure (with ``extra`` headers). A request
     that failed request-shaped on every upstream it tried is its own fault: its failures are taken back
     (``gateway.routing.blame``)."""
     if last is None:
         last = UpstreamUnavailable("No upstream is configured for this model.")
-    metrics.attempts.observe(tried)
     outcome = failover.outcome(last, ex.blame, tried)
-    if outcome == "client_error" and ex.blame is not None:  # it failed alike everywhere: the request's fault
-        logs.event("request_failed_everywhere", request_id=ex.rid, attempts=tried, status=last.status)
+    everywhere = outcome == "client_error" and ex.blame is not None  # it failed alike everywhere: the request's fault
+    ex.gave_up(tried, everywhere, last.status)
+    if everywhere and ex.blame is not None:
         ex.blame.retract()
     headers = (ex.route_headers(ex.tier, ex.upstream, decision.rule, reason) if ex.upstream != "none"
                else [(b"x-request-id", ex.rid.encode())])

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 
 from gateway.errors import GatewayError, KeyNotAllowed
-from gateway.observability.metrics import Metrics
 from gateway.pipeline.exchange import Exchange
 from gateway.routing import deadline
 from gateway.routing.facts import Candidate, Decision, RequestFacts
@@ -63,11 +62,10 @@ def estimated_cost(cand: Candidate, decision: Decision, facts: RequestFacts | No
 
 class KeyBudgets:
     """The gateway keys' side of every request (module docstring), over ``ledger`` (a ``MemoryLedger``, or the
-    replicas' ``SharedLedger``); refusals and downgrades counted in ``metrics``."""
+    replicas' ``SharedLedger``); refusals and downgrades are told to the request's recorder."""
 
-    def __init__(self, ledger: Ledger, metrics: Metrics) -> None:
+    def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
-        self.metrics = metrics
 
     async def keyed(self, ex: Exchange, key: Key, decision: Decision, facts: RequestFacts | None) -> Decision:
         """The candidates on ``key``'s tiers (:meth:`on_key_tiers`), and a reservation against its limits of one
@@ -78,20 +76,20 @@ class KeyBudgets:
         Raises:
             KeyNotAllowed: no tier it may use serves the model (403); RateLimited, KeyOverBudget: a limit (429).
         """
-        decision = self.on_key_tiers(key, decision)
+        decision = self.on_key_tiers(ex, key, decision)
         spend = Spend(1.0, float(need_of(facts)), estimated_cost(decision.candidates[0], decision, facts))
         held = await self.ledger.reserve(key, spend, decision.candidates[0].upstream.tier == "fast")
         if isinstance(held, Refusal) and held.level == "fast":
-            decision = self.off_fast(key, decision, held)
+            decision = self.off_fast(ex, key, decision, held)
             spend.usd = estimated_cost(decision.candidates[0], decision, facts)
             held = await self.ledger.reserve(key, spend, False)
         if isinstance(held, Refusal):
-            self.metrics.key_refusals.labels(key.name, held.limit).inc()
+            ex.key_refused(held.limit)
             raise held.error(key)
         ex.hold = held
         return decision
 
-    def on_key_tiers(self, key: Key, decision: Decision) -> Decision:
+    def on_key_tiers(self, ex: Exchange, key: Key, decision: Decision) -> Decision:
         """``decision`` with only the candidates on the tiers ``key`` may use (:func:`key_tiers`), a first candidate
         that moved counted as a ``key_tier`` downgrade.
 
@@ -100,10 +98,10 @@ class KeyBudgets:
         """
         narrowed = key_tiers(key, decision)
         if narrowed.candidates[0] is not decision.candidates[0]:
-            self.metrics.key_downgrades.labels(key.name, "key_tier").inc()
+            ex.key_downgraded("key_tier")
         return narrowed
 
-    def off_fast(self, key: Key, decision: Decision, refused: Refusal) -> Decision:
+    def off_fast(self, ex: Exchange, key: Key, decision: Decision, refused: Refusal) -> Decision:
         """``decision`` without its fast-tier candidates: ``key``'s fast allowance is spent (``key_allowance``;
         counted).
 
@@ -112,12 +110,12 @@ class KeyBudgets:
         """
         rest = tuple(c for c in decision.candidates if c.upstream.tier != "fast")
         if not rest:
-            self.metrics.key_refusals.labels(key.name, refused.limit).inc()
+            ex.key_refused(refused.limit)
             raise refused.fast_error(key)
-        self.metrics.key_downgrades.labels(key.name, "key_allowance").inc()
+        ex.key_downgraded("key_allowance")
         return dataclasses.replace(decision, candidates=rest, fallback="key_allowance")
 
-    async def fast_allowance(self, hold: Hold, plan: Plan) -> None:
+    async def fast_allowance(self, ex: Exchange, hold: Hold, plan: Plan) -> None:
         """An attempt on the fast tier that the request's key reservation did not cover (a failover, a spillover, a
         hedge): its fast-tier allowance is reserved now.
 
@@ -129,7 +127,7 @@ class KeyBudgets:
         refused = await self.ledger.extend(hold, "fast")
         if refused is None:
             return
-        self.metrics.key_downgrades.labels(hold.key.name, "key_allowance").inc()
+        ex.key_downgraded("key_allowance")
         plan.reason = plan.reason or "key_allowance"
         raise refused.fast_error(hold.key)
 

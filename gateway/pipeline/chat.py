@@ -33,9 +33,8 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.config.schema import GatewayConfig
 from gateway.errors import GatewayError, ModelNotFound
-from gateway.observability import logs, tracing
 from gateway.observability.estimates import Estimates
-from gateway.observability.metrics import Metrics
+from gateway.observability.recorder import Observers
 from gateway.pipeline.attempts import Attempts, Turn, give_up
 from gateway.pipeline.budgets import KeyBudgets, need_of, refusal_outcome
 from gateway.pipeline.conversations import Conversations
@@ -66,7 +65,7 @@ class ChatPipeline:
 
     def __init__(self, config: GatewayConfig, policy: Policy, frame: Frame, bodies: BodyBudget, budgets: KeyBudgets,
                  conversations: Conversations, attempts: Attempts, hedging: Hedging, estimates: Estimates,
-                 explorer: deadline.Explorer, health: Health, shared: SharedState | None, metrics: Metrics,
+                 explorer: deadline.Explorer, health: Health, shared: SharedState | None, observers: Observers,
                  listed: Listing | None) -> None:
         self.config = config
         self.policy = policy
@@ -80,7 +79,7 @@ class ChatPipeline:
         self.explorer = explorer
         self.health = health
         self.shared = shared
-        self.metrics = metrics
+        self.observers = observers
         self.listed = listed
 
     def endpoint(self, kind: str) -> Callable[[Scope, Receive, Send], Any]:
@@ -91,7 +90,7 @@ class ChatPipeline:
     async def handle(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
         """Serve one ASGI request of ``kind``: read its body, watch for the client leaving, :meth:`serve` it, and end
         cleanly whatever happens (the frame's steps inline: ``gateway.pipeline.frame``)."""
-        ex = Exchange(self.metrics, send, headers_of(scope), kind, scope)
+        ex = Exchange(self.observers, send, headers_of(scope), kind, scope)
         try:
             raw = await read_body(ex.headers, receive, self.config.limits.max_request_bytes, hold=(self.bodies, ex))
         except ClientGone:
@@ -105,8 +104,7 @@ class ChatPipeline:
         frame = self.frame
         if frame.draining and await frame.too_late(ex):
             return
-        if tracing.TRACING.tracer is not None:
-            ex.span = tracing.start_request(ex.headers, scope["method"], scope["path"], "chat")
+        ex.trace(scope["method"], scope["path"], "chat")
         watch = Watch(ex, receive, scope)
         ex.task = asyncio.current_task()  # frame.begin(), inline on the hot path
         watch.start()
@@ -121,8 +119,7 @@ class ChatPipeline:
         finally:
             frame.active.discard(ex)  # frame.end(), inline
             watch.stop()
-            if ex.span is not None:
-                tracing.end_request(ex.span, ex)
+            ex.end_trace()
 
     async def serve(self, ex: Exchange, raw: bytes) -> None:
         """The request's story: read -> decide -> the key's say -> plan -> for each attempt: send, hold until the
@@ -156,7 +153,7 @@ class ChatPipeline:
                 if turn.tried > tried and not self.fails_over(turn, cand, exc):
                     break  # it was tried and failed so that no other candidate may serve it
         if not ex.answered:
-            await give_up(self.metrics, ex, turn.decision, turn.plan.reason, turn.last, turn.tried)
+            await give_up(ex, turn.decision, turn.plan.reason, turn.last, turn.tried)
 
     async def decide(self, ex: Exchange, raw: bytes) -> tuple[RequestFacts, Decision]:
         """Read the body and decide: the facts, the rules' decision, the deadline's order of its candidates.
@@ -174,8 +171,13 @@ class ChatPipeline:
         budget = deadline.budget(facts, decision.route)
         ex.model, ex.stream, ex.prompt_tokens = decision.model, body.get("stream") is True, facts.prompt_tokens
         ex.blame = Blame(functools.partial(blame_source, ex.key, raw))
-        self.metrics.child(self.metrics.decisions, decision.rule, decision.tier).inc()
-        return facts, (decision if budget is None else self.by_deadline(decision, facts, budget))
+        ex.decided(decision.rule, decision.tier)
+        if budget is not None:
+            decision = self.by_deadline(decision, facts, budget)
+            assert decision.deadline is not None
+            chosen = decision.candidates[0].upstream
+            ex.chose_by_deadline(chosen.tier, chosen.name, decision.deadline.verdict)
+        return facts, decision
 
     async def listed_route(self, facts: RequestFacts) -> Decision:
         """The route of a model no upstream is configured for: to the passthrough upstream when its ``/v1/models``
@@ -216,9 +218,7 @@ class ChatPipeline:
                 break
             plan = again
         for cand, why in plan.spilled:
-            self.metrics.spillovers.labels(cand.upstream.tier, cand.upstream.name, why).inc()
-            logs.event("spillover", request_id=ex.rid, upstream=cand.upstream.name, tier=cand.upstream.tier,
-                       reason=why)
+            ex.spilled(cand.upstream.tier, cand.upstream.name, why)
         if not plan.candidates:
             raise failover.refusal(plan.resting, self.health.clock(), ex.blame.who() if ex.blame else None)
         strip_usage = ex.kind == "chat" and ex.stream and not client_wants_usage(facts.body)
@@ -229,19 +229,15 @@ class ChatPipeline:
         still serve the request (``Plan.go_on``; logged)."""
         if not turn.plan.go_on(cand, exc):
             return False
-        up = cand.upstream
-        logs.event("failover", request_id=turn.ex.rid, upstream=up.name, tier=up.tier, reason=turn.plan.reason)
+        turn.ex.failed_over(cand.upstream.tier, cand.upstream.name, turn.plan.reason)
         return True
 
     def by_deadline(self, decision: Decision, facts: RequestFacts, budget: deadline.Budget,
                     preview: bool = False) -> Decision:
-        """The decision with its candidates ordered by deadline routing (``gateway.routing.deadline``), counted; with
-        ``preview`` (the route endpoint), what a request would get now: nothing counted, explored or probed."""
+        """The decision with its candidates ordered by deadline routing (``gateway.routing.deadline``); with
+        ``preview`` (the route endpoint), what a request would get now: nothing explored or probed."""
         choice = deadline.choose(decision, facts, budget, self.estimates, self.health.clock(),
                                  self.explorer.preview() if preview else self.explorer)
-        if not preview:
-            chosen = choice.candidates[0].upstream
-            self.metrics.child(self.metrics.deadline_decisions, chosen.tier, chosen.name, choice.verdict).inc()
         return dataclasses.replace(decision, candidates=choice.candidates, deadline=choice, fallback=choice.fallback)
 
 

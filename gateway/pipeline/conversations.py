@@ -11,7 +11,6 @@ from typing import Any
 
 from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import InvalidRequest
-from gateway.observability.metrics import Metrics
 from gateway.pipeline.exchange import Exchange
 from gateway.responses.ids import ID_PREFIX
 from gateway.responses.request import input_items, unbridgeable
@@ -33,11 +32,10 @@ def owner(ex: Exchange) -> str | None:
 
 class Conversations:
     """The store's side of Responses requests (module docstring). ``keyed``: gateway keys are on (an id the gateway
-    never held for the key then reaches no upstream); ``metrics``: where Responses requests are counted by mode."""
+    never held for the key then reaches no upstream)."""
 
-    def __init__(self, store: ResponseStore, metrics: Metrics, keyed: bool) -> None:
+    def __init__(self, store: ResponseStore, keyed: bool) -> None:
         self.store = store
-        self.metrics = metrics
         self.keyed = keyed
 
     async def facts(self, ex: Exchange, body: dict[str, Any], size: int) -> RequestFacts:
@@ -101,7 +99,7 @@ class Conversations:
             nonlocal started, kept
             if not started:
                 started = True
-                self.count(up, bridged)
+                ex.response_kept(up.tier, up.name, bridged)
                 if not bridged and relay.stats.response_id is not None:
                     await self.keep(facts, relay.stats.response_id, Native(up.name, owner(ex)))
             if bridging is not None and not kept and bridging.response is not None:
@@ -114,15 +112,11 @@ class Conversations:
                          response: dict[str, Any] | None) -> None:
         """A whole Responses answer is about to leave: count it by mode, and keep what a follow-up needs (the bridged
         ``response``, or the native answer's upstream)."""
-        self.count(up, response is not None)
+        ex.response_kept(up.tier, up.name, response is not None)
         if response is not None:
             await self.keep(facts, response["id"], bridged_record(ex, facts, response))
         elif isinstance(parsed.get("id"), str):
             await self.keep(facts, parsed["id"], Native(up.name, owner(ex)))
-
-    def count(self, up: UpstreamConfig, bridged: bool) -> None:
-        """One Responses request answered by ``up``, natively or through the bridge."""
-        self.metrics.responses.labels(up.tier, up.name, "bridge" if bridged else "native").inc()
 
     async def keep(self, facts: RequestFacts, response_id: str, record: Bridged | Native) -> None:
         """Keep what a follow-up to ``response_id`` needs, unless the request said ``store: false``."""

@@ -1,6 +1,6 @@
 """An answer on its way to the client once an attempt has it: a stream relayed past its first token (or translated,
-for a bridged Responses request), or a whole JSON body checked and passed on; the live estimates fed with what was
-measured, and the request recorded once. Nothing raises for the upstream's trouble once the first byte left.
+for a bridged Responses request), or a whole JSON body checked and passed on; what was measured told to the request's
+recorder, and the request recorded once. Nothing raises for the upstream's trouble once the first byte left.
 """
 
 from __future__ import annotations
@@ -12,16 +12,13 @@ import orjson
 from gateway.config.schema import GatewayConfig
 from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import UpstreamBadResponse, UpstreamUnavailable, event_error
-from gateway.observability import tracing
-from gateway.observability.estimates import Estimates
-from gateway.observability.metrics import Metrics, decode_speed
+from gateway.observability.metrics import decode_speed
 from gateway.pipeline.conversations import Conversations
 from gateway.pipeline.exchange import Exchange, Headers
 from gateway.responses.ids import ID_PREFIX, new_id
 from gateway.responses.stream import BridgeRelay
 from gateway.responses.whole import Draft, whole_response
 from gateway.routing.facts import Decision, RequestFacts
-from gateway.routing.health import Health
 from gateway.stream.relay import Relay
 from gateway.stream.stats import StreamStats
 from gateway.upstream.attempt import Answer, Attempt
@@ -36,15 +33,12 @@ def draft(ex: Exchange, up: UpstreamConfig, facts: RequestFacts) -> Draft | None
 
 
 class Delivery:
-    """Delivering the answers of one gateway (module docstring); ``estimates`` learns from them on ``health``'s
-    clock; ``conversations`` keeps what a Responses follow-up needs as the answer leaves."""
+    """Delivering the answers of one gateway (module docstring); what was measured goes to each request's recorder
+    (the live estimates learn from it there); ``conversations`` keeps what a Responses follow-up needs as the answer
+    leaves."""
 
-    def __init__(self, config: GatewayConfig, estimates: Estimates, health: Health, metrics: Metrics,
-                 conversations: Conversations) -> None:
+    def __init__(self, config: GatewayConfig, conversations: Conversations) -> None:
         self.config = config
-        self.metrics = metrics
-        self.estimates = estimates
-        self.health = health
         self.conversations = conversations
 
     def relay(self, ex: Exchange, attempt: Attempt, strip_usage: bool, facts: RequestFacts) -> Relay:
@@ -65,11 +59,8 @@ class Delivery:
         up = attempt.upstream
         ex.relay = relay
         first, sent = relay.stats.t_first_token, attempt.sent_at
-        if attempt.span is not None:
-            tracing.first_token(attempt.span)
-        if first is not None and sent is not None:  # the live TTFT estimate learns at the first token
-            self.estimates.observe_ttft(up.name, up.models.get(decision.model, decision.model), self.health.clock(),
-                                        prompt_tokens=facts.prompt_tokens, ttft=first - sent)
+        ex.first_token(attempt.span, up.name, up.models.get(decision.model, decision.model), facts.prompt_tokens,
+                       first - sent if first is not None and sent is not None else None)
         bridged = isinstance(relay, BridgeRelay)
         ex.open_stream(headers, "text/event-stream; charset=utf-8" if bridged else answer.content_type)
         write = ex.write if ex.kind == "chat" else self.conversations.keeping_write(ex, facts, up, relay)
@@ -92,18 +83,18 @@ class Delivery:
               stats: StreamStats) -> None:
         """A relayed stream ended (its last byte is about to leave): tell its upstream's health, feed the estimates,
         record the request."""
-        if attempt.span is not None:
-            tracing.usage(attempt.span, stats.usage, None)
+        ex.usage(attempt.span, stats.usage)
         if stats.error:
             self.broke(ex, attempt, stats)
         else:
             attempt.ok()
-            self.measured(attempt, decision, facts, stats)
+            self.measured(ex, attempt, decision, facts, stats)
         if stats.complete:
             attempt.done()
         ex.record("stream_error" if stats.error else "success", **ex.stream_figures())
 
-    def measured(self, attempt: Attempt, decision: Decision, facts: RequestFacts, stats: StreamStats) -> None:
+    def measured(self, ex: Exchange, attempt: Attempt, decision: Decision, facts: RequestFacts,
+                 stats: StreamStats) -> None:
         """Feed the live estimates with a stream that ran to its end: its decode speed (the gateway's formula,
         ``gateway.observability.metrics``) and its completion length (its TTFT went in at the first token)."""
         usage = stats.usage
@@ -111,21 +102,19 @@ class Delivery:
         if not isinstance(completion, int) or completion < stats.token_chunks:
             completion = stats.token_chunks
         first, last = stats.t_first_token, stats.t_last_token
-        now = self.health.clock()
         speed = (decode_speed(last - first, stats.token_chunks, completion) if first is not None and last is not None
                  else None)
-        if speed is not None:
-            up = attempt.upstream
-            self.estimates.observe_speed(up.name, up.models.get(decision.model, decision.model), now, speed)
+        up = attempt.upstream
+        ex.decoded(up.name, up.models.get(decision.model, decision.model), speed)
         if facts.max_tokens is None:  # the lengths predict only requests without a limit: sampled from those
-            self.estimates.observe_length(decision.rule, decision.model, now, completion)
+            ex.completed(decision.rule, decision.model, completion)
 
     def broke(self, ex: Exchange, attempt: Attempt, stats: StreamStats) -> None:
         """The stream failed after its first token: count it, and tell the upstream's health (its own error event's
         status says whose fault it is: Groq's tool_use_failed carries status_code 400, the request's; an overloaded
         server_error counts against the upstream)."""
         assert stats.error is not None
-        self.metrics.upstream_errors.labels(ex.tier, ex.upstream, stats.error).inc()
+        ex.stream_broke(stats.error)
         if stats.error_event is not None:
             attempt.failed(event_error(stats.error_event))
         else:
@@ -153,11 +142,10 @@ class Delivery:
         attempt.ok()
         usage, time_info = parsed.get("usage"), parsed.get("time_info")
         usage = chat_usage(usage) if isinstance(usage, dict) else None
-        if attempt.span is not None:
-            tracing.usage(attempt.span, usage, parsed.get("model"))
+        ex.usage(attempt.span, usage, parsed.get("model"))
         if facts.max_tokens is None and usage is not None and isinstance(completion := usage.get("completion_tokens"),
                                                                           int):
-            self.estimates.observe_length(decision.rule, decision.model, self.health.clock(), completion)
+            ex.completed(decision.rule, decision.model, completion)
         ex.status = 200  # before the record: the log line names the status answered
         ex.record("success", usage=usage,
                   time_info=time_info if isinstance(time_info, dict) else None,

@@ -3,16 +3,14 @@ record (exactly once).
 
 An :class:`Exchange` answers in one of three shapes, each at most once: an error in OpenAI's envelope, a whole JSON
 body, or a stream whose status line and headers leave with its first bytes (nothing is committed before them, so
-the request can still fail over). It records the request in the metrics once, whatever happens after.
+the request can still fail over). It records the request once, whatever happens after (it is the request's
+:class:`~gateway.observability.recorder.Recorder`).
 
-Also here: reading the request body with its limits (:func:`read_body`) and the request id rule.
+Also here: reading the request body with its limits (:func:`read_body`, :class:`BodyBudget`).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import time
 from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
@@ -26,8 +24,8 @@ from gateway.errors import (
     UnsupportedMediaType,
     error_body,
 )
-from gateway.observability import logs
-from gateway.observability.metrics import BILLABLE, Metrics
+from gateway.observability.metrics import BILLABLE
+from gateway.observability.recorder import Observers, Recorder
 from gateway.routing.blame import Blame
 from gateway.stream.relay import Relay
 from gateway.tenancy.keys import Key
@@ -39,7 +37,6 @@ EVENT_STREAM = b"text/event-stream; charset=utf-8"
 STREAM_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 CLOSE = (b"connection", b"close")
 Headers = list[tuple[bytes, bytes]]
-log = logging.getLogger("tiergate")
 
 
 # the ASGI extension (``scope["extensions"]``) through which the gateway's server protocol tells a request that its
@@ -51,68 +48,45 @@ class ClientGone(Exception):
     """The client disconnected before its request body was complete."""
 
 
-class Exchange:
-    """One client request (see the module docstring). Times are ``time.perf_counter()`` seconds.
+class Exchange(Recorder):
+    """One client request (see the module docstring): its record (:class:`Recorder`: labels, timing, the facts
+    routing and the attempts learn) and how it is answered. Times are ``time.perf_counter()`` seconds.
 
     Attributes:
-        t0: the request's arrival at the endpoint; rid: its id (:func:`request_id`); kind: ``chat`` or
-            ``responses``; headers: its headers, names lower-case.
-        tier, upstream, model, stream: metric labels (``none`` / ``other`` until known).
         answered: the status line went to the client (the request can no longer fail over).
         relay: the relay of the stream being answered, or None (its stats give TTFT, usage, ...).
         gone_at: when the client disconnected, or None. cut: the drain time ran out while it was in flight.
+        hold: what it reserved against its key (``gateway.tenancy.ledger``), settled when it is recorded.
+        blame: whom its request-shaped upstream failures are charged to (``gateway.routing.blame``).
+        held, bodies: the request body bytes it holds in memory and their :class:`BodyBudget`.
     """
 
-    __slots__ = ("t0", "rid", "kind", "headers", "tier", "upstream", "model", "stream", "answered", "recorded",
-                 "relay", "gone_at", "cut", "task", "on_start", "scope", "status", "rule", "fallback", "requested",
-                 "upstream_model", "attempts", "outcome", "span", "key", "hold", "prompt_tokens", "blame", "held",
-                 "bodies", "_metrics", "_send", "_start", "_in_flight")
+    __slots__ = ("answered", "relay", "gone_at", "cut", "task", "hold", "blame", "held", "bodies", "_send", "_start")
+    key: Key | None  # the recorder's key, as the pipeline uses it (authenticated by the app: ``KEY_SCOPE``)
 
-    def __init__(self, metrics: Metrics, send: Send, headers: dict[str, str], kind: str,
+    def __init__(self, observers: Observers, send: Send, headers: dict[str, str], kind: str,
                  scope: Scope | None = None) -> None:
-        self.t0 = time.perf_counter()
-        self.rid = request_id(headers.get("x-request-id"))
-        self.kind = kind
-        self.headers = headers
-        self.scope = scope  # for the request log's method and path
-        self.status = 0  # the status answered (0: none)
-        self.rule: str | None = None  # the request log's routing fields (route_headers, Gateway.attempting)
-        self.fallback: str | None = None
-        self.requested: str | None = None  # the model as the client named it
-        self.upstream_model: str | None = None
-        self.attempts = 0
-        self.outcome: str | None = None  # as recorded
-        self.span: Any = None  # the request's trace span (gateway.observability.tracing), or None
-        self.key: Key | None = (scope or {}).get(KEY_SCOPE)  # its gateway key (auth:), authenticated by the app
-        self.hold: Hold | None = None  # what it reserved against its key (gateway.tenancy.keys), settled by record()
-        self.prompt_tokens = 0  # its estimated prompt (RequestFacts.prompt_tokens), once read: an estimated usage's
-        self.blame: Blame | None = None  # whom its request-shaped upstream failures are charged to (routing.health)
-        self.held = 0  # request body bytes it holds in memory (BodyBudget), given back when it is recorded
+        super().__init__(observers, headers, kind, scope, (scope or {}).get(KEY_SCOPE))
+        self.hold: Hold | None = None
+        self.blame: Blame | None = None
+        self.held = 0
         self.bodies: BodyBudget | None = None
-        self.tier = "none"
-        self.upstream = "none"
-        self.model = "other"
-        self.stream = False
         self.answered = False
-        self.recorded = False
         self.relay: Relay | None = None
         self.gone_at: float | None = None
         self.cut = False
         self.task: Any = None
-        self.on_start: Any = None  # called once when the answer starts to reach the client
-        self._metrics = metrics
         self._send = send
         self._start: Message | None = None
-        self._in_flight: Any = None
 
     # answering
 
     async def error(self, exc: GatewayError, outcome: str, headers: Headers | None = None) -> None:
         """Record ``outcome`` and answer ``exc`` in OpenAI's envelope with its status and headers (no upstream's
-        answer reached the client: ``on_start`` is not run)."""
+        answer reached the client: no attempt is counted as answering)."""
         self.status = exc.status  # before the record: the log line names the status answered
         self.record(outcome)
-        self.on_start = None
+        self._pending = None
         extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
         await self.whole(exc.status, exc.body(), [*(headers or [(b"x-request-id", self.rid.encode())]), *extra])
 
@@ -161,90 +135,28 @@ class Exchange:
         start, self._start = self._start, None
         assert start is not None
         self._started()
-        if not self.recorded:  # a stream that ends with nothing in it is recorded before its status line goes
-            self._in_flight = self._metrics.child(self._metrics.in_flight, self.tier, self.upstream)
-            self._in_flight.inc()
+        self.answering()
         await self._send(start)
 
     def _started(self) -> None:
         self.answered = True
-        if self.on_start is not None:
-            self.on_start()
-            self.on_start = None
+        self.answer_started()
 
     # recording
 
-    def record(self, outcome: str, *, ended: float | None = None, **kw: Any) -> None:
-        """Record the request once; later calls are ignored. ``ended``: when it ended for the client (default now);
-        ``kw`` as :meth:`Metrics.record` (:meth:`stream_figures` for a stream)."""
-        if self.recorded:
-            return
-        self.recorded = True
-        self.outcome = outcome
+    def _released(self) -> None:
         if self.held and self.bodies is not None:
             self.bodies.release(self)
-        if self._in_flight is not None:
-            self._in_flight.dec()
-        duration = (time.perf_counter() if ended is None else ended) - self.t0
-        if kw.get("usage") is None and kw.get("token_chunks") and outcome in BILLABLE:
-            # a stream with no usage (the client left before it, or the upstream sends none): what was relayed is at
-            # least what the upstream bills, each token-bearing chunk a token or more, plus the estimated prompt; so
-            # neither a key's limits nor the cost can be dodged by leaving before the usage chunk
-            kw["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": kw["token_chunks"]}
-            kw["estimated"] = True
-        try:
-            cost = self._emit(outcome, duration, kw)  # may settle the outcome (self.outcome) and the usage (kw)
-            if self.key is not None:
-                self._charge(self.key, self.outcome or outcome, kw.get("usage"), cost)
-            if logs.wanted(self.outcome or outcome):
-                self._log(self.outcome or outcome, duration, kw, cost)
-        except Exception:  # bookkeeping never breaks an answer: what an upstream reported is logged instead
-            log.exception("recording request %s failed (usage %r)", self.rid, kw.get("usage"))
 
-    def _emit(self, outcome: str, duration: float, kw: dict[str, Any]) -> float | None:
-        """Write the record (:meth:`Metrics.record`); ``duration`` in seconds. Returns the cost added (USD)."""
-        return self._metrics.record(tier=self.tier, upstream=self.upstream, model=self.model, outcome=outcome,
-                                    stream=self.stream, duration=duration, **kw)
-
-    def _charge(self, key: Key, outcome: str, usage: Any, cost: float | None) -> None:
-        """Count the request against its key (metrics) and settle its hold with its usage and cost; without usage,
-        a billable outcome keeps what it reserved, any other gives it back."""
-        m = self._metrics
-        m.child(m.key_requests, key.name, outcome).inc()
-        tokens = None
-        if isinstance(usage, dict):
-            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-            if isinstance(prompt, int) and isinstance(completion, int):
-                prompt, completion = max(0, prompt), max(0, completion)  # an upstream's nonsense counts as nothing
-                tokens = prompt + completion
-                m.child(m.key_tokens, key.name, "input").inc(prompt)
-                m.child(m.key_tokens, key.name, "output").inc(completion)
-        if cost:
-            m.child(m.key_cost, key.name).inc(cost)
+    def _settle(self, outcome: str, tokens: int | None, cost: float | None) -> None:
+        """Settle the key's hold with the usage's ``tokens`` and ``cost``; without usage, a billable outcome keeps
+        what it reserved, any other gives it back."""
         hold = self.hold
         if hold is not None:
             if tokens is None:
                 tokens = int(hold.spend.tokens) if outcome in BILLABLE else 0
             hold.settle(tokens, cost if cost is not None else (hold.spend.usd if outcome in BILLABLE else 0.0),
                         self.tier)
-
-    def _log(self, outcome: str, duration: float, kw: dict[str, Any], cost: float | None) -> None:
-        """The request's line in the request log (``gateway.observability.logs``): never its body or a credential."""
-        usage = kw.get("usage")
-        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-        ttft = kw.get("ttft")
-        scope = self.scope or {}
-        logs.request({
-            "request_id": self.rid, "method": scope.get("method"), "path": scope.get("path"), "status": self.status,
-            "key": self.key.name if self.key is not None else None,
-            "outcome": outcome, "tier": self.tier, "upstream": self.upstream, "rule": self.rule,
-            "fallback": self.fallback, "model": self.requested, "upstream_model": self.upstream_model,
-            "stream": self.stream, "attempts": self.attempts, "ttft_s": None if ttft is None else round(ttft, 6),
-            "duration_s": round(duration, 6),
-            "input_tokens": usage.get("prompt_tokens") if isinstance(usage, dict) else None,
-            "output_tokens": usage.get("completion_tokens") if isinstance(usage, dict) else None,
-            "cached_tokens": details.get("cached_tokens") if isinstance(details, dict) else None,
-            "usage_estimated": bool(kw.get("estimated")), "cost_usd": None if cost is None else round(cost, 9)})
 
     def stream_figures(self) -> dict[str, Any]:
         """What the relay measured so far, as :meth:`Metrics.record` keywords (empty before any relay)."""
@@ -264,15 +176,6 @@ class Exchange:
         if fallback:
             out.append((b"x-tiergate-fallback", fallback.encode()))
         return out
-
-
-def request_id(given: str | None) -> str:
-    """The client's ``x-request-id`` when it is 1-200 printable ASCII characters, else a new ``req_<32 hex>``.
-
-    Bounded and plain so it can be echoed in headers, logs and upstream requests as it came."""
-    if given and len(given) <= 200 and given.isascii() and given.isprintable():
-        return given
-    return f"req_{os.urandom(16).hex()}"  # uuid4's randomness without building a UUID (2.8 -> 0.7 us)
 
 
 def headers_of(scope: Scope) -> dict[str, str]:

@@ -15,10 +15,9 @@ from typing import Any
 
 from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import GatewayError
-from gateway.observability import logs
 from gateway.observability.estimates import Estimates
-from gateway.observability.metrics import Metrics
 from gateway.pipeline.attempts import Attempts, Turn
+from gateway.pipeline.exchange import Exchange
 from gateway.routing import deadline
 from gateway.routing.facts import Candidate, Decision, RequestFacts
 from gateway.routing.failover import Plan
@@ -73,12 +72,12 @@ class Race:
     def won(self, cand: Candidate, hedge: bool) -> None:
         """``cand`` claimed the request: counted (won and lost are counted before the answer leaves)."""
         if self.hedged:
-            self.hedging.metrics.hedges.labels("won" if hedge else "lost").inc()
+            self.turn.ex.hedged("won" if hedge else "lost")
 
     def lost(self, cand: Candidate, attempt: Attempt, relay: Relay | None) -> None:
         """``cand``'s racer ended without the request: when the other won, what it may have cost is counted."""
         if self.winner is not None and self.winner is not cand:
-            self.hedging.lost(cand.upstream, self.turn.decision, self.turn.facts, attempt, relay)
+            self.hedging.lost(self.turn.ex, cand.upstream, self.turn.decision, self.turn.facts, attempt, relay)
 
     async def finish(self) -> None:
         """Wait for every racer to end (the winner's stream relayed, the loser closed)."""
@@ -97,11 +96,10 @@ class Race:
 class Hedging:
     """The hedged requests of one gateway (module docstring)."""
 
-    def __init__(self, attempts: Attempts, estimates: Estimates, health: Health, metrics: Metrics) -> None:
+    def __init__(self, attempts: Attempts, estimates: Estimates, health: Health) -> None:
         self.attempts = attempts
-        self.estimates = estimates
+        self.estimates = estimates  # read for the delay and a loser's wait; fed through the request's recorder
         self.health = health
-        self.metrics = metrics
 
     async def race(self, turn: Turn) -> list[Candidate]:
         """Race ``turn``'s first two candidates (module docstring).
@@ -128,14 +126,13 @@ class Hedging:
                     await race.settled.wait()  # the second would refuse: no hedge; the first's token or failure
             failed = race.failures.get(first.upstream.name)
             if race.winner is None and len(race.tasks) == 1 and failed is not None and plan.go_on(first, failed):
-                logs.event("failover", request_id=ex.rid, upstream=first.upstream.name, tier=first.upstream.tier,
-                           reason=plan.reason)
+                ex.failed_over(first.upstream.tier, first.upstream.name, plan.reason)
                 race.start(second)
             await race.finish()
         except asyncio.CancelledError:
             await race.stop()
             if hedged and race.winner is None:
-                self.metrics.hedges.labels("cancelled").inc()
+                ex.hedged("cancelled")
             raise
         return self._after(turn, race, hedged)
 
@@ -144,7 +141,7 @@ class Hedging:
         if race.winner is not None:
             return []
         if hedged:  # won and lost are counted at the claim, before the answer leaves
-            self.metrics.hedges.labels("cancelled").inc()
+            turn.ex.hedged("cancelled")
         turn.tried = len(race.tasks)
         if not race.failures:
             return []
@@ -166,7 +163,7 @@ class Hedging:
         est = self.estimates.latency(cand.upstream.name, cand.upstream_model, self.health.clock())
         return est.ttft_p95(facts.prompt_tokens) if est is not None else None
 
-    def lost(self, up: UpstreamConfig, decision: Decision, facts: RequestFacts, attempt: Attempt,
+    def lost(self, ex: Exchange, up: UpstreamConfig, decision: Decision, facts: RequestFacts, attempt: Attempt,
              relay: Relay | None) -> None:
         """A racer cancelled because the other produced a token first: count what it may have cost (its usage if it
         reported any, else the estimated prompt at the input price), and, when it waited longer than its measured
@@ -182,11 +179,11 @@ class Hedging:
             cost = (prompt if isinstance(prompt, int) else facts.prompt_tokens) * p_in + \
                 (completion if isinstance(completion, int) else 0) * p_out
             if cost > 0:
-                self.metrics.hedge_cost.labels(up.tier, up.name).inc(cost)
+                ex.hedge_cost(up.tier, up.name, cost)
         if attempt.sent_at is None:
             return
         waited, now = time.perf_counter() - attempt.sent_at, self.health.clock()
         model = up.models.get(decision.model, decision.model)
         est = self.estimates.latency(up.name, model, now)
         if est is not None and waited > est.ttft(facts.prompt_tokens, tail=False):
-            self.estimates.observe_ttft(up.name, model, now, prompt_tokens=facts.prompt_tokens, ttft=waited)
+            ex.waited(up.name, model, facts.prompt_tokens, waited)

@@ -30,7 +30,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.config.schema import GatewayConfig
 from gateway.errors import GatewayError, MethodNotAllowed, ObjectNotFound, PayloadTooLarge, UnknownURL
-from gateway.observability.metrics import Metrics
+from gateway.observability.recorder import Observers
 from gateway.pipeline import answers
 from gateway.pipeline.attempts import attempting, give_up
 from gateway.pipeline.budgets import KeyBudgets, refusal_outcome
@@ -63,7 +63,7 @@ class Passthrough:
     composition root)."""
 
     def __init__(self, config: GatewayConfig, policy: Policy, frame: Frame, bodies: BodyBudget, budgets: KeyBudgets,
-                 owners: Owners, transport: Transport, health: Health, metrics: Metrics) -> None:
+                 owners: Owners, transport: Transport, health: Health, observers: Observers) -> None:
         self.config = config
         self.policy = policy
         self.frame = frame
@@ -72,13 +72,13 @@ class Passthrough:
         self.owners = owners
         self.transport = transport
         self.health = health
-        self.metrics = metrics
+        self.observers = observers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, owner: str | None = None) -> None:
         """Serve one request under ``/v1``; ``owner``: the upstream that alone can serve it (see
         :meth:`Policy.decide_passthrough`)."""
         path = scope["path"][len("/v1/"):]
-        ex = PassExchange(self.metrics, send, headers_of(scope), path, scope)
+        ex = PassExchange(self.observers, send, headers_of(scope), path, scope)
         if not await self._admitted(ex, scope, path, owner):
             return
         raw: bytes | None = None
@@ -150,7 +150,7 @@ class Passthrough:
         if decided is None:
             return
         decision, facts = decided
-        self.metrics.child(self.metrics.decisions, decision.rule, decision.tier).inc()
+        ex.decided(decision.rule, decision.tier)
         plan = failover.Plan(list(decision.candidates[:1 if raw is None else self.config.max_attempts]),
                              decision.fallback)
         last: GatewayError | None = None
@@ -159,12 +159,12 @@ class Passthrough:
             up = cand.upstream
             if ex.hold is not None and up.tier == "fast" and not ex.hold.charges("fast"):  # a failover to it
                 try:
-                    await self.budgets.fast_allowance(ex.hold, plan)
+                    await self.budgets.fast_allowance(ex, ex.hold, plan)
                 except GatewayError as exc:
                     last = exc
                     continue
             tried += 1
-            attempting(self.metrics, ex, decision, up, tried, plan.reason)
+            attempting(ex, decision, up, tried, plan.reason)
             if body_from is not None:
                 upload = Upload(body_from, self.config.limits.max_passthrough_bytes, up.timeouts.idle, ex,
                                 watch.start)
@@ -182,14 +182,14 @@ class Passthrough:
                             return ex.record("client_disconnect")
                         return await ex.error(upload.error, "client_error", closing(ex, raw, upload=upload))
                     last = attempt.failed(exc)
-                    self.metrics.upstream_errors.labels(up.tier, up.name, failover.reason(last)).inc()
+                    ex.upstream_failed(up.tier, up.name, failover.reason(last))
                     if ex.answered:  # broke off after its first bytes: the connection is cut (answers.relay)
                         log.warning("request %s: the upstream %s broke off its answer: %s", ex.rid, up.name,
                                     exc.message)
                         return ex.record("stream_error")
             if not plan.go_on(cand, last):
                 break
-        await give_up(self.metrics, ex, decision, plan.reason, last, tried, closing(ex, raw, [], upload))
+        await give_up(ex, decision, plan.reason, last, tried, closing(ex, raw, [], upload))
 
     async def _owns(self, ex: PassExchange, ids: list[str], raw: bytes | None = None) -> bool:
         """Whether every object in ``ids`` is ``ex``'s key's (``gateway.tenancy.objects``); if not, it is answered 404

@@ -19,7 +19,7 @@ from gateway.errors import (
     GatewayError,
     PayloadTooLarge,
 )
-from gateway.observability.metrics import Metrics
+from gateway.observability.recorder import Observers
 from gateway.pipeline.exchange import CLOSE, ClientGone, Exchange, Headers
 from gateway.routing.facts import Candidate, RequestFacts
 from gateway.wire.body import chat_usage, check_limits, replace_top_level
@@ -75,9 +75,9 @@ class PassExchange(Exchange):
 
     __slots__ = ("endpoint", "path", "bytes_in", "bytes_out", "tail")
 
-    def __init__(self, metrics: Metrics, send: Send, headers: dict[str, str], path: str,
+    def __init__(self, observers: Observers, send: Send, headers: dict[str, str], path: str,
                  scope: Scope | None = None) -> None:
-        super().__init__(metrics, send, headers, "passthrough", scope)
+        super().__init__(observers, send, headers, "passthrough", scope)
         self.path = path  # under /v1, no leading slash
         self.endpoint = endpoint_label(path)
         self.bytes_in = 0
@@ -93,9 +93,7 @@ class PassExchange(Exchange):
         self.outcome = outcome  # the request log says what the metrics say
         found = tail_usage(self.tail) if self.tail else None
         usage = kw["usage"] = chat_usage(found) if found is not None else None  # Responses/audio token shapes too
-        return self._metrics.record_passthrough(endpoint=self.endpoint, tier=self.tier, upstream=self.upstream,
-                                                model=self.model, outcome=outcome, duration=duration,
-                                                bytes_in=self.bytes_in, bytes_out=self.bytes_out, usage=usage)
+        return self._emit_passthrough(self.endpoint, outcome, duration, self.bytes_in, self.bytes_out, usage)
 
 
 class Upload:

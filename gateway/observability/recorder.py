@@ -1,0 +1,330 @@
+"""One request's recorder: the pipeline hands it the facts of a request as they become known, and it is the only
+caller of the metrics, the request log, the request's trace and the live estimates on behalf of a request.
+
+The lifecycle follows Envoy AI Gateway's per-request metrics (``StartRequest`` -> ``SetBackend`` ->
+``RecordTokenUsage`` -> ``RecordRequestCompletion``): made when the request arrives (:class:`Recorder`), told the
+decision (:meth:`Recorder.decided`), each attempt (:meth:`Recorder.attempting`) and what went wrong on the way
+(:meth:`Recorder.spilled`, :meth:`Recorder.upstream_failed`, :meth:`Recorder.failed_over`), the first token and the
+usage (:meth:`Recorder.first_token`, :meth:`Recorder.usage`), and finally :meth:`Recorder.record`, exactly once.
+
+Facts of the process rather than of one request stay with their owners: the circuit breakers' state
+(``gateway.routing.health``), the shared-state link (``gateway.state.link``) and the key ledger's gauges.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gateway.observability import logs, tracing
+from gateway.observability.estimates import Estimates
+from gateway.observability.metrics import BILLABLE, Metrics
+
+log = logging.getLogger("tiergate")
+
+
+class Named(Protocol):
+    """A gateway key as the recorder sees it (``gateway.tenancy.keys.Key``): its name labels its metrics."""
+
+    @property
+    def name(self) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Observers:
+    """What a request's facts feed, built once by the composition root (``gateway.app.assemble``).
+
+    Attributes:
+        metrics: the process's metric families; estimates: the live TTFT, speed and length estimates routing reads;
+        clock: the estimates' time source (seconds, monotonic: ``Health.clock``).
+    """
+
+    metrics: Metrics
+    estimates: Estimates
+    clock: Callable[[], float]
+
+
+class Recorder:
+    """The record of one request (see the module docstring). Times are ``time.perf_counter()`` seconds.
+
+    Attributes:
+        t0: the request's arrival; rid: its id (:func:`request_id`); kind: ``chat``, ``responses`` or
+            ``passthrough``; headers: its headers (names lower-case); scope: its ASGI scope (method and path).
+        tier, upstream, model, stream: its metric labels (``none`` / ``other`` until known).
+        status: the status answered (0: none yet); rule, fallback: how it was routed; requested: the model as the
+            client named it; upstream_model: as the upstream was asked; attempts: attempts started.
+        outcome: as recorded; recorded: :meth:`record` ran. span: its trace span, or None. key: its gateway key, or
+            None. prompt_tokens: its estimated prompt (tokens), the floor of an estimated usage.
+    """
+
+    __slots__ = ("t0", "rid", "kind", "headers", "scope", "status", "rule", "fallback", "requested",
+                 "upstream_model", "attempts", "outcome", "span", "key", "prompt_tokens", "tier", "upstream", "model",
+                 "stream", "recorded", "_obs", "_metrics", "_in_flight", "_pending")
+
+    def __init__(self, observers: Observers, headers: dict[str, str], kind: str, scope: Any, key: Named | None) -> None:
+        self.t0 = time.perf_counter()
+        self.rid = request_id(headers.get("x-request-id"))
+        self.kind = kind
+        self.headers = headers
+        self.scope = scope
+        self.key = key
+        self.status = 0
+        self.rule: str | None = None
+        self.fallback: str | None = None
+        self.requested: str | None = None
+        self.upstream_model: str | None = None
+        self.attempts = 0
+        self.outcome: str | None = None
+        self.span: Any = None
+        self.prompt_tokens = 0
+        self.tier = "none"
+        self.upstream = "none"
+        self.model = "other"
+        self.stream = False
+        self.recorded = False
+        self._obs = observers
+        self._metrics = observers.metrics
+        self._in_flight: Any = None
+        self._pending: tuple[int, str, str | None] | None = None  # what an answer's start counts (attempting)
+
+    # routing
+
+    def decided(self, rule: str, tier: str) -> None:
+        """The policy chose ``tier`` by ``rule`` (``tiergate_routing_decisions_total``)."""
+        m = self._metrics
+        m.child(m.decisions, rule, tier).inc()
+
+    def chose_by_deadline(self, tier: str, upstream: str, verdict: str) -> None:
+        """Deadline routing chose ``upstream`` with ``verdict`` (``tiergate_deadline_decisions_total``)."""
+        m = self._metrics
+        m.child(m.deadline_decisions, tier, upstream, verdict).inc()
+
+    def spilled(self, tier: str, upstream: str, why: str, *, shared: bool = False, logged: bool = True) -> None:
+        """``upstream`` was passed over before an attempt (its limits, breaker, concurrency or the shared quota
+        estimate: ``why``), counted and, with ``logged``, in the event log (``shared``: the shared estimate said so)."""
+        self._metrics.spillovers.labels(tier, upstream, why).inc()
+        if logged:
+            if shared:
+                logs.event("spillover", request_id=self.rid, upstream=upstream, tier=tier, reason=why, shared=True)
+            else:
+                logs.event("spillover", request_id=self.rid, upstream=upstream, tier=tier, reason=why)
+
+    # attempts
+
+    def attempting(self, tier: str, upstream: str, upstream_model: str | None, tried: int, decided_tier: str,
+                   reason: str | None, overhead: bool = True) -> None:
+        """Attempt ``tried`` (1-based) goes to ``upstream`` (or, without ``overhead``, a hedge that started later
+        won): the request takes its labels; the gateway's overhead so far is observed; what to count once its answer
+        starts to reach the client is kept (:meth:`answer_started`): the attempts it took, and the fallback from
+        ``decided_tier`` with ``reason`` (set only by a fallback: the tier lacks the model, spillover, failover)."""
+        self.tier, self.upstream, self.upstream_model, self.attempts = tier, upstream, upstream_model, tried
+        if overhead:
+            m = self._metrics
+            m.child(m.overhead, tier).observe(time.perf_counter() - self.t0)
+        self._pending = (tried, decided_tier, reason)
+
+    def answer_started(self) -> None:
+        """The answer's status line left: the request can no longer fail over; count its attempts and fallback."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            tried, decided_tier, reason = pending
+            self._metrics.attempts.observe(tried)
+            if reason is not None:
+                self._metrics.fallbacks.labels(decided_tier, self.tier, reason).inc()
+
+    def upstream_failed(self, tier: str, upstream: str, reason: str) -> None:
+        """An attempt on ``upstream`` failed with ``reason`` (``tiergate_upstream_errors_total``)."""
+        self._metrics.upstream_errors.labels(tier, upstream, reason).inc()
+
+    def failed_over(self, tier: str, upstream: str, reason: str | None) -> None:
+        """The request leaves ``upstream`` for its next candidate (the event log)."""
+        logs.event("failover", request_id=self.rid, upstream=upstream, tier=tier, reason=reason)
+
+    def gave_up(self, tried: int, client_caused: bool, status: int) -> None:
+        """Every candidate failed after ``tried`` attempts; ``client_caused``: alike everywhere, the request's fault."""
+        self._pending = None
+        self._metrics.attempts.observe(tried)
+        if client_caused:
+            logs.event("request_failed_everywhere", request_id=self.rid, attempts=tried, status=status)
+
+    def hedged(self, outcome: str) -> None:
+        """A hedge was ``won``, ``lost`` or ``cancelled`` (``tiergate_hedges_total``)."""
+        self._metrics.hedges.labels(outcome).inc()
+
+    def hedge_cost(self, tier: str, upstream: str, usd: float) -> None:
+        """A hedge's losing attempt on ``upstream`` cost ``usd`` (``tiergate_hedge_cost_usd_total``)."""
+        self._metrics.hedge_cost.labels(tier, upstream).inc(usd)
+
+    def response_kept(self, tier: str, upstream: str, bridged: bool) -> None:
+        """A Responses answer of ``upstream`` was kept for its follow-ups (``tiergate_responses_total``)."""
+        self._metrics.responses.labels(tier, upstream, "bridge" if bridged else "native").inc()
+
+    # what was measured of an upstream
+
+    def first_token(self, span: Any, upstream: str, model: str, prompt_tokens: int, ttft: float | None) -> None:
+        """An attempt's first token arrived ``ttft`` seconds after it was sent (None: not measured): the attempt's
+        span marks it and the live TTFT estimate of ``upstream``/``model`` learns it."""
+        if span is not None:
+            tracing.first_token(span)
+        if ttft is not None:
+            self.waited(upstream, model, prompt_tokens, ttft)
+
+    def waited(self, upstream: str, model: str, prompt_tokens: int, ttft: float) -> None:
+        """The live TTFT estimate of ``upstream``/``model`` learns ``ttft`` (seconds; a hedge's loser: a lower bound
+        of its TTFT) at a prompt of ``prompt_tokens``."""
+        self._obs.estimates.observe_ttft(upstream, model, self._obs.clock(), prompt_tokens=prompt_tokens, ttft=ttft)
+
+    def usage(self, span: Any, usage: dict[str, Any] | None, response_model: Any = None) -> None:
+        """An attempt's usage (chat shape) and the model its upstream named, on its span."""
+        if span is not None:
+            tracing.usage(span, usage, response_model)
+
+    def decoded(self, upstream: str, model: str, speed: float | None) -> None:
+        """A stream that ran to its end decoded at ``speed`` (tokens/s; None: not measurable)."""
+        if speed is not None:
+            self._obs.estimates.observe_speed(upstream, model, self._obs.clock(), speed)
+
+    def completed(self, rule: str, model: str, completion_tokens: int) -> None:
+        """An answer without ``max_tokens`` was ``completion_tokens`` long (the length estimates of ``rule``)."""
+        self._obs.estimates.observe_length(rule, model, self._obs.clock(), completion_tokens)
+
+    def stream_broke(self, error: str) -> None:
+        """The stream failed after its first token with ``error`` (``tiergate_upstream_errors_total``)."""
+        self._metrics.upstream_errors.labels(self.tier, self.upstream, error).inc()
+
+    # gateway keys
+
+    def key_refused(self, limit: str) -> None:
+        """The request's key was over ``limit`` (``tiergate_key_refusals_total``)."""
+        if self.key is not None:
+            self._metrics.key_refusals.labels(self.key.name, limit).inc()
+
+    def key_downgraded(self, why: str) -> None:
+        """The request's key moved it off the fast tier (``key_tier``, ``key_allowance``)."""
+        if self.key is not None:
+            self._metrics.key_downgrades.labels(self.key.name, why).inc()
+
+    # the trace
+
+    def trace(self, method: str, path: str, operation: str) -> None:
+        """Start the request's span when tracing is on (``gateway.observability.tracing``)."""
+        if tracing.TRACING.tracer is not None:
+            self.span = tracing.start_request(self.headers, method, path, operation)
+
+    def attempt_span(self, upstream: Any, model: str) -> tuple[Any, dict[str, str] | None]:
+        """An attempt's span under the request's and the trace context to send ``upstream`` with it; (None, None)
+        when the request is not traced."""
+        if self.span is None:
+            return None, None
+        return tracing.start_attempt(self.span, "chat", upstream, model)
+
+    def end_trace(self) -> None:
+        """End the request's span (with what was recorded)."""
+        if self.span is not None:
+            tracing.end_request(self.span, self)
+
+    # the record
+
+    def answering(self) -> None:
+        """A stream's status line is leaving: it is in flight until recorded (``tiergate_in_flight_requests``)."""
+        if not self.recorded:  # a stream that ends with nothing in it is recorded before its status line goes
+            self._in_flight = self._metrics.child(self._metrics.in_flight, self.tier, self.upstream)
+            self._in_flight.inc()
+
+    def record(self, outcome: str, *, ended: float | None = None, **kw: Any) -> None:
+        """Record the request once; later calls are ignored. ``ended``: when it ended for the client (default now);
+        ``kw`` as :meth:`Metrics.record`.
+
+        A billable stream without usage (the client left before it, or the upstream sends none) is charged what was
+        relayed, each token-bearing chunk a token or more, plus the estimated prompt: neither a key's limits nor the
+        cost can be dodged by leaving before the usage chunk.
+        """
+        if self.recorded:
+            return
+        self.recorded = True
+        self.outcome = outcome
+        self._released()
+        if self._in_flight is not None:
+            self._in_flight.dec()
+        duration = (time.perf_counter() if ended is None else ended) - self.t0
+        if kw.get("usage") is None and kw.get("token_chunks") and outcome in BILLABLE:
+            kw["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": kw["token_chunks"]}
+            kw["estimated"] = True
+        try:
+            cost = self._emit(outcome, duration, kw)  # may settle the outcome (self.outcome) and the usage (kw)
+            outcome = self.outcome or outcome
+            tokens = self._charge(outcome, kw.get("usage"), cost)
+            self._settle(outcome, tokens, cost)
+            if logs.wanted(outcome):
+                self._log(outcome, duration, kw, cost)
+        except Exception:  # bookkeeping never breaks an answer: what an upstream reported is logged instead
+            log.exception("recording request %s failed (usage %r)", self.rid, kw.get("usage"))
+
+    def _released(self) -> None:
+        """Hook: the request ended; what it held (request body bytes) is given back."""
+
+    def _settle(self, outcome: str, tokens: int | None, cost: float | None) -> None:
+        """Hook: settle what the request reserved against its key with the ``tokens`` it used (None: no usage) and
+        its ``cost`` (USD; None: unpriced)."""
+
+    def _emit(self, outcome: str, duration: float, kw: dict[str, Any]) -> float | None:
+        """Write the record (:meth:`Metrics.record`); ``duration`` in seconds. Returns the cost added (USD)."""
+        return self._metrics.record(tier=self.tier, upstream=self.upstream, model=self.model, outcome=outcome,
+                                    stream=self.stream, duration=duration, **kw)
+
+    def _emit_passthrough(self, endpoint: str, outcome: str, duration: float, bytes_in: int, bytes_out: int,
+                          usage: dict[str, Any] | None) -> float | None:
+        """Write a passthrough request's record (:meth:`Metrics.record_passthrough`). Returns the cost added."""
+        return self._metrics.record_passthrough(endpoint=endpoint, tier=self.tier, upstream=self.upstream,
+                                                model=self.model, outcome=outcome, duration=duration,
+                                                bytes_in=bytes_in, bytes_out=bytes_out, usage=usage)
+
+    def _charge(self, outcome: str, usage: Any, cost: float | None) -> int | None:
+        """Count the request against its key's metrics; returns the tokens its usage reports (None: no usage)."""
+        tokens = prompt = completion = None
+        if isinstance(usage, dict):
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(prompt, int) and isinstance(completion, int):
+                prompt, completion = max(0, prompt), max(0, completion)  # an upstream's nonsense counts as nothing
+                tokens = prompt + completion
+        key = self.key
+        if key is not None:
+            m = self._metrics
+            m.child(m.key_requests, key.name, outcome).inc()
+            if tokens is not None:
+                m.child(m.key_tokens, key.name, "input").inc(prompt)
+                m.child(m.key_tokens, key.name, "output").inc(completion)
+            if cost:
+                m.child(m.key_cost, key.name).inc(cost)
+        return tokens
+
+    def _log(self, outcome: str, duration: float, kw: dict[str, Any], cost: float | None) -> None:
+        """The request's line in the request log (``gateway.observability.logs``): never its body or a credential."""
+        usage = kw.get("usage")
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        ttft = kw.get("ttft")
+        scope = self.scope or {}
+        logs.request({
+            "request_id": self.rid, "method": scope.get("method"), "path": scope.get("path"), "status": self.status,
+            "key": self.key.name if self.key is not None else None,
+            "outcome": outcome, "tier": self.tier, "upstream": self.upstream, "rule": self.rule,
+            "fallback": self.fallback, "model": self.requested, "upstream_model": self.upstream_model,
+            "stream": self.stream, "attempts": self.attempts, "ttft_s": None if ttft is None else round(ttft, 6),
+            "duration_s": round(duration, 6),
+            "input_tokens": usage.get("prompt_tokens") if isinstance(usage, dict) else None,
+            "output_tokens": usage.get("completion_tokens") if isinstance(usage, dict) else None,
+            "cached_tokens": details.get("cached_tokens") if isinstance(details, dict) else None,
+            "usage_estimated": bool(kw.get("estimated")), "cost_usd": None if cost is None else round(cost, 9)})
+
+
+def request_id(given: str | None) -> str:
+    """The client's ``x-request-id`` when it is 1-200 printable ASCII characters, else a new ``req_<32 hex>``.
+
+    Bounded and plain so it can be echoed in headers, logs and upstream requests as it came."""
+    if given and len(given) <= 200 and given.isascii() and given.isprintable():
+        return given
+    return f"req_{os.urandom(16).hex()}"  # uuid4's randomness without building a UUID (2.8 -> 0.7 us)
