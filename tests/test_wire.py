@@ -12,12 +12,12 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from gateway.errors import InvalidRequest
+from gateway.upstream.dialects import DIALECTS
 from gateway.wire.body import (
     client_wants_usage,
     parse_chat_request,
     parse_responses_request,
     replace_top_level,
-    upstream_body,
 )
 
 MSGS = '[{"role":"user","content":"hi"}]'
@@ -25,6 +25,11 @@ MSGS = '[{"role":"user","content":"hi"}]'
 
 def _req(**fields: Any) -> bytes:
     return orjson.dumps({"model": "gpt-alias", "messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+def upstream_body(raw: bytes, body: Any, upstream_model: str, dialect: str, ask_usage: bool) -> bytes:
+    """The bytes an attempt sends (the dialect's rules: ``gateway.upstream.dialects``)."""
+    return DIALECTS[dialect].body(raw, body, upstream_model, ask_usage)
 
 
 def _prepare(raw: bytes, upstream_model: str, dialect: str = "openai", ask_usage: bool = False) -> bytes:

@@ -76,6 +76,18 @@ class Prices(Strict):
         return self.input / 1e6, cached / 1e6, self.output / 1e6
 
 
+# The upstream dialects config accepts (each has its module: gateway.upstream.dialects.<name>) and the API surface
+# each serves unless an upstream says otherwise: the Responses API (native or through the bridge) and the rest of /v1
+# (paths under /v1; "*": all). Declared here because config is read, and routing decides, before any upstream exists.
+Dialect = Literal["openai", "cerebras", "vllm", "groq"]
+DIALECT_SURFACES: dict[str, tuple[Literal["native", "bridge", "none"], tuple[str, ...]]] = {
+    "openai": ("native", ("*",)),  # OpenAI, Azure OpenAI, OpenRouter: the whole API
+    "cerebras": ("bridge", ()),  # chat completions only
+    "vllm": ("bridge", ("completions", "embeddings")),  # vLLM, SGLang, llama.cpp: Responses partial or missing
+    "groq": ("bridge", ("audio", "files", "batches")),  # its Responses API is a beta without previous_response_id
+}
+
+
 class UpstreamConfig(Strict):
     """One upstream endpoint of a tier."""
 
@@ -83,9 +95,9 @@ class UpstreamConfig(Strict):
     tier: Tier
     base_url: str
     api_key_env: str | None = None
-    dialect: Literal["openai", "cerebras"] = "openai"
+    dialect: Dialect = "openai"  # its behaviour: gateway.upstream.dialects.<name>
     # how it serves POST /v1/responses: natively, through the gateway's Responses <-> chat bridge, or not at all;
-    # None: native for the openai dialect, bridge for cerebras (whose API serves chat completions only)
+    # None: as its dialect does (DIALECT_SURFACES)
     responses: Literal["native", "bridge", "none"] | None = None
     timeouts: Timeouts = Timeouts()
     models: dict[str, str] = Field(min_length=1)
@@ -98,8 +110,8 @@ class UpstreamConfig(Strict):
     # upstream lists, ...); overrides prices. A model priced by neither adds no cost (tiergate_unpriced_requests)
     model_prices: dict[str, Prices] = {}
     # the rest of the /v1 surface it serves (gateway.pipeline.passthrough): paths under /v1, each covering its sub-paths
-    # ("audio" covers "audio/speech"), "*" for all; None: all for the openai dialect, none for cerebras (whose API
-    # serves chat completions only). Chat completions and the Responses API are governed by models and responses.
+    # ("audio" covers "audio/speech"), "*" for all; None: as its dialect does (DIALECT_SURFACES). Chat completions and
+    # the Responses API are governed by models and responses.
     endpoints: list[str] | None = None
     # send the client's own Authorization header to this upstream instead of the upstream's key (a sidecar in
     # front of applications that each hold their own OpenAI key); otherwise the client's key never leaves
@@ -133,7 +145,7 @@ class UpstreamConfig(Strict):
         """``endpoints``, or its default for the dialect."""
         if self.endpoints is not None:
             return tuple(self.endpoints)
-        return () if self.dialect == "cerebras" else ("*",)
+        return DIALECT_SURFACES[self.dialect][1]
 
     def serves(self, path: str) -> bool:
         """Whether it serves ``path`` (under /v1, no leading slash: ``embeddings``, ``files/file-abc/content``)."""
@@ -144,7 +156,7 @@ class UpstreamConfig(Strict):
         """``responses``, or its default for the dialect."""
         if self.responses is not None:
             return self.responses
-        return "bridge" if self.dialect == "cerebras" else "native"
+        return DIALECT_SURFACES[self.dialect][0]
 
     @field_validator("base_url")
     @classmethod

@@ -28,8 +28,9 @@ from gateway.routing.health import Health
 from gateway.state.quota import SharedVerdicts
 from gateway.state.redis import Admission, SharedState
 from gateway.stream.relay import Relay
+from gateway.upstream import dialects
 from gateway.upstream.attempt import Answer, Attempt, Transport, Verdicts
-from gateway.wire.body import dumps, upstream_body
+from gateway.wire.body import dumps
 
 
 @dataclass(slots=True)
@@ -163,15 +164,14 @@ class Attempts:
         continues a conversation only the gateway holds, with that conversation inline (native)."""
         ex, raw = turn.ex, turn.raw
         up, body = cand.upstream, turn.facts.body  # read, never changed: the next candidate gets the same
+        dialect = dialects.of(up)
         if ex.kind == "chat":
-            return upstream_body(raw, body, cand.upstream_model, up.dialect,
-                                 turn.strip_usage and up.dialect == "openai"), "/chat/completions"
+            return dialect.body(raw, body, cand.upstream_model, turn.strip_usage), "/chat/completions"
         cont = turn.facts.continuation
         history = list(cont.history) if cont is not None and cont.held else []
         if up.responses_mode == "bridge":
             chat = chat_request(body, history)
-            return upstream_body(dumps(chat), chat, cand.upstream_model, up.dialect,
-                                 ex.stream and up.dialect == "openai"), "/chat/completions"
+            return dialect.body(dumps(chat), chat, cand.upstream_model, ex.stream), "/chat/completions"
         if history:
             body = {**{k: v for k, v in body.items() if k != "previous_response_id"},
                     "input": as_input([*history, *input_items(body)])}
@@ -179,7 +179,7 @@ class Attempts:
         elif b"_tg" in raw and (own := native_input(body)) is not None:  # the bytes test spares a scan
             body = {**body, "input": own}
             raw = dumps(body)
-        return upstream_body(raw, body, cand.upstream_model, up.dialect, False), "/responses"
+        return dialect.body(raw, body, cand.upstream_model, False), "/responses"
 
     def open(self, ex: Exchange, up: UpstreamConfig, need: int, path: str, verdicts: Verdicts) -> Attempt:
         """An attempt on ``up`` (``async with`` it), with its trace span when the request is traced."""

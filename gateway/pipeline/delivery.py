@@ -11,7 +11,7 @@ import orjson
 
 from gateway.config.schema import GatewayConfig
 from gateway.config.upstreams import UpstreamConfig
-from gateway.errors import UpstreamBadResponse, UpstreamUnavailable, event_error
+from gateway.errors import UpstreamBadResponse, UpstreamUnavailable
 from gateway.observability.metrics import decode_speed
 from gateway.pipeline.conversations import Conversations
 from gateway.pipeline.exchange import Exchange, Headers
@@ -116,7 +116,7 @@ class Delivery:
         assert stats.error is not None
         ex.stream_broke(stats.error)
         if stats.error_event is not None:
-            attempt.failed(event_error(stats.error_event))
+            attempt.failed(attempt.dialect.event_error(stats.error_event))
         else:
             attempt.failed(UpstreamUnavailable("The upstream stream broke after its first token.", code=stats.error))
 

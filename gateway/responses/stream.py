@@ -27,7 +27,7 @@ function ``tools`` (flat)                   ``tools`` (nested under ``function``
 ``message.output_text.logprobs``
 ==========================================  =============================================================
 
-The upstream's dialect rules then apply (``gateway.wire.body.upstream_body``: Cerebras gets its allowlist). Dropped on
+The upstream's dialect rules then apply (``gateway.upstream.dialects``: Cerebras drops what it rejects). Dropped on
 purpose, because a chat upstream cannot act on them and they change no output: ``store`` and ``metadata`` (kept
 by the gateway, echoed in the response), ``reasoning.summary`` (no summaries come from chat), caching hints
 (``prompt_cache_retention``, ``prompt_cache_options``), ``stream_options``, ``truncation: "disabled"``. Anything

@@ -3,12 +3,13 @@
 It answers in two ways:
 
 * **like a model** (the default): it streams ``/v1/chat/completions`` with one SSE event per token (or
-  ``per_chunk`` tokens per event) at a set rate after a set time to first token, in the OpenAI dialect (role
-  chunk, content chunks, finish chunk, a ``choices: []`` usage chunk only with ``stream_options.include_usage``,
-  ``[DONE]``) or the Cerebras dialect (usage and ``time_info`` on the finish chunk, no ``[DONE]``); answers
-  non-streaming requests after the same simulated generation time (OpenAI dialect: with an
-  ``openai-processing-ms`` header); serves ``/v1/responses`` the same way (OpenAI dialect only: Cerebras' API
-  has none; a ``previous_response_id`` it did not make is a 400 ``previous_response_not_found``, as OpenAI's;
+  ``per_chunk`` tokens per event) at a set rate after a set time to first token, in its dialect's profile: OpenAI
+  (role chunk, content chunks, finish chunk, a ``choices: []`` usage chunk only with
+  ``stream_options.include_usage``, ``[DONE]``), vLLM (the same), Groq (the same, and ``x_groq.usage`` on the
+  finish chunk) or Cerebras (usage and ``time_info`` on the finish chunk, no ``[DONE]``); answers non-streaming
+  requests after the same simulated generation time (OpenAI: with an ``openai-processing-ms`` header); serves
+  ``/v1/responses`` the same way (OpenAI only: the gateway bridges the others; a ``previous_response_id`` it did
+  not make is a 400 ``previous_response_not_found``, as OpenAI's;
   ``GET`` / ``DELETE /v1/responses/{id}`` read and remove the responses it made);
   acts enough like a model for agents to run (tool calls, JSON answers, ``n``, token limits: :class:`Generation`);
   and replays a recorded transcript from ``shared/fixtures/upstream`` at the configured pace;
@@ -340,8 +341,9 @@ class EmulatorProtocol(asyncio.Protocol):
         raw = b"".join(req.body)
         body = orjson.loads(raw)
         d = _directives(raw)
-        if path.endswith(b"/responses") and d.get("dialect", self.cfg.dialect) == "cerebras":
-            # Cerebras' API serves chat completions only (the gateway bridges the Responses API to it)
+        if path.endswith(b"/responses") and d.get("dialect", self.cfg.dialect) != "openai":
+            # Cerebras' API serves chat completions only, and the others' Responses API is partial: the gateway
+            # bridges the Responses API to them (gateway.config.upstreams.DIALECT_SURFACES)
             self._reply(404, b'{"message":"Not Found","type":"not_found_error","param":"","code":"not_found"}')
             return
         if "status" in d:
@@ -398,7 +400,7 @@ class EmulatorProtocol(asyncio.Protocol):
         fits = spent + cost <= budget
         emu.window = (start, spent + cost if fits else spent)
         left, reset = budget - emu.window[1], start + 60.0 - now
-        if self.cfg.dialect == "openai":
+        if self.cfg.dialect != "cerebras":  # OpenAI's form; Groq's and vLLM's proxies copy it
             names, when = (b"x-ratelimit-limit-tokens", b"x-ratelimit-remaining-tokens",
                            b"x-ratelimit-reset-tokens"), b"%.3fs" % reset
         else:
@@ -406,7 +408,7 @@ class EmulatorProtocol(asyncio.Protocol):
                            b"x-ratelimit-reset-tokens-minute"), b"%.3f" % reset
         self.rate_headers = [(names[0], b"%d" % budget), (names[1], b"%d" % left), (names[2], when)]
         if not fits:
-            self._reply(429, _TPM if self.cfg.dialect != "openai" else orjson.dumps({"error": {
+            self._reply(429, _TPM if self.cfg.dialect == "cerebras" else orjson.dumps({"error": {
                 "message": f"Rate limit reached for tokens per min (TPM): Limit {budget}, Used {spent}, Requested "
                            f"{cost}.", "type": "tokens", "param": None, "code": "rate_limit_exceeded"}}))
         return fits
@@ -857,7 +859,7 @@ class Generation:
                 + self.model + b'","choices":[' + choices + b"]" + tail + b"}\n\n")
 
     def _choice(self, index: int, delta: bytes, finish: bytes = b"null") -> bytes:
-        if self.dialect == "openai":
+        if self.dialect != "cerebras":
             return b'{"index":%d,"delta":%s,"finish_reason":%s}' % (index, delta, finish)
         if finish == b"null":  # Cerebras omits finish_reason until the last chunk
             return b'{"delta":%s,"index":%d}' % (delta, index)
@@ -874,7 +876,7 @@ class Generation:
         return b'{"tool_calls":[{"index":0,' + head + b"}]}"
 
     def _events(self, t0: float) -> list[tuple[float, bytes]]:
-        openai = self.dialect == "openai"
+        openai = self.dialect != "cerebras"  # vllm and groq stream OpenAI's shape (groq adds x_groq)
         so = self.body.get("stream_options")
         include_usage = openai and self.with_usage and isinstance(so, dict) and so.get("include_usage") is True
         null_usage = b',"usage":null' if include_usage else b""
@@ -892,7 +894,11 @@ class Generation:
         t_end = items[-1][0]
         finish = orjson.dumps(self.finish)
         if openai:
-            items += [(t_end, self._chunk(self._choice(c, b"{}", finish), null_usage)) for c in range(self.n)]
+            x_groq = (b',"x_groq":{"id":"req_' + self.id[-26:] + b'","usage":' + orjson.dumps(self._usage()) + b"}"
+                      if self.dialect == "groq" and self.with_usage else b"")  # Groq: usage on the finish chunk
+            items += [(t_end, self._chunk(self._choice(c, b"{}", finish), null_usage + (x_groq if c == self.n - 1
+                                                                                       else b"")))
+                      for c in range(self.n)]
             if include_usage:
                 items.append((t_end, self._chunk(b"", b',"usage":' + orjson.dumps(self._usage()))))
         else:
@@ -999,8 +1005,11 @@ class Generation:
         }
         if self.with_usage:
             out["usage"] = self._usage()
-        if self.dialect != "openai":
+        if self.dialect == "groq":
+            out["x_groq"] = {"id": "req_" + self.id.decode()[-26:]}
+        if self.dialect == "cerebras":
             out["time_info"] = self._time_info()
+        if self.dialect != "openai":
             self.proto._reply(200, orjson.dumps(out))
             return
         # OpenAI reports its own processing time of a request, in whole milliseconds

@@ -7,7 +7,6 @@ charged to the request's source). Also the contracts it works over: the :class:`
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from types import TracebackType
@@ -22,12 +21,10 @@ from gateway.errors import (
     UpstreamBadResponse,
     UpstreamStatusError,
     UpstreamTimeout,
-    event_error,
-    upstream_error,
 )
 from gateway.observability import logs, tracing
 from gateway.routing.blame import Blame, request_shaped
-from gateway.routing.ratelimits import retry_wait
+from gateway.upstream import dialects
 
 Body = bytes | AsyncIterable[bytes] | None  # None: no body (a GET)
 
@@ -100,6 +97,7 @@ class Attempt:
         upstream alone).
 
     Attributes:
+        dialect: the upstream's (``gateway.upstream.dialects``): reads its error answers and error events.
         answer: the open answer after :meth:`send`, else None.
         first_token_by: the first-token deadline (an ``asyncio`` loop time), or None.
         sent_at: when :meth:`send` began (``time.perf_counter()`` seconds; the start of the attempt's own TTFT).
@@ -111,6 +109,7 @@ class Attempt:
                  client_key: str | None = None, span: Any = None, trace: Mapping[str, str] | None = None,
                  blame: Blame | None = None) -> None:
         self.upstream = upstream
+        self.dialect = dialects.of(upstream)  # what its answers and errors mean
         self.blame = blame
         self.span = span  # the attempt's trace span (gateway.observability.tracing), or None
         self._trace = trace
@@ -242,15 +241,10 @@ class Attempt:
         """The upstream's non-200 answer as an error to relay or fail over on, with its status and headers even when
         its body does not arrive (stalls, breaks, or outlasts the first-token deadline): the status line already
         said what happened. A 429 without a retry hint gets ``retry-after`` from the reset of the window it
-        exhausted (``health.retry_wait``)."""
+        exhausted (its dialect's :meth:`~gateway.upstream.dialects.base.Dialect.status_error`)."""
         data, whole = await self._read_error(answer)
         self._complete = whole
-        err = upstream_error(answer.status, data, answer.headers)
-        if err.status == 429 and "retry-after" not in err.headers and "retry-after-ms" not in err.headers:
-            wait = retry_wait(answer.headers)
-            if wait is not None:
-                err.headers["retry-after"] = str(max(1, math.ceil(wait)))
-        return err
+        return self.dialect.status_error(answer.status, data, answer.headers)
 
     async def _not_a_stream(self, answer: Answer) -> GatewayError:
         """A stream request answered 200 with a JSON (or HTML) body: the error it holds, with the status it names
@@ -261,5 +255,5 @@ class Attempt:
         except orjson.JSONDecodeError:
             parsed = None
         if isinstance(parsed, dict) and parsed.get("error"):
-            return event_error(parsed)
+            return self.dialect.event_error(parsed)
         return UpstreamBadResponse("The upstream answered a stream request without an event stream.")

@@ -1,15 +1,12 @@
 """The OpenAI wire shapes the gateway touches: reading a chat-completions request, and preparing the body
-sent to each upstream dialect without re-serialising what it does not have to change.
+sent upstream without re-serialising what it does not have to change.
 
-Request body rules (wire contract §1):
+Request body rules (docs/reference/wire.md#request-bodies), OpenAI's (:func:`openai_body`; what each upstream
+dialect changes on top is in ``gateway.upstream.dialects``):
 
-* ``openai`` dialect: the client's bytes, except the ``model`` value (alias -> upstream id) and, when the
-  gateway asks for usage, ``stream_options.include_usage``; every other byte, unknown fields included,
-  is kept.
-* ``cerebras`` dialect: Cerebras answers unknown properties with 422, so the fields it rejects are
-  dropped (``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``, ``prompt_cache_key``,
-  ``safety_identifier``, ``stream_options.include_obfuscation``) and the body is re-serialised.
-* both: ``stream_options`` on a request that does not stream means nothing, and strict upstreams answer it
+* the client's bytes, except the ``model`` value (alias -> upstream id) and, when the gateway asks for usage,
+  ``stream_options.include_usage``; every other byte, unknown fields included, is kept;
+* ``stream_options`` on a request that does not stream means nothing, and strict upstreams answer it
   with 400 (OpenAPI: "Only set this when you set ``stream: true``"), so it is dropped.
 
 Bodies are JSON as RFC 8259 defines it: a lone surrogate escape such as ``"\\ud83d"`` is valid JSON text
@@ -27,9 +24,6 @@ from typing import Any
 import orjson
 
 from gateway.errors import InvalidRequest
-
-CEREBRAS_DROP = ("metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier",
-                 "verbosity")
 
 # A JSON string (unrolled loop) or one structural bracket; everything else is skipped by finditer.
 _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[{}\[\]]')
@@ -209,26 +203,12 @@ def client_wants_usage(body: Mapping[str, Any]) -> bool:
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
-def upstream_body(raw: bytes, body: Mapping[str, Any], upstream_model: str, dialect: str, ask_usage: bool) -> bytes:
-    """The bytes to send upstream for one attempt.
-
-    Args:
-        raw: the client's body bytes; body: the same, parsed; upstream_model: model id for this upstream;
-        dialect: ``openai`` or ``cerebras``; ask_usage: add ``stream_options.include_usage: true``.
-    """
-    streams = body.get("stream") is True
-    if dialect == "cerebras":
-        if _LONG_NUMBER.search(raw) is not None:
-            body = loads_exact(raw)  # re-serialised below: an integer past 64 bits must stay exact
-        out = {k: v for k, v in body.items() if k not in CEREBRAS_DROP}
-        out["model"] = upstream_model
-        options = out.get("stream_options")
-        if not streams:
-            out.pop("stream_options", None)
-        elif isinstance(options, dict) and "include_obfuscation" in options:
-            out["stream_options"] = {k: v for k, v in options.items() if k != "include_obfuscation"}
-        return dumps(out)
-    if not streams and "stream_options" in body:
+def openai_body(raw: bytes, body: Mapping[str, Any], upstream_model: str, ask_usage: bool) -> bytes:
+    """The bytes of one attempt by OpenAI's rules (module docstring): the client's ``raw`` (``body`` parsed), with
+    ``upstream_model`` as the model, ``stream_options`` dropped from a request that does not stream, and, with
+    ``ask_usage``, ``stream_options.include_usage: true``; every other byte as it came. The dialects
+    (``gateway.upstream.dialects``) start from it."""
+    if body.get("stream") is not True and "stream_options" in body:
         raw = remove_top_level(raw, b"stream_options")
     if upstream_model != body["model"]:
         raw = replace_top_level(raw, b"model", orjson.dumps(upstream_model))
@@ -240,6 +220,12 @@ def upstream_body(raw: bytes, body: Mapping[str, Any], upstream_model: str, dial
         else:  # an object, or null (a second key would leave the upstream reading the client's null)
             raw = replace_top_level(raw, b"stream_options", orjson.dumps({**(options or {}), "include_usage": True}))
     return raw
+
+
+def needs_exact(raw: bytes) -> bool:
+    """Whether ``raw`` may hold an integer past 64 bits (19 digits in a row): re-serialising it then needs
+    :func:`loads_exact`."""
+    return _LONG_NUMBER.search(raw) is not None
 
 
 def replace_top_level(raw: bytes, key: bytes, value: bytes) -> bytes:

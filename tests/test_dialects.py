@@ -1,0 +1,242 @@
+"""The dialect seam (``gateway.upstream.dialects``): one module per upstream kind, chosen by ``dialect:``, each
+checked on the bytes it sends and on what it reads of its upstream's recorded or scripted answers; and end to end,
+over loopback sockets, a gateway whose upstreams are a ``vllm`` and a ``groq`` dialect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.server
+import threading
+import typing
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from gateway.config.upstreams import UpstreamConfig
+from gateway.stream.relay import Relay
+from gateway.stream.stats import StreamStats
+from gateway.upstream import dialects
+from gateway.upstream.dialects.base import Dialect
+from gateway.wire.body import parse_chat_request
+
+from conftest import FIXTURES, emulator, sample, start_gateway
+
+DIALECT_DIR = Path(dialects.__file__).parent
+
+
+def _fixture(name: str) -> bytes:
+    return (FIXTURES / f"{name}.body").read_bytes()
+
+
+def _relayed(data: bytes) -> tuple[bytes, StreamStats]:
+    """``data`` (one upstream read) through the relay: what the client gets, and what was measured."""
+    from test_relay_template import Reads
+
+    out: list[bytes] = []
+
+    async def write(part: bytes) -> None:
+        out.append(part)
+
+    relay = Relay(strip_usage_chunk=False, max_event_bytes=1 << 20)
+    stats = asyncio.run(relay.run(Reads([data]), write))
+    return b"".join(out), stats
+
+
+def _body(dialect: str, raw: bytes, model: str = "up-model", ask_usage: bool = False) -> dict[str, Any]:
+    out = dialects.DIALECTS[dialect].body(raw, parse_chat_request(raw), model, ask_usage)
+    return typing.cast(dict[str, Any], orjson.loads(out))
+
+
+def test_every_dialect_config_accepts_has_its_module_and_no_module_is_left_out() -> None:
+    """Adding a dialect is its own module plus its name in config; a name without a module, or a module nobody can
+    name, fails here."""
+    accepted = set(typing.get_args(UpstreamConfig.model_fields["dialect"].annotation))
+    modules = {p.stem for p in DIALECT_DIR.glob("*.py") if p.stem not in ("__init__", "base")}
+    assert accepted == set(dialects.DIALECTS) == modules
+    for name, dialect in dialects.DIALECTS.items():
+        assert isinstance(dialect, Dialect) and dialect.name == name
+        assert type(dialect).__module__ == f"gateway.upstream.dialects.{name}"
+        assert type(dialect).__doc__ and (DIALECT_DIR / f"{name}.py").read_text().startswith('"""')
+
+
+# --- vllm: the client's extra fields are its own; usage is asked for ------------------------------------------------
+
+def test_vllm_passes_its_own_sampling_fields_byte_for_byte_and_asks_a_stream_for_usage() -> None:
+    raw = (b'{"model":"qwen","messages":[{"role":"user","content":"hi"}],"stream":true,'
+           b'"chat_template_kwargs":{"enable_thinking":false},"min_tokens":8,"top_k":20,"repetition_penalty":1.05}')
+    out = dialects.DIALECTS["vllm"].body(raw, parse_chat_request(raw), "Qwen/Qwen3-8B", True)
+    doc = orjson.loads(out)
+    assert doc["chat_template_kwargs"] == {"enable_thinking": False} and doc["min_tokens"] == 8 and doc["top_k"] == 20
+    assert doc["stream_options"] == {"include_usage": True}  # vLLM sends usage only when asked
+    # only the model value and the usage ask changed: the rest is the client's bytes
+    assert out.replace(b'"stream_options":{"include_usage":true},', b"").replace(b'"Qwen/Qwen3-8B"', b'"qwen"') == raw
+
+
+def test_vllm_context_overflow_answered_500_is_the_clients_400() -> None:
+    """llama.cpp and older vLLM answer a prompt over the context window with 500; it is the request's fault."""
+    err = dialects.DIALECTS["vllm"].status_error(
+        500, b'{"error":{"code":500,"message":"the request exceeds the available context size, try increasing it",'
+             b'"type":"server_error"}}', {})
+    assert (err.status, err.code, err.param) == (400, "context_length_exceeded", "messages")
+    err = dialects.DIALECTS["vllm"].status_error(
+        400, b'{"object":"error","message":"This model\'s maximum context length is 4096 tokens. However, you '
+             b'requested 5000 tokens.","type":"BadRequestError","param":null,"code":400}', {})
+    assert (err.status, err.code) == (400, "context_length_exceeded")
+
+
+def test_vllm_recorded_stream_has_no_usage_unless_asked_and_relays_whole() -> None:
+    """The recorded vLLM stream (no include_usage asked) carries no usage: the relay counts its token chunks."""
+    data = _fixture("vllm_chat_stream")
+    out, stats = _relayed(data)
+    assert out == data
+    assert stats.usage is None and stats.token_chunks > 0 and stats.done
+
+
+# --- groq: its service tiers, x_groq usage, error events ---------------------------------------------------------
+
+@pytest.mark.parametrize(("tier", "kept"), [("priority", False), ("fast", False), ("default", False),
+                                            ("flex", True), ("on_demand", True), ("auto", True)])
+def test_groq_keeps_its_own_service_tiers_and_drops_openais(tier: str, kept: bool) -> None:
+    raw = orjson.dumps({"model": "llama", "service_tier": tier, "messages": [{"role": "user", "content": "hi"}],
+                        "temperature": 0.2})
+    doc = _body("groq", raw)
+    assert ("service_tier" in doc) is kept
+    assert doc["temperature"] == 0.2 and doc["model"] == "up-model"
+
+
+def test_groq_recorded_usage_in_x_groq_is_read() -> None:
+    data = _fixture("groq_chat_stream_text")
+    out, stats = _relayed(data)
+    assert out == data
+    usage = stats.usage
+    assert usage is not None and usage["prompt_tokens"] == 18 and usage["completion_tokens"] == 73
+
+
+def test_groq_recorded_error_event_names_its_status() -> None:
+    """Groq's tool_use_failed error event says status_code 400: the request's fault, with Groq's words."""
+    data = _fixture("groq_stream_error_event_tool_use_failed")
+    last = [line for line in data.split(b"\n") if line.startswith(b"data: ")][-1]
+    err = dialects.DIALECTS["groq"].event_error(orjson.loads(last[len(b"data: "):]))
+    assert (err.status, err.code, err.error_type) == (400, "tool_use_failed", "invalid_request_error")
+    assert err.message.startswith("Tool call validation failed")
+
+
+def test_groq_429_waits_as_its_reset_headers_say() -> None:
+    """A Groq 429 without retry-after: the exhausted window's reset (Go duration) becomes retry-after."""
+    headers = {"x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": "7.66s",
+               "x-ratelimit-remaining-requests": "14", "x-ratelimit-reset-requests": "2m59.56s"}
+    err = dialects.DIALECTS["groq"].status_error(
+        429, b'{"error":{"message":"Rate limit reached","type":"tokens","code":"rate_limit_exceeded"}}', headers)
+    assert err.status == 429 and err.headers["retry-after"] == "8"
+
+
+# --- cerebras and openai: the rules that were there before the seam ------------------------------------------------
+
+def test_cerebras_drops_what_it_rejects_and_never_asks_for_usage() -> None:
+    raw = orjson.dumps({"model": "a", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                        "store": True, "metadata": {"k": "v"}, "service_tier": "priority",
+                        "stream_options": {"include_obfuscation": False}})
+    doc = _body("cerebras", raw, ask_usage=True)
+    assert not {"store", "metadata", "service_tier"} & set(doc) and doc["stream_options"] == {}
+
+
+def test_openai_forwards_the_clients_bytes_but_the_model() -> None:
+    raw = b'{"model":"alias","messages":[{"role":"user","content":"hi"}],"service_tier":"priority","x_own":[1]}'
+    out = dialects.DIALECTS["openai"].body(raw, parse_chat_request(raw), "gpt-5.6", False)
+    assert out == raw.replace(b'"alias"', b'"gpt-5.6"')
+
+
+# --- end to end: upstreams of the new dialects behind a real gateway ------------------------------------------------
+
+class _Recorded(http.server.BaseHTTPRequestHandler):
+    """An upstream on a loopback socket that answers every chat request with one recorded transcript (the server's
+    ``transcript``) and keeps the bodies it was sent."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        server = typing.cast(Any, self.server)
+        server.bodies.append(orjson.loads(self.rfile.read(int(self.headers["content-length"]))))
+        data = _fixture(server.transcript)
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _upstream(transcript: str) -> Iterator[Any]:
+    server = typing.cast(Any, http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorded))
+    server.transcript, server.bodies = transcript, []
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_groq_fast_tier_and_a_vllm_standard_tier_serve_through_the_gateway(tmp_path: Path) -> None:
+    """Over loopback: a Groq-dialect upstream gets no OpenAI service tier and its x_groq usage is counted; a
+    vLLM-dialect upstream is asked for usage and keeps the client's own fields; both streams reach the client whole
+    (the upstreams replay the recorded groq and vLLM transcripts)."""
+    with _upstream("groq_chat_stream_text") as groq, _upstream("vllm_chat_stream") as vllm:
+        cfg = {"upstreams": [
+            {"name": "groq-fast", "tier": "fast", "dialect": "groq", "models": {"llama": "llama3-8b-8192"},
+             "base_url": f"http://127.0.0.1:{groq.server_port}/openai/v1"},
+            {"name": "vllm-standard", "tier": "standard", "dialect": "vllm", "models": {"llama": "facebook/opt-125m"},
+             "base_url": f"http://127.0.0.1:{vllm.server_port}/v1"}],
+            "default_tier": "standard"}
+        gw, _ = start_gateway(cfg, tmp_path)
+        try:
+            url = f"http://127.0.0.1:{gw.port}/v1/chat/completions"
+            for tier, upstream in (("fast", groq), ("standard", vllm)):
+                body = {"model": "llama", "stream": True, "service_tier": "priority", "min_tokens": 4,
+                        "messages": [{"role": "user", "content": "hi"}]}
+                r = httpx.post(url, json=body, headers={"x-tiergate-tier": tier}, timeout=10)
+                assert r.status_code == 200 and r.headers["x-tiergate-tier"] == tier, r.text
+                assert r.content == _fixture(upstream.transcript)  # byte for byte: both end with [DONE]
+            groq_sent, vllm_sent = groq.bodies[0], vllm.bodies[0]
+            assert "service_tier" not in groq_sent and groq_sent["model"] == "llama3-8b-8192"
+            assert vllm_sent["service_tier"] == "priority" and vllm_sent["min_tokens"] == 4
+            assert vllm_sent["stream_options"] == {"include_usage": True}
+            metrics = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=5).text
+            assert sample(metrics, "tiergate_tokens_total", tier="fast", token_type="output", usage="reported",
+                          missing_ok=False) == 73
+            assert sample(metrics, "tiergate_requests_total", upstream="vllm-standard", outcome="success") == 1
+        finally:
+            gw.stop()
+
+
+@pytest.mark.parametrize("dialect", ["groq", "vllm"])
+def test_the_emulators_profile_of_a_dialect_streams_as_its_upstreams_do(dialect: str, tmp_path: Path) -> None:
+    """``tiergate emulate --dialect groq`` puts its usage in x_groq on the finish chunk; ``vllm`` only when asked.
+    Both end with [DONE] and, like the real servers, serve no Responses API of their own."""
+    emu = emulator("fast", tmp_path, dialect=dialect)
+    try:
+        url = f"http://127.0.0.1:{emu.port}/v1"
+        body = {"model": "m", "stream": True, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+        events = [e for e in httpx.post(url + "/chat/completions", json=body, timeout=10).text.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        chunks = [orjson.loads(e[len("data: "):]) for e in events[:-1]]
+        assert not any("usage" in c and c["usage"] for c in chunks)  # not asked
+        finish = chunks[-1]
+        assert finish["choices"][0]["finish_reason"] == "length"
+        if dialect == "groq":
+            assert finish["x_groq"]["usage"]["completion_tokens"] == 5
+        else:
+            assert "x_groq" not in finish
+        assert httpx.post(url + "/responses", json={"model": "m", "input": "hi"}, timeout=10).status_code == 404
+    finally:
+        emu.stop()
