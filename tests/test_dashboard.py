@@ -126,7 +126,7 @@ def test_every_dashboard_metric_and_label_is_exported(stack: Stack) -> None:
             elif available[name] and not labels <= available[name]:
                 problems.append(f"{name} has no label {sorted(labels - available[name])} (in {expr!r})")
     assert not problems, "\n".join(problems)
-    # what issue 6 asks the dashboard to show
+    # what the dashboard exists to show: TTFT, tokens/s, time per output token and requests per tier
     for name in ("tiergate_time_to_first_token_seconds_bucket", "tiergate_output_tokens_per_second_bucket",
                  "tiergate_time_per_output_token_seconds_bucket", "tiergate_requests_total",
                  "tiergate_fallbacks_total", "tiergate_spillovers_total", "tiergate_in_flight_requests",

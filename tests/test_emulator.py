@@ -1,7 +1,7 @@
-"""The emulator acts enough like a model for agents to run (issue 12): tool calls whose arguments satisfy the tool's
-JSON schema until a tool result comes back, then text; ``n``; token limits (``length`` / ``incomplete``);
-``response_format`` / ``text.format`` JSON schemas. Checked over loopback against the emulator alone, with the
-``jsonschema`` library and the openai SDK's types as judges."""
+"""The emulator acts enough like a model for agents to run (the Responses bridge is tried with them): tool calls whose
+arguments satisfy the tool's JSON schema until a tool result comes back, then text; ``n``; token limits (``length`` /
+``incomplete``); ``response_format`` / ``text.format`` JSON schemas. Checked over loopback against the emulator alone,
+with the ``jsonschema`` library and the openai SDK's types as judges."""
 
 from __future__ import annotations
 

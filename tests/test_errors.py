@@ -111,7 +111,7 @@ def test_upstream_429_before_first_byte_is_relayed_with_retry_headers(stack: Sta
     # both tiers answered 429, so the gateway already retried: it tells the SDK not to retry again
     assert resp.headers["x-should-retry"] == "false"
     # both upstreams now rest for their retry-after-ms: the gateway answers for them without calling them, with
-    # the rate limit they reported (429, not the 503 of an open breaker: issue 10 case 9)
+    # the rate limit they reported (429, not the 503 of an open breaker, which would send the SDK to retry at once)
     resting = httpx.post(stack.base_url + "/chat/completions", json=body, timeout=10)
     assert resting.status_code == 429 and _envelope(resting)["code"] == "rate_limit_exceeded"
     assert _envelope(resting)["type"] == "rate_limit_error" and resting.headers["retry-after"] == "1"

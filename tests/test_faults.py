@@ -1,4 +1,4 @@
-"""Every fault of issue 10 (faults that other gateways' and SDKs' bug reports describe), ended cleanly.
+"""Every fault that other gateways' and SDKs' bug reports describe, ended cleanly.
 
 Each test is written as the input that triggers the fault and what a correct gateway does, over real loopback
 sockets against the emulator playing byte-exact scripted plans (it answers each request by its top-level ``x_case``;

@@ -1,5 +1,5 @@
-"""The rest of the /v1 surface through the gateway (issue 13), over real loopback sockets: the real ``openai`` SDK on
-every endpoint family against the emulated standard tier, then byte equality, header rules, failover, limits and
+"""The rest of the /v1 surface through the gateway (the passthrough), over real loopback sockets: the real ``openai``
+SDK on every endpoint family against the emulated standard tier, then byte equality, header rules, failover, limits and
 client disconnects against a scripted upstream that records what reached it."""
 
 from __future__ import annotations

@@ -185,7 +185,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._by_progress = False
         # the request is read: what follows is the next request's head (pipelined, or after this response), so
         # it is counted against the head limit from here, never while the rest of a body is still arriving
-        # (an early answer to an unread body left those bytes to be counted as a head: issue 10 case 13)
+        # (an early answer to an unread body left those bytes to be counted as a head:
+        # tests/test_faults.py::test_an_early_answer_to_an_unread_body_is_the_only_answer)
         self._disarm()
         self._in_head = True
         self._head_bytes = 0

@@ -34,7 +34,7 @@ done          ``0``/``1``: end with ``data: [DONE]`` (default: openai 1, cerebra
 transcript    replay NAME.body from the fixtures folder (status and content-type from NAME.json)
 status        answer this HTTP status with an OpenAI error body (``retry_after_ms`` adds the header)
 drop_after    after N events, reset the connection; stall_after: after N events, go silent
-fault         one of :data:`FAULTS`: a fault from issue 10's bug reports, played on this request
+fault         one of :data:`FAULTS`: a fault other gateways' and SDKs' bug reports describe
 ============  ==========================================================================
 
 ``POST /emulator/config`` with ``{"ttft_ms": 3000}`` and/or ``{"tps": 50}`` changes the defaults of every later
@@ -93,7 +93,7 @@ _EMPTY = (b'{"status_code":500,"error":{"message":"server error, please retry","
           b'"code":"","id":""}}')
 _TPM = (b'{"message":"Tokens per minute limit exceeded","type":"too_many_tokens_error","param":"quota",'
         b'"code":"token_quota_exceeded"}')
-# fault=NAME (issue 10's cases, for the soak and for tests): what the upstream does wrong
+# fault=NAME (from other gateways' and SDKs' bug reports, for the soak and for tests): what the upstream does wrong
 FAULTS = {
     "error_first": "200 stream whose first event after the role chunk is an error event (code 400), then [DONE]",
     "error_first_500": "200 stream whose first event after the role chunk is an overloaded error (server_error)",

@@ -33,7 +33,7 @@ ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error answer kept for its m
 
 
 # a streamed answer labelled with one of these is not an event stream; any other label (text/plain, none, ...) on a
-# 200 to a stream request is relayed as one (issue 10 case 6: mislabelled streams)
+# 200 to a stream request is relayed as one (test_faults.py::test_a_mislabelled_stream_is_relayed_as_an_event_stream)
 NOT_A_STREAM = ("application/json", "text/html")
 
 

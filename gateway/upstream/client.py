@@ -101,11 +101,11 @@ class UpstreamPool:
 
     def __init__(self, upstreams: list[UpstreamConfig], keys: Mapping[str, SecretStr]) -> None:
         self._auth = {name: f"Bearer {key.get_secret_value()}" for name, key in keys.items()}
-        # non-streaming: total and sock_read (silence) bound the answer. Streams: no total; the status line's
-        # wait is bounded by sock_read = idle, or, with a ttft, by the caller's first-token deadline alone (ttft
-        # governs until the first token, issue 10 case 4); after the status line send() turns sock_read off and
-        # the body's silences are IdleWatch's (sock_read re-arms a timer on every read and counts a slow client's
-        # unread bytes as the upstream's silence)
+        # non-streaming: total and sock_read (silence) bound the answer. Streams: no total; the status line's wait is
+        # bounded by sock_read = idle, or, with a ttft, by the caller's first-token deadline alone (ttft governs until
+        # the first token: tests/test_faults.py::test_ttft_above_idle_governs_until_the_first_token); after the status
+        # line send() turns sock_read off and the body's silences are IdleWatch's (sock_read re-arms a timer on every
+        # read and counts a slow client's unread bytes as the upstream's silence)
         self._timeouts = {(u.name, stream): aiohttp.ClientTimeout(
             total=None if stream else u.timeouts.total, sock_connect=u.timeouts.connect,
             sock_read=None if stream and u.timeouts.ttft else u.timeouts.idle)
