@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from gateway.stream.sse import BOM, EventTooLarge, SSEEvent, SSEScanner
 
-FIXTURES = Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures" / "upstream"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "upstream"
 EOLS = (b"\n", b"\r\n", b"\r")
 Pair = tuple[bytes | None, bytes | None]
 
