@@ -938,9 +938,9 @@ class Generation:
         return out
 
     def _response_events(self, t0: float) -> list[tuple[float, bytes]]:
-        """Responses API stream (wire contract §5): created, in_progress, one delta per chunk (output text or function
-        call arguments), the ``.done`` events, then completed (incomplete at the token limit) with usage; every event
-        named by an ``event:`` line and numbered; no ``[DONE]``."""
+        """Responses API stream (docs/reference/wire.md#responses-api-streams): created, in_progress, one delta per
+        chunk (output text or function call arguments), the ``.done`` events, then completed (incomplete at the token
+        limit) with usage; every event named by an ``event:`` line and numbered; no ``[DONE]``."""
         seq = iter(range(1 << 30))
 
         def event(kind: str, **fields: Any) -> bytes:

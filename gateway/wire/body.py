@@ -1,7 +1,7 @@
 """The OpenAI wire shapes the gateway touches: reading a chat-completions request, and preparing the body
 sent to each upstream dialect without re-serialising what it does not have to change.
 
-Request body rules (wire contract §1):
+Request body rules (docs/reference/wire.md#request-bodies):
 
 * ``openai`` dialect: the client's bytes, except the ``model`` value (alias -> upstream id) and, when the
   gateway asks for usage, ``stream_options.include_usage``; every other byte, unknown fields included,
