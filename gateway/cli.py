@@ -87,7 +87,8 @@ def _emulate_flags(emulate: argparse.ArgumentParser) -> None:
     emulate.add_argument("--ttft", type=float, help="time to first token in seconds (fast 0.05, standard 0.4)")
     emulate.add_argument("--dialect", choices=("openai", "cerebras", "vllm", "groq"),
                          help="fast: cerebras, standard: openai")
-    emulate.add_argument("--fixtures", type=Path, help="recorded transcripts (default ../shared/fixtures/upstream)")
+    emulate.add_argument("--fixtures", type=Path,
+                         help="recorded transcripts (default: the checkout's tests/fixtures/upstream)")
     emulate.add_argument("--tokens-per-minute", type=int, help="one per-minute token budget for every caller, "
                          "reported in rate-limit headers; over it: 429 (default: no limit)")
     emulate.add_argument("--exit-with-parent", action="store_true", help="stop when the process that started it ends")

@@ -29,7 +29,8 @@
 its status, or an error event inside a 200 stream) into an :class:`UpstreamStatusError` in OpenAI's shape.
 
 Status codes and ``type``/``code`` strings follow OpenAI's error guide and the table in
-``shared/design/wire-contract.md`` §4, so that the ``openai`` SDK raises the matching exception class.
+``docs/reference/wire.md#errors-the-gateway-answers-itself``, so that the ``openai`` SDK raises the matching
+exception class.
 """
 
 from __future__ import annotations
@@ -321,7 +322,8 @@ def error_body(message: str, error_type: str, param: str | None, code: str | Non
 
 
 # OpenAI's error guide: a 429 "You exceeded your current quota, please check your plan and billing details" is
-# not fixed by waiting, unlike a rate limit; INSPECT-5340 and CODEX-6340 (wire contract §4) show the names.
+# not fixed by waiting, unlike a rate limit; INSPECT-5340 and CODEX-6340 (docs/reference/wire.md#errors-and-retries)
+# show the names.
 _EXHAUSTED_NAMES = frozenset({"insufficient_quota", "billing_hard_limit_reached", "billing_not_active",
                               "credit_balance_exhausted", "quota_exhausted"})
 _EXHAUSTED_TEXT = re.compile(r"(?i)exceeded your current quota|billing|credit balance|insufficient[_ ]quota")
@@ -365,11 +367,11 @@ def upstream_error(status: int, body: bytes, headers: Mapping[str, str]) -> Upst
 def event_error(event: dict[str, Any]) -> UpstreamStatusError:
     """The error an SSE error event carries, with the HTTP status it names (for an error before the first byte).
 
-    Shapes (wire contract §3.3, §5): chat ``{"error": {...}}`` (with ``event: error`` or not); Groq's
-    ``status_code`` inside it; the Responses API's ``{"type": "error", "code", "message"}`` and
-    ``response.failed`` with ``response.error``. Status: an integer ``code``/``status_code``/``status`` in
-    400-599, else by the type or code name (``rate_limit_exceeded`` -> 429, ``invalid_request_error`` -> 400, ...),
-    else 500.
+    Shapes (docs/reference/wire.md#errors-inside-a-stream, docs/reference/wire.md#responses-api-streams): chat
+    ``{"error": {...}}`` (with ``event: error`` or not); Groq's ``status_code`` inside it; the Responses API's
+    ``{"type": "error", "code", "message"}`` and ``response.failed`` with ``response.error``. Status: an integer
+    ``code``/``status_code``/``status`` in 400-599, else by the type or code name (``rate_limit_exceeded`` -> 429,
+    ``invalid_request_error`` -> 400, ...), else 500.
     """
     data: Any = event.get("error")
     if not isinstance(data, dict):

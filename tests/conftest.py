@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = (ROOT / ".." / "shared" / "fixtures" / "upstream").resolve()
+FIXTURES = ROOT / "tests" / "fixtures" / "upstream"
 
 
 def free_port() -> int:

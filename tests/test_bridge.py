@@ -2,7 +2,7 @@
 and every bridged event stream checked against the ``openai`` SDK's own types and its ``responses.stream()``
 accumulation.
 
-The streams come from hand-built chat chunks and from every recorded chat stream in ``shared/fixtures/upstream/``
+The streams come from hand-built chat chunks and from every recorded chat stream in ``tests/fixtures/upstream/``
 (text, tool calls, parallel tool calls, a refusal, reasoning, ``finish_reason: length``, n=2, Groq's error event,
 OpenRouter's error chunk), played through :class:`gateway.responses.stream.BridgeRelay` as the upstream's reads.
 """

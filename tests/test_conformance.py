@@ -1,4 +1,4 @@
-"""The wire contract's conformance checks (shared/design/wire-contract.md §7) over real sockets.
+"""The wire contract's conformance checks (docs/reference/wire.md#conformance-checks) over real sockets.
 
 One emulator playing scripted plans serves both tiers (fast: Cerebras dialect, standard: OpenAI dialect); each test
 picks its scripted answer with a top-level ``x_case`` field, which the OpenAI dialect forwards untouched.

@@ -3,7 +3,7 @@ does.
 
 A stream is relayed twice over the same reads, in-process: once as shipped, once with ``Relay.LEARN = 0`` (every
 event scanned and parsed). Output bytes and every observed figure must be equal, for every recorded chat stream in
-``shared/fixtures/upstream`` and for made-up streams that aim at the fast path's edges (escaped quotes and
+``tests/fixtures/upstream`` and for made-up streams that aim at the fast path's edges (escaped quotes and
 backslashes, a raw line break or CR inside a text, OpenAI's obfuscation member, tool-call arguments, two choices,
 a shape change mid-stream, several events per read, reads cut anywhere). The fast path must also really be taken
 where it can: otherwise these tests would compare the full path with itself.

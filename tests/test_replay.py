@@ -1,4 +1,4 @@
-"""Every recorded upstream transcript (``shared/fixtures/upstream``) replayed through the gateway.
+"""Every recorded upstream transcript (``tests/fixtures/upstream``) replayed through the gateway.
 
 Two emulators, both speaking the OpenAI dialect, replay a transcript when the request carries
 ``[[emulate transcript=NAME]]``; the gateway in front of them relays it. The client reads raw bytes off the

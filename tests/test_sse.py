@@ -1,4 +1,4 @@
-"""gateway.stream.sse.SSEScanner against the WHATWG event-stream rules and wire contract §3.4.
+"""gateway.stream.sse.SSEScanner against the WHATWG event-stream rules and docs/reference/wire.md#sse-framing.
 
 Each test compares the scanner with a literal expectation or with ``whatwg()``, an independent
 reference implementation of HTML §9.2.6 written over decoded text; the scanner works on bytes.
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from gateway.stream.sse import BOM, EventTooLarge, SSEEvent, SSEScanner
 
-FIXTURES = Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures" / "upstream"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "upstream"
 EOLS = (b"\n", b"\r\n", b"\r")
 Pair = tuple[bytes | None, bytes | None]
 
@@ -111,8 +111,8 @@ def time_limit(seconds: float) -> Iterator[None]:
 
 
 def assert_wellformed(events: list[SSEEvent]) -> None:
-    """What the gateway may forward (contract §3.4): one blank line per event, LF only, only data/event
-    lines (or only comments), never id/retry/unknown fields, never a leading BOM."""
+    """What the gateway may forward (docs/reference/wire.md#sse-framing): one blank line per event, LF only, only
+    data/event lines (or only comments), never id/retry/unknown fields, never a leading BOM."""
     for ev in events:
         assert ev.raw.endswith(b"\n\n"), ev
         assert b"\n\n" not in ev.raw[:-1], ev

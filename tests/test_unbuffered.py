@@ -200,8 +200,9 @@ async def test_events_of_one_upstream_write_reach_the_client_in_one_read(gateway
 
 
 async def test_stream_ends_at_done_while_the_upstream_lingers(gateway: tuple[Proc, int]) -> None:
-    # wire contract 3.3: the gateway must end the body right after [DONE] (openai v1.x drains the body to its
-    # end; curl and hand-written clients wait for it), even when the upstream keeps the response open
+    # docs/reference/wire.md#errors-inside-a-stream: the gateway must end the body right after [DONE] (openai v1.x
+    # drains the body to its end; curl and hand-written clients wait for it), even when the upstream keeps the
+    # response open
     proc, _ = gateway
     before = httpx.get(f"http://127.0.0.1:{proc.port}/metrics", timeout=5).text
     sent = [chunk_event(0), chunk_event(1), DONE]

@@ -1,4 +1,5 @@
-"""gateway.wire.body: request checks and the upstream body per dialect (wire contract §1, §4, §7 check 12)."""
+"""gateway.wire.body: request checks and the upstream body per dialect (docs/reference/wire.md#request-bodies,
+docs/reference/wire.md#errors-the-gateway-answers-itself, docs/reference/wire.md#conformance-checks check 12)."""
 
 from __future__ import annotations
 

@@ -83,7 +83,8 @@ def _install_model_routes(app: FastAPI) -> None:
         data += [m for m in await gateway.listed.models() if m["id"] not in mine]
         return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
-    @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])  # ids may contain "/" (wire contract §5)
+    # ids may contain "/" (docs/reference/wire.md#embeddings-and-the-model-list)
+    @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
     async def model(model: str) -> Response:
         if model not in app.state.gateway.config.model_names():
             return error_response(ModelNotFound(f"The model `{model}` does not exist or you do not have access to "

@@ -45,7 +45,7 @@ Responses event stream (:class:`BridgeRelay`): ``response.created``, ``response.
 ``response.incomplete`` (``finish_reason: "length"`` -> ``max_output_tokens``, ``content_filter``) or
 ``response.failed`` (an upstream failure after the first token). Every event is ``event: <type>`` plus its data,
 numbered by ``sequence_number``; no ``[DONE]``. Usage maps to ``input_tokens`` / ``output_tokens`` with their
-details (wire contract §5).
+details (docs/reference/wire.md#responses-usage-and-timing).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every complete event is forwarded, byte for byte, the moment its terminating blank line arrives; all the
 events of one upstream read leave in one write. The relay edits only at event boundaries and only where
-the wire contract requires it:
+the wire contract (``docs/reference/wire.md``) requires it:
 
 * exactly one ``data: [DONE]`` ends a successful chat stream (appended when the upstream sent none, the
   repeats dropped); none follows an error;
@@ -282,7 +282,7 @@ class Relay:
             return  # the upstream's own error event ends it: nothing is added (never a second error)
         if not stats.finished or self._responses:
             # an end before every choice finished (or a Responses stream before its terminal event) truncates the
-            # answer: say so (wire contract §4, "never end silently")
+            # answer: say so (docs/reference/wire.md#errors-the-gateway-answers-itself: "never end silently")
             message = "inside an event" if self._scanner.pending else "before the answer was finished"
             await self._broken(write, "upstream_stream_interrupted", f"The upstream stream ended {message}.")
         else:
@@ -394,8 +394,9 @@ class Relay:
             stats.t_last_token = now
 
     def _observe_response_event(self, chunk: dict[str, Any], now: float) -> None:
-        """Responses API events (wire contract §5): a ``*.delta`` event carries output; the terminal event
-        carries ``response.usage``; ``error`` and ``response.failed`` end the stream as an upstream error."""
+        """Responses API events (docs/reference/wire.md#responses-api-streams): a ``*.delta`` event carries output;
+        the terminal event carries ``response.usage``; ``error`` and ``response.failed`` end the stream as an
+        upstream error."""
         stats = self.stats
         etype = chunk.get("type")
         if not isinstance(etype, str):

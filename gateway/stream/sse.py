@@ -5,7 +5,7 @@ with the bytes to forward. Lines end with CRLF, LF or CR (mixed, and a CR/LF pai
 reads); a leading UTF-8 BOM is dropped; comment lines start with ``:``. Only CR and LF end a line:
 U+2028/U+2029 and other Unicode separators inside JSON never split an event (unlike ``str.splitlines``).
 
-What is forwarded (the ``openai`` SDK's parser is stricter than the spec, wire contract §3.4):
+What is forwarded (the ``openai`` SDK's parser is stricter than the spec, docs/reference/wire.md#sse-framing):
 
 * an event made only of ``data:``/``event:``/comment lines, LF-framed: its exact bytes;
 * any other event with data: rebuilt as ``event:`` (if any) and ``data:`` lines ending ``\\n\\n``

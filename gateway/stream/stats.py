@@ -16,7 +16,8 @@ Write = Callable[[bytes], Awaitable[None]]
 
 def delta_has_token(delta: Any) -> bool:
     """Whether a chat-completions chunk's ``delta`` carries a token: non-empty content, refusal, reasoning
-    (``reasoning`` or ``reasoning_content``) or a tool call; a role-only delta does not (wire contract §6)."""
+    (``reasoning`` or ``reasoning_content``) or a tool call; a role-only delta does not
+    (docs/reference/wire.md#gateway-metrics)."""
     if type(delta) is not dict:
         return False
     if delta.get("content"):

@@ -12,7 +12,7 @@ It answers in two ways:
   not make is a 400 ``previous_response_not_found``, as OpenAI's;
   ``GET`` / ``DELETE /v1/responses/{id}`` read and remove the responses it made);
   acts enough like a model for agents to run (tool calls, JSON answers, ``n``, token limits: :class:`Generation`);
-  and replays a recorded transcript from ``shared/fixtures/upstream`` at the configured pace;
+  and replays a recorded transcript from ``tests/fixtures/upstream`` at the configured pace;
 * **by script**: a ``handler(Received) -> Plan | None`` given in Python (tests: :class:`EmulatorThread`) plays
   a :class:`Plan` byte for byte: status, headers, body parts each written after its delay, then a clean end, a
   close inside the body, a TCP reset, silence, or a connection closed without an answer.
@@ -118,12 +118,13 @@ REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Fou
 
 @dataclass(frozen=True)
 class EmulatorConfig:
-    """Defaults of one emulated tier: tokens/s, time to first token (seconds), dialect, fixtures folder."""
+    """Defaults of one emulated tier: tokens/s, time to first token (seconds), dialect, fixtures folder (the
+    checkout's ``tests/fixtures/upstream``, found from this file; an installed wheel has none: ``--fixtures``)."""
 
     tps: float = 750.0
     ttft: float = 0.05
     dialect: str = "cerebras"
-    fixtures: Path = Path("../shared/fixtures/upstream")
+    fixtures: Path = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "upstream"
     max_tokens: int = 4096
     tokens_per_minute: int | None = None  # one shared budget of every caller (module docstring); None: no limit
 
@@ -943,9 +944,9 @@ class Generation:
         return out
 
     def _response_events(self, t0: float) -> list[tuple[float, bytes]]:
-        """Responses API stream (wire contract §5): created, in_progress, one delta per chunk (output text or function
-        call arguments), the ``.done`` events, then completed (incomplete at the token limit) with usage; every event
-        named by an ``event:`` line and numbered; no ``[DONE]``."""
+        """Responses API stream (docs/reference/wire.md#responses-api-streams): created, in_progress, one delta per
+        chunk (output text or function call arguments), the ``.done`` events, then completed (incomplete at the token
+        limit) with usage; every event named by an ``event:`` line and numbered; no ``[DONE]``."""
         seq = iter(range(1 << 30))
 
         def event(kind: str, **fields: Any) -> bytes:
