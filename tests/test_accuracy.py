@@ -9,7 +9,7 @@ machine-wide monotonic clock that the gateway and this test also read. Per singl
   written) and at most the client's (request sent -> first token received); the gateway's own reported time to
   send the upstream request (``tiergate_gateway_overhead_seconds``) fits inside the difference.
 * TTFT within the network's round trip + 0.5 ms + 1 % of the emulator's TTFT, plus the reported overhead. The
-  gateway's TTFT runs from the request's arrival at the *gateway* (README), so it holds the gateway's work before
+  gateway's TTFT runs from the request's arrival at the *gateway* (docs: metrics), so it holds the gateway's work before
   the upstream request is sent (~0.4-0.5 ms here, reported as the overhead metric), the upstream client writing
   the request and the loopback hop to the emulator, and the hop back and the relay's wake-up: one loopback round
   trip. What a round trip costs depends on the machine and its load (0.6-0.9 ms on an idle 2-core machine, twice
@@ -18,7 +18,7 @@ machine-wide monotonic clock that the gateway and this test also read. Per singl
   emulator's TTFT; the median of the last five is the floor. A gateway whose TTFT stopped at a later read than
   the first token's, or started before the request arrived, shows as an excess over that floor.
 * time per output token and tokens/s within 2 % of the emulator's decode: (t_last - t_first) / (tokens after the
-  first chunk); the grid uses token counts that fill whole chunks, for which that is the README's formula.
+  first chunk); the grid uses token counts that fill whole chunks, for which that is the formula of docs/metrics.md.
 * token counts, cost and ``usage_missing`` exact; no time per output token without usage or with one chunk.
 
 A shape whose *timing* misses its tolerance is run again, up to 8 runs in all: delays from the scheduler of a

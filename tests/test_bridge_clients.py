@@ -23,7 +23,7 @@ import pytest
 from conftest import ROOT, Stack, sample
 
 NODE_DIR = ROOT / "tests" / "node"
-FAST = "gpt-5.6-sol-fast"  # the README's alias: fast tier, same weights as gpt-5.6
+FAST = "gpt-5.6-sol-fast"  # the demo's alias (docs/quickstart.md): fast tier, same weights as gpt-5.6
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1},
                                             "unit": {"type": "string", "enum": ["c", "f"]}},
            "required": ["city", "unit"], "additionalProperties": False}

@@ -191,7 +191,7 @@ def test_ttft_quantiles_per_tier_land_in_the_known_buckets(world: World) -> None
                       '(tiergate_time_to_first_token_seconds_bucket{job="tiergate"}))', "tier")
     assert _within_bucket(q["fast"], 0.025, 0.05), q  # 28 ms
     assert _within_bucket(q["standard"], 0.3, 0.4), q  # 310 ms
-    # the README's form, over a rate: the second wave's increase, same buckets
+    # the docs' form (docs/metrics.md, PromQL), over a rate: the second wave's increase, same buckets
     q = world.prom.by('histogram_quantile(0.95, sum by (tier, le) '
                       '(rate(tiergate_time_to_first_token_seconds_bucket{job="tiergate"}[1m])))', "tier")
     assert _within_bucket(q["fast"], 0.025, 0.05), q

@@ -1,0 +1,192 @@
+"""The documentation: the README stays one screen that opens with the two set-up commands, and the docs site
+(``mkdocs.yml``, ``docs/``) builds with ``--strict`` (a broken link or anchor fails it), its generated reference
+naming every metric family the gateway registers and every setting and config field there is.
+
+The generated tables come from ``docs/hooks.py``; its ``_sources()`` is the one place that imports the gateway for
+them, and these tests read the gateway through it too.
+"""
+
+from __future__ import annotations
+
+import html
+import importlib.util
+import inspect
+import logging
+import os
+import re
+import subprocess
+import sys
+import types
+import typing
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from conftest import ROOT
+
+README = ROOT / "README.md"
+SET_UP = [  # the two commands that do all set-up on a fresh machine: the demo, then the tests
+    "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/tiergate demo",
+    "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/pytest",
+]
+MAX_README_WORDS = 600
+
+
+def _hooks() -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location("tiergate_docs_hooks", ROOT / "docs" / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def hooks() -> types.ModuleType:
+    return _hooks()
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site, built as CI builds it: ``mkdocs build --strict`` (any warning, a broken link or anchor included,
+    fails the build)."""
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's banner about MkDocs 2 (stderr noise)
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}\n{done.stderr}"
+    assert "WARNING" not in done.stderr, done.stderr
+    return out
+
+
+def _page(site: Path, name: str) -> str:
+    return (site / name / "index.html").read_text(encoding="utf-8")
+
+
+# --- the README ----------------------------------------------------------------------------------------------------
+
+def test_the_readme_is_one_screen() -> None:
+    words = len(README.read_text(encoding="utf-8").split())
+    assert words <= MAX_README_WORDS, f"README.md has {words} words; the rest belongs in docs/"
+
+
+def test_the_readme_opens_with_the_two_set_up_commands() -> None:
+    lines = README.read_text(encoding="utf-8").splitlines()
+    fence = next(i for i, line in enumerate(lines) if line.startswith("```"))
+    before = [line for line in lines[:fence] if line.strip()]
+    assert before[0] == "# Tiergate"
+    assert len(before) <= 2, f"only a title and one line may come before the commands: {before}"
+    block = lines[fence + 1:lines.index("```", fence + 1)]
+    assert block == SET_UP
+
+
+def test_the_readmes_links_reach_files_and_anchors_that_exist(site: Path) -> None:
+    text = README.read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert any(link.startswith("docs/") for link in links)
+    for link in links:
+        if re.match(r"[a-z]+://", link):
+            continue
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.exists(), f"README.md links to {link}, which does not exist"
+        if anchor:
+            assert path.startswith("docs/") and path.endswith(".md"), link
+            page = _page(site, path.removeprefix("docs/").removesuffix(".md"))
+            assert f'id="{anchor}"' in page, f"README.md links to {link}: no such anchor on the page"
+
+
+# --- the generated reference ---------------------------------------------------------------------------------------
+
+def test_every_metric_family_the_gateway_registers_is_on_the_metrics_page(site: Path, hooks: Any) -> None:
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    hooks._sources().metrics(registry, models=("gpt-5.6",), routes=(("fast", "f", ("gpt-5.6",)),))
+    families = list(registry.collect())
+    assert len(families) > 30
+    page = _page(site, "metrics")
+    for family in families:
+        exported = family.name + "_total" if family.type == "counter" else family.name
+        assert f"<code>{exported}</code>" in page, f"{exported} is not on the metrics page"
+        assert html.escape(family.documentation, quote=False) in page, f"{exported}: its help text is not there"
+
+
+def _config_paths(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
+    """Every field of the config file by its dotted path: ``upstreams[].timeouts.connect``, ``aliases.<name>.tier``."""
+    for name, field in model.model_fields.items():
+        path = prefix + name
+        yield path
+        nested = _nested(field.annotation)
+        if nested is not None:
+            yield from _config_paths(nested[0], path + nested[1] + ".")
+
+
+def _nested(annotation: Any, step: str = "") -> tuple[type[BaseModel], str] | None:
+    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
+        return annotation, step
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is list:
+        return _nested(args[0], step + "[]")
+    if origin is dict:
+        return _nested(args[1], step + ".<name>")
+    for arg in args:  # X | None
+        found = _nested(arg, step)
+        if found is not None:
+            return found
+    return None
+
+
+def test_every_config_field_and_setting_is_on_the_configuration_page(site: Path, hooks: Any) -> None:
+    page = _page(site, "configuration")
+    paths = list(_config_paths(hooks._sources().config))
+    assert {"upstreams", "upstreams[].timeouts.ttft", "upstreams[].model_prices.<name>.input",
+            "auth.keys[].fast.usd_per_day", "rules[].match.headers.<name>.regex"} <= set(paths)
+    for path in paths:
+        assert f"<code>{html.escape(path, quote=False)}</code>" in page, f"config field {path} is not documented"
+    settings = hooks._sources().settings
+    for name, field in settings.model_fields.items():
+        variable = field.validation_alias if isinstance(field.validation_alias, str) else f"GATEWAY_{name.upper()}"
+        assert f"<code>{variable}</code>" in page, f"setting {variable} is not documented"
+    assert f"<code>{hooks._sources().redis_url_var}</code>" in page
+
+
+def test_every_error_class_is_on_the_errors_page(site: Path, hooks: Any) -> None:
+    page = _page(site, "errors")
+    pending = list(hooks._sources().error.__subclasses__())
+    while pending:
+        cls = pending.pop()
+        pending += cls.__subclasses__()
+        if not issubclass(cls, hooks._sources().startup_error):
+            assert f"<code>{cls.__name__}</code>" in page, f"{cls.__name__} is not on the errors page"
+
+
+# --- the hook's own checks -----------------------------------------------------------------------------------------
+
+class _Page:
+    class file:  # noqa: N801 - the shape MkDocs hands a hook: page.file.src_path
+        src_path = "probe.md"
+
+
+def test_a_page_that_names_a_metric_the_gateway_does_not_have_is_a_warning(hooks: Any,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    text = ("`tiergate_requests_total{outcome=\"success\"}`, `tiergate_time_to_first_token_seconds_bucket`, "
+            "`tiergate_key_*`, all names start with `tiergate_`, and `tiergate_request_total`.")
+    with caplog.at_level(logging.WARNING):
+        assert hooks.on_page_markdown(text, page=_Page()) == text
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == ["probe.md names the metric tiergate_request_total, which the gateway does not register"]
+
+
+def test_an_unknown_generated_table_stops_the_build(hooks: Any) -> None:
+    from mkdocs.exceptions import PluginError
+
+    with pytest.raises(PluginError, match="no generated table named 'nope'"):
+        hooks.on_page_markdown("# x\n\n<!-- generated: nope -->\n", page=_Page())
+
+
+def test_the_markers_are_filled(hooks: Any) -> None:
+    filled = hooks.on_page_markdown("<!-- generated: settings -->\n", page=_Page())
+    assert "generated" not in filled and "`GATEWAY_PORT`" in filled
