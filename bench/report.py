@@ -120,7 +120,7 @@ def _get(d: dict[str, Any] | None, *path: str) -> Any:
 
 
 def build_rows(run: dict[str, Any], sizes: dict[str, Any]) -> list[Row]:
-    """The table rows of one run (see README "Reading the table")."""
+    """The table rows of one run (see bench/README.md, "Reading the table")."""
     rows: list[Row] = []
     refs = references(run)
 

@@ -98,6 +98,20 @@ def test_the_readmes_links_reach_files_and_anchors_that_exist(site: Path) -> Non
             assert f'id="{anchor}"' in page, f"README.md links to {link}: no such anchor on the page"
 
 
+def test_every_docs_page_and_anchor_the_code_cites_exists(site: Path) -> None:
+    """The code's comments and docstrings cite the docs as ``docs/PAGE.md#anchor`` (the wire reference included):
+    each must be a page of the site with that heading, so a renamed heading cannot leave a citation dangling."""
+    cited = 0
+    for source in sorted([*(ROOT / "gateway").rglob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob(
+            "*.py")]):
+        for path, anchor in re.findall(r"docs/([a-z0-9_/-]+)\.md(?:#([a-z0-9_-]+))?", source.read_text("utf-8")):
+            cited += 1
+            assert (ROOT / "docs" / f"{path}.md").exists(), f"{source.name} cites docs/{path}.md, which does not exist"
+            if anchor:
+                assert f'id="{anchor}"' in _page(site, path), f"{source.name} cites docs/{path}.md#{anchor}: no anchor"
+    assert cited > 20  # the code does cite the docs: the pattern matches
+
+
 # --- the generated reference ---------------------------------------------------------------------------------------
 
 def test_every_metric_family_the_gateway_registers_is_on_the_metrics_page(site: Path, hooks: Any) -> None:

@@ -1,7 +1,7 @@
 """Live latency estimates per upstream and model, from the traffic the gateway relays. Pure: every time is passed in.
 
 Three figures are estimated, each from the samples of the last ``window`` seconds (at most ``samples`` of them, the
-newest; README "Deadlines and live estimates"), each with a central value and a tail:
+newest; docs/deadlines.md#live-estimates), each with a central value and a tail:
 
 * **TTFT** (seconds from the attempt's request being sent to its first token-bearing chunk) as a function of the
   prompt size, because prefill grows with the input: a least-squares line ``base + per_token * prompt_tokens``

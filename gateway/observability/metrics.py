@@ -1,6 +1,6 @@
 """Prometheus metrics, declared once against an injected registry and recorded once per request.
 
-Definitions (README "Metrics"; docs/reference/wire.md#gateway-metrics):
+Definitions (docs/metrics.md#what-the-numbers-mean; docs/reference/wire.md#gateway-metrics):
 
 * TTFT: request arrival at the gateway -> arrival of the first token-bearing chunk (content, refusal,
   reasoning or tool-call delta; not the role-only first chunk, not the response headers).

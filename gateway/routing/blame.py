@@ -1,6 +1,6 @@
-"""Whose fault an upstream failure is (README "How a request is routed"; docs: tenancy). A failure with no status line
-is the upstream's; one a request's own content can cause is *request-shaped* (:func:`request_shaped`) and is charged
-to the request's source, its gateway key or its body (:class:`Blame`), so that one client alone never opens an
+"""Whose fault an upstream failure is (docs/routing.md#circuit-breakers, docs/tenancy.md#isolation). A failure with no
+status line is the upstream's; one a request's own content can cause is *request-shaped* (:func:`request_shaped`) and is
+charged to the request's source, its gateway key or its body (:class:`Blame`), so that one client alone never opens an
 upstream's breaker for everyone (``gateway.routing.health``)."""
 
 from __future__ import annotations

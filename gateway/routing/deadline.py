@@ -1,7 +1,7 @@
 """Deadline routing: among the candidates the policy allows, the cheapest predicted to meet the request's latency
 budget at the tail estimate, else the fastest. Pure code: estimates and times are passed in.
 
-A request states a budget in milliseconds (README "Deadlines and live estimates"), each part on its own, the first
+A request states a budget in milliseconds (docs/deadlines.md#deadline-routing), each part on its own, the first
 found winning: the headers ``x-tiergate-deadline-ms`` (the whole answer) and ``x-tiergate-ttft-deadline-ms`` (its first
 token), the same in ``metadata`` (``deadline_ms``, ``ttft_deadline_ms``; OpenAI's metadata values are strings), or the
 matching rule's ``route: {deadline_ms, ttft_deadline_ms}``. Without a budget nothing here runs.

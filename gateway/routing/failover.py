@@ -4,7 +4,7 @@ The policy (``gateway.routing.policy``) lists the candidates a request may go to
 upstreams' health read at an injected ``now`` (``gateway.routing.health``), which of them to try and in what order, and,
 after each failed attempt, whether the next one may still serve it. The caller (``gateway.pipeline.chat``) does the I/O.
 
-Rules (README "How a request is routed"; docs/reference/wire.md#errors-the-gateway-answers-itself):
+Rules (docs/routing.md#failover; docs/reference/wire.md#errors-the-gateway-answers-itself):
 
 * **Spillover before sending.** A candidate that is resting (breaker open or half-open with its probe out, 429
   cooldown) is passed over; one whose quota estimate or concurrency limit is short is passed over too, unless

@@ -1,6 +1,7 @@
-"""What gateway keys spent, kept on disk, so that a restart starts from it (``GATEWAY_STATE_DIR``; README "Tenancy").
+"""What gateway keys spent, kept on disk, so that a restart starts from it (``GATEWAY_STATE_DIR``;
+docs/tenancy.md#limits).
 
-A :class:`gateway.tenancy.keys.MemoryLedger` lives in one process: without this, a restart (a deploy, a crash, an OOM
+A :class:`gateway.tenancy.ledger.MemoryLedger` lives in one process: without this, a restart (a deploy, a crash, an OOM
 kill) set every key's day and month spend back to zero. :class:`LedgerFile` keeps each counter of the current windows
 (minute, day and month) in one JSON file: at start-up the ledger is seeded from it, and every ``every`` seconds
 (and once more at shutdown) what this process added since its last write is added to the file, under an exclusive

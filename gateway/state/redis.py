@@ -1,4 +1,5 @@
-"""State the replicas of one deployment share through Redis (``state:`` in the config; README "Replicas").
+"""State the replicas of one deployment share through Redis (``state:`` in the config;
+docs/operations.md#replicas-share-state-through-redis).
 
 Without it each process keeps its own picture of the upstreams, and one replica's 429 teaches the others nothing.
 With it (redis-py's asyncio client; any Redis 6.2 or newer):
