@@ -9,8 +9,9 @@ GATEWAY_CONFIG         config/gateway.yaml       path of the YAML file with upst
 GATEWAY_HOST           127.0.0.1                 address to listen on
 GATEWAY_PORT           8080                      TCP port to listen on
 GATEWAY_LOG_LEVEL      info                      uvicorn/gateway log level (and the events' lowest,
-gateway.observability.logs) GATEWAY_LOG_FORMAT     json (serve), text (demo) the request log and events on stdout: json
-or text GATEWAY_LOG_SAMPLE     1                         share (0-1) of successful requests written to the request log
+                                                 gateway.observability.logs)
+GATEWAY_LOG_FORMAT     json (serve), text (demo) the request log and events on stdout: json or text
+GATEWAY_LOG_SAMPLE     1                         share (0-1) of successful requests written to the request log
 GATEWAY_WORKERS        1                         worker processes (``tiergate serve --workers``)
 GATEWAY_MAX_HEAD_BYTES 65536                     largest request line plus headers; larger -> 431
 GATEWAY_HEAD_TIMEOUT   30                        seconds to send a request head; then the connection closes
@@ -26,9 +27,9 @@ GATEWAY_DRAIN_IDLE_GRACE 5                       on SIGTERM, seconds an idle kep
                                                  out of rotation
 GATEWAY_REDIS_URL      (unset: state.redis_url)  Redis the replicas share state through (gateway.state.redis); read
                                                  with the API keys by the config loader, and wins over the file
-OTEL_TRACES_EXPORTER   (unset: no traces)        otlp or console: OpenTelemetry traces (gateway.observability.tracing;
-the
-                                                 otel extra); the exporter reads the other OTEL_* variables
+OTEL_TRACES_EXPORTER   (unset: no traces)        otlp or console: OpenTelemetry traces
+                                                 (gateway.observability.tracing; the otel extra); the exporter
+                                                 reads the other OTEL_* variables
 =====================  ========================  ==============================================
 
 Upstream API keys are not settings: the YAML names the variable that holds each key
