@@ -331,6 +331,8 @@ _EXHAUSTED_TEXT = re.compile(r"(?i)exceeded your current quota|billing|credit ba
 # sent as a 500), Anthropic-style ("prompt is too long"). Never matched on a 429, whose "too many tokens" is a rate.
 _OVERFLOW_TEXT = re.compile(r"(?i)context[_ ](?:length|size|window)|maximum context|prompt is too long|"
                             r"too many (?:input|prompt) tokens")
+# text-generation-inference's error_type names, by the status its HTTP server answers them with (its router's docs)
+_TGI_STATUS = {"validation": 422, "overloaded": 429, "generation": 424, "incomplete_generation": 500, "tokenizer": 422}
 # An error event carries no HTTP status: read it from the error itself (vLLM and llama.cpp put the status in an
 # integer ``code``, Groq in ``status_code``), else from its type or code name.
 _STATUS_BY_NAME = {"invalid_request_error": 400, "context_length_exceeded": 400, "authentication_error": 401,
@@ -353,8 +355,9 @@ def upstream_error(status: int, body: bytes, headers: Mapping[str, str]) -> Upst
     except orjson.JSONDecodeError:
         parsed = None
     data = parsed.get("error", parsed) if isinstance(parsed, dict) else None
-    if isinstance(data, str):
-        data = {"message": data}
+    if isinstance(data, str):  # text-generation-inference, older vLLM: {"error": "text", "error_type": "validation"}
+        kind = parsed.get("error_type") if isinstance(parsed, dict) else None
+        data = {"message": data, "type": kind if isinstance(kind, str) and kind else None}
     text = body.decode("utf-8", "replace").strip()[:2000]
     if not isinstance(data, dict):
         data = {"message": text or f"Upstream answered HTTP {status}."}
@@ -368,19 +371,24 @@ def event_error(event: dict[str, Any]) -> UpstreamStatusError:
     """The error an SSE error event carries, with the HTTP status it names (for an error before the first byte).
 
     Shapes (docs/reference/wire.md#errors-inside-a-stream, docs/reference/wire.md#responses-api-streams): chat
-    ``{"error": {...}}`` (with ``event: error`` or not); Groq's ``status_code`` inside it; the Responses API's
-    ``{"type": "error", "code", "message"}`` and ``response.failed`` with ``response.error``. Status: an integer
-    ``code``/``status_code``/``status`` in 400-599, else by the type or code name (``rate_limit_exceeded`` -> 429,
-    ``invalid_request_error`` -> 400, ...), else 500.
+    ``{"error": {...}}`` (with ``event: error`` or not); Groq's ``status_code`` inside it, Cerebras' beside it (with
+    ``""`` for the envelope's empty fields); text-generation-inference's ``{"error": "text", "error_type": "..."}``;
+    the Responses API's ``{"type": "error", "code", "message"}`` and ``response.failed`` with ``response.error``.
+    Status: an integer ``code``/``status_code``/``status`` in 400-599 inside the error, else beside it, else by the
+    type or code name (``rate_limit_exceeded`` -> 429, ``invalid_request_error`` -> 400, TGI's ``validation`` ->
+    422, ...), else 500.
     """
     data: Any = event.get("error")
+    if isinstance(data, str):  # text-generation-inference, older vLLM: {"error": "text", "error_type": "validation"}
+        kind = event.get("error_type")
+        data = {"message": data, "type": kind, "status_code": _TGI_STATUS.get(kind) if isinstance(kind, str) else None}
     if not isinstance(data, dict):
         response = event.get("response")
         failed = response.get("error") if isinstance(response, dict) else None
         data = failed if isinstance(failed, dict) else (event if event.get("type") == "error" else {})
-    if isinstance(data, str):
-        data = {"message": data}
-    status = next((v for k in ("status_code", "status", "code") if _is_status(v := data.get(k))), None)
+    # the status inside the error, else beside it (Cerebras: {"error": {...}, "status_code": 429})
+    status = next((v for holder in (data, event) for k in ("status_code", "status", "code")
+                   if _is_status(v := holder.get(k))), None)
     if status is None:
         status = next((_STATUS_BY_NAME[n] for n in (data.get("code"), data.get("type"))
                        if isinstance(n, str) and n in _STATUS_BY_NAME), 500)  # an upstream may send objects there

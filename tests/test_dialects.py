@@ -138,12 +138,15 @@ def test_groq_429_waits_as_its_reset_headers_say() -> None:
 
 # --- cerebras and openai: the rules that were there before the seam ------------------------------------------------
 
-def test_cerebras_drops_what_it_rejects_and_never_asks_for_usage() -> None:
+def test_cerebras_drops_what_it_rejects_and_is_asked_for_usage() -> None:
     raw = orjson.dumps({"model": "a", "messages": [{"role": "user", "content": "hi"}], "stream": True,
                         "store": True, "metadata": {"k": "v"}, "service_tier": "priority",
                         "stream_options": {"include_obfuscation": False}})
     doc = _body("cerebras", raw, ask_usage=True)
-    assert not {"store", "metadata", "service_tier"} & set(doc) and doc["stream_options"] == {}
+    assert not {"store", "metadata", "service_tier"} & set(doc) and doc["stream_options"] == {"include_usage": True}
+    assert _body("cerebras", raw)["stream_options"] == {}  # the client's (emptied) options, nothing asked
+    whole = orjson.dumps({"model": "a", "messages": [{"role": "user", "content": "hi"}]})
+    assert "stream_options" not in _body("cerebras", whole, ask_usage=True)
 
 
 def test_openai_forwards_the_clients_bytes_but_the_model() -> None:

@@ -68,7 +68,7 @@ class _Item:
     """One output item being streamed: its index, id, kind and what it accumulated."""
 
     __slots__ = ("index", "id", "kind", "pieces", "refusals", "logprobs", "text_part", "refusal_part", "call_id",
-                 "name", "done", "status", "heads")
+                 "source_id", "name", "done", "status", "heads")
 
     def __init__(self, index: int, kind: str, prefix: str) -> None:
         self.index = index
@@ -81,6 +81,7 @@ class _Item:
         self.text_part: int | None = None  # content index of the output_text (or reasoning_text) part, once opened
         self.refusal_part: int | None = None
         self.call_id = ""
+        self.source_id = ""  # the call id the upstream gave (call_id is a new one if that was used already)
         self.name = ""
         self.done = False
         self.status = "in_progress"  # completed or incomplete once done
@@ -285,11 +286,17 @@ class BridgeRelay(Relay):
             index = known if known is not None else (len(self._calls) if cid or not self._calls else
                                                      max(self._calls))
         item = self._calls.get(index)
+        if item is not None and cid and item.source_id and cid != item.source_id:
+            # a new id on an index in use (two parallel calls both sent as index 0): a new call, never one call with
+            # two JSON objects back to back; the earlier one keeps its place among the calls to close
+            self._calls[-1 - len(self._items)] = item
+            item = None
         if item is None or item.done:
             self._close_open(out)
             item = _Item(len(self._items), "function_call", "fc_tg")
             # a call id the stream already used would make two calls one for the client (and its SDK refuses it)
             item.call_id = cid if cid and all(c.call_id != cid for c in self._calls.values()) else new_id("call_tg")
+            item.source_id = cid
             item.name = name
             self._items.append(item)
             self._calls[index] = item
@@ -297,6 +304,8 @@ class BridgeRelay(Relay):
         elif name and not item.name:
             item.name = name  # a name that came after the call's first delta
         arguments = fn.get("arguments")
+        if isinstance(arguments, dict | list):  # llama.cpp may send the arguments as JSON, not as a JSON string
+            arguments = dumps(arguments).decode()
         if isinstance(arguments, str) and arguments:
             item.pieces.append(arguments)
             self._delta(out, "response.function_call_arguments.delta", item, arguments, None)

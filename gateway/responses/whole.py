@@ -10,6 +10,7 @@ from typing import Any
 from gateway.errors import UpstreamBadResponse
 from gateway.responses.ids import new_id
 from gateway.responses.request import _dict, _list
+from gateway.wire.body import dumps
 
 
 def response_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -128,6 +129,14 @@ def whole_response(completion: dict[str, Any], draft: Draft) -> dict[str, Any]:
         fn = _dict(call.get("function"))
         output.append({"id": new_id("fc_tg"), "type": "function_call", "status": status,
                        "call_id": _str(call.get("id")) or new_id("call_tg"), "name": _str(fn.get("name")),
-                       "arguments": _str(fn.get("arguments"))})
+                       "arguments": _arguments(fn.get("arguments"))})
     return draft.response(status, output,
                           response_usage(completion.get("usage")), incomplete)
+
+
+def _arguments(value: Any) -> str:
+    """A tool call's arguments as the JSON string the Responses API carries: a string as it came, a JSON object or
+    array (llama.cpp sends them so) serialised, anything else empty."""
+    if isinstance(value, dict | list):
+        return dumps(value).decode()
+    return _str(value)

@@ -237,12 +237,12 @@ class UpstreamPool:
                 resp = await self._fresh.request(method, url, data=body, headers=headers, timeout=timeout,
                                                  allow_redirects=False, auto_decompress=decode, skip_auto_headers=skip)
         if not stream:
-            return UpstreamResponse(resp, stale_retried=retried)
+            return UpstreamResponse(resp, stale_retried=retried, encoded=decode is False)
         conn = resp.connection
         if conn is not None and conn.protocol is not None:
             conn.protocol.read_timeout = None  # aiohttp's ResponseHandler: no sock_read for the body...
             conn.protocol.start_timeout()  # ...and the timer armed by the status line's read is cancelled
-        return UpstreamResponse(resp, upstream.timeouts.idle, stale_retried=retried)
+        return UpstreamResponse(resp, upstream.timeouts.idle, stale_retried=retried, encoded=decode is False)
 
 
 async def _pieces(data: bytes, window: asyncio.Timeout, idle: float) -> AsyncIterator[bytes]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import zlib
 from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
@@ -36,12 +37,16 @@ class UpstreamResponse:
         consumed: body bytes the reader has taken so far.
         stale_retried: the first attempt went out on a pooled connection the upstream had closed, and was sent
             again on a new one (:meth:`UpstreamPool.send`).
+    An error body is read decoded (:meth:`read_error`) whether or not the rest is read as it came (``encoded``).
     """
 
-    __slots__ = ("_resp", "_idle", "_watch", "status", "headers", "content_type", "consumed", "stale_retried")
+    __slots__ = ("_resp", "_idle", "_watch", "status", "headers", "content_type", "consumed", "stale_retried",
+                 "_encoded")
 
-    def __init__(self, resp: aiohttp.ClientResponse, idle: float | None = None, stale_retried: bool = False) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, idle: float | None = None, stale_retried: bool = False,
+                 encoded: bool = False) -> None:
         self._resp = resp
+        self._encoded = encoded  # its body is read as it came, content-encoding and all (a passthrough answer)
         self._idle = idle
         self._watch: IdleWatch | None = None
         self.status = resp.status
@@ -120,7 +125,11 @@ class UpstreamResponse:
             if exc.code == "upstream_idle_timeout":
                 raise UpstreamTimeout("The upstream stopped sending its error answer.") from exc
             raise UpstreamUnavailable(exc.message) from exc
-        return b"".join(parts)[:limit]
+        data = b"".join(parts)[:limit]
+        encoding = self._resp.headers.get("content-encoding", "").strip().lower()
+        if self._encoded and encoding in ("gzip", "x-gzip", "deflate"):
+            return decoded(data, encoding, limit)
+        return data
 
     def release(self) -> None:
         """Return a fully read connection to the pool (aiohttp closes it instead when the body is not complete)."""
@@ -202,3 +211,17 @@ class map_errors:  # noqa: N801 - used as a context manager, named like one
         if isinstance(exc, aiohttp.ClientError | OSError):
             raise UpstreamUnavailable(f"The upstream could not be reached ({type(exc).__name__}).") from exc
         return False
+
+
+def decoded(data: bytes, encoding: str, limit: int) -> bytes:
+    """An error body that came compressed (``gzip`` or ``deflate``: a passthrough answer is read as it came, RFC 9110
+    §8.4), decoded to at most ``limit`` bytes (a small body cannot expand past it); as it came if it does not
+    decode (the upstream's words are then read as they are)."""
+    wbits = 16 + zlib.MAX_WBITS if "gzip" in encoding else zlib.MAX_WBITS
+    try:
+        return zlib.decompressobj(wbits).decompress(data, limit)
+    except zlib.error:
+        if encoding == "deflate":  # servers send raw deflate as often as the zlib stream RFC 9110 names
+            with contextlib.suppress(zlib.error):
+                return zlib.decompressobj(-zlib.MAX_WBITS).decompress(data, limit)
+        return data

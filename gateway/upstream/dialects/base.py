@@ -67,11 +67,12 @@ class Dialect:
 
     def status_error(self, status: int, data: bytes, headers: Mapping[str, str]) -> UpstreamStatusError:
         """An error answer (``status``, up to 64 KiB of its body ``data``) in OpenAI's envelope, with a 429's wait
-        (:meth:`retry_wait`) as ``retry-after`` when it gave none (the SDKs wait on that header)."""
+        (:meth:`retry_wait`) as ``retry-after-ms`` and ``retry-after`` when it gave neither (the SDKs wait on them)."""
         err = upstream_error(status, data, headers)
         if err.status == 429 and "retry-after" not in err.headers and "retry-after-ms" not in err.headers:
             wait = self.retry_wait(headers)
-            if wait is not None:
+            if wait is not None:  # both: the openai SDKs read retry-after-ms first, other clients retry-after
+                err.headers["retry-after-ms"] = str(max(1, math.ceil(wait * 1000)))
                 err.headers["retry-after"] = str(max(1, math.ceil(wait)))
         return err
 
