@@ -47,6 +47,7 @@ from gateway.responses.store import MemoryResponseStore, ResponseStore
 from gateway.routing import deadline
 from gateway.routing.health import Health
 from gateway.routing.policy import Policy
+from gateway.routing.rules import config_warnings
 from gateway.state.ledger import SharedLedger
 from gateway.state.ledger_file import LedgerFile
 from gateway.state.owners import SharedOwners
@@ -224,6 +225,8 @@ def serve_app(loaded: LoadedConfig, settings: Settings, multiprocess_dir: str | 
     cfg = loaded.config
     logs.event("config_loaded", path=str(loaded.path), upstreams=[u.name for u in cfg.upstreams],
                models=cfg.model_names(), rules=len(cfg.rules) if cfg.rules is not None else "default")
+    for problem in config_warnings(cfg):  # what check-config warns about, in the log of every start too
+        logs.event("config_warning", "warning", problem=problem)
     drain_on_exit(app, settings.drain_timeout)
     reload_on_hup(app)
     return app

@@ -186,6 +186,18 @@ def test_check_config_warns_about_rules_that_can_never_do_what_they_say(tmp_path
     assert "served on the fast tier only" not in off  # no fallback: nothing was promised
 
 
+def test_an_alias_pin_that_a_rules_table_drops_is_warned_about(tmp_path: Path) -> None:
+    """rules: replaces the default policy, whose model_alias rule is what pins an alias to its tier: a table without a
+    rule for the alias silently routed it elsewhere; check-config says so (and the gateway logs it at start)."""
+    cfg = _with(aliases={"m-fast": {"model": "m", "tier": "fast"}},
+                rules=[{"name": "agent", "match": {"metadata": {"workload": ["agent"]}}, "route": {"tier": "fast"}}])
+    out = _cli("check-config", str(_write(tmp_path, cfg))).stdout
+    assert "aliases.m-fast: pinned to the fast tier, but no rule of rules: matches it" in out
+    kept = {**cfg, "rules": [*cfg["rules"], {"name": "model_alias", "match": {"model": ["m-fast"]},
+                                             "route": {"tier": "fast"}}]}
+    assert "aliases.m-fast" not in _cli("check-config", str(_write(tmp_path, kept))).stdout
+
+
 def test_a_base_url_with_a_bad_port_is_refused_at_start_up(tmp_path: Path) -> None:
     cfg = _with(upstreams=[{**GOOD["upstreams"][0], "base_url": "http://127.0.0.1:99999/v1"}, GOOD["upstreams"][1]])
     proc = _cli("check-config", str(_write(tmp_path, cfg)))

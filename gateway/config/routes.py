@@ -138,7 +138,9 @@ class RuleConfig(Strict):
 
 
 class AliasConfig(Strict):
-    """A client-facing model name that stands for a configured model, optionally pinned to a tier."""
+    """A client-facing model name that stands for a configured model, optionally pinned to a tier (through the default
+    policy's ``model_alias`` rule: a ``rules:`` table needs a rule that matches the alias for the pin to apply;
+    ``tiergate check-config`` warns when none does)."""
 
     model: str
     tier: Tier | None = None

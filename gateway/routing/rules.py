@@ -203,7 +203,9 @@ def config_warnings(config: GatewayConfig) -> list[str]:
     * a rule's tier that no upstream serves for a model it matches (those requests always fall back:
       ``model_not_on_<tier>_tier``);
     * a model served on one tier only while ``fallback`` is on: failover, spillover and deadline routing can never
-      move its requests to the other tier.
+      move its requests to the other tier;
+    * an alias pinned to a tier that no rule of a ``rules:`` table matches (the pin lives in the default policy's
+      ``model_alias`` rule, which ``rules:`` replaces).
     """
     out: list[str] = []
     names = config.model_names()
@@ -227,6 +229,12 @@ def config_warnings(config: GatewayConfig) -> list[str]:
         if m.model is not None and lacking:
             out.append(f"{where}: routes to the {rule.route.tier} tier, but no {rule.route.tier} upstream serves "
                        f"{', '.join(lacking)}: those requests always fall back (model_not_on_{rule.route.tier}_tier)")
+    for name, alias in sorted(config.aliases.items()):  # rules: replaces the default policy, its model_alias rule too
+        if alias.tier is not None and config.rules is not None and not any(
+                r.match.model and any(fnmatch.fnmatchcase(name, g) for g in r.match.model) for r in config.rules):
+            out.append(f"aliases.{name}: pinned to the {alias.tier} tier, but no rule of rules: matches it, so the pin "
+                       f"does not apply (rules: replaces the default policy); add {{name: model_alias, match: "
+                       f"{{model: [{name}]}}, route: {{tier: {alias.tier}}}}} to your rules")
     if config.fallback:
         for model in sorted(tiers_of):
             if len(tiers_of[model]) == 1:
