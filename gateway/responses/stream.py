@@ -194,9 +194,9 @@ class BridgeRelay(Relay):
                     continue
             if type(chunk) is not dict:
                 continue
+            if not self._started and isinstance(chunk.get("model"), str):
+                self.draft.model = chunk["model"]  # one name throughout: the one its first chunk gives (the rule)
             self._start(out)
-            if isinstance(chunk.get("model"), str):
-                self.draft.model = chunk["model"]
             had_error = stats.error
             self._observe(chunk, event, now)  # usage, first/last token, finish_reason, an error
             if stats.error and not had_error:

@@ -59,7 +59,13 @@ def _logprobs(logprobs: Any) -> list[dict[str, Any]]:
 
 
 class Draft:
-    """The Response object a bridged request answers with, echoing the request (OpenAPI ``Response``).
+    """The Response object a bridged request answers with, echoing the request with the values used (OpenAI API
+    reference, "The response object"; the Open Responses specification's ``Response``: every field it requires is
+    present, a sampling setting the client left out as the default the upstream applied).
+
+    The model it names is the upstream's, as the upstream's answer names it (its first chunk): one rule for every
+    answer, relayed or bridged, as OpenAI names the snapshot it resolved an alias to. Until the upstream speaks, the
+    model the client asked for.
 
     Args:
         body: the Responses request; response_id: its id (:func:`new_id` with :data:`ID_PREFIX`).
@@ -73,25 +79,46 @@ class Draft:
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                  incomplete: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The Response object with ``status`` (``in_progress``, ``completed``, ``incomplete``, ``failed``),
+        ``output`` items, ``usage`` (Responses terms), the ``incomplete`` reason and the ``error``."""
         b = self.body
         text = _dict(b.get("text"))
         reasoning = _dict(b.get("reasoning"))
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "background": False, "error": error,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "background": False, "error": error, "conversation": None,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
             "max_tool_calls": None, "model": self.model, "output": output,
             "parallel_tool_calls": b.get("parallel_tool_calls") is not False,
-            "previous_response_id": b.get("previous_response_id"),
+            "previous_response_id": b.get("previous_response_id"), "prompt": None,
+            "prompt_cache_key": b.get("prompt_cache_key"), "prompt_cache_retention": None,
             "reasoning": {"effort": reasoning.get("effort"), "summary": None},
-            "service_tier": b.get("service_tier"), "store": b.get("store", True),
-            "temperature": b.get("temperature"), "text": {"format": text.get("format") or {"type": "text"},
-                                                          "verbosity": text.get("verbosity")},
-            "tool_choice": b.get("tool_choice") or "auto", "tools": _list(b.get("tools")), "top_p": b.get("top_p"),
+            "safety_identifier": b.get("safety_identifier"),
+            "service_tier": b.get("service_tier") or "default", "store": b.get("store", True),
+            "temperature": _number(b.get("temperature"), 1.0), "top_p": _number(b.get("top_p"), 1.0),
+            "presence_penalty": _number(b.get("presence_penalty"), 0.0),
+            "frequency_penalty": _number(b.get("frequency_penalty"), 0.0),
+            "top_logprobs": b.get("top_logprobs") if isinstance(b.get("top_logprobs"), int) else 0,
+            "text": {"format": text.get("format") or {"type": "text"}, "verbosity": text.get("verbosity") or "medium"},
+            "tool_choice": b.get("tool_choice") or "auto", "tools": [_tool(t) for t in _list(b.get("tools"))],
             "truncation": b.get("truncation", "disabled"), "usage": usage, "user": b.get("user"),
             "metadata": b.get("metadata") or {},
         }
+
+
+def _number(value: Any, default: float) -> float:
+    """A sampling setting as used: the client's number, else the API's default."""
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else default
+
+
+def _tool(tool: Any) -> Any:
+    """A tool as the Response echoes it: a function tool with ``strict`` as used (the client's, else false: the bridge
+    asks the chat upstream for no strict schema, and chat completions' default is not strict)."""
+    if isinstance(tool, dict) and tool.get("type") == "function" and "strict" not in tool:
+        return {**tool, "strict": False}
+    return tool
 
 
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}

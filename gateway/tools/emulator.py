@@ -76,6 +76,7 @@ from typing import Any, TextIO
 import httptools
 import orjson
 
+from gateway.responses.whole import Draft
 from gateway.tools.surface import Surface
 
 WORDS = [w.encode() for w in (" Every", " token", " leaves", " the", " gateway", " the", " moment", " it",
@@ -925,15 +926,11 @@ class Generation:
         return self._response("incomplete" if self.finish == "length" else "completed")
 
     def _response(self, status: str) -> dict[str, Any]:
-        """A Responses API ``response`` object (OpenAPI ``Response``), minimal."""
-        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        out: dict[str, Any] = {"id": self.response_id, "object": "response",
-                               "created_at": self.created, "status": status, "model": self.model.decode(),
-                               "output": [], "usage": None,
-                               "incomplete_details": incomplete, "parallel_tool_calls": True,
-                               "tool_choice": self.body.get("tool_choice", "auto"),
-                               "tools": self.body.get("tools") or [],
-                               "previous_response_id": self.body.get("previous_response_id")}
+        """A Responses API ``response`` object with every field OpenAI's has (the bridge's :class:`Draft` builds it:
+        one definition of a complete Response)."""
+        draft = Draft({**self.body, "model": self.model.decode()}, self.response_id)
+        draft.created_at = self.created
+        out = draft.response(status, [], None, "max_output_tokens" if status == "incomplete" else None)
         if status in ("completed", "incomplete"):
             out["output"] = [self._output_item("completed")]
             if self.with_usage:
