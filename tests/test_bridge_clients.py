@@ -163,6 +163,34 @@ async def test_an_agents_sdk_tool_agent_runs_to_completion_on_the_fast_tier(stac
     assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"]
 
 
+# --- pydantic-ai ----------------------------------------------------------------------------------------------------
+
+async def test_a_pydantic_ai_responses_agent_runs_its_tool_loop_on_the_fast_tier(stack: Stack) -> None:
+    """pydantic-ai's ``OpenAIResponsesModel`` sends ``include: ["reasoning.encrypted_content"]`` on every request;
+    the bridge once refused it, so such agents silently left the fast tier for the standard one."""
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIResponsesModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    calls: list[str] = []
+    wire = Wire()
+    client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0,
+                                http_client=wire.async_client())
+    agent = Agent(OpenAIResponsesModel(FAST, provider=OpenAIProvider(openai_client=client)),
+                  instructions="Use the tool, then answer.")
+
+    @agent.tool_plain
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        calls.append(city)
+        return f"18 degrees and clear in {city}"
+
+    result = await agent.run(f"What is the weather in Oslo? {QUICK}")
+    assert calls and isinstance(result.output, str) and result.output
+    assert len(wire.bodies) >= 2 and all("reasoning.encrypted_content" in b.get("include", []) for b in wire.bodies)
+    wire.assert_fast(2)
+
+
 # --- openai-node ----------------------------------------------------------------------------------------------------
 
 # skipped on a developer's machine without Node or the pinned client; never in CI (CI=true), where .ci/run installs it

@@ -18,10 +18,17 @@ _BRIDGED_FIELDS = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
     "temperature", "top_p", "text", "reasoning", "stream", "stream_options", "user", "safety_identifier", "metadata",
     "store", "previous_response_id", "include", "truncation", "service_tier", "prompt_cache_key",
-    "prompt_cache_retention", "prompt_cache_options", "top_logprobs", "background"})
+    "prompt_cache_retention", "prompt_cache_options", "top_logprobs", "background",
+    "client_metadata",  # Codex CLI's per-request metadata (installation and session ids): for logs, no output
+})
 
 
-_INCLUDES = frozenset({"message.output_text.logprobs", "message.input_image.image_url"})
+# include values the bridge serves: the logprobs (mapped), and those that ask for what a chat upstream never makes
+# (encrypted reasoning, the results of built-in tools the bridge does not run): accepted and answered without it, as
+# OpenAI answers a model without the feature (pydantic-ai and Codex CLI always send reasoning.encrypted_content)
+_INCLUDES = frozenset({"message.output_text.logprobs", "message.input_image.image_url", "reasoning.encrypted_content",
+                       "web_search_call.action.sources", "web_search_call.results", "code_interpreter_call.outputs",
+                       "computer_call_output.output.image_url", "file_search_call.results"})
 
 
 _ITEMS = frozenset({"message", "function_call", "function_call_output", "reasoning"})

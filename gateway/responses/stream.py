@@ -29,13 +29,15 @@ function ``tools`` (flat)                   ``tools`` (nested under ``function``
 
 The upstream's dialect rules then apply (``gateway.upstream.dialects``: Cerebras drops what it rejects). Dropped on
 purpose, because a chat upstream cannot act on them and they change no output: ``store`` and ``metadata`` (kept
-by the gateway, echoed in the response), ``reasoning.summary`` (no summaries come from chat), caching hints
-(``prompt_cache_retention``, ``prompt_cache_options``), ``stream_options``, ``truncation: "disabled"``. Anything
-else the bridge cannot serve (:func:`unbridgeable`: built-in tools such as ``web_search``, ``file_search``,
-``computer_use``, ``code_interpreter``; ``background``; ``include`` values a chat upstream cannot produce, such as
-``reasoning.encrypted_content``; ``truncation: "auto"``; stored ``prompt`` templates; images by ``file_id``; tool
-outputs with images or files; unknown fields and item types; values of the wrong type) is never dropped: the
-policy sends the request to an upstream that serves it natively, or answers 400 naming the parameter.
+by the gateway, echoed in the response), ``client_metadata`` (Codex CLI's), ``reasoning.summary`` (no summaries come
+from chat), caching hints (``prompt_cache_retention``, ``prompt_cache_options``), ``stream_options``,
+``truncation: "disabled"``, and ``include`` values asking for what a chat upstream never makes
+(``reasoning.encrypted_content``, built-in tools' results): answered without it, as OpenAI answers a model that
+lacks the feature. Anything else the bridge cannot serve (:func:`unbridgeable`: built-in tools such as
+``web_search``, ``file_search``, ``computer_use``, ``code_interpreter``; ``background``; ``truncation: "auto"``;
+stored ``prompt`` templates; images by ``file_id``; tool outputs with images or files; unknown fields and item types;
+values of the wrong type) would change the answer silently, so it is never dropped: the policy sends the request to
+an upstream that serves it natively, or answers 400 naming the parameter.
 
 Response side: a chat completion becomes a Response object (:func:`whole_response`); a chat stream becomes the
 Responses event stream (:class:`BridgeRelay`): ``response.created``, ``response.in_progress``, then per output item
