@@ -28,6 +28,7 @@ def render(path: Path) -> list[dict[str, Any]]:
     assert kubectl, "kubectl is needed to render the kustomizations (.ci/run checks that it is installed)"
     out = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+    assert "Warning" not in out.stderr, out.stderr  # e.g. a deprecated field (bases, commonLabels): kustomize 5 syntax
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
@@ -134,3 +135,17 @@ def test_the_shipped_kubernetes_config_is_valid() -> None:
                          cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert run.returncode == 0, run.stderr
     assert "warnings:" not in run.stdout
+
+
+def test_the_docs_kubernetes_facts_are_the_manifests() -> None:
+    """What docs/operations.md states of the manifests (the termination grace, the drain, where the config is mounted)
+    is what they render."""
+    docs = (ROOT / "docs" / "operations.md").read_text()
+    pod = next(d for d in render(DEPLOY / "base") if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    gateway = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in gateway["env"]}
+    assert f"an {pod['terminationGracePeriodSeconds']} s termination grace" in docs
+    assert f"the {env['GATEWAY_DRAIN_TIMEOUT']} s drain" in docs
+    mount = next(m["mountPath"] for m in gateway["volumeMounts"] if m["name"] == "config")
+    assert env["GATEWAY_CONFIG"] == f"{mount}/gateway.yaml" and f"`{env['GATEWAY_CONFIG']}`" in docs
+    assert "`deploy/kubernetes/config/gateway.yaml`" in docs and (DEPLOY / "config" / "gateway.yaml").exists()
