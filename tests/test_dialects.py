@@ -243,3 +243,31 @@ def test_the_emulators_profile_of_a_dialect_streams_as_its_upstreams_do(dialect:
         assert httpx.post(url + "/responses", json={"model": "m", "input": "hi"}, timeout=10).status_code == 404
     finally:
         emu.stop()
+
+
+# --- found by attack -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tier", [["default"], {"x": 1}, 1, True, "Default", "ultra"])
+def test_groq_forwards_a_service_tier_it_does_not_know_as_sent(tier: Any) -> None:
+    """A list or an object once raised inside the dialect (500 and a traceback): Groq judges what is not OpenAI's."""
+    raw = orjson.dumps({"model": "llama", "service_tier": tier, "messages": [{"role": "user", "content": "hi"}]})
+    assert dialects.DIALECTS["groq"].body(raw, parse_chat_request(raw), "llama", False) == raw.replace(
+        b'"llama"', b'"llama"', 1)
+
+
+def test_groq_flex_capacity_exceeded_is_the_upstreams_trouble() -> None:
+    """Groq's flex tier answers 498 when it is full and says to retry later: a 503, which fails over and which the
+    SDKs retry, never a client's 4xx."""
+    err = dialects.DIALECTS["groq"].status_error(
+        498, b'{"error":{"message":"Flex tier capacity exceeded. Please try again later.","type":"capacity_exceeded",'
+             b'"code":"capacity_exceeded"}}', {})
+    assert (err.status, err.code) == (503, "capacity_exceeded") and err.message.startswith("Flex tier")
+
+
+@pytest.mark.parametrize("reset", ["inf", "1e999", "nan", "-inf"])
+def test_a_429_whose_reset_is_no_number_gets_no_wait(reset: str) -> None:
+    """``x-ratelimit-reset-tokens: inf`` once raised OverflowError (500 and a traceback)."""
+    err = dialects.DIALECTS["openai"].status_error(
+        429, b'{"error":{"message":"slow down","type":"rate_limit_error","code":"rate_limit_exceeded"}}',
+        {"x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": reset, "retry-after": ""})
+    assert err.status == 429 and "retry-after-ms" not in err.headers

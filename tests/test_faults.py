@@ -783,6 +783,23 @@ def test_a_stale_pooled_upstream_connection_is_retried_once_on_a_new_one(fake: E
         proc.stop()
 
 
+def test_a_stale_connection_is_counted_when_the_stream_then_fails_before_its_first_token(
+        fake: EmulatorThread, gw_ttft: Proc) -> None:
+    """The retry on a new connection answered its status line, then no token came: the stale connection is still
+    counted (it was once counted only with the first token)."""
+    stream_ok = Plan(parts=[(0, sse(chunk(role=True), chunk("ok"), chunk(finish="stop")))])
+    stall = Plan(parts=[(0, sse(chunk(role=True), done=False)), (5.0, sse(chunk("late")))])
+    CASES["stale_stream"] = [stream_ok, Plan(drop=True), stall]
+    SEEN.pop("stale_stream", None)
+    before = _metrics(gw_ttft)
+    with httpx.Client(timeout=10) as client:
+        statuses = [client.post(_url(gw_ttft) + "/chat/completions", headers={"x-tiergate-tier": "standard"},
+                                json={"model": "m", "x_case": "stale_stream", "stream": True,
+                                      "messages": MESSAGES}).status_code for _ in range(2)]
+    assert statuses == [200, 504]
+    assert _grew(before, _metrics(gw_ttft), "tiergate_upstream_errors_total", reason="stale_connection") == 1
+
+
 def test_unrequested_usage_chunk_is_dropped_for_every_dialect(fake: EmulatorThread, gw: Proc) -> None:
     """Case 19: a Cerebras-dialect upstream that sends its own ``choices: []`` usage chunk: the client, which did
     not ask for usage, never sees it (clients index ``choices[0]``), and its usage is still counted."""

@@ -95,8 +95,11 @@ class Attempts:
         async with self.open(ex, up, turn.need, path, verdicts) as attempt:
             try:
                 answer = await attempt.send(payload)
-                if not ex.stream:
-                    headers = self.answer_headers(ex, turn.decision, up, turn.plan.reason, answer)
+                # at the status line, as the request's record needs them even if it ends before its first token (a
+                # stale connection counted, the rule and fallback logged); a racer's, once it claimed the request
+                headers = None if race is not None else self.answer_headers(ex, turn.decision, up,
+                                                                            turn.plan.reason, answer)
+                if headers is not None and not ex.stream:
                     return await self.delivery.whole(ex, attempt, answer, headers, turn.decision, turn.facts)
                 relay = self.delivery.relay(ex, attempt, turn.strip_usage, turn.facts)
                 await relay.first(answer, attempt.first_token_by)
@@ -109,17 +112,17 @@ class Attempts:
                     attempt.void()
                     race.lost(cand, attempt, relay)
                 raise
-            reason = turn.plan.reason
             if race is not None:
                 if not race.claim(cand):  # a token too, in the same instant as the winner's: lost all the same
                     attempt.void()
                     race.lost(cand, attempt, relay)
                     return
                 race.won(cand, hedge)
-                reason = "hedge" if hedge else reason
+                reason = "hedge" if hedge else turn.plan.reason
                 if tried > 1:  # the second candidate won: label the request with it
                     attempting(ex, turn.decision, up, tried, reason, overhead=False)
-            headers = self.answer_headers(ex, turn.decision, up, reason, answer)
+                headers = self.answer_headers(ex, turn.decision, up, reason, answer)
+            assert headers is not None
             await self.delivery.deliver(ex, attempt, answer, headers, relay, turn.decision, turn.facts)
 
     async def verdicts(self, turn: Turn, cand: Candidate) -> Verdicts:

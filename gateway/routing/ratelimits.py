@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import re
 from collections.abc import Mapping
 
@@ -20,9 +21,11 @@ def parse_reset(value: str) -> float | None:
     """Seconds from a rate-limit reset header: ``1.5`` (Cerebras), ``6m0s``, ``120ms``, ``1m19.156s`` (OpenAI)."""
     value = value.strip()
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
         pass
+    else:  # inf, nan or 1e999 is no time to wait for
+        return max(0.0, seconds) if math.isfinite(seconds) else None
     parts = _DURATION.findall(value)
     if not parts or "".join(n + u for n, u in parts) != value:
         return None
@@ -35,9 +38,11 @@ def parse_retry_after(headers: Mapping[str, str]) -> float | None:
         value = headers.get(name)
         if value:
             try:
-                return max(0.0, float(value) * scale)
+                seconds = float(value) * scale
             except ValueError:
                 continue
+            if math.isfinite(seconds):  # inf or nan waits for nothing: the next header, else none
+                return max(0.0, seconds)
     return None
 
 

@@ -71,7 +71,8 @@ class Dialect:
         err = upstream_error(status, data, headers)
         if err.status == 429 and "retry-after" not in err.headers and "retry-after-ms" not in err.headers:
             wait = self.retry_wait(headers)
-            if wait is not None:  # both: the openai SDKs read retry-after-ms first, other clients retry-after
+            # both: the openai SDKs read retry-after-ms first, other clients retry-after
+            if wait is not None and math.isfinite(wait):
                 err.headers["retry-after-ms"] = str(max(1, math.ceil(wait * 1000)))
                 err.headers["retry-after"] = str(max(1, math.ceil(wait)))
         return err
