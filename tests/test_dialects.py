@@ -271,3 +271,31 @@ def test_a_429_whose_reset_is_no_number_gets_no_wait(reset: str) -> None:
         429, b'{"error":{"message":"slow down","type":"rate_limit_error","code":"rate_limit_exceeded"}}',
         {"x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": reset, "retry-after": ""})
     assert err.status == 429 and "retry-after-ms" not in err.headers
+
+
+# --- vllm: what llama.cpp's servers need -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra", [b"", b',"max_tokens":null'])
+def test_vllm_sends_the_length_limit_in_both_fields(extra: bytes) -> None:
+    """llama-cpp-python reads max_tokens only; the bridge and newer clients send max_completion_tokens (16 asked,
+    46-2,010 tokens came back)."""
+    raw = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"max_completion_tokens":16' + extra + b"}"
+    doc = _body("vllm", raw)
+    assert doc["max_tokens"] == 16 and doc["max_completion_tokens"] == 16
+    assert _body_bytes("vllm", raw).count(b'"max_tokens"') == 1  # never a second member the parser reads instead
+
+
+def test_vllm_sends_an_assistant_tool_turn_with_empty_content_not_null() -> None:
+    """llama-cpp-python refuses ``content: null`` beside ``tool_calls`` (valid OpenAI, what the bridge sends)."""
+    turn = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    raw = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}, turn,
+                                                   {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]})
+    doc = _body("vllm", raw)
+    assert doc["messages"][1] == {**turn, "content": ""} and doc["messages"][0]["content"] == "hi"
+    plain = b'{"model":"m","messages":[{"role":"user","content":"null"}]}'
+    assert _body_bytes("vllm", plain, model="m") == plain  # nothing to change: the client's bytes
+
+
+def _body_bytes(dialect: str, raw: bytes, model: str = "up-model") -> bytes:
+    return dialects.DIALECTS[dialect].body(raw, parse_chat_request(raw), model, False)

@@ -1,22 +1,56 @@
 """The ``vllm`` dialect: OpenAI-compatible inference servers run by the user (vLLM, SGLang, llama.cpp's
 ``llama-server`` and ``llama-cpp-python``), the usual open-weight standard tier and a home-grown fast one.
 
-Facts (vLLM's and llama.cpp's server docs; the recorded ``vllm_chat_stream`` and ``llamacpp_*`` fixtures):
-their extra sampling fields (``chat_template_kwargs``, ``min_tokens``, ``top_k``, ``repetition_penalty``, ...) are
-the client's and pass through byte for byte; a stream reports usage only when ``stream_options.include_usage`` asks
-(the gateway asks, so every stream is counted); a prompt over the context window is answered 400 (vLLM) or 500
-(llama.cpp, older vLLM), both read as 400 ``context_length_exceeded``; an error event may put the status in an
-integer ``code``; no rate-limit headers; the Responses API is partial or missing, so it is served through the bridge,
-and ``/v1/completions`` and ``/v1/embeddings`` by the passthrough.
+Facts (vLLM's and llama.cpp's server docs; the recorded ``vllm_chat_stream`` and ``llamacpp_*`` fixtures; a
+llama.cpp server behind the gateway): their extra sampling fields (``chat_template_kwargs``, ``min_tokens``,
+``top_k``, ``repetition_penalty``, ...) are the client's and pass through byte for byte; a stream reports usage only
+when ``stream_options.include_usage`` asks (the gateway asks, so every stream is counted; one that still sends none
+is counted from its token chunks, marked estimated); ``llama-cpp-python`` reads ``max_tokens`` only and ignores
+``max_completion_tokens`` (what the Responses bridge and newer clients send), so the limit is sent in both; it
+also refuses an assistant turn whose ``content`` is null beside its ``tool_calls`` (valid OpenAI, what the bridge
+sends for a tool call), so such a turn gets ``""``; a prompt over the context window is answered 400 (vLLM,
+``llama-server``) or 500 (``llama-cpp-python``, older vLLM), both read as 400 ``context_length_exceeded``; an error
+event may put the status in an integer ``code``; no rate-limit headers; the Responses API is partial or missing, so
+it is served through the bridge, and ``/v1/completions`` and ``/v1/embeddings`` by the passthrough.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from gateway.upstream.dialects.base import Dialect
+from gateway.wire.body import dumps, replace_top_level
 
 
 class VLLM(Dialect):
-    """Self-hosted OpenAI-compatible servers: OpenAI's rules; what differs is declared in ``gateway.config``
-    (served through the bridge) and read by the shared error rules (``gateway.errors``)."""
+    """Self-hosted OpenAI-compatible servers: OpenAI's rules, the length limit in both fields, and no null content
+    beside tool calls (both only when the request has them: other bodies are the client's bytes)."""
 
     name = "vllm"
+
+    def body(self, raw: bytes, body: Mapping[str, Any], upstream_model: str, ask_usage: bool) -> bytes:
+        """As OpenAI's, with ``max_tokens`` beside a ``max_completion_tokens`` that has none, and an assistant
+        turn's null ``content`` beside ``tool_calls`` sent as ``""``."""
+        limit = body.get("max_completion_tokens")
+        if limit is not None and body.get("max_tokens") is None:
+            if "max_tokens" in body:  # null: replaced, never a second member the parser would read instead
+                raw = replace_top_level(raw, b"max_tokens", dumps(limit))
+            else:  # a member added in front: the client's bytes stay as they are
+                start = raw.index(b"{") + 1
+                raw = raw[:start] + b'"max_tokens":' + dumps(limit) + b"," + raw[start:]
+            body = {**body, "max_tokens": limit}
+        if b"null" in raw and _null_beside_calls(body.get("messages")):  # the bytes test spares the scan
+            messages = [{**m, "content": ""} if _null_turn(m) else m for m in body["messages"]]
+            raw = replace_top_level(raw, b"messages", dumps(messages))
+            body = {**body, "messages": messages}
+        return super().body(raw, body, upstream_model, ask_usage)
+
+
+def _null_turn(message: Any) -> bool:
+    return (isinstance(message, dict) and message.get("role") == "assistant" and "content" in message
+            and message["content"] is None and bool(message.get("tool_calls")))
+
+
+def _null_beside_calls(messages: Any) -> bool:
+    return isinstance(messages, list) and any(_null_turn(m) for m in messages)
