@@ -19,6 +19,7 @@ import orjson
 import pytest
 
 from gateway.config.upstreams import UpstreamConfig
+from gateway.errors import UpstreamBadResponse, UpstreamStatusError
 from gateway.stream.relay import Relay
 from gateway.stream.stats import StreamStats
 from gateway.upstream import dialects
@@ -299,3 +300,31 @@ def test_vllm_sends_an_assistant_tool_turn_with_empty_content_not_null() -> None
 
 def _body_bytes(dialect: str, raw: bytes, model: str = "up-model") -> bytes:
     return dialects.DIALECTS[dialect].body(raw, parse_chat_request(raw), model, False)
+
+
+def _vllm_upstream(window: int | None) -> UpstreamConfig:
+    return UpstreamConfig.model_validate({"name": "llama", "tier": "standard", "base_url": "http://127.0.0.1:1/v1",
+                                          "dialect": "vllm", "models": {"m": "m"}, "context_window": window})
+
+
+def test_vllm_an_empty_stream_for_a_prompt_over_the_window_is_the_clients_400() -> None:
+    """llama-cpp-python answers a streamed over-long prompt with 200 and an empty body: the gateway's estimate says
+    the prompt does not fit the configured window, so it is the client's 400, not an upstream failure."""
+    empty = UpstreamBadResponse("The upstream answered 200 with an empty event stream.", code="upstream_empty_stream")
+    vllm = dialects.DIALECTS["vllm"]
+    err = vllm.cause(empty, _vllm_upstream(512), 900)
+    assert isinstance(err, UpstreamStatusError) and (err.status, err.code) == (400, "context_length_exceeded")
+    assert vllm.cause(empty, _vllm_upstream(512), 100) is empty  # it fits: the upstream's trouble
+    assert vllm.cause(empty, _vllm_upstream(None), 900) is empty  # no window known: nothing to say
+    assert dialects.DIALECTS["openai"].cause(empty, _vllm_upstream(512), 900) is empty
+
+
+def test_vllm_a_500_that_is_request_validation_is_a_400_without_server_paths() -> None:
+    body = (b'{"error":{"message":"1 validation error for CreateChatCompletionRequest\\nmessages.1.content\\n  Input '
+            b'should be a valid string [type=string_type]\\n  File \\"/usr/lib/python3/site-packages/llama_cpp/server/'
+            b'app.py\\", line 42","type":"internal_server_error","code":500}}')
+    err = dialects.DIALECTS["vllm"].status_error(500, body, {})
+    assert (err.status, err.error_type) == (400, "invalid_request_error")
+    assert "/usr/lib" not in err.message and "Input should be a valid string" in err.message
+    other = dialects.DIALECTS["vllm"].status_error(500, b'{"error":{"message":"CUDA out of memory"}}', {})
+    assert other.status == 500  # a server's own trouble stays its own

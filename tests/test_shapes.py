@@ -173,3 +173,26 @@ def test_a_compressed_error_body_on_the_passthrough_is_read_decoded(gw: Proc) ->
 def _no_leftovers(tmp_path: Path) -> Iterator[None]:
     yield
     CASES.clear()
+
+
+def test_an_empty_stream_for_a_prompt_no_tier_holds_is_the_clients_400(fake: EmulatorThread, tmp_path: Path) -> None:
+    """Both tiers are llama.cpp servers (vllm dialect) with a 100-token window; each answers a streamed over-long
+    prompt with 200 and an empty body: the client gets 400 context_length_exceeded, not 502, and no breaker opens
+    however often it is sent."""
+    CASES["empty"] = Plan(headers=EVENTS, parts=[(0, b"")])
+    health = {"failures": 2}  # two upstream failures would open a breaker
+    cfg = {"upstreams": [
+        {"name": f"ll-{tier}", "tier": tier, "base_url": fake.base_url, "dialect": "vllm", "context_window": 100,
+         "health": health, "models": {"m": f"m-{tier}"}} for tier in ("fast", "standard")]}
+    proc, _ = start_gateway(cfg, tmp_path)
+    try:
+        prompt = "case=empty " + "word " * 400  # ~400 tokens by the gateway's estimate
+        for _ in range(4):
+            r = httpx.post(f"http://127.0.0.1:{proc.port}/v1/chat/completions", timeout=10,
+                           json={"model": "m", "stream": True, "messages": [{"role": "user", "content": prompt}]})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        ok = httpx.post(f"http://127.0.0.1:{proc.port}/v1/chat/completions", timeout=10,
+                        json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        assert ok.status_code == 200, ok.text  # nothing rests: the upstreams did nothing wrong
+    finally:
+        proc.stop()

@@ -190,8 +190,10 @@ class Attempt:
     def failed(self, exc: GatewayError) -> GatewayError:
         """The attempt failed with ``exc`` (told to the upstream's health once); returns the error to answer, fail over
         and count by: ``exc``, or, when it is a 401 or 403 the upstream gave the gateway's own key (an error event of a
-        200 stream included), an :class:`UpstreamAuthFailed` (logged here)."""
-        exc = self._judged(exc)
+        200 stream included), an :class:`UpstreamAuthFailed` (logged here); what the upstream's dialect reads the
+        failure as (:meth:`~gateway.upstream.dialects.base.Dialect.cause`: an empty stream from a server the prompt
+        does not fit is the client's 400)."""
+        exc = self._judged(self.dialect.cause(exc, self.upstream, self._need))
         self._error = exc
         if not self._verdict:
             self._verdict = True

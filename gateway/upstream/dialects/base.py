@@ -18,7 +18,8 @@ import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from gateway.errors import UpstreamStatusError, event_error, upstream_error
+from gateway.config.upstreams import UpstreamConfig
+from gateway.errors import GatewayError, UpstreamStatusError, event_error, upstream_error
 from gateway.routing.ratelimits import retry_wait
 from gateway.wire.body import dumps, loads_exact, needs_exact, openai_body
 
@@ -76,6 +77,11 @@ class Dialect:
                 err.headers["retry-after-ms"] = str(max(1, math.ceil(wait * 1000)))
                 err.headers["retry-after"] = str(max(1, math.ceil(wait)))
         return err
+
+    def cause(self, exc: GatewayError, upstream: UpstreamConfig, need_tokens: int) -> GatewayError:
+        """What a failed attempt's ``exc`` means for this kind of upstream, given the request's estimated
+        ``need_tokens`` (prompt plus ``max_tokens``): ``exc`` itself unless a dialect knows better."""
+        return exc
 
     def event_error(self, event: dict[str, Any]) -> UpstreamStatusError:
         """The error an SSE error event (or a JSON error body answering a stream request) carries, with the status it

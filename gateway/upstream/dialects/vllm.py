@@ -16,9 +16,12 @@ it is served through the bridge, and ``/v1/completions`` and ``/v1/embeddings`` 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.config.upstreams import UpstreamConfig
+from gateway.errors import GatewayError, UpstreamStatusError
 from gateway.upstream.dialects.base import Dialect
 from gateway.wire.body import dumps, replace_top_level
 
@@ -45,6 +48,41 @@ class VLLM(Dialect):
             raw = replace_top_level(raw, b"messages", dumps(messages))
             body = {**body, "messages": messages}
         return super().body(raw, body, upstream_model, ask_usage)
+
+
+    def cause(self, exc: GatewayError, upstream: UpstreamConfig, need_tokens: int) -> GatewayError:
+        """An empty 200 stream from a server whose ``context_window`` the request's estimate exceeds is the prompt
+        overflowing it (llama-cpp-python answers a streamed over-long prompt so): the client's 400, which no other
+        upstream is tried with and which rests nobody; a 500 that reads as the server's request validation is a
+        400 too. Anything else: ``exc``."""
+        window = upstream.context_window
+        if exc.code == "upstream_empty_stream" and window is not None and need_tokens > window:
+            return UpstreamStatusError(400, f"This model's maximum context length is {window} tokens, and the request "
+                                       f"needs about {need_tokens} (the upstream answered an empty stream).",
+                                       error_type="invalid_request_error", param="messages",
+                                       code="context_length_exceeded")
+        return exc
+
+    def status_error(self, status: int, data: bytes, headers: Mapping[str, str]) -> UpstreamStatusError:
+        """As OpenAI's; a 500 whose message is the server's request validation (pydantic's words, as
+        llama-cpp-python answers a body it refuses) is the client's 400, and a server's file paths are not passed
+        on."""
+        err = super().status_error(status, data, headers)
+        message = _PATHS.sub("<server file>", err.message)
+        if err.status == 500 and _VALIDATION.search(message):
+            return UpstreamStatusError(400, message, error_type="invalid_request_error", param=err.param,
+                                       code=err.code if err.code and not err.code.isdigit() else "invalid_request",
+                                       headers=err.headers)
+        if message != err.message:
+            return UpstreamStatusError(err.status, message, error_type=err.error_type, param=err.param,
+                                       code=err.code, headers=err.headers)
+        return err
+
+
+# pydantic's validation wording (what llama-cpp-python's FastAPI server answers 500 with for a body it refuses)
+_VALIDATION = re.compile(r"validation error|Input should be|Field required|Extra inputs are not permitted")
+# a server-side source path in an error message (a Python traceback's file): not the client's business
+_PATHS = re.compile(r"(?:/[\w.+-]+){2,}\.(?:py|cpp|c|h|hpp)\b")
 
 
 def _null_turn(message: Any) -> bool:
