@@ -251,8 +251,7 @@ class Relay:
                 (inside an event, or between events).
         """
         if not self._events:
-            raise UpstreamBadResponse("The upstream answered 200 with an empty event stream.",
-                                      code="upstream_empty_stream")
+            raise UpstreamBadResponse("The upstream answered 200 with no event.", code="upstream_empty_stream")
         if not self.stats.finished:
             where = "inside an event" if self._scanner.pending else "before its answer was finished"
             raise UpstreamUnavailable(f"The upstream stream ended {where}, before its first token.",
