@@ -162,6 +162,11 @@ class UpstreamBadResponse(GatewayError):
     code = "upstream_bad_response"
 
 
+class EmptyStream(UpstreamBadResponse):
+    """502: the upstream answered a stream request 200 with no event at all (what it means depends on the upstream:
+    its dialect may know the cause, ``gateway.upstream.dialects``)."""
+
+
 class UpstreamTimeout(GatewayError):
     """504: the upstream did not answer within its configured timeout."""
 

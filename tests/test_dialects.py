@@ -19,7 +19,7 @@ import orjson
 import pytest
 
 from gateway.config.upstreams import UpstreamConfig
-from gateway.errors import UpstreamBadResponse, UpstreamStatusError
+from gateway.errors import EmptyStream, UpstreamStatusError
 from gateway.stream.relay import Relay
 from gateway.stream.stats import StreamStats
 from gateway.upstream import dialects
@@ -310,7 +310,7 @@ def _vllm_upstream(window: int | None) -> UpstreamConfig:
 def test_vllm_an_empty_stream_for_a_prompt_over_the_window_is_the_clients_400() -> None:
     """llama-cpp-python answers a streamed over-long prompt with 200 and an empty body: the gateway's estimate says
     the prompt does not fit the configured window, so it is the client's 400, not an upstream failure."""
-    empty = UpstreamBadResponse("The upstream answered 200 with an empty event stream.", code="upstream_empty_stream")
+    empty = EmptyStream("The upstream answered 200 with an empty event stream.")
     vllm = dialects.DIALECTS["vllm"]
     err = vllm.cause(empty, _vllm_upstream(512), 900)
     assert isinstance(err, UpstreamStatusError) and (err.status, err.code) == (400, "context_length_exceeded")

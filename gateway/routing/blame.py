@@ -13,7 +13,7 @@ from gateway.errors import GatewayError, UpstreamStatusError
 # failures without a status that a request's content can cause (gateway.errors codes): a first token or an answer that
 # never comes (a prompt that takes the upstream too long), a broken, oversized or nonsensical answer
 SHAPED_CODES = frozenset({"upstream_ttft_timeout", "upstream_idle_timeout", "upstream_stream_interrupted",
-                          "upstream_event_too_large", "upstream_bad_response", "upstream_empty_stream"})
+                          "upstream_event_too_large", "upstream_bad_response"})
 
 
 MAX_SOURCES = 1024  # sources whose recent request-shaped failures an upstream remembers (the least recent go first)

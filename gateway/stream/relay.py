@@ -41,6 +41,7 @@ from typing import Any
 from orjson import JSONDecodeError, loads
 
 from gateway.errors import (
+    EmptyStream,
     GatewayError,
     StreamInterrupted,
     UpstreamBadResponse,
@@ -247,11 +248,10 @@ class Relay:
         """The body ended before its first token: a failure (nothing was sent), unless the answer was complete.
 
         Raises:
-            UpstreamBadResponse: it held no event at all; UpstreamUnavailable: it ended before every choice finished
-                (inside an event, or between events).
+            EmptyStream: it held no event; UpstreamUnavailable: it ended before every choice had finished.
         """
         if not self._events:
-            raise UpstreamBadResponse("The upstream answered 200 with no event.", code="upstream_empty_stream")
+            raise EmptyStream("The upstream answered 200 with an empty event stream.")
         if not self.stats.finished:
             where = "inside an event" if self._scanner.pending else "before its answer was finished"
             raise UpstreamUnavailable(f"The upstream stream ended {where}, before its first token.",

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.config.upstreams import UpstreamConfig
-from gateway.errors import GatewayError, UpstreamStatusError
+from gateway.errors import EmptyStream, GatewayError, UpstreamStatusError
 from gateway.upstream.dialects.base import Dialect
 from gateway.wire.body import dumps, replace_top_level
 
@@ -56,7 +56,7 @@ class VLLM(Dialect):
         upstream is tried with and which rests nobody; a 500 that reads as the server's request validation is a
         400 too. Anything else: ``exc``."""
         window = upstream.context_window
-        if exc.code == "upstream_empty_stream" and window is not None and need_tokens > window:
+        if isinstance(exc, EmptyStream) and window is not None and need_tokens > window:
             return UpstreamStatusError(400, f"This model's maximum context length is {window} tokens, and the request "
                                        f"needs about {need_tokens} (the upstream answered an empty stream).",
                                        error_type="invalid_request_error", param="messages",
