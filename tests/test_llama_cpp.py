@@ -64,7 +64,7 @@ class Llama:
 def _binary() -> Path:
     path = build.binary()
     if not path.exists():
-        why = (f"llama-server is not built: {path} is missing (`python tests/llamacpp/server.py` builds it, ~15 min "
+        why = (f"llama-server is not built: {path} is missing (`python tests/llamacpp/server.py` builds it, ~7 min "
                f"on 2 cores; .ci/run does; or set {build.ENV} to a llama-server binary)")
         if os.environ.get("CI"):
             pytest.fail(why)
