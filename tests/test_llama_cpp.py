@@ -354,13 +354,7 @@ TIME_TOOL = {"type": "function", "function": {**TOOL_CHAT["function"], "name": "
                                               "description": "Current time in a city."}}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "llama-server (this build) reads `tool_choice` only as a string (auto, none, required): the object naming a "
-    "function, which chat clients send and the bridge makes of Responses' {type: function, name}, is ignored "
-    "(its log: \"Wrong type supplied for parameter 'tool_choice', using default value: type must be string, but is "
-    "object\") and the request runs as auto; offered get_weather and get_time and told get_time, it calls "
-    "get_weather. The gateway forwards the object as is (vllm dialect); a fix: send `required` with only the named "
-    "tool"))
+# llama-server reads tool_choice only as a string; the vllm dialect sends a named one as "required" with that tool
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_a_named_tool_choice_calls_that_tool(llama: Llama, api: str) -> None:
     client = llama.client()

@@ -1,17 +1,19 @@
 """The ``vllm`` dialect: OpenAI-compatible inference servers run by the user (vLLM, SGLang, llama.cpp's
 ``llama-server`` and ``llama-cpp-python``), the usual open-weight standard tier and a home-grown fast one.
 
-Facts (vLLM's and llama.cpp's server docs; the recorded ``vllm_chat_stream`` and ``llamacpp_*`` fixtures; a
-llama.cpp server behind the gateway): their extra sampling fields (``chat_template_kwargs``, ``min_tokens``,
-``top_k``, ``repetition_penalty``, ...) are the client's and pass through byte for byte; a stream reports usage only
-when ``stream_options.include_usage`` asks (the gateway asks, so every stream is counted; one that still sends none
-is counted from its token chunks, marked estimated); ``llama-cpp-python`` reads ``max_tokens`` only and ignores
-``max_completion_tokens`` (what the Responses bridge and newer clients send), so the limit is sent in both; it
-also refuses an assistant turn whose ``content`` is null beside its ``tool_calls`` (valid OpenAI, what the bridge
-sends for a tool call), so such a turn gets ``""``; a prompt over the context window is answered 400 (vLLM,
-``llama-server``) or 500 (``llama-cpp-python``, older vLLM), both read as 400 ``context_length_exceeded``; an error
-event may put the status in an integer ``code``; no rate-limit headers; the Responses API is partial or missing, so
-it is served through the bridge, and ``/v1/completions`` and ``/v1/embeddings`` by the passthrough.
+Facts (vLLM's and llama.cpp's server docs; the recorded ``vllm_chat_stream`` and ``llamacpp_*`` fixtures; a llama.cpp
+server behind the gateway): their extra sampling fields (``chat_template_kwargs``, ``min_tokens``, ``top_k``,
+``repetition_penalty``, ...) are the client's and pass through byte for byte; a stream reports usage only when
+``stream_options.include_usage`` asks (the gateway asks, so every stream is counted; one that still sends none is
+counted from its token chunks, marked estimated); ``llama-cpp-python`` reads ``max_tokens`` only and ignores
+``max_completion_tokens`` (what the Responses bridge and newer clients send), so the limit is sent in both; it also
+refuses an assistant turn whose ``content`` is null beside its ``tool_calls`` (valid OpenAI, what the bridge sends for a
+tool call), so such a turn gets ``""``; ``llama-server`` reads ``tool_choice`` only as a string and runs a choice naming
+a function as ``auto``, so that is sent as ``required`` with the named tool alone; a prompt over the context window is
+answered 400 (vLLM, ``llama-server``) or 500 (``llama-cpp-python``, older vLLM), both read as 400
+``context_length_exceeded``; an error event may put the status in an integer ``code``; no rate-limit headers; the
+Responses API is partial or missing, so it is served through the bridge, and ``/v1/completions`` and ``/v1/embeddings``
+by the passthrough.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ class VLLM(Dialect):
     name = "vllm"
 
     def body(self, raw: bytes, body: Mapping[str, Any], upstream_model: str, ask_usage: bool) -> bytes:
-        """As OpenAI's, with ``max_tokens`` beside a ``max_completion_tokens`` that has none, and an assistant
-        turn's null ``content`` beside ``tool_calls`` sent as ``""``."""
+        """As OpenAI's, with ``max_tokens`` beside a ``max_completion_tokens`` that has none, a ``tool_choice`` naming
+        a function sent as ``required`` with that tool alone, and an assistant turn's null ``content`` beside
+        ``tool_calls`` sent as ``""``."""
         limit = body.get("max_completion_tokens")
         if limit is not None and body.get("max_tokens") is None:
             if "max_tokens" in body:  # null: replaced, never a second member the parser would read instead
@@ -43,6 +46,10 @@ class VLLM(Dialect):
                 start = raw.index(b"{") + 1
                 raw = raw[:start] + b'"max_tokens":' + dumps(limit) + b"," + raw[start:]
             body = {**body, "max_tokens": limit}
+        named = _named_tools(body)
+        if named is not None:  # llama-server reads tool_choice as a string only: "required" with that tool alone
+            raw = replace_top_level(replace_top_level(raw, b"tool_choice", b'"required"'), b"tools", dumps(named))
+            body = {**body, "tool_choice": "required", "tools": named}
         if b"null" in raw and _null_beside_calls(body.get("messages")):  # the bytes test spares the scan
             messages = [{**m, "content": ""} if _null_turn(m) else m for m in body["messages"]]
             raw = replace_top_level(raw, b"messages", dumps(messages))
@@ -83,6 +90,19 @@ class VLLM(Dialect):
 _VALIDATION = re.compile(r"validation error|Input should be|Field required|Extra inputs are not permitted")
 # a server-side source path in an error message (a Python traceback's file): not the client's business
 _PATHS = re.compile(r"(?:/[\w.+-]+){2,}\.(?:py|cpp|c|h|hpp)\b")
+
+
+def _named_tools(body: Mapping[str, Any]) -> list[Any] | None:
+    """The tools of a request whose ``tool_choice`` names one function (``{"type": "function", "function":
+    {"name"}}``): that function's tool alone; None for any other choice, or a name no tool has (the server says)."""
+    choice = body.get("tool_choice")
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or not isinstance(body.get("tools"), list):
+        return None
+    named = [t for t in body["tools"] if isinstance(t, dict) and isinstance(t.get("function"), dict)
+             and t["function"].get("name") == name]
+    return named or None
 
 
 def _null_turn(message: Any) -> bool:
