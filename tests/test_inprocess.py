@@ -156,7 +156,7 @@ async def test_a_whole_answer_and_bad_input(rig: Any) -> None:
     (Plan(drop=True), "upstream_unavailable"),
     (Plan(parts=[(0, sse('{"error":{"message":"overloaded","type":"server_error"}}'))]), "upstream_5xx"),
     (Plan(parts=[(0, sse(chunk(role=True), done=False))], end="reset"), "upstream_stream_interrupted"),
-    (Plan(parts=[(0, sse(chunk(role=True), done=False)), (1.0, sse(chunk("late")))]), "upstream_idle_timeout"),
+    (Plan(parts=[(0, sse(chunk(role=True), done=False)), (3.0, sse(chunk("late")))]), "upstream_idle_timeout"),
 ])
 async def test_a_failure_before_the_first_token_fails_over(rig: Any, plan: Plan, reason: str) -> None:
     rig.plans["m-f:fault"] = [plan]
