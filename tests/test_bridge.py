@@ -533,3 +533,57 @@ def test_an_error_event_with_objects_where_names_go_is_still_read() -> None:
 
     err = event_error({"error": {"message": "bad", "type": {"kind": "x"}, "code": {"n": 1}}})
     assert err.status == 500 and err.message == "bad"
+
+
+# --- Codex CLI's tools: namespaces of functions and freeform custom tools, in an additional_tools input item -------
+
+CODEX_TOOLS = {"type": "additional_tools", "role": "developer", "tools": [
+    {"type": "namespace", "name": "functions", "description": "", "tools": [
+        {"type": "custom", "name": "exec", "description": "Run JavaScript.",
+         "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}},
+        {"type": "function", "name": "wait", "description": "Wait.", "strict": False,
+         "parameters": {"type": "object", "properties": {"ms": {"type": "number"}}}}]}]}
+
+
+def test_codex_tools_are_offered_as_chat_functions_and_its_calls_go_back_as_tool_calls() -> None:
+    body = {"model": "m", "input": [CODEX_TOOLS, {"type": "message", "role": "user", "content": "hi"},
+                                    {"type": "custom_tool_call", "call_id": "c1", "name": "exec", "input": "1+1"},
+                                    {"type": "custom_tool_call_output", "call_id": "c1", "output": "2"}],
+            "client_metadata": {"session_id": "s"}, "include": ["reasoning.encrypted_content"],
+            "reasoning": {"effort": "low", "context": "all_turns"}}
+    assert unbridgeable(body) is None
+    chat = chat_request(body, [])
+    tools = {t["function"]["name"]: t["function"] for t in chat["tools"]}
+    assert set(tools) == {"exec", "wait"}
+    assert tools["exec"]["parameters"]["required"] == ["input"] and "start: /.+/" in tools["exec"]["description"]
+    assert chat["messages"] == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "exec", "arguments": '{"input":"1+1"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+
+
+def test_a_call_of_a_custom_tool_is_a_custom_tool_call_whole_and_streamed() -> None:
+    completion = {"id": "c", "object": "chat.completion", "model": "m", "choices": [{
+        "index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "exec", "arguments": '{"input":"1+1"}'}}]}}]}
+    whole = whole_response(completion, _draft(input=[CODEX_TOOLS, {"role": "user", "content": "hi"}]))
+    assert [(i["type"], i["name"], i["input"]) for i in whole["output"]] == [("custom_tool_call", "exec", "1+1")]
+
+
+async def test_a_streamed_custom_tool_call_gives_its_input_whole_at_the_end() -> None:
+    def piece(args: str, first: bool) -> str:
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": args}}
+        if first:
+            call.update(id="call_1", type="function", function={"name": "exec", "arguments": args})
+        return orjson.dumps({"id": "c", "object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": {"tool_calls": [call]}}]}).decode()
+    events, _ = await _bridge([sse(chunk(role=True), piece('{"inp', True), piece('ut":"1+1"}', False),
+                                   chunk(finish="tool_calls"))],
+                              input=[CODEX_TOOLS, {"role": "user", "content": "hi"}])
+    kinds = [e["type"] for e in events]
+    assert "response.function_call_arguments.delta" not in kinds
+    done = next(e for e in events if e["type"] == "response.custom_tool_call_input.done")
+    assert done["input"] == "1+1"
+    item = events[-1]["response"]["output"][0]
+    assert (item["type"], item["call_id"], item["input"]) == ("custom_tool_call", "call_1", "1+1")

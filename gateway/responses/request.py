@@ -31,7 +31,11 @@ _INCLUDES = frozenset({"message.output_text.logprobs", "message.input_image.imag
                        "computer_call_output.output.image_url", "file_search_call.results"})
 
 
-_ITEMS = frozenset({"message", "function_call", "function_call_output", "reasoning"})
+_ITEMS = frozenset({"message", "function_call", "function_call_output", "reasoning", "custom_tool_call",
+                    "custom_tool_call_output", "additional_tools"})
+# tool types the bridge offers a chat upstream: functions, freeform ``custom`` tools (as a function taking one string,
+# ``input``), and ``namespace`` groups of those (Codex CLI sends its tools so, in an ``additional_tools`` input item)
+_TOOLS = frozenset({"function", "custom", "namespace"})
 
 
 _PARTS = frozenset({"input_text", "output_text", "input_image", "input_file", "refusal", "text"})
@@ -117,12 +121,12 @@ def _field_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
 
 
 def _tool_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
-    for tool in _list(body.get("tools")):
+    for tool in offered_tools(body, flat=False):
         kind = _dict(tool).get("type")
-        if kind != "function":
-            return "tools", f"the `{kind}` tool runs inside the Responses API; only function tools are bridged"
+        if kind not in _TOOLS:
+            return "tools", f"the `{kind}` tool runs inside the Responses API; function and custom tools are bridged"
     choice = body.get("tool_choice")
-    if isinstance(choice, dict) and choice.get("type") != "function":
+    if isinstance(choice, dict) and choice.get("type") not in ("function", "custom"):
         return "tool_choice", f"tool_choice of type `{choice.get('type')}` needs the Responses API itself"
     return None
 
@@ -198,7 +202,7 @@ def chat_request(body: Mapping[str, Any], history: list[dict[str, Any]]) -> dict
         messages.append({"role": "system", "content": body["instructions"]})
     messages += _messages([*history, *input_items(body)])
     chat: dict[str, Any] = {"model": body["model"], "messages": messages}
-    tools = [_chat_tool(t) for t in _list(body.get("tools"))]
+    tools = [_chat_tool(t) for t in offered_tools(body)]
     if tools:
         chat["tools"] = tools
     choice = body.get("tool_choice")
@@ -237,8 +241,38 @@ def _output_options(body: Mapping[str, Any], chat: dict[str, Any]) -> None:
 
 
 def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    if tool.get("type") == "custom":  # freeform: the model writes the tool's input as one string
+        fmt = _dict(tool.get("format"))
+        about = tool.get("description") or ""
+        if fmt.get("type") == "grammar":
+            about += f"\n\nThe input follows this {fmt.get('syntax', '')} grammar:\n{fmt.get('definition', '')}"
+        return {"type": "function", "function": {"name": tool.get("name"), "description": about, "parameters": {
+            "type": "object", "properties": {"input": {"type": "string", "description": "the tool's whole input"}},
+            "required": ["input"]}}}
     fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
     return {"type": "function", "function": fn}
+
+
+def offered_tools(body: Mapping[str, Any], flat: bool = True) -> list[dict[str, Any]]:
+    """The tools a Responses request offers: ``tools`` and those of its ``additional_tools`` input items (Codex CLI's
+    form); with ``flat``, a ``namespace``'s tools in its place (chat has no namespaces: names are its tools')."""
+    found = [*_list(body.get("tools"))]
+    for item in _list(body.get("input")):
+        if isinstance(item, dict) and item.get("type") == "additional_tools":
+            found += _list(item.get("tools"))
+    out: list[dict[str, Any]] = []
+    for tool in found:
+        if flat and _dict(tool).get("type") == "namespace":
+            out += [t for t in _list(tool.get("tools")) if isinstance(t, dict)]
+        elif isinstance(tool, dict):
+            out.append(tool)
+    return out
+
+
+def custom_tool_names(body: Mapping[str, Any]) -> frozenset[str]:
+    """The names of the freeform ``custom`` tools a request offers: their calls are answered as ``custom_tool_call``."""
+    return frozenset(t["name"] for t in offered_tools(body) if t.get("type") == "custom" and isinstance(t.get("name"),
+                                                                                                          str))
 
 
 def _messages(items: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -253,17 +287,19 @@ def _messages(items: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                 continue  # nothing said (a response that failed before its text): chat APIs refuse it
             out.append(msg)
             assistant_open = msg["role"] == "assistant"
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
+            arguments = item.get("arguments") or "" if kind == "function_call" else orjson.dumps(
+                {"input": item.get("input") or ""}).decode()  # a freeform call as the function it was offered as
             call = {"id": item.get("call_id") or item.get("id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or ""}}
+                    "function": {"name": item.get("name"), "arguments": arguments}}
             if not assistant_open:
                 out.append({"role": "assistant", "content": None})
                 assistant_open = True
             out[-1].setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(item.get("output"))})
             assistant_open = False
-        # reasoning items: a chat upstream takes no reasoning input
+        # reasoning items: a chat upstream takes no reasoning input; additional_tools: offered as chat tools
     return out
 
 

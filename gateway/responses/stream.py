@@ -14,7 +14,9 @@ Responses                                   chat completions
 ``function_call`` items                     the assistant message's ``tool_calls`` (consecutive calls: one)
 ``function_call_output`` items              ``tool`` messages
 ``reasoning`` items                         dropped (chat upstreams take no reasoning input)
-function ``tools`` (flat)                   ``tools`` (nested under ``function``)
+function ``tools`` (flat)                   ``tools`` (nested under ``function``); ``custom`` tools as functions of
+``namespace`` groups, ``additional_tools``  one string ``input``; namespaces' tools by their names; a custom tool's
+items, ``custom_tool_call(_output)``        call answered as ``custom_tool_call``
 ``tool_choice``, ``parallel_tool_calls``    the same (a named function nested)
 ``max_output_tokens``                       ``max_completion_tokens``
 ``temperature``, ``top_p``, ``user``,       the same
@@ -59,7 +61,7 @@ import orjson
 from gateway.errors import event_error
 from gateway.responses.ids import new_id
 from gateway.responses.request import _dict, _list
-from gateway.responses.whole import _INCOMPLETE, Draft, _content_text, _logprobs, _str, response_usage
+from gateway.responses.whole import _INCOMPLETE, Draft, _content_text, _logprobs, _str, custom_input, response_usage
 from gateway.stream.relay import Relay
 from gateway.stream.sse import SSEEvent
 from gateway.stream.stats import Write, delta_has_token
@@ -110,6 +112,9 @@ class _Item:
         if self.kind == "function_call":
             return {"id": self.id, "type": "function_call", "status": status, "call_id": self.call_id,
                     "name": self.name, "arguments": self.text}
+        if self.kind == "custom_tool_call":
+            return {"id": self.id, "type": "custom_tool_call", "status": status, "call_id": self.call_id,
+                    "name": self.name, "input": custom_input(self.text) if status != "in_progress" else ""}
         held = status != "in_progress"
         if self.kind == "reasoning":
             content = [{"type": "reasoning_text", "text": self.text}] if held else []
@@ -295,7 +300,9 @@ class BridgeRelay(Relay):
             item = None
         if item is None or item.done:
             self._close_open(out)
-            item = _Item(len(self._items), "function_call", "fc_tg")
+            custom = name in self.draft.custom
+            item = _Item(len(self._items), "custom_tool_call" if custom else "function_call",
+                         "ctc_tg" if custom else "fc_tg")
             # a call id the stream already used would make two calls one for the client (and its SDK refuses it)
             item.call_id = cid if cid and all(c.call_id != cid for c in self._calls.values()) else new_id("call_tg")
             item.source_id = cid
@@ -310,7 +317,8 @@ class BridgeRelay(Relay):
             arguments = dumps(arguments).decode()
         if isinstance(arguments, str) and arguments:
             item.pieces.append(arguments)
-            self._delta(out, "response.function_call_arguments.delta", item, arguments, None)
+            if item.kind == "function_call":  # a freeform call's input is whole only once its JSON is (at the end)
+                self._delta(out, "response.function_call_arguments.delta", item, arguments, None)
 
     def _close_open(self, out: list[bytes], status: str = "completed") -> None:
         item, self._open = self._open, None
@@ -341,8 +349,15 @@ class BridgeRelay(Relay):
             if item.done:
                 continue
             item.seal(status)
-            self._emit(out, "response.function_call_arguments.done", item_id=item.id, output_index=item.index,
-                       name=item.name, arguments=item.text)
+            if item.kind == "custom_tool_call":
+                text = custom_input(item.text)
+                self._emit(out, "response.custom_tool_call_input.delta", item_id=item.id, output_index=item.index,
+                           delta=text)
+                self._emit(out, "response.custom_tool_call_input.done", item_id=item.id, output_index=item.index,
+                           input=text)
+            else:
+                self._emit(out, "response.function_call_arguments.done", item_id=item.id, output_index=item.index,
+                           name=item.name, arguments=item.text)
             self._emit(out, "response.output_item.done", output_index=item.index, item=item.item(status))
 
     def _terminal(self, out: list[bytes]) -> None:

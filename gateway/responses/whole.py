@@ -9,8 +9,8 @@ from typing import Any
 
 from gateway.errors import UpstreamBadResponse
 from gateway.responses.ids import new_id
-from gateway.responses.request import _dict, _list
-from gateway.wire.body import dumps
+from gateway.responses.request import _dict, _list, custom_tool_names
+from gateway.wire.body import dumps, loads
 
 
 def response_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -76,6 +76,7 @@ class Draft:
         self.body = body
         self.created_at = int(time.time())
         self.model: str = body["model"]
+        self.custom = custom_tool_names(body)  # calls of these are custom_tool_call items
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                  incomplete: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -154,9 +155,13 @@ def whole_response(completion: dict[str, Any], draft: Draft) -> dict[str, Any]:
     for call in _list(message.get("tool_calls")):
         call = _dict(call)
         fn = _dict(call.get("function"))
-        output.append({"id": new_id("fc_tg"), "type": "function_call", "status": status,
-                       "call_id": _str(call.get("id")) or new_id("call_tg"), "name": _str(fn.get("name")),
-                       "arguments": _arguments(fn.get("arguments"))})
+        call_id, name = _str(call.get("id")) or new_id("call_tg"), _str(fn.get("name"))
+        if name in draft.custom:
+            output.append({"id": new_id("ctc_tg"), "type": "custom_tool_call", "status": status, "call_id": call_id,
+                           "name": name, "input": custom_input(_arguments(fn.get("arguments")))})
+            continue
+        output.append({"id": new_id("fc_tg"), "type": "function_call", "status": status, "call_id": call_id,
+                       "name": name, "arguments": _arguments(fn.get("arguments"))})
     return draft.response(status, output,
                           response_usage(completion.get("usage")), incomplete)
 
@@ -167,3 +172,14 @@ def _arguments(value: Any) -> str:
     if isinstance(value, dict | list):
         return dumps(value).decode()
     return _str(value)
+
+
+def custom_input(arguments: str) -> str:
+    """A freeform tool's input from the arguments of the function it was offered to a chat upstream as
+    (``{"input": "..."}``); arguments that are not that object are the input as they came."""
+    try:
+        parsed = loads(arguments.encode())
+    except ValueError:
+        return arguments
+    value = parsed.get("input") if isinstance(parsed, dict) else None
+    return value if isinstance(value, str) else arguments
