@@ -21,9 +21,9 @@ class Cerebras(Dialect):
     """Cerebras Inference: OpenAI fields it rejects are dropped; usage is asked for (it sends it unasked too)."""
 
     name = "cerebras"
+    # the OpenAI fields its API answers 422 (an unknown property): dropped, the body re-serialised
     drop = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
                       "safety_identifier", "verbosity"})
-    ends_with_done = False
 
     def body(self, raw: bytes, body: Mapping[str, Any], upstream_model: str, ask_usage: bool) -> bytes:
         """Always re-serialised without :attr:`drop` and without ``stream_options.include_obfuscation`` (an OpenAI

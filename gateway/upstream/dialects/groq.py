@@ -32,7 +32,6 @@ class Groq(Dialect):
     tier is the upstream's trouble, not the client's."""
 
     name = "groq"
-    usage_at = "x_groq.usage"
 
     def body(self, raw: bytes, body: Mapping[str, Any], upstream_model: str, ask_usage: bool) -> bytes:
         """As OpenAI's, without a ``service_tier`` only OpenAI knows."""
