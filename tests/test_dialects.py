@@ -6,11 +6,7 @@ over loopback sockets, a gateway whose upstreams are a ``vllm`` and a ``groq`` d
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import http.server
-import threading
 import typing
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +18,7 @@ from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import EmptyStream, UpstreamStatusError
 from gateway.stream.relay import Relay
 from gateway.stream.stats import StreamStats
+from gateway.tools.emulator import EmulatorThread, Plan
 from gateway.upstream import dialects
 from gateway.upstream.dialects.base import Dialect
 from gateway.wire.body import parse_chat_request
@@ -158,69 +155,45 @@ def test_openai_forwards_the_clients_bytes_but_the_model() -> None:
 
 # --- end to end: upstreams of the new dialects behind a real gateway ------------------------------------------------
 
-class _Recorded(http.server.BaseHTTPRequestHandler):
-    """An upstream on a loopback socket that answers every chat request with one recorded transcript (the server's
-    ``transcript``) and keeps the bodies it was sent."""
-
-    protocol_version = "HTTP/1.1"
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server's name
-        server = typing.cast(Any, self.server)
-        server.bodies.append(orjson.loads(self.rfile.read(int(self.headers["content-length"]))))
-        data = _fixture(server.transcript)
-        self.send_response(200)
-        self.send_header("content-type", "text/event-stream")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def _upstream(transcript: str) -> Iterator[Any]:
-    server = typing.cast(Any, http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorded))
-    server.transcript, server.bodies = transcript, []
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
+def _replaying(transcript: str) -> EmulatorThread:
+    """A scripted upstream on a loopback socket answering every request with one recorded transcript; it keeps what
+    it was sent (``requests``)."""
+    return EmulatorThread(lambda _: Plan(headers={"content-type": "text/event-stream"},
+                                         parts=[(0, _fixture(transcript))], chunked=False))
 
 
 def test_a_groq_fast_tier_and_a_vllm_standard_tier_serve_through_the_gateway(tmp_path: Path) -> None:
     """Over loopback: a Groq-dialect upstream gets no OpenAI service tier and its x_groq usage is counted; a
     vLLM-dialect upstream is asked for usage and keeps the client's own fields; both streams reach the client whole
     (the upstreams replay the recorded groq and vLLM transcripts)."""
-    with _upstream("groq_chat_stream_text") as groq, _upstream("vllm_chat_stream") as vllm:
-        cfg = {"upstreams": [
-            {"name": "groq-fast", "tier": "fast", "dialect": "groq", "models": {"llama": "llama3-8b-8192"},
-             "base_url": f"http://127.0.0.1:{groq.server_port}/openai/v1"},
-            {"name": "vllm-standard", "tier": "standard", "dialect": "vllm", "models": {"llama": "facebook/opt-125m"},
-             "base_url": f"http://127.0.0.1:{vllm.server_port}/v1"}],
-            "default_tier": "standard"}
-        gw, _ = start_gateway(cfg, tmp_path)
-        try:
-            url = f"http://127.0.0.1:{gw.port}/v1/chat/completions"
-            for tier, upstream in (("fast", groq), ("standard", vllm)):
-                body = {"model": "llama", "stream": True, "service_tier": "priority", "min_tokens": 4,
-                        "messages": [{"role": "user", "content": "hi"}]}
-                r = httpx.post(url, json=body, headers={"x-tiergate-tier": tier}, timeout=10)
-                assert r.status_code == 200 and r.headers["x-tiergate-tier"] == tier, r.text
-                assert r.content == _fixture(upstream.transcript)  # byte for byte: both end with [DONE]
-            groq_sent, vllm_sent = groq.bodies[0], vllm.bodies[0]
-            assert "service_tier" not in groq_sent and groq_sent["model"] == "llama3-8b-8192"
-            assert vllm_sent["service_tier"] == "priority" and vllm_sent["min_tokens"] == 4
-            assert vllm_sent["stream_options"] == {"include_usage": True}
-            metrics = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=5).text
-            assert sample(metrics, "tiergate_tokens_total", tier="fast", token_type="output", usage="reported",
-                          missing_ok=False) == 73
-            assert sample(metrics, "tiergate_requests_total", upstream="vllm-standard", outcome="success") == 1
-        finally:
-            gw.stop()
+    groq, vllm = _replaying("groq_chat_stream_text"), _replaying("vllm_chat_stream")
+    cfg = {"upstreams": [
+        {"name": "groq-fast", "tier": "fast", "dialect": "groq", "models": {"llama": "llama3-8b-8192"},
+         "base_url": f"http://127.0.0.1:{groq.port}/openai/v1"},
+        {"name": "vllm-standard", "tier": "standard", "dialect": "vllm", "models": {"llama": "facebook/opt-125m"},
+         "base_url": vllm.base_url}],
+        "default_tier": "standard"}
+    gw, _ = start_gateway(cfg, tmp_path)
+    try:
+        url = f"http://127.0.0.1:{gw.port}/v1/chat/completions"
+        for tier, transcript in (("fast", "groq_chat_stream_text"), ("standard", "vllm_chat_stream")):
+            body = {"model": "llama", "stream": True, "service_tier": "priority", "min_tokens": 4,
+                    "messages": [{"role": "user", "content": "hi"}]}
+            r = httpx.post(url, json=body, headers={"x-tiergate-tier": tier}, timeout=10)
+            assert r.status_code == 200 and r.headers["x-tiergate-tier"] == tier, r.text
+            assert r.content == _fixture(transcript)  # byte for byte: both end with [DONE]
+        groq_sent, vllm_sent = orjson.loads(groq.requests[0].body), orjson.loads(vllm.requests[0].body)
+        assert "service_tier" not in groq_sent and groq_sent["model"] == "llama3-8b-8192"
+        assert vllm_sent["service_tier"] == "priority" and vllm_sent["min_tokens"] == 4
+        assert vllm_sent["stream_options"] == {"include_usage": True}
+        metrics = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=5).text
+        assert sample(metrics, "tiergate_tokens_total", tier="fast", token_type="output", usage="reported",
+                      missing_ok=False) == 73
+        assert sample(metrics, "tiergate_requests_total", upstream="vllm-standard", outcome="success") == 1
+    finally:
+        gw.stop()
+        groq.stop()
+        vllm.stop()
 
 
 @pytest.mark.parametrize("dialect", ["groq", "vllm"])
