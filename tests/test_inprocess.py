@@ -157,6 +157,9 @@ async def test_a_whole_answer_and_bad_input(rig: Any) -> None:
     (Plan(parts=[(0, sse('{"error":{"message":"overloaded","type":"server_error"}}'))]), "upstream_5xx"),
     (Plan(parts=[(0, sse(chunk(role=True), done=False))], end="reset"), "upstream_stream_interrupted"),
     (Plan(parts=[(0, sse(chunk(role=True), done=False)), (3.0, sse(chunk("late")))]), "upstream_idle_timeout"),
+    # the role chunk a tenth of the idle timeout in, then silence: at the hold's bound the stream has been quiet for
+    # nine tenths of it, which is dying, not alive (committing it was a 200 ending in an in-band error)
+    (Plan(parts=[(0.03, sse(chunk(role=True), done=False)), (3.0, sse(chunk("late")))]), "upstream_idle_timeout"),
 ])
 async def test_a_failure_before_the_first_token_fails_over(rig: Any, plan: Plan, reason: str) -> None:
     rig.plans["m-f:fault"] = [plan]

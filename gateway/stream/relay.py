@@ -18,7 +18,8 @@ until then every failure can still be answered with a real HTTP status or failed
 status), a broken or silent body, an oversized event, a body with no event at all, or no first token by the
 ``ttft`` deadline. Without a ``ttft`` the hold is bounded by the idle timeout and by :data:`HOLD_BYTES`: past
 either, what is held is sent and the stream goes on committed (an upstream that keeps a client waiting with
-keep-alive comments for longer gets them through).
+keep-alive comments for longer gets them through); one quiet for over :data:`ALIVE_WITHIN` of the bound is left to
+the idle watch instead, whose end before the first byte is a failover, not a 200 ending in an in-band error.
 
 **The end.** A stream ends at ``[DONE]`` or a Responses API terminal event, at the upstream's EOF, or, once
 every choice has its ``finish_reason``, after ``finish_grace`` seconds of waiting for the usage tail (the
@@ -56,13 +57,9 @@ from gateway.stream.template import Template
 from gateway.wire.body import chat_usage
 
 DONE = b"data: [DONE]\n\n"
-
-
 DONE_GRACE = 0.02  # seconds to wait for the end of the upstream's body after its [DONE]
-
-
 HOLD_BYTES = 256 * 1024  # bytes of output held before the first token at most; past it the stream commits
-
+ALIVE_WITHIN = 0.75  # at the hold's time bound, a stream heard from within this share of it is alive
 
 _RESPONSE_TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
@@ -224,9 +221,11 @@ class Relay:
                         raise
                     chunks = body.chunks()  # the cancelled read closed the iterator: a new one goes on from there
                     assert self._hold_seconds is not None and commit_at is not None
-                    if held and loop.time() - last < self._hold_seconds:
+                    quiet = loop.time() - last
+                    if held and quiet < ALIVE_WITHIN * self._hold_seconds:
                         break  # alive (keep-alives, role chunks) but no token for the idle timeout: commit
-                    commit_at += self._hold_seconds  # silent: the idle watch ends it before the first byte
+                    # quiet: the idle watch (between 1 and 1.25 idle timeouts after the last byte) ends it unsent
+                    commit_at = loop.time() + self._hold_seconds / 4 if held else commit_at + self._hold_seconds
                     continue
                 last = loop.time()
                 out = self._take(chunk)
