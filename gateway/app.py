@@ -43,6 +43,7 @@ from gateway.pipeline.gateway import Gateway
 from gateway.pipeline.hedging import Hedging
 from gateway.pipeline.models import UpstreamModels
 from gateway.pipeline.passthrough import Passthrough
+from gateway.pipeline.sessions import Sessions
 from gateway.responses.store import MemoryResponseStore, ResponseStore
 from gateway.routing import deadline
 from gateway.routing.health import Health
@@ -52,10 +53,12 @@ from gateway.state.ledger import SharedLedger
 from gateway.state.ledger_file import LedgerFile
 from gateway.state.owners import SharedOwners
 from gateway.state.redis import SharedState
+from gateway.state.sessions import SharedSessions
 from gateway.state.store import SharedResponseStore
 from gateway.tenancy.keys import Keys
 from gateway.tenancy.ledger import Ledger, MemoryLedger
 from gateway.tenancy.objects import MemoryOwners, Owners
+from gateway.tenancy.sessions import MemorySessions, SessionRecord, SessionTable
 from gateway.upstream.attempt import Transport
 from gateway.upstream.client import UpstreamPool
 
@@ -170,11 +173,12 @@ def assemble(loaded: LoadedConfig, metrics: Metrics, transport: Transport, *, po
     health = Health(config.upstreams)
     if previous is None:
         store, ledger, owners, estimates, explorer = _state(config, shared)
+        table = _sessions(config, shared, metrics)
     else:
         metrics.reconfigure(config.model_names(), *_label_sets(config))
         health.carry(previous.health)
         shared, store, ledger, owners = previous.shared, previous.store, previous.ledger, previous.owners
-        estimates, explorer = previous.estimates, previous.explorer
+        estimates, explorer, table = previous.estimates, previous.explorer, previous.sessions.table
     if shared is not None:
         shared.attach(health)
     policy = policy if policy is not None else Policy(config)
@@ -187,14 +191,15 @@ def assemble(loaded: LoadedConfig, metrics: Metrics, transport: Transport, *, po
     attempts = Attempts(config, transport, health, shared, budgets, delivery)
     hedging = Hedging(attempts, estimates, health)
     listed = UpstreamModels(config, transport, health.clock)
+    sessions = Sessions(config, table, estimates, health.clock, time.time)
     chat = ChatPipeline(config, policy, frame, bodies, budgets, conversations, attempts, hedging, estimates, explorer,
-                        health, shared, observers, listed)
+                        health, shared, observers, listed, sessions)
     passthrough = (Passthrough(config, policy, frame, bodies, budgets, owners, transport, health, observers)
                    if config.passthrough_upstream is not None else None)
     return Gateway(config=config, policy=policy, keys=Keys(config.auth) if config.auth is not None else None,
                    chat=chat, passthrough=passthrough, frame=frame, transport=transport, metrics=metrics, health=health,
                    conversations=conversations, store=store, owners=owners, ledger=ledger, budgets=budgets,
-                   estimates=estimates, explorer=explorer, shared=shared, listed=listed)
+                   estimates=estimates, explorer=explorer, shared=shared, listed=listed, sessions=sessions)
 
 
 def _state(config: GatewayConfig, shared: SharedState | None) -> tuple[ResponseStore, Ledger, Owners, Estimates,
@@ -213,6 +218,17 @@ def _state(config: GatewayConfig, shared: SharedState | None) -> tuple[ResponseS
     estimates = Estimates(est.window, est.samples)  # fed by every relayed stream, read by deadlines and hedging
     explorer = deadline.Explorer(est.explore, est.probe, est.window / est.samples)
     return store, ledger, owners, estimates, explorer
+
+
+def _sessions(config: GatewayConfig, shared: SharedState | None, metrics: Metrics) -> SessionTable:
+    """Where agent sessions are kept (``gateway.tenancy.sessions``): this process's bounded table, and, with shared
+    state, Redis too; each session's end is observed in the steps-per-session and duration metrics."""
+    cfg = config.sessions
+
+    def ended(record: SessionRecord) -> None:
+        metrics.session_ended(record.steps, max(0.0, record.last - record.started))
+    local = MemorySessions(cfg.max_items, cfg.idle, ended)
+    return SharedSessions(local, shared, cfg.max_moves) if shared is not None else local
 
 
 def serve_app(loaded: LoadedConfig, settings: Settings, multiprocess_dir: str | None = None) -> HotPath:

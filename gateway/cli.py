@@ -91,6 +91,10 @@ def _emulate_flags(emulate: argparse.ArgumentParser) -> None:
                          help="recorded transcripts (default: the checkout's tests/fixtures/upstream)")
     emulate.add_argument("--tokens-per-minute", type=int, help="one per-minute token budget for every caller, "
                          "reported in rate-limit headers; over it: 429 (default: no limit)")
+    emulate.add_argument("--cache-ttl", type=float, help="seconds a prompt prefix stays in its prompt cache, reported "
+                         "as cached tokens (default: no prompt cache)")
+    emulate.add_argument("--prefill-tps", type=float, help="prompt tokens prefilled per second, added to the TTFT "
+                         "(cached tokens are not; default: none)")
     emulate.add_argument("--exit-with-parent", action="store_true", help="stop when the process that started it ends")
     emulate.add_argument("--timing-log", type=Path,
                          help="append when each streamed answer's request came and its first and last token left")
@@ -228,7 +232,8 @@ def _emulate(args: argparse.Namespace) -> int:
     from gateway.tools.emulator import EmulatorConfig, run
 
     cfg = EmulatorConfig.for_tier(args.tier, tps=args.tps, ttft=args.ttft, dialect=args.dialect,
-                                  fixtures=args.fixtures, tokens_per_minute=args.tokens_per_minute or None)
+                                  fixtures=args.fixtures, tokens_per_minute=args.tokens_per_minute or None,
+                                  cache_ttl=args.cache_ttl or None, prefill_tps=args.prefill_tps or None)
     print(f"emulated {args.tier} tier on http://{args.host}:{args.port}/v1: {cfg.tps:g} tokens/s, "
           f"TTFT {cfg.ttft * 1000:g} ms, {cfg.dialect} dialect", flush=True)
     run(cfg, args.host, args.port, parent=os.getppid() if args.exit_with_parent else None, timing_log=args.timing_log)
@@ -245,8 +250,11 @@ def _demo(args: argparse.Namespace) -> int:
             url = urlsplit(up.base_url)
             host, port = url.hostname or "127.0.0.1", url.port or 80
             _require_free(host, port, f"the demo's emulated {up.tier} tier")
+            # each with a prompt cache (five minutes, as the providers') and a prefill time: agent sessions show
+            # their affinity (cached tokens in usage, a shorter first token on a warm upstream)
             cmd = [sys.executable, "-m", "gateway", "emulate", "--tier", up.tier, "--host", host, "--port", str(port),
-                   "--dialect", up.dialect, "--exit-with-parent"]
+                   "--dialect", up.dialect, "--cache-ttl", "300",
+                   "--prefill-tps", "20000" if up.tier == "fast" else "4000", "--exit-with-parent"]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
             _wait_port(host, port, procs[-1])
             lines.append(f"  {up.tier:<8} tier: upstream {up.name!r}, emulated on {host}:{port} ({up.dialect} dialect)")

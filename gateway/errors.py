@@ -120,6 +120,14 @@ class ResponseNotFound(GatewayError):
     code = "response_not_found"
 
 
+class SessionNotFound(GatewayError):
+    """404: no agent session of the caller's gateway key has this id (another key's is not found either)."""
+
+    status = 404
+    error_type = "invalid_request_error"
+    code = "session_not_found"
+
+
 class ObjectNotFound(GatewayError):
     """404 for an object of the rest of the API (a file, a batch, ...) the request's gateway key did not make
     (``gateway.tenancy.objects``), answered as OpenAI answers an id the project does not hold ("No such File
@@ -244,6 +252,16 @@ class KeyOverBudget(GatewayError):
     status = 429
     error_type = "insufficient_quota"
     code = "insufficient_quota"
+
+
+class SessionBudgetExceeded(GatewayError):
+    """429 ``session_budget_exceeded``: the agent session this request is a step of has spent a budget of its run
+    (``param`` names it: ``max_steps``, ``max_usd`` or ``deadline``); nothing was sent upstream. Retrying the same run
+    does not help (``x-should-retry: false``): a new run is a new session."""
+
+    status = 429
+    error_type = "insufficient_quota"
+    code = "session_budget_exceeded"
 
 
 class GatewayBusy(GatewayError):

@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 # decisions without I/O: routing and failover planning are tested with plain values and a fake clock
 PURE = {"routing/policy.py", "routing/facts.py", "routing/rules.py", "routing/failover.py", "routing/deadline.py",
-        "observability/estimates.py", "tenancy/ledger.py"}
+        "routing/sessions.py", "observability/estimates.py", "tenancy/ledger.py", "tenancy/sessions.py"}
 IO_MODULES = {"asyncio", "aiohttp", "socket", "subprocess", "httpx", "uvicorn", "starlette", "fastapi", "os",
               "prometheus_client", "time"}
 RANK = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}

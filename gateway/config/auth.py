@@ -9,6 +9,7 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 
 from gateway.config.base import TIERS, Strict, Tier
+from gateway.config.sessions import KeySession
 
 
 class KeyLimits(Strict):
@@ -31,7 +32,8 @@ class KeyConfig(Strict):
     for another is served by one of these, ``x-tiergate-fallback: key_tier``); metadata: defaults routing reads as if
     the client had sent them in ``metadata`` (the client's own win); limits: requests, tokens and USD it may spend
     (over them: 429); fast: its allowance on the fast tier (over it, its requests spill to the standard tier,
-    ``x-tiergate-fallback: key_allowance``).
+    ``x-tiergate-fallback: key_allowance``); session: the session its requests belong to when they name none, and
+    its runs' budgets (``gateway.config.sessions.KeySession``).
     """
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
@@ -40,6 +42,7 @@ class KeyConfig(Strict):
     metadata: dict[str, str] = {}
     limits: KeyLimits = KeyLimits()
     fast: KeyLimits = KeyLimits()
+    session: KeySession = KeySession()
 
 
 class MetricsAccess(Strict):

@@ -29,6 +29,7 @@ from pydantic import Field, field_validator, model_validator
 from gateway.config.auth import AuthConfig
 from gateway.config.base import Strict, Tier
 from gateway.config.routes import AliasConfig, RuleConfig
+from gateway.config.sessions import SessionsConfig
 from gateway.config.upstreams import UpstreamConfig
 
 
@@ -156,6 +157,7 @@ class GatewayConfig(Strict):
     estimates: EstimatesConfig = EstimatesConfig()
     state: StateConfig = StateConfig()
     auth: AuthConfig | None = None
+    sessions: SessionsConfig = SessionsConfig()
     long_prompt_tokens: int = Field(32768, ge=1)
     rules: list[RuleConfig] | None = None
 

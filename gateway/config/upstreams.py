@@ -86,6 +86,11 @@ DIALECT_SURFACES: dict[str, tuple[Literal["native", "bridge", "none"], tuple[str
     "vllm": ("bridge", ("completions", "embeddings")),  # vLLM, SGLang, llama.cpp: Responses partial or missing
     "groq": ("bridge", ("audio", "files", "batches")),  # its Responses API is a beta without previous_response_id
 }
+# Seconds a prompt cache is believed warm after a request, by dialect, from each provider's documentation (the lower
+# bound where it gives a range): OpenAI "typically clears caches within 5 to 10 minutes of inactivity"; Cerebras
+# "guarantee[s] a Time-To-Live of 5 minutes"; Groq's cache "expires after 2 hours without use"; vLLM's prefix cache is
+# evicted least recently used, with no time, so a busy server's five minutes are assumed (docs/sessions.md)
+DIALECT_CACHE_TTL: dict[str, float] = {"openai": 300.0, "cerebras": 300.0, "vllm": 300.0, "groq": 7200.0}
 
 
 class UpstreamConfig(Strict):
@@ -104,6 +109,9 @@ class UpstreamConfig(Strict):
     context_window: int | None = Field(None, ge=1)
     modalities: list[Literal["text", "image", "audio"]] = ["text", "image", "audio"]
     weight: int = Field(1, ge=1)
+    # seconds its prompt cache is believed warm after a session's step (agent sessions keep a run here while it is);
+    # None: its dialect's documented figure (DIALECT_CACHE_TTL); 0: it has no prompt cache
+    cache_ttl: float | None = Field(None, ge=0)
     health: HealthConfig = HealthConfig()
     prices: Prices | None = None  # USD per million tokens of the models above; None: unpriced (no cost is recorded)
     # USD per million tokens by model name as the client sends it, for any model (embeddings, models only this
@@ -150,6 +158,11 @@ class UpstreamConfig(Strict):
     def serves(self, path: str) -> bool:
         """Whether it serves ``path`` (under /v1, no leading slash: ``embeddings``, ``files/file-abc/content``)."""
         return any(mine == "*" or path == mine or path.startswith(mine + "/") for mine in self.endpoint_paths)
+
+    @property
+    def prompt_cache_ttl(self) -> float:
+        """``cache_ttl``, or its default for the dialect (seconds)."""
+        return self.cache_ttl if self.cache_ttl is not None else DIALECT_CACHE_TTL[self.dialect]
 
     @property
     def responses_mode(self) -> Literal["native", "bridge", "none"]:

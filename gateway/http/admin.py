@@ -1,5 +1,6 @@
 """The gateway's own endpoints, off the hot path, as one FastAPI app: ``/v1/models`` and ``/v1/models/{id}``, the
-responses the bridge made (get, delete, input items), ``/v1/tiergate/route`` and ``/v1/tiergate/estimates``,
+responses the bridge made (get, delete, input items), ``/v1/tiergate/route``, ``/v1/tiergate/estimates`` and
+``/v1/tiergate/sessions/{id}`` (an agent session's record, for the key that named it),
 ``/healthz``, ``/readyz``, ``/metrics``, and the 405s of the hot path's endpoints.
 
 Every handler reads the gateway current at the time of the request (``app.state.gateway``: a reload swaps it). What
@@ -23,7 +24,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway import __version__
-from gateway.errors import InvalidRequest, ModelNotFound, ResponseNotFound
+from gateway.errors import InvalidRequest, ModelNotFound, ResponseNotFound, SessionNotFound
 from gateway.http import explain
 from gateway.http.errors import error_response, install_error_handlers
 from gateway.pipeline.chat import KINDS
@@ -51,6 +52,16 @@ def admin_app(gateway: Gateway, registry: CollectorRegistry, multiprocess_dir: s
     @app.get("/v1/tiergate/estimates")
     async def estimates() -> Response:
         return Response(explain.estimates(app.state.gateway), media_type="application/json")
+
+    # a session id may hold "/" (a harness's own ids): the whole rest of the path is the id
+    @app.get("/v1/tiergate/sessions/{session_id:path}")
+    async def session(request: Request, session_id: str) -> Response:
+        key = request.scope.get(KEY_SCOPE)
+        record = await app.state.gateway.sessions.record_of(key.name if key is not None else None, session_id)
+        if record is None:  # another key's session is not found either (docs/sessions.md#seeing-a-run)
+            return error_response(SessionNotFound(f"No agent session found with id '{session_id}'.",
+                                                  param="session_id"), {})
+        return Response(orjson.dumps(record.as_dict()), media_type="application/json")
 
     _install_model_routes(app)
     _install_probe_routes(app, registry, multiprocess_dir)

@@ -17,6 +17,7 @@ from gateway.pipeline.exchange import KEY_SCOPE, ClientGone, read_body
 from gateway.pipeline.gateway import Gateway
 from gateway.routing import deadline
 from gateway.routing.facts import Decision, RequestFacts
+from gateway.routing.sessions import explain as explain_session
 from gateway.tenancy.keys import Key
 from gateway.wire.body import dumps, loads, parse_chat_request, parse_responses_request
 
@@ -27,7 +28,7 @@ async def route(gateway: Gateway, request: Request) -> Response:
     reserved."""
     key: Key | None = request.scope.get(KEY_SCOPE)
     try:
-        facts, decision = await _decide(gateway, request, key)
+        facts, decision, session = await _decide(gateway, request, key)
     except GatewayError as exc:
         return error_response(exc, {})
     except ClientGone:
@@ -45,6 +46,7 @@ async def route(gateway: Gateway, request: Request) -> Response:
         "skipped": [{"upstream": name, "reason": why} for name, why in decision.skipped],
         "facts": facts.as_dict(),
         "key": None if key is None else {"name": key.name, "tiers": list(key.cfg.tiers)},
+        "session": session,
         "trace": list(decision.trace),
         # tier and rule stay the rule's; the first candidate is what serves
         "deadline": None if (choice := decision.deadline) is None else {
@@ -54,10 +56,11 @@ async def route(gateway: Gateway, request: Request) -> Response:
     return Response(dumps(out), 200, media_type="application/json")
 
 
-async def _decide(gateway: Gateway, request: Request, key: Key | None) -> tuple[RequestFacts, Decision]:
-    """The facts and decision a request with this body and these headers would get, in serving's order: the rules,
-    deadline routing (a preview: nothing counted, explored or probed), then the key's tiers (its limits are not
-    reserved).
+async def _decide(gateway: Gateway, request: Request,
+                  key: Key | None) -> tuple[RequestFacts, Decision, dict[str, Any] | None]:
+    """The facts, decision and agent session a request with this body and these headers would get, in serving's
+    order: the rules, the session (its budgets checked, its warm upstream first; nothing counted), deadline routing (a
+    preview: nothing counted, explored or probed), then the key's tiers (its limits are not reserved).
 
     Raises:
         GatewayError: what serving it would answer (400, 403, 404); ClientGone: the client left mid-body.
@@ -74,12 +77,23 @@ async def _decide(gateway: Gateway, request: Request, key: Key | None) -> tuple[
     facts = (await gateway.conversations.responses_facts(body, headers, len(raw), refresh=False, key=key)
              if responses else RequestFacts(body, headers, len(raw), defaults=defaults))
     decision = gateway.policy.decide(facts, explain=True)
+    session = gateway.sessions.identify(facts, key.cfg.session.id if key is not None else None)
+    run = None
+    if session is not None:
+        run, decision = await gateway.sessions.look(key.name if key is not None else None, session, facts, decision,
+                                                    key.cfg.session.budgets if key is not None else None)
     budget = deadline.budget(facts, decision.route)
+    if budget is None and run is not None:
+        budget = gateway.sessions.step_budget(run)
     if budget is not None:
-        decision = gateway.chat.by_deadline(decision, facts, budget, preview=True)
+        decision = gateway.chat.by_deadline(decision, facts, budget, preview=True,
+                                            warm=run.affinity.warm if run is not None else None)
     if key is not None:
         decision = key_tiers(key, decision)
-    return facts, decision
+    shown = None if run is None else {**(explain_session(run.affinity, session) or {}), "step": run.step,
+                                      "budgets": run.budgets.model_dump(exclude_none=True),
+                                      "downgraded": run.downgraded}
+    return facts, decision, shown
 
 
 def _estimates_of(gateway: Gateway, decision: Decision, facts: RequestFacts) -> list[dict[str, Any]]:

@@ -179,6 +179,32 @@ FAMILIES: tuple[Family, ...] = (
            'Redis operations that failed or outlasted state.timeout, by operation (admit, observe, rest, store, '
            'subscribe, ping): the gateway went on with its local state.',
            ('op',)),
+    Family('session_steps', Counter, 'session_steps',
+           'Steps of agent sessions (requests with a session id: docs/sessions.md), by the tier and upstream that '
+           'served them.',
+           ('tier', 'upstream')),
+    Family('session_tokens', Counter, 'session_prompt_tokens',
+           "Prompt tokens of agent sessions' steps by upstream, token_type input (all) or cached_input (served from "
+           "the upstream's prompt cache): their ratio is the prompt-cache hit ratio.",
+           ('upstream', 'token_type')),
+    Family('session_breaks', Counter, 'session_affinity_breaks',
+           "Steps served by another upstream than their session's last one, by reason (expired, policy, resting, "
+           'spillover, failover, hedge, deadline, key, budget, return).',
+           ('reason',)),
+    Family('session_refusals', Counter, 'session_budget_refusals',
+           "Steps refused (429 session_budget_exceeded) by their session's budget: max_steps, max_usd, deadline.",
+           ('budget',)),
+    Family('session_length', Histogram, 'session_steps_per_session',
+           'Steps of each agent session, observed when the session ends (idle past sessions.idle).',
+           (), buckets=(1, 2, 3, 5, 10, 20, 30, 50, 100, 200, 500, 1000)),
+    Family('session_duration', Histogram, 'session_duration_seconds',
+           "Wall-clock time from an agent session's first step to the end of its last, observed when it ends.",
+           (), buckets=(1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400)),
+    Family('session_fast', Counter, 'session_fast_tier_seconds',
+           "Agent sessions' fast-tier steps that the standard tier's live estimate could price: their seconds "
+           '(kind actual) and what the standard tier was estimated to take for the same tokens (kind '
+           'standard_estimate); the difference is the time the fast tier saved.',
+           ('kind',)),
     Family('shared_dropped', Counter, 'shared_state_dropped',
            'Updates for the other replicas not sent because Redis was unreachable (cooldowns, breaker '
            'transitions, quota reports).',

@@ -93,6 +93,13 @@ class Metrics:
     key_refusals: Counter
     key_downgrades: Counter
     auth_failures: Counter
+    session_steps: Counter
+    session_tokens: Counter
+    session_breaks: Counter
+    session_refusals: Counter
+    session_length: Histogram
+    session_duration: Histogram
+    session_fast: Counter
     shared_up: Gauge
     shared_errors: Counter
     shared_dropped: Counter
@@ -151,6 +158,12 @@ class Metrics:
             if est.speed is not None:
                 self.est_speed.labels(upstream, model, "p50").set(est.speed.central)
                 self.est_speed.labels(upstream, model, "p10").set(est.speed.tail)
+
+    def session_ended(self, steps: int, seconds: float) -> None:
+        """An agent session ended (idle past ``sessions.idle``, or pushed out of the table) after ``steps`` steps and
+        ``seconds`` of wall-clock time: a fact of the sessions table, not of one request."""
+        self.session_length.observe(steps)
+        self.session_duration.observe(seconds)
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, remembered: a dict lookup instead of prometheus-client's validation and

@@ -58,12 +58,14 @@ class Recorder:
         status: the status answered (0: none yet); rule, fallback: how it was routed; requested: the model as the
             client named it; upstream_model: as the upstream was asked; attempts: attempts started.
         outcome: as recorded; recorded: :meth:`record` ran. span: its trace span, or None. key: its gateway key, or
-            None. prompt_tokens: its estimated prompt (tokens), the floor of an estimated usage.
+            None. prompt_tokens: its estimated prompt (tokens), the floor of an estimated usage. session: the agent
+            session it is a step of (``gateway.routing.sessions.SessionId``: ``id``, ``source``), or None; step: its
+            number in that session (0: none).
     """
 
     __slots__ = ("t0", "rid", "kind", "headers", "scope", "status", "rule", "fallback", "requested",
                  "upstream_model", "attempts", "outcome", "span", "key", "prompt_tokens", "tier", "upstream", "model",
-                 "stream", "recorded", "_obs", "_metrics", "_in_flight", "_pending")
+                 "stream", "recorded", "session", "step", "_obs", "_metrics", "_in_flight", "_pending")
 
     def __init__(self, observers: Observers, headers: dict[str, str], kind: str, scope: Any, key: Named | None) -> None:
         self.t0 = time.perf_counter()
@@ -86,6 +88,8 @@ class Recorder:
         self.model = "other"
         self.stream = False
         self.recorded = False
+        self.session: Any = None
+        self.step = 0
         self._obs = observers
         self._metrics = observers.metrics
         self._in_flight: Any = None
@@ -208,6 +212,29 @@ class Recorder:
         if self.key is not None:
             self._metrics.key_downgrades.labels(self.key.name, why).inc()
 
+    # agent sessions
+
+    def session_stepped(self, tier: str, upstream: str, prompt_tokens: int, cached_tokens: int,
+                        moved: str | None, fast: tuple[float, float] | None = None) -> None:
+        """A step of the request's session was served by ``upstream``: counted with its prompt and cached tokens,
+        the reason it left the session's last upstream (``moved``) and, for a fast-tier step the standard tier's
+        estimate could price, (its seconds, the standard tier's estimated seconds) as ``fast``."""
+        m = self._metrics
+        m.child(m.session_steps, tier, upstream).inc()
+        if prompt_tokens:
+            m.child(m.session_tokens, upstream, "input").inc(prompt_tokens)
+        if cached_tokens:
+            m.child(m.session_tokens, upstream, "cached_input").inc(cached_tokens)
+        if moved is not None:
+            m.child(m.session_breaks, moved).inc()
+        if fast is not None:
+            m.child(m.session_fast, "actual").inc(fast[0])
+            m.child(m.session_fast, "standard_estimate").inc(fast[1])
+
+    def session_refused(self, budget: str) -> None:
+        """The request's session had spent its ``budget`` (``tiergate_session_budget_refusals_total``)."""
+        self._metrics.child(self._metrics.session_refusals, budget).inc()
+
     # the trace
 
     def trace(self, method: str, path: str, operation: str) -> None:
@@ -259,6 +286,7 @@ class Recorder:
             outcome = self.outcome or outcome
             tokens = self._charge(outcome, kw.get("usage"), cost)
             self._settle(outcome, tokens, cost)
+            self._stepped(outcome, duration, kw.get("usage"), cost)
             if logs.wanted(outcome):
                 self._log(outcome, duration, kw, cost)
         except Exception:  # bookkeeping never breaks an answer: what an upstream reported is logged instead
@@ -270,6 +298,10 @@ class Recorder:
     def _settle(self, outcome: str, tokens: int | None, cost: float | None) -> None:
         """Hook: settle what the request reserved against its key with the ``tokens`` it used (None: no usage) and
         its ``cost`` (USD; None: unpriced)."""
+
+    def _stepped(self, outcome: str, duration: float, usage: Any, cost: float | None) -> None:
+        """Hook: the request was a step of an agent session; add it to the session (``duration`` in seconds, its
+        ``usage`` and ``cost``)."""
 
     def _emit(self, outcome: str, duration: float, kw: dict[str, Any]) -> float | None:
         """Write the record (:meth:`Metrics.record`); ``duration`` in seconds. Returns the cost added (USD)."""
@@ -311,6 +343,7 @@ class Recorder:
         logs.request({
             "request_id": self.rid, "method": scope.get("method"), "path": scope.get("path"), "status": self.status,
             "key": self.key.name if self.key is not None else None,
+            "session": self.session.id if self.session is not None else None, "session_step": self.step or None,
             "outcome": outcome, "tier": self.tier, "upstream": self.upstream, "rule": self.rule,
             "fallback": self.fallback, "model": self.requested, "upstream_model": self.upstream_model,
             "stream": self.stream, "attempts": self.attempts, "ttft_s": None if ttft is None else round(ttft, 6),

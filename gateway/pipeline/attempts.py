@@ -10,9 +10,9 @@ the error its caller fails over on (or answers with); past the first byte nothin
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from gateway.config.schema import GatewayConfig
 from gateway.config.upstreams import UpstreamConfig
@@ -20,6 +20,7 @@ from gateway.errors import GatewayError, RateLimited, UpstreamsResting, Upstream
 from gateway.pipeline.budgets import KeyBudgets
 from gateway.pipeline.delivery import Delivery
 from gateway.pipeline.exchange import Exchange, Headers
+from gateway.pipeline.sessions import BUDGET_HEADER, Run
 from gateway.responses.request import as_input, chat_request, input_items, native_input
 from gateway.routing import deadline, failover
 from gateway.routing.facts import Candidate, Decision, RequestFacts
@@ -168,12 +169,16 @@ class Attempts:
         ex, raw = turn.ex, turn.raw
         up, body = cand.upstream, turn.facts.body  # read, never changed: the next candidate gets the same
         dialect = dialects.of(up)
+        cache_key = self.cache_key(ex, body) if dialect.prompt_cache_key else None
         if ex.kind == "chat":
-            return dialect.body(raw, body, cand.upstream_model, turn.strip_usage), "/chat/completions"
+            return with_cache_key(dialect.body(raw, body, cand.upstream_model, turn.strip_usage),
+                                  cache_key), "/chat/completions"
         cont = turn.facts.continuation
         history = list(cont.history) if cont is not None and cont.held else []
         if up.responses_mode == "bridge":
             chat = chat_request(body, history)
+            if cache_key is not None:
+                chat["prompt_cache_key"] = cache_key
             return dialect.body(dumps(chat), chat, cand.upstream_model, ex.stream), "/chat/completions"
         if history:
             body = {**{k: v for k, v in body.items() if k != "previous_response_id"},
@@ -182,7 +187,15 @@ class Attempts:
         elif b"_tg" in raw and (own := native_input(body)) is not None:  # the bytes test spares a scan
             body = {**body, "input": own}
             raw = dumps(body)
-        return dialect.body(raw, body, cand.upstream_model, False), "/responses"
+        return with_cache_key(dialect.body(raw, body, cand.upstream_model, False), cache_key), "/responses"
+
+    def cache_key(self, ex: Exchange, body: Mapping[str, Any]) -> str | None:
+        """The ``prompt_cache_key`` an agent session's step is sent with when the client sent none
+        (``sessions.prompt_cache_key: derive``): ``tgs-`` and the session's table key (its gateway key and id,
+        hashed: one per run, the same on every replica, and never another tenant's), else None."""
+        if ex.run is None or "prompt_cache_key" in body or self.config.sessions.prompt_cache_key != "derive":
+            return None
+        return "tgs-" + str(ex.run.key)
 
     def open(self, ex: Exchange, up: UpstreamConfig, need: int, path: str, verdicts: Verdicts) -> Attempt:
         """An attempt on ``up`` (``async with`` it), with its trace span when the request is traced."""
@@ -199,7 +212,29 @@ class Attempts:
         out = ex.route_headers(up.tier, up.name, decision.rule, reason)
         if decision.deadline is not None:
             out += deadline.headers(decision.deadline, up.name)
+        if ex.run is not None:
+            out += session_headers(ex.run, up.name)
         return [*out, *((k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items())]
+
+
+def with_cache_key(raw: bytes, cache_key: str | None) -> bytes:
+    """``raw`` (a JSON object's bytes) with a top-level ``prompt_cache_key`` first, or as it is (``cache_key`` None)."""
+    if cache_key is None:
+        return raw
+    start = raw.index(b"{") + 1
+    return raw[:start] + b'"prompt_cache_key":' + dumps(cache_key) + b"," + raw[start:]
+
+
+def session_headers(run: Run, upstream: str) -> list[tuple[bytes, bytes]]:
+    """``x-tiergate-session-step`` (the step's number in its run), ``x-tiergate-affinity`` (``new``: the run's first
+    step served; ``kept``: the upstream of its last; ``moved``: another) and, when a spent USD budget sent it to the
+    standard tier, ``x-tiergate-session-budget: usd``."""
+    last = run.record.last_upstream
+    said = b"new" if last is None else b"kept" if last == upstream else b"moved"
+    out = [(b"x-tiergate-session-step", b"%d" % run.step), (b"x-tiergate-affinity", said)]
+    if run.downgraded:
+        out.append((BUDGET_HEADER, b"usd"))
+    return out
 
 
 def attempting(ex: Exchange, decision: Decision, up: UpstreamConfig, tried: int, reason: str | None,

@@ -8,6 +8,8 @@ has its room:
 =================  ===================================================================================================
 read               :func:`gateway.pipeline.exchange.read_body`, :func:`gateway.wire.body.parse_request`
 decide             :meth:`gateway.routing.policy.Policy.decide` (rules -> tier, candidates, explanation)
+the session        :meth:`gateway.pipeline.sessions.Sessions.begin` (a step of an agent run: its budgets, the
+                   upstream its prompt cache is warm on)
 by deadline        :func:`gateway.routing.deadline.choose` over the live estimates (a latency budget only)
 the key's say      :meth:`gateway.pipeline.budgets.KeyBudgets.keyed` (tiers, a reservation against its limits)
 plan               :func:`gateway.routing.failover.plan` (spillover; every candidate resting: the refusal)
@@ -26,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from starlette.types import Receive, Scope, Send
@@ -41,6 +43,7 @@ from gateway.pipeline.conversations import Conversations
 from gateway.pipeline.exchange import CLOSE, BodyBudget, ClientGone, Exchange, headers_of, read_body
 from gateway.pipeline.frame import Frame, Watch
 from gateway.pipeline.hedging import Hedging, may_race
+from gateway.pipeline.sessions import Sessions
 from gateway.routing import deadline, failover
 from gateway.routing.blame import Blame
 from gateway.routing.facts import Candidate, Decision, RequestFacts
@@ -66,7 +69,7 @@ class ChatPipeline:
     def __init__(self, config: GatewayConfig, policy: Policy, frame: Frame, bodies: BodyBudget, budgets: KeyBudgets,
                  conversations: Conversations, attempts: Attempts, hedging: Hedging, estimates: Estimates,
                  explorer: deadline.Explorer, health: Health, shared: SharedState | None, observers: Observers,
-                 listed: Listing | None) -> None:
+                 listed: Listing | None, sessions: Sessions) -> None:
         self.config = config
         self.policy = policy
         self.frame = frame
@@ -81,6 +84,7 @@ class ChatPipeline:
         self.shared = shared
         self.observers = observers
         self.listed = listed
+        self.sessions = sessions
 
     def endpoint(self, kind: str) -> Callable[[Scope, Receive, Send], Any]:
         """The bare ASGI endpoint of ``kind`` (``chat``: OpenAI's "Create chat completion"; ``responses``: "Create a
@@ -156,10 +160,12 @@ class ChatPipeline:
             await give_up(ex, turn.decision, turn.plan.reason, turn.last, turn.tried)
 
     async def decide(self, ex: Exchange, raw: bytes) -> tuple[RequestFacts, Decision]:
-        """Read the body and decide: the facts, the rules' decision, the deadline's order of its candidates.
+        """Read the body and decide: the facts, the rules' decision, the agent session's say (its budgets, its warm
+        upstream first), the deadline's order of its candidates.
 
         Raises:
-            GatewayError: the request cannot be read or served (400, 404 ``model_not_found``, ...): the client's.
+            GatewayError: the request cannot be read or served (400, 404 ``model_not_found``, ...): the client's;
+                429 ``session_budget_exceeded``: its session spent a budget.
         """
         body = parse_request(ex.kind, raw)
         ex.requested = body["model"]  # for the request log, also when the model is unknown
@@ -168,12 +174,22 @@ class ChatPipeline:
             decision = self.policy.decide(facts)
         except ModelNotFound:
             decision = await self.listed_route(facts)  # the passthrough upstream may list it: it can be sent
+        ex.prompt_tokens = facts.prompt_tokens
+        key = ex.key
+        session = self.sessions.identify(facts, key.cfg.session.id if key is not None else None)
+        if session is not None:
+            ex.session, ex.sessions = session, self.sessions
+            run, decision = await self.sessions.begin(ex, session, facts, decision,
+                                                      key.cfg.session.budgets if key is not None else None)
+            ex.run, ex.step = run, run.step
         budget = deadline.budget(facts, decision.route)
-        ex.model, ex.stream, ex.prompt_tokens = decision.model, body.get("stream") is True, facts.prompt_tokens
+        if budget is None and ex.run is not None:
+            budget = self.sessions.step_budget(ex.run)
+        ex.model, ex.stream = decision.model, body.get("stream") is True
         ex.blame = Blame(functools.partial(blame_source, ex.key, raw))
         ex.decided(decision.rule, decision.tier)
         if budget is not None:
-            decision = self.by_deadline(decision, facts, budget)
+            decision = self.by_deadline(decision, facts, budget, warm=ex.run.affinity.warm if ex.run else None)
             assert decision.deadline is not None
             chosen = decision.candidates[0].upstream
             ex.chose_by_deadline(chosen.tier, chosen.name, decision.deadline.verdict)
@@ -201,7 +217,9 @@ class ChatPipeline:
             GatewayError: every candidate rests (429 or 503 with ``retry-after``: ``failover.refusal``).
         """
         need = need_of(facts)
-        plan = failover.plan(decision, self.health, self.health.clock(), need, self.config.max_attempts, ex.blame)
+        keep = ex.run.affinity.target if ex.run is not None else None  # an agent session's warm upstream
+        plan = failover.plan(decision, self.health, self.health.clock(), need, self.config.max_attempts, ex.blame,
+                             keep)
         admitted: dict[str, Admission | None] = {}
         for _ in decision.candidates:  # bounded: each refusal takes one candidate out
             if self.shared is None or not plan.candidates:
@@ -212,7 +230,7 @@ class ChatPipeline:
                 admitted[first.upstream.name] = admission
                 break
             again = failover.plan(decision, self.health, self.health.clock(), need, self.config.max_attempts,
-                                  ex.blame)
+                                  ex.blame, keep)
             if not again.candidates or again.candidates[0] is first:
                 admitted[first.upstream.name] = None
                 break
@@ -233,11 +251,12 @@ class ChatPipeline:
         return True
 
     def by_deadline(self, decision: Decision, facts: RequestFacts, budget: deadline.Budget,
-                    preview: bool = False) -> Decision:
+                    preview: bool = False, warm: Mapping[str, int] | None = None) -> Decision:
         """The decision with its candidates ordered by deadline routing (``gateway.routing.deadline``); with
-        ``preview`` (the route endpoint), what a request would get now: nothing explored or probed."""
+        ``preview`` (the route endpoint), what a request would get now: nothing explored or probed; ``warm``: an
+        agent session's warm upstreams and the prompt tokens each holds (priced by the choice)."""
         choice = deadline.choose(decision, facts, budget, self.estimates, self.health.clock(),
-                                 self.explorer.preview() if preview else self.explorer)
+                                 self.explorer.preview() if preview else self.explorer, warm)
         return dataclasses.replace(decision, candidates=choice.candidates, deadline=choice, fallback=choice.fallback)
 
 

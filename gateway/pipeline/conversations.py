@@ -30,6 +30,12 @@ def owner(ex: Exchange) -> str | None:
     return ex.key.name if ex.key is not None else None
 
 
+def session_name(ex: Exchange) -> str | None:
+    """The agent session ``ex`` is a step of (kept with its response, so that the response's follow-ups are steps of
+    it too), or None."""
+    return ex.session.id if ex.session is not None else None
+
+
 class Conversations:
     """The store's side of Responses requests (module docstring). ``keyed``: gateway keys are on (an id the gateway
     never held for the key then reaches no upstream)."""
@@ -74,10 +80,11 @@ class Conversations:
         who = key.name if key is not None else None
         record = await self.store.get(previous, who)
         if isinstance(record, Native):
-            return Continuation(previous, upstream=record.upstream)
+            return Continuation(previous, upstream=record.upstream, session=record.session)
         history = await self.store.history(previous, who, refresh) if isinstance(record, Bridged) else None
         if history is not None:
-            return Continuation(previous, held=True, history=tuple(history))
+            assert isinstance(record, Bridged)
+            return Continuation(previous, held=True, history=tuple(history), session=record.session)
         if record is not None:
             raise InvalidRequest(f"Previous response with id '{previous}' not found: the earlier turns of its "
                                  "conversation are no longer held (response_store bounds).",
@@ -101,7 +108,7 @@ class Conversations:
                 started = True
                 ex.response_kept(up.tier, up.name, bridged)
                 if not bridged and relay.stats.response_id is not None:
-                    await self.keep(facts, relay.stats.response_id, Native(up.name, owner(ex)))
+                    await self.keep(facts, relay.stats.response_id, Native(up.name, owner(ex), session_name(ex)))
             if bridging is not None and not kept and bridging.response is not None:
                 kept = True
                 await self.keep(facts, bridging.response["id"], bridged_record(ex, facts, bridging.response))
@@ -116,7 +123,7 @@ class Conversations:
         if response is not None:
             await self.keep(facts, response["id"], bridged_record(ex, facts, response))
         elif isinstance(parsed.get("id"), str):
-            await self.keep(facts, parsed["id"], Native(up.name, owner(ex)))
+            await self.keep(facts, parsed["id"], Native(up.name, owner(ex), session_name(ex)))
 
     async def keep(self, facts: RequestFacts, response_id: str, record: Bridged | Native) -> None:
         """Keep what a follow-up to ``response_id`` needs, unless the request said ``store: false``."""
@@ -129,4 +136,5 @@ def bridged_record(ex: Exchange, facts: RequestFacts, response: dict[str, Any]) 
     """A bridged response's record: the response, this turn's input items, the response it continued, and the gateway
     key that made it (its owner)."""
     cont = facts.continuation
-    return Bridged(response, input_items(facts.body), cont.response_id if cont and cont.held else None, owner(ex))
+    return Bridged(response, input_items(facts.body), cont.response_id if cont and cont.held else None, owner(ex),
+                   session_name(ex))

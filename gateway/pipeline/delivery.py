@@ -59,7 +59,10 @@ class Delivery:
         up = attempt.upstream
         ex.relay = relay
         first, sent = relay.stats.t_first_token, attempt.sent_at
-        ex.first_token(attempt.span, up.name, up.models.get(decision.model, decision.model), facts.prompt_tokens,
+        # an agent session's warm upstream prefilled only what its cache did not hold: its TTFT line learns the
+        # uncached prompt, the size deadline routing reads it at (gateway.routing.deadline.predict)
+        prompt = facts.prompt_tokens - (ex.run.affinity.warm.get(up.name, 0) if ex.run is not None else 0)
+        ex.first_token(attempt.span, up.name, up.models.get(decision.model, decision.model), prompt,
                        first - sent if first is not None and sent is not None else None)
         bridged = isinstance(relay, BridgeRelay)
         ex.open_stream(headers, "text/event-stream; charset=utf-8" if bridged else answer.content_type)

@@ -59,9 +59,12 @@ class Exchange(Recorder):
         hold: what it reserved against its key (``gateway.tenancy.ledger``), settled when it is recorded.
         blame: whom its request-shaped upstream failures are charged to (``gateway.routing.blame``).
         held, bodies: the request body bytes it holds in memory and their :class:`BodyBudget`.
+        run, sessions: when it is a step of an agent session, the step (``gateway.pipeline.sessions.Run``) and the
+            sessions it is added to once recorded; else None.
     """
 
-    __slots__ = ("answered", "relay", "gone_at", "cut", "task", "hold", "blame", "held", "bodies", "_send", "_start")
+    __slots__ = ("answered", "relay", "gone_at", "cut", "task", "hold", "blame", "held", "bodies", "run", "sessions",
+                 "_send", "_start")
     key: Key | None  # the recorder's key, as the pipeline uses it (authenticated by the app: ``KEY_SCOPE``)
 
     def __init__(self, observers: Observers, send: Send, headers: dict[str, str], kind: str,
@@ -71,6 +74,8 @@ class Exchange(Recorder):
         self.blame: Blame | None = None
         self.held = 0
         self.bodies: BodyBudget | None = None
+        self.run: Any = None
+        self.sessions: Any = None
         self.answered = False
         self.relay: Relay | None = None
         self.gone_at: float | None = None
@@ -157,6 +162,11 @@ class Exchange(Recorder):
                 tokens = int(hold.spend.tokens) if outcome in BILLABLE else 0
             hold.settle(tokens, cost if cost is not None else (hold.spend.usd if outcome in BILLABLE else 0.0),
                         self.tier)
+
+    def _stepped(self, outcome: str, duration: float, usage: Any, cost: float | None) -> None:
+        """Add the step to its session (``gateway.pipeline.sessions``): an answer an upstream made counts."""
+        if self.run is not None:
+            self.sessions.finished(self, self.run, duration, usage, cost, outcome in BILLABLE)
 
     def stream_figures(self) -> dict[str, Any]:
         """What the relay measured so far, as :meth:`Metrics.record` keywords (empty before any relay)."""

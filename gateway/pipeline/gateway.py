@@ -15,6 +15,7 @@ from gateway.pipeline.conversations import Conversations
 from gateway.pipeline.frame import Frame
 from gateway.pipeline.models import UpstreamModels
 from gateway.pipeline.passthrough import Passthrough
+from gateway.pipeline.sessions import Sessions
 from gateway.responses.store import ResponseStore
 from gateway.routing import deadline
 from gateway.routing.health import Health
@@ -34,7 +35,8 @@ class Gateway:
         config, policy: what it routes by; keys: its gateway keys (``auth:``), or None; chat: the hot path;
         passthrough: the rest of /v1 (None: passthrough is off); frame: its requests in flight and its drain;
         transport: its upstream connections; conversations, store, owners, ledger, estimates, explorer, health,
-        shared: the state it reads and changes (carried over by a reload); listed: what the passthrough upstream lists.
+        shared: the state it reads and changes (carried over by a reload); listed: what the passthrough upstream lists;
+        sessions: its agent sessions (their table carried over by a reload).
     """
 
     config: GatewayConfig
@@ -55,6 +57,7 @@ class Gateway:
     explorer: deadline.Explorer
     shared: SharedState | None
     listed: UpstreamModels
+    sessions: Sessions
 
     def in_flight(self) -> int:
         """Requests this gateway is serving now."""

@@ -116,7 +116,7 @@ class Hedging:
         hedged = False
         try:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.delay(turn.decision, first, turn.facts)):
+                async with asyncio.timeout(self.moving_delay(turn, first, second)):
                     await race.settled.wait()  # a first token, or a failure
             if race.winner is None and not race.failures:
                 if self.health[second.upstream.name].unavailable(self.health.clock(), turn.need, ex.blame) is None:
@@ -153,6 +153,22 @@ class Hedging:
         ex.upstream_model, ex.attempts = up.models.get(model, model), turn.tried
         go_on = turn.tried == 2 and turn.plan.go_on(second, turn.last)
         return turn.plan.candidates[2:] if go_on else []
+
+    def moving_delay(self, turn: Turn, first: Candidate, second: Candidate) -> float | None:
+        """:meth:`delay`, and for a step of an agent session whose prompt cache is warm on ``first`` and cold on
+        ``second``, longer by the prefill ``second`` would spend on the tokens that cache holds (its live TTFT line's
+        seconds per prompt token): a hedge moves the session, and it is started only once the first is late by more
+        than the move would cost (docs/sessions.md#cache-warmth-is-priced)."""
+        base = self.delay(turn.decision, first, turn.facts)
+        run = turn.ex.run
+        if base is None or run is None:
+            return base
+        warm = run.affinity.warm
+        cached = warm.get(first.upstream.name, 0)
+        if not cached or second.upstream.name in warm:
+            return base
+        est = self.estimates.latency(second.upstream.name, second.upstream_model, self.health.clock())
+        return base + (est.per_token * cached if est is not None else 0.0)
 
     def delay(self, decision: Decision, cand: Candidate, facts: RequestFacts) -> float | None:
         """Seconds to wait for ``cand``'s first token before hedging: the route's fixed delay, or ``p95``: its live

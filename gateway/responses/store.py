@@ -38,20 +38,23 @@ OVERHEAD = 256  # bytes a kept record costs beyond its JSON: its entries in the 
 @dataclass
 class Bridged:
     """A bridged response: ``response`` (the Response object), ``input`` (that turn's input items), ``previous`` (the
-    response it continued, or None) and ``owner`` (the gateway key that made it, or None without ``auth:``)."""
+    response it continued, or None), ``owner`` (the gateway key that made it, or None without ``auth:``) and
+    ``session`` (the agent session it was a step of, or None: ``gateway.routing.sessions``)."""
 
     response: dict[str, Any]
     input: list[dict[str, Any]]
     previous: str | None
     owner: str | None = None
+    session: str | None = None
 
 
 @dataclass
 class Native:
-    """A response an upstream made natively: the configured upstream that holds it, and its ``owner``."""
+    """A response an upstream made natively: the configured upstream that holds it, its ``owner`` and ``session``."""
 
     upstream: str
     owner: str | None = None
+    session: str | None = None
 
 
 Record = Bridged | Native
@@ -61,8 +64,8 @@ def encode(record: Record) -> bytes:
     """``record`` as the JSON bytes a store keeps (and :func:`decode` reads)."""
     if isinstance(record, Bridged):
         return orjson.dumps({"k": "b", "response": record.response, "input": record.input,
-                             "previous": record.previous, "owner": record.owner})
-    return orjson.dumps({"k": "n", "upstream": record.upstream, "owner": record.owner})
+                             "previous": record.previous, "owner": record.owner, "s": record.session})
+    return orjson.dumps({"k": "n", "upstream": record.upstream, "owner": record.owner, "s": record.session})
 
 
 def decode(data: bytes) -> Record | None:
@@ -72,13 +75,15 @@ def decode(data: bytes) -> Record | None:
         raw = orjson.loads(data)
         if not isinstance(raw, dict):
             return None
-        owner = raw.get("owner")
+        owner, session = raw.get("owner"), raw.get("s")
         owner = owner if isinstance(owner, str) else None
+        session = session if isinstance(session, str) else None
         if raw.get("k") == "n":
-            return Native(str(raw["upstream"]), owner)
+            return Native(str(raw["upstream"]), owner, session)
         if raw.get("k") == "b" and isinstance(raw["response"], dict) and isinstance(raw["input"], list):
             previous = raw.get("previous")
-            return Bridged(raw["response"], raw["input"], previous if isinstance(previous, str) else None, owner)
+            return Bridged(raw["response"], raw["input"], previous if isinstance(previous, str) else None, owner,
+                           session)
     except (ValueError, TypeError, KeyError):
         pass
     return None

@@ -10,6 +10,9 @@ For each candidate the prediction is, at the tail (``gateway.observability.estim
 request's prompt size plus the p90 residual; whole answer = TTFT + (completion - 1) / p10 decode speed, where completion
 is ``max_tokens`` when given, else the p90 completion length of the route (:data:`DEFAULT_COMPLETION` until measured).
 Its cost is the upstream's ``prices`` (or ``model_prices``) times the estimated prompt and the median completion.
+For a step of an agent session, the prompt tokens an upstream's cache is believed to hold are priced at its
+``cached_input`` and left out of its predicted prefill; on the others they cost full price and prefill time
+(docs/sessions.md#cache-warmth-is-priced).
 Then, in this order:
 
 1. **probe**: a candidate that is unmeasured (its estimate aged out, or it never served) gets this request if it was
@@ -27,6 +30,7 @@ health spillover (``gateway.routing.failover``) apply after the choice.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,14 +216,19 @@ def price(up: UpstreamConfig, model: str) -> tuple[float, float, float] | None:
 
 
 def predict(c: Candidate, est: Latency | None, facts: RequestFacts, model: str, completion_tail: int,
-            completion_central: int, b: Budget, now: float) -> Prediction:
-    """One candidate's prediction (module docstring) at ``now``."""
+            completion_central: int, b: Budget, now: float, cached: int = 0) -> Prediction:
+    """One candidate's prediction (module docstring) at ``now``; ``cached``: prompt tokens its prompt cache is
+    believed to hold for the request (an agent session's, warm there: billed at ``cached_input``, and not prefilled,
+    so the TTFT line is read at the uncached prompt; elsewhere the same tokens cost the input price and the prefill)."""
     priced = price(c.upstream, model)
-    cost = None if priced is None else facts.prompt_tokens * priced[0] + completion_central * priced[2]
+    prompt = facts.prompt_tokens
+    cached = min(cached, prompt)
+    cost = None if priced is None else (prompt - cached) * priced[0] + cached * priced[1] + \
+        completion_central * priced[2]
     up = c.upstream
     if est is None:
         return Prediction(up.name, up.tier, None, None, cost, None, None)
-    ttft = est.ttft(facts.prompt_tokens)
+    ttft = est.ttft(prompt - cached)
     decode = est.decode(completion_tail)
     total = None if decode is None else ttft + decode
     meets: bool | None = True
@@ -243,11 +252,14 @@ def completion_tokens(facts: RequestFacts, decision: Decision, estimates: Estima
 
 
 def choose(decision: Decision, facts: RequestFacts, b: Budget, estimates: Estimates, now: float,
-           explorer: Explorer) -> Choice:
-    """The deadline choice for ``decision``'s candidates (module docstring); ``now`` on the estimates' clock."""
+           explorer: Explorer, warm: Mapping[str, int] | None = None) -> Choice:
+    """The deadline choice for ``decision``'s candidates (module docstring); ``now`` on the estimates' clock;
+    ``warm``: for a step of an agent session, the upstreams its prompt cache is warm on and the prompt tokens each
+    holds (:func:`predict` prices them: a move that saves less than the warm cache it throws away is not made)."""
     tail, central, source = completion_tokens(facts, decision, estimates, now)
+    warm = warm or {}
     preds = tuple(predict(c, estimates.latency(c.upstream.name, c.upstream_model, now), facts, decision.model, tail,
-                          central, b, now) for c in decision.candidates)
+                          central, b, now, warm.get(c.upstream.name, 0)) for c in decision.candidates)
     pick: Prediction | None = None
     verdict = "unmeasured"
     unmeasured = [p for p in preds if p.meets is None]

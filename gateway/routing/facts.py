@@ -48,13 +48,15 @@ class Continuation:
 
     upstream: the upstream that made it natively (only it can continue it: affinity), or None; held: the gateway
     made it through the bridge and holds the whole conversation (any upstream may continue it); history: that
-    conversation's items when held. Neither: made elsewhere; only a native upstream might know it.
+    conversation's items when held; session: the agent session it was a step of, when it was recorded with one.
+    Neither upstream nor held: made elsewhere; only a native upstream might know it.
     """
 
     response_id: str
     upstream: str | None = None
     held: bool = False
     history: tuple[dict[str, Any], ...] = ()
+    session: str | None = None
 
 
 class RequestFacts:

@@ -72,13 +72,14 @@ class Plan:
 
 
 def plan(decision: Decision, health: Health, now: float, need_tokens: int, max_attempts: int,
-         blame: Blame | None = None) -> Plan:
+         blame: Blame | None = None, keep: str | None = None) -> Plan:
     """The candidates to try now for ``decision`` (module docstring: spillover and refusal).
 
     Args:
         now: the health clock's time (``health.clock()``); need_tokens: the request's estimated prompt plus its
             ``max_tokens`` (for the quota estimates); blame: the request's source, for the upstreams that rest for
-            some sources alone (``gateway.routing.health``: whose fault), or None.
+            some sources alone (``gateway.routing.health``: whose fault), or None; keep: an upstream that weights
+            never move from the front of its tier's candidates (an agent session's warm one), or None.
     """
     usable: list[Candidate] = []
     soft: list[Candidate] = []
@@ -86,7 +87,7 @@ def plan(decision: Decision, health: Health, now: float, need_tokens: int, max_a
     spilled: list[tuple[Candidate, str]] = []
     resting: list[UpstreamHealth] = []
     first_spill: str | None = None  # a candidate before the first usable one was passed over: the fallback reason
-    for cand in health.order(decision.candidates):
+    for cand in health.order(decision.candidates, keep):
         h = health[cand.upstream.name]
         why = h.unavailable(now, need_tokens, blame)
         if why == "concurrency" and h.can_queue():

@@ -368,8 +368,9 @@ class Health:
     def __getitem__(self, name: str) -> UpstreamHealth:
         return self.by_name[name]
 
-    def order(self, candidates: tuple[T, ...]) -> list[T]:
-        """Candidates with each run of same-tier upstreams shuffled by ``weight`` when weights differ.
+    def order(self, candidates: tuple[T, ...], keep: str | None = None) -> list[T]:
+        """Candidates with each run of same-tier upstreams shuffled by ``weight`` when weights differ; ``keep``: an
+        upstream that stays first of its run (an agent session's warm one: ``gateway.routing.sessions``).
 
         Weighted sampling without replacement (Efraimidis & Spirakis 2006: sort by ``random() ** (1/w)``);
         with equal weights the configured order stands.
@@ -383,7 +384,8 @@ class Health:
                 j += 1
             group = list(candidates[i:j])
             if len({_up(c).weight for c in group}) > 1:
-                group.sort(key=lambda c: random() ** (1.0 / _up(c).weight), reverse=True)
+                group.sort(key=lambda c: 2.0 if _up(c).name == keep else random() ** (1.0 / _up(c).weight),
+                           reverse=True)
             out += group
             i = j
         return out

@@ -94,6 +94,7 @@ class RedisLink:
         self._history = self.redis.register_script(scripts.HISTORY)
         self.key_reserve = self.redis.register_script(scripts.KEY_RESERVE)
         self.key_settle = self.redis.register_script(scripts.KEY_SETTLE)
+        self.session_step = self.redis.register_script(scripts.SESSION_STEP)
         self.up = False
         self.on_deleted: list[Callable[[str], None]] = []  # told the ids other replicas deleted
         self.on_restored: list[Callable[[], None]] = []  # called each time Redis answers again

@@ -258,7 +258,7 @@ class SharedState(RedisLink):
         names = list(health.by_name) if health is not None else []
         pipe = self.redis.pipeline(transaction=False)
         scripts = (self._admit, self._observe, self._landed, self._rest, self._history, self.key_reserve,
-                   self.key_settle)
+                   self.key_settle, self.session_step)
         for script in scripts:
             pipe.script_load(script.script)
         for name in names:

@@ -77,6 +77,7 @@ import httptools
 import orjson
 
 from gateway.responses.whole import Draft
+from gateway.tools.prompt_cache import PromptCache
 from gateway.tools.surface import Surface
 
 WORDS = [w.encode() for w in (" Every", " token", " leaves", " the", " gateway", " the", " moment", " it",
@@ -128,6 +129,8 @@ class EmulatorConfig:
     fixtures: Path = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "upstream"
     max_tokens: int = 4096
     tokens_per_minute: int | None = None  # one shared budget of every caller (module docstring); None: no limit
+    cache_ttl: float | None = None  # seconds a prompt prefix stays cached (gateway.tools.prompt_cache); None: no cache
+    prefill_tps: float | None = None  # prompt tokens prefilled per second, added to the TTFT (cached ones are not)
 
     @classmethod
     def for_tier(cls, tier: str, **overrides: Any) -> EmulatorConfig:
@@ -198,6 +201,7 @@ class Emulator:
         self.responses_made: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.surface = Surface()  # files, batches, ... (the rest of the /v1 surface)
         self.window: tuple[float, int] = (0.0, 0)  # the token budget's window: (its start, loop time; tokens spent)
+        self.cache: PromptCache | None = None  # made when config.cache_ttl is first set (it may come from the admin)
         self._log: TextIO | None = timing_log.open("a", buffering=1) if timing_log else None
 
     def made(self, response: dict[str, Any]) -> None:
@@ -205,6 +209,17 @@ class Emulator:
         self.responses_made[response["id"]] = response
         if len(self.responses_made) > 10_000:
             self.responses_made.popitem(last=False)
+
+    def cached(self, body: dict[str, Any], prompt: bytes, now: float) -> int:
+        """The tokens of a request's ``prompt`` (its messages' or input's JSON) its prompt cache holds (0 without
+        ``cache_ttl``), the cache keyed by the body's ``prompt_cache_key`` (gateway.tools.prompt_cache)."""
+        ttl = self.config.cache_ttl
+        if not ttl:
+            return 0
+        if self.cache is None or self.cache.ttl != ttl:
+            self.cache = PromptCache(ttl)
+        key = body.get("prompt_cache_key")
+        return self.cache.use(key if isinstance(key, str) else "", prompt, now)
 
     def protocol(self) -> EmulatorProtocol:
         """A protocol for one new connection (``loop.create_server(emulator.protocol, ...)``)."""
@@ -427,6 +442,9 @@ class EmulatorProtocol(asyncio.Protocol):
                 if "tokens_per_minute" in given:
                     changes["tokens_per_minute"] = int(given["tokens_per_minute"]) or None
                     self.emulator.window = (0.0, 0)
+                for name in ("cache_ttl", "prefill_tps"):  # a prompt cache and a prefill time, or (0) none
+                    if name in given:
+                        changes[name] = float(given[name]) or None
             except (ValueError, TypeError, KeyError):
                 self._reply(400, b'{"error":{"message":"give {\"ttft_ms\": N}, {\"tps\": N} and/or '
                                  b'{\"tokens_per_minute\": N}","type":'
@@ -435,7 +453,8 @@ class EmulatorProtocol(asyncio.Protocol):
             self.emulator.config = dataclasses.replace(self.emulator.config, **changes)
         cfg = self.emulator.config
         self._reply(200, orjson.dumps({"ttft_ms": cfg.ttft * 1000, "tps": cfg.tps, "dialect": cfg.dialect,
-                                       "tokens_per_minute": cfg.tokens_per_minute}))
+                                       "tokens_per_minute": cfg.tokens_per_minute, "cache_ttl": cfg.cache_ttl,
+                                       "prefill_tps": cfg.prefill_tps}))
 
     def _fault(self, name: str, body: dict[str, Any], d: dict[str, str]) -> None:
         """Play one of :data:`FAULTS` (chat completions, either dialect)."""
@@ -776,7 +795,11 @@ class Generation:
         self.id = b"chatcmpl-emu" + os.urandom(8).hex().encode()  # unique per answer, as an agent's history needs
         self.response_id = "resp_emu" + self.id[12:].decode()
         self.created = int(time.time())
-        self.prompt_tokens = max(1, len(orjson.dumps(body.get("messages", body.get("input", [])))) // 4)
+        prompt = orjson.dumps(body.get("messages", body.get("input", [])))
+        self.prompt_tokens = max(1, len(prompt) // 4)
+        self.cached = min(self.prompt_tokens, proto.emulator.cached(body, prompt, proto.loop.time()))
+        if cfg.prefill_tps and "ttft_ms" not in d:  # prefill: what the cache does not hold is computed first
+            self.ttft += (self.prompt_tokens - self.cached) / cfg.prefill_tps
         n = body.get("n")
         self.n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 16 and not responses else 1
         self.t0 = 0.0
@@ -849,7 +872,8 @@ class Generation:
         completion = self.tokens * self.n
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens_details": {"reasoning_tokens": 0}}
+                "prompt_tokens_details": {"cached_tokens": self.cached},
+                "completion_tokens_details": {"reasoning_tokens": 0}}
 
     def _time_info(self) -> dict[str, Any]:
         completion = (self.tokens - 1) / self.tps
@@ -935,7 +959,7 @@ class Generation:
             out["output"] = [self._output_item("completed")]
             if self.with_usage:
                 out["usage"] = {"input_tokens": self.prompt_tokens,
-                                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                                "input_tokens_details": {"cached_tokens": self.cached, "cache_write_tokens": 0},
                                 "output_tokens": self.tokens, "output_tokens_details": {"reasoning_tokens": 0},
                                 "total_tokens": self.prompt_tokens + self.tokens}
         return out

@@ -29,10 +29,14 @@ class Dialect:
     """An upstream kind (module docstring). Instances hold no state: one per dialect serves every upstream of it.
 
     Attributes:
-        name: as ``dialect:`` names it, and the trace's ``gen_ai.provider.name``.
+        name: as ``dialect:`` names it, and the trace's ``gen_ai.provider.name``; prompt_cache_key: it takes one.
     """
 
     name: ClassVar[str] = "openai"
+    # whether it takes ``prompt_cache_key`` (OpenAI API reference, "Create chat completion" and "Create a model
+    # response": a key that routes requests sharing a prefix to the same cache); an agent session's steps are sent
+    # one made from the session where the client sent none (``sessions.prompt_cache_key``)
+    prompt_cache_key: ClassVar[bool] = True
 
     def body(self, raw: bytes, body: Mapping[str, Any], upstream_model: str, ask_usage: bool) -> bytes:
         """The bytes of one attempt's request: the client's ``raw`` (``body`` parsed) for ``upstream_model``, with

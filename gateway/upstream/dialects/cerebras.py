@@ -21,6 +21,7 @@ class Cerebras(Dialect):
     """Cerebras Inference: OpenAI fields it rejects are dropped; usage is asked for (it sends it unasked too)."""
 
     name = "cerebras"
+    prompt_cache_key = False  # an unknown property is a 422; its prompt cache is keyed by the prefix alone
     # the OpenAI fields its API answers 422 (an unknown property): dropped, the body re-serialised
     drop = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
                       "safety_identifier", "verbosity"})

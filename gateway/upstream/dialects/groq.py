@@ -32,6 +32,7 @@ class Groq(Dialect):
     tier is the upstream's trouble, not the client's."""
 
     name = "groq"
+    prompt_cache_key = False  # Groq's prompt cache is keyed by the prefix alone; the field is not in its API
 
     def body(self, raw: bytes, body: Mapping[str, Any], upstream_model: str, ask_usage: bool) -> bytes:
         """As OpenAI's, without a ``service_tier`` only OpenAI knows."""

@@ -33,6 +33,7 @@ class VLLM(Dialect):
     beside tool calls (both only when the request has them: other bodies are the client's bytes)."""
 
     name = "vllm"
+    prompt_cache_key = False  # vLLM's and llama.cpp's prefix caches are keyed by the prompt alone
 
     def body(self, raw: bytes, body: Mapping[str, Any], upstream_model: str, ask_usage: bool) -> bytes:
         """As OpenAI's, with ``max_tokens`` beside a ``max_completion_tokens`` that has none, a ``tool_choice`` naming

@@ -1,0 +1,263 @@
+"""Agent sessions on the request's path (docs/sessions.md): which run a request is a step of, what that run may still
+spend, where its prompt cache is warm, and, once the step is recorded, what it added to the run.
+
+For a request without a session signal this costs the identity lookups of ``gateway.routing.sessions.session_of``
+and nothing else. For a step of a session:
+
+1. **begin** (:meth:`Sessions.begin`, after the policy decided): the run's record is read (this process's table, or
+   Redis shared by the replicas); its budgets are checked (steps, USD, the run's deadline: past one, 429
+   ``session_budget_exceeded`` and nothing reaches an upstream; a spent USD budget may instead move the rest of the
+   run to the standard tier); its affinity puts the warm upstream first among its tier's candidates.
+2. **the step's budget** (:meth:`Sessions.step_budget`): a run's deadline, shared among its remaining steps, is the
+   step's latency budget for deadline routing when the request states none of its own.
+3. **finished** (called by the request's record, exactly once): the step's upstream, time, tokens, cost and the
+   seconds the fast tier saved are added to the run; a step served elsewhere than the run's last upstream is counted
+   as a move, with its reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.config.schema import GatewayConfig
+from gateway.config.sessions import SessionBudgets
+from gateway.errors import InvalidRequest, SessionBudgetExceeded
+from gateway.observability.estimates import Estimates
+from gateway.pipeline.exchange import Exchange
+from gateway.routing import deadline
+from gateway.routing.facts import Candidate, Decision, RequestFacts
+from gateway.routing.sessions import NO_AFFINITY, Affinity, SessionId, affinity, keep_first, moved_because, session_of
+from gateway.tenancy.sessions import SessionRecord, SessionTable, Step, scope
+
+BUDGET_HEADERS = {  # request header -> (budget field, scale: the header's unit in the field's)
+    "x-tiergate-session-max-steps": ("max_steps", 1.0),
+    "x-tiergate-session-max-usd": ("max_usd", 1.0),
+    "x-tiergate-session-deadline-ms": ("deadline", 0.001),
+    "x-tiergate-session-step-ms": ("step", 0.001),
+    "x-tiergate-session-steps": ("expected_steps", 1.0),
+}
+BUDGET_HEADER = b"x-tiergate-session-budget"  # a spent USD budget sent the step to the standard tier: ``usd``
+
+
+@dataclass(slots=True)
+class Run:
+    """One step of a session between :meth:`Sessions.begin` and :meth:`Sessions.finished`.
+
+    session: its id; key: its table key; record: the run so far (a new one on its first step); affinity: what
+    routing was asked; budgets: the run's, as this step states them; arrived: the step's arrival (wall seconds);
+    downgraded: a spent USD budget sent it to the standard tier; standard: the standard tier's first candidate, to
+    tell what the fast tier saved; done: :meth:`Sessions.finished` ran.
+    """
+
+    session: SessionId
+    key: str
+    record: SessionRecord
+    affinity: Affinity
+    budgets: SessionBudgets
+    arrived: float
+    downgraded: bool = False
+    standard: Candidate | None = None
+    done: bool = False
+
+    @property
+    def step(self) -> int:
+        """This step's number in the run (1-based)."""
+        return self.record.steps + 1
+
+
+def budgets_of(headers: Mapping[str, str], base: SessionBudgets) -> SessionBudgets:
+    """The run's budgets: ``base`` (the key's, over the config's), with what the request's headers state.
+
+    Raises:
+        InvalidRequest: a header that is not a positive number (400 naming it).
+    """
+    given: dict[str, Any] = {}
+    for name, (field, scale) in BUDGET_HEADERS.items():
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        whole = field in ("max_steps", "expected_steps")
+        if not math.isfinite(number) or number <= 0 or (whole and number != int(number)):
+            raise InvalidRequest(f"Invalid value for header '{name}': expected a positive "
+                                 f"{'whole ' if whole else ''}number, got {value[:40]!r}.", param=name,
+                                 code="invalid_value")
+        given[field] = int(number) if whole else number * scale
+    return base.model_copy(update=given) if given else base
+
+
+def merged(config_budgets: SessionBudgets, key_budgets: SessionBudgets | None) -> SessionBudgets:
+    """A key's session budgets over the config's: each field the key sets wins."""
+    if key_budgets is None:
+        return config_budgets
+    return config_budgets.model_copy(update=key_budgets.model_dump(exclude_unset=True))
+
+
+class Sessions:
+    """The sessions of one gateway (module docstring), kept in ``table``.
+
+    Args:
+        config: the gateway's config (``sessions:``, upstreams' ``cache_ttl``); table: where runs are kept;
+        estimates, clock: the live estimates and their clock (what the fast tier saved is told against them);
+        wall: wall-clock seconds (``time.time``; shared by replicas).
+    """
+
+    def __init__(self, config: GatewayConfig, table: SessionTable, estimates: Estimates,
+                 clock: Callable[[], float], wall: Callable[[], float]) -> None:
+        self.cfg = config.sessions
+        self.table = table
+        self.estimates = estimates
+        self.clock = clock
+        self.wall = wall
+        self.headers = tuple(self.cfg.headers) if self.cfg.enabled else ()
+        self.ttl = {u.name: u.prompt_cache_ttl for u in config.upstreams}
+        self.tier_of = {u.name: u.tier for u in config.upstreams}
+        self.in_flight: dict[str, int] = {}  # steps of each run in flight in this process (max_steps counts them)
+
+    def identify(self, facts: RequestFacts, key_default: str | None) -> SessionId | None:
+        """The session ``facts``' request is a step of, or None (``sessions.enabled: false``: always None)."""
+        if not self.cfg.enabled:
+            return None
+        return session_of(facts, self.headers, key_default)
+
+    async def begin(self, ex: Exchange, session: SessionId, facts: RequestFacts, decision: Decision,
+                    key_budgets: SessionBudgets | None) -> tuple[Run, Decision]:
+        """Start a step of ``session`` (module docstring, 1): the run, and ``decision`` with the session's warm upstream
+        first (or, past a USD budget that moves runs, without its fast-tier candidates).
+
+        Raises:
+            SessionBudgetExceeded: a budget of the run is spent (429; counted); InvalidRequest: a bad budget header.
+        """
+        try:
+            run, decision = await self.look(ex.key.name if ex.key is not None else None, session, facts, decision,
+                                            key_budgets)
+        except SessionBudgetExceeded as exc:
+            assert exc.param is not None
+            ex.session_refused(exc.param)
+            raise
+        self.in_flight[run.key] = self.in_flight.get(run.key, 0) + 1
+        return run, decision
+
+    async def look(self, owner: str | None, session: SessionId, facts: RequestFacts, decision: Decision,
+                   key_budgets: SessionBudgets | None) -> tuple[Run, Decision]:
+        """What :meth:`begin` decides, counting nothing (``POST /v1/tiergate/route`` shows it as it is).
+
+        Raises:
+            SessionBudgetExceeded, InvalidRequest: as :meth:`begin`.
+        """
+        key, now = scope(owner, session.id), self.wall()
+        budgets = budgets_of(facts.headers, merged(self.cfg.budgets, key_budgets))
+        record = await self.table.load(key, now)
+        if record is None:
+            record = SessionRecord(owner, session.id, session.source, started=now)
+        run = Run(session, key, record, NO_AFFINITY, budgets, now)
+        decision = self._within(run, decision)
+        run.affinity = affinity(decision, record, self.ttl, now, facts.prompt_tokens)
+        if run.affinity.target is not None:
+            decision = dataclasses.replace(decision, candidates=keep_first(decision.candidates, run.affinity.target))
+        run.standard = next((c for c in decision.candidates if c.upstream.tier == "standard"), None)
+        return run, decision
+
+    def _within(self, run: Run, decision: Decision) -> Decision:
+        """``decision`` if the run may take another step, else (a spent USD budget that moves runs) without its fast
+        candidates.
+
+        Raises:
+            SessionBudgetExceeded: a budget is spent (``param`` names it).
+        """
+        b, record = run.budgets, run.record
+        if b.max_steps is not None and record.steps + self.in_flight.get(run.key, 0) >= b.max_steps:
+            raise refusal(run, "max_steps", f"{record.steps} of its {b.max_steps} steps taken")
+        if b.deadline is not None and record.steps and run.arrived - record.started >= b.deadline:
+            raise refusal(run, "deadline", f"{run.arrived - record.started:.1f} s of its {b.deadline:g} s used")
+        if b.max_usd is not None and record.usd >= b.max_usd:
+            rest = tuple(c for c in decision.candidates if c.upstream.tier != "fast")
+            if b.on_usd == "refuse" or not rest:
+                raise refusal(run, "max_usd", f"${record.usd:.6f} of its ${b.max_usd:g} spent")
+            run.downgraded = True
+            fallback = "session_budget" if rest[0] is not decision.candidates[0] else decision.fallback
+            return dataclasses.replace(decision, candidates=rest, fallback=fallback)
+        return decision
+
+    async def record_of(self, owner: str | None, session_id: str) -> SessionRecord | None:
+        """The run ``owner``'s gateway key named ``session_id`` (``GET /v1/tiergate/sessions/{id}``), or None: another
+        key's session is not found, as an unknown one."""
+        return await self.table.load(scope(owner, session_id), self.wall())
+
+    def step_budget(self, run: Run) -> deadline.Budget | None:
+        """The step's latency budget from the run's (module docstring, 2): its ``step`` budget, else what is left of
+        its ``deadline`` shared among the steps still expected (``expected_steps``, else ``max_steps``; else all of
+        it); None without either."""
+        b = run.budgets
+        if b.step is not None:
+            return deadline.Budget(b.step, None, "session")
+        if b.deadline is None:
+            return None
+        left = b.deadline - (run.arrived - run.record.started if run.record.steps else 0.0)
+        expected = b.expected_steps or b.max_steps
+        steps_left = max(1, expected - run.record.steps) if expected is not None else 1
+        return deadline.Budget(max(0.001, left / steps_left), None, "session")
+
+    def finished(self, ex: Exchange, run: Run, duration: float, usage: Mapping[str, Any] | None, cost: float | None,
+                 answered: bool) -> None:
+        """The step's request was recorded (module docstring, 3): add it to the run, unless no upstream answered it
+        (then it took no step: nothing is counted but its slot in flight)."""
+        if run.done:
+            return
+        run.done = True
+        left = self.in_flight.get(run.key, 1) - 1
+        if left > 0:
+            self.in_flight[run.key] = left
+        else:
+            self.in_flight.pop(run.key, None)
+        if not answered or ex.upstream == "none":
+            return
+        prompt, cached, output = _tokens(usage)
+        record, now = run.record, self.wall()
+        moved = None
+        if record.last_upstream is not None and ex.upstream != record.last_upstream:
+            moved = moved_because(ex.fallback, run.affinity.broken, ex.upstream, run.affinity.target)
+        standard = self._standard_estimate(ex, run, prompt or ex.prompt_tokens, output)
+        step = Step(ex.upstream, ex.tier, duration, cost or 0.0, prompt, cached, output,
+                    None if standard is None else standard - duration, moved)
+        record.add(step, now, self.cfg.max_moves)
+        self.table.store(run.key, record, step, now)
+        ex.session_stepped(ex.tier, ex.upstream, prompt, cached, moved,
+                           None if standard is None else (duration, standard))
+
+    def _standard_estimate(self, ex: Exchange, run: Run, prompt: int, output: int) -> float | None:
+        """Seconds the standard tier's live estimate (central) gives a fast-tier step's prompt and output tokens (what
+        the step would have taken there), or None (not on the fast tier, no standard candidate, or unmeasured)."""
+        std = run.standard
+        if ex.tier != "fast" or std is None or output <= 0:
+            return None
+        est = self.estimates.latency(std.upstream.name, std.upstream_model, self.clock())
+        decode = est.decode(output, tail=False) if est is not None else None
+        if est is None or decode is None:
+            return None
+        return est.ttft(prompt, tail=False) + decode
+
+
+def refusal(run: Run, budget: str, said: str) -> SessionBudgetExceeded:
+    """The 429 of a run whose ``budget`` is spent (``said``: how)."""
+    return SessionBudgetExceeded(f"The agent session '{run.session.id}' has spent its {budget} budget ({said}); "
+                                 "start a new session to go on.", param=budget, headers={"x-should-retry": "false"})
+
+
+def _tokens(usage: Mapping[str, Any] | None) -> tuple[int, int, int]:
+    """(prompt, cached prompt, output) tokens of a chat-shaped usage (0 where absent or not a count)."""
+    if not isinstance(usage, Mapping):
+        return 0, 0, 0
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+
+    def count(value: Any) -> int:
+        return max(0, value) if isinstance(value, int) and not isinstance(value, bool) else 0
+    return count(usage.get("prompt_tokens")), count(cached), count(usage.get("completion_tokens"))

@@ -1,0 +1,205 @@
+"""What the gateway keeps of one agent run (a session, ``gateway.routing.sessions``): its steps, tokens, cost and
+time, where its prompt cache is warm, and how it moved between upstreams; and the bounded table that keeps them in
+this process (:class:`MemorySessions`; the replicas' is ``gateway.state.sessions``). Pure code, no I/O: times are
+passed in (wall-clock seconds, ``time.time()``, so that replicas agree on them).
+
+A session belongs to the gateway key that named it: its table key (:func:`scope`) is made of the key's name and the
+id, so that two tenants naming the same id have two sessions, and neither reaches the other's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+def scope(owner: str | None, session_id: str) -> str:
+    """The table key of ``session_id`` named by the gateway key ``owner`` (None without ``auth:``): 32 hex digits of
+    their SHA-256 (bounded, and safe in a Redis key whatever the id holds)."""
+    return hashlib.sha256(f"{owner or ''}\x1f{session_id}".encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class Warm:
+    """A session's last step on one upstream: when it ended (wall seconds) and its prompt (tokens, the prefix the
+    upstream's prompt cache now holds)."""
+
+    at: float
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """A step served by another upstream than the step before it: when (wall seconds), from where, to where, and why
+    (``gateway.routing.sessions.MOVE_REASONS``)."""
+
+    at: float
+    source: str
+    target: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One finished step of a session, as the request's record saw it.
+
+    upstream, tier: what served it; duration: seconds from its arrival to its end; usd: its cost (0 when unpriced);
+    prompt_tokens, cached_tokens, output_tokens: its usage (cached: served from the upstream's prompt cache);
+    saved: seconds the fast tier saved against the standard tier's live estimate for the same tokens (None: not on
+    the fast tier, or nothing to compare with); move: why it left the session's last upstream (None: it did not).
+    """
+
+    upstream: str
+    tier: str
+    duration: float
+    usd: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    saved: float | None = None
+    move: str | None = None
+
+
+@dataclass
+class SessionRecord:
+    """One session (module docstring). Times are wall-clock seconds; tokens and USD are its steps' sums.
+
+    Attributes:
+        owner, id, source: the gateway key that named it (None without ``auth:``), its id and where the id came from;
+        started, last: its first step's arrival and its last step's end; steps: steps finished; usd: their cost;
+        prompt_tokens, cached_tokens, output_tokens: their usage; last_upstream: the upstream of the last step;
+        warm: per upstream, its last step there; seconds_by_tier, seconds_by_upstream, steps_by_tier: where its
+        time went; saved, saved_steps: seconds the fast tier saved, over how many steps it could be told; moves:
+        the newest moves between upstreams (at most ``sessions.max_moves``); moved: every move counted.
+    """
+
+    owner: str | None
+    id: str
+    source: str
+    started: float
+    last: float = 0.0
+    steps: int = 0
+    usd: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    last_upstream: str | None = None
+    warm: dict[str, Warm] = field(default_factory=dict)
+    seconds_by_tier: dict[str, float] = field(default_factory=dict)
+    seconds_by_upstream: dict[str, float] = field(default_factory=dict)
+    steps_by_tier: dict[str, int] = field(default_factory=dict)
+    saved: float = 0.0
+    saved_steps: int = 0
+    moves: list[Move] = field(default_factory=list)
+    moved: int = 0
+
+    def add(self, step: Step, now: float, max_moves: int) -> None:
+        """Count ``step``, which ended at ``now``."""
+        if step.move is not None and self.last_upstream is not None:
+            self.moved += 1
+            if max_moves:
+                self.moves.append(Move(now, self.last_upstream, step.upstream, step.move))
+                del self.moves[:-max_moves]
+        self.steps += 1
+        self.last = now
+        self.usd += step.usd
+        self.prompt_tokens += step.prompt_tokens
+        self.cached_tokens += step.cached_tokens
+        self.output_tokens += step.output_tokens
+        self.last_upstream = step.upstream
+        self.warm[step.upstream] = Warm(now, step.prompt_tokens)
+        self.seconds_by_tier[step.tier] = self.seconds_by_tier.get(step.tier, 0.0) + step.duration
+        self.seconds_by_upstream[step.upstream] = self.seconds_by_upstream.get(step.upstream, 0.0) + step.duration
+        self.steps_by_tier[step.tier] = self.steps_by_tier.get(step.tier, 0) + 1
+        if step.saved is not None:
+            self.saved += step.saved
+            self.saved_steps += 1
+
+    def as_dict(self) -> dict[str, object]:
+        """The record as ``GET /v1/tiergate/sessions/{id}`` shows it (times as Unix seconds)."""
+        return {
+            "object": "tiergate.session", "id": self.id, "source": self.source, "steps": self.steps,
+            "started_at": round(self.started, 3), "last_step_at": round(self.last, 3) if self.steps else None,
+            "wall_seconds": round(max(0.0, self.last - self.started), 6) if self.steps else 0.0,
+            "cost_usd": round(self.usd, 9),
+            "tokens": {"prompt": self.prompt_tokens, "cached": self.cached_tokens, "output": self.output_tokens},
+            "cache_hit_ratio": round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else None,
+            "steps_by_tier": dict(self.steps_by_tier),
+            "seconds_by_tier": {k: round(v, 6) for k, v in self.seconds_by_tier.items()},
+            "seconds_by_upstream": {k: round(v, 6) for k, v in self.seconds_by_upstream.items()},
+            "last_upstream": self.last_upstream,
+            "fast_tier_saved_seconds": round(self.saved, 6) if self.saved_steps else None,
+            "fast_tier_saved_steps": self.saved_steps,
+            "moves": [{"at": round(m.at, 3), "from": m.source, "to": m.target, "reason": m.reason} for m in self.moves],
+            "moves_total": self.moved,
+        }
+
+
+class SessionTable(Protocol):
+    """Where sessions are kept: :class:`MemorySessions`, or the replicas' ``gateway.state.sessions.SharedSessions``."""
+
+    async def load(self, key: str, now: float) -> SessionRecord | None:
+        """The session under ``key`` (:func:`scope`) at ``now``, or None (unknown, or idle too long)."""
+        ...
+
+    def store(self, key: str, record: SessionRecord, step: Step, now: float) -> None:
+        """``record`` has counted ``step`` (:meth:`SessionRecord.add`): keep it (not awaited)."""
+        ...
+
+
+
+class MemorySessions:
+    """Sessions kept in this process: at most ``max_items`` (the least recently used go first), each forgotten
+    ``idle`` seconds after its last step; ``on_end`` is told each session that leaves the table (for the
+    steps-per-session and duration metrics), or None."""
+
+    def __init__(self, max_items: int, idle: float, on_end: Callable[[SessionRecord], None] | None = None) -> None:
+        self.max_items = max_items
+        self.idle = idle
+        self.on_end = on_end
+        self._records: OrderedDict[str, SessionRecord] = OrderedDict()  # least recently used first
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def get(self, key: str, now: float) -> SessionRecord | None:
+        """The session under ``key`` (:func:`scope`), or None (unknown, or idle past ``idle``)."""
+        record = self._records.get(key)
+        if record is None:
+            return None
+        if record.steps and now - record.last >= self.idle:
+            self._forget(key)
+            return None
+        return record
+
+    async def load(self, key: str, now: float) -> SessionRecord | None:
+        """:meth:`get` (the :class:`SessionTable` interface)."""
+        return self.get(key, now)
+
+    def store(self, key: str, record: SessionRecord, step: Step, now: float) -> None:
+        """:meth:`put` (the :class:`SessionTable` interface; ``step`` is already in ``record``)."""
+        self.put(key, record, now)
+
+    def put(self, key: str, record: SessionRecord, now: float) -> None:
+        """Keep ``record`` under ``key`` as the most recently used; what is over the bounds, or idle, leaves."""
+        self._records[key] = record
+        self._records.move_to_end(key)
+        self.sweep(now, 8)
+        while len(self._records) > self.max_items:
+            self._forget(next(iter(self._records)))
+
+    def sweep(self, now: float, most: int) -> None:
+        """Forget at most ``most`` of the least recently used sessions that are idle past ``idle``."""
+        for _ in range(most):
+            oldest = next(iter(self._records.items()), None)
+            if oldest is None or not oldest[1].steps or now - oldest[1].last < self.idle:
+                return
+            self._forget(oldest[0])
+
+    def _forget(self, key: str) -> None:
+        record = self._records.pop(key)
+        if record.steps and self.on_end is not None:
+            self.on_end(record)
