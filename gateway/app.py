@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, multiprocess
 from gateway.config.load import LoadedConfig, load_config
 from gateway.config.schema import GatewayConfig
 from gateway.config.settings import Settings, environ, multiprocess_dir
+from gateway.config.upstreams import Prices
 from gateway.http.admin import admin_app
 from gateway.http.dispatch import HotPath
 from gateway.http.server import configure as configure_client_limits
@@ -142,15 +143,12 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
     return hot
 
 
-Prices = tuple[float, float, float]  # USD per input, cached input and output token
-
-
 def _label_sets(config: GatewayConfig) -> tuple[list[tuple[str, str, Iterable[str]]], dict[str, Prices],
                                                   dict[tuple[str, str], Prices]]:
     """The metrics' per-upstream label sets and prices of ``config`` (``Metrics`` and ``Metrics.reconfigure``)."""
     return ([(u.tier, u.name, u.models) for u in config.upstreams],
-            {u.name: u.prices.per_token() for u in config.upstreams if u.prices is not None},
-            {(u.name, m): p.per_token() for u in config.upstreams for m, p in u.model_prices.items()})
+            {u.name: u.prices for u in config.upstreams if u.prices is not None},
+            {(u.name, m): p for u in config.upstreams for m, p in u.model_prices.items()})
 
 
 def _ledger_file(gateway: Gateway, state_dir: Path | None) -> LedgerFile | None:

@@ -164,8 +164,9 @@ def _replaying(transcript: str) -> EmulatorThread:
 
 def test_a_groq_fast_tier_and_a_vllm_standard_tier_serve_through_the_gateway(tmp_path: Path) -> None:
     """Over loopback: a Groq-dialect upstream gets no OpenAI service tier and its x_groq usage is counted; a
-    vLLM-dialect upstream is asked for usage and keeps the client's own fields; both streams reach the client whole
-    (the upstreams replay the recorded groq and vLLM transcripts)."""
+    vLLM-dialect upstream is asked for usage and keeps the client's own fields, but a fast service tier (the request
+    was sent to the standard tier: it is not asked for a faster one); both streams reach the client whole (the
+    upstreams replay the recorded groq and vLLM transcripts)."""
     groq, vllm = _replaying("groq_chat_stream_text"), _replaying("vllm_chat_stream")
     cfg = {"upstreams": [
         {"name": "groq-fast", "tier": "fast", "dialect": "groq", "models": {"llama": "llama3-8b-8192"},
@@ -184,7 +185,7 @@ def test_a_groq_fast_tier_and_a_vllm_standard_tier_serve_through_the_gateway(tmp
             assert r.content == _fixture(transcript)  # byte for byte: both end with [DONE]
         groq_sent, vllm_sent = orjson.loads(groq.requests[0].body), orjson.loads(vllm.requests[0].body)
         assert "service_tier" not in groq_sent and groq_sent["model"] == "llama3-8b-8192"
-        assert vllm_sent["service_tier"] == "priority" and vllm_sent["min_tokens"] == 4
+        assert "service_tier" not in vllm_sent and vllm_sent["min_tokens"] == 4
         assert vllm_sent["stream_options"] == {"include_usage": True}
         metrics = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=5).text
         assert sample(metrics, "tiergate_tokens_total", tier="fast", token_type="output", usage="reported",

@@ -60,20 +60,58 @@ class HealthConfig(Strict):
     quota_reserve: dict[Literal["requests", "tokens"], int] = {}
 
 
+# OpenAI's service tiers (API reference, "Create a model response": ``service_tier``), slowest first: ``flex``; the
+# standard processing of ``auto``, ``default`` and ``scale``; ``priority`` and its new name ``fast``; ``ultrafast``
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "fast", "ultrafast")
+SPEED = {"flex": 0, "auto": 1, "default": 1, "scale": 1, "priority": 2, "fast": 2, "ultrafast": 3}
+FAST_SERVICE_TIERS = frozenset({"priority", "fast", "ultrafast"})  # they ask for the fast tier
+
+
+class PriceStep(Strict):
+    """A provider's long-context price step: a request whose prompt is over ``above`` tokens costs these prices (USD
+    per million tokens) for all its tokens (OpenAI prices its largest windows this way)."""
+
+    above: int = Field(ge=1)
+    input: float = Field(ge=0)
+    output: float = Field(ge=0)
+    cached_input: float | None = Field(None, ge=0)
+
+
 class Prices(Strict):
     """What an upstream charges, in USD per million tokens (``prompt_tokens`` includes the cached ones).
 
-    cached_input: the price of cached prompt tokens; when absent they cost the ``input`` price.
+    cached_input: the price of cached prompt tokens; when absent they cost the ``input`` price. long_context: the
+    price step of long prompts, or None. service_tiers: the prices of a request served at another ``service_tier``
+    than the default (``priority``, ``fast``, ``ultrafast``, ``flex``, ...: what the upstream's answer says it served,
+    else what the gateway asked), each with its own ``long_context`` if it has one.
     """
 
     input: float = Field(ge=0)
     output: float = Field(ge=0)
     cached_input: float | None = Field(None, ge=0)
+    long_context: PriceStep | None = None
+    service_tiers: dict[str, Prices] = {}
 
-    def per_token(self) -> tuple[float, float, float]:
-        """(input, cached input, output) in USD per token."""
-        cached = self.input if self.cached_input is None else self.cached_input
-        return self.input / 1e6, cached / 1e6, self.output / 1e6
+    @field_validator("service_tiers")
+    @classmethod
+    def _known_tiers(cls, value: dict[str, Prices]) -> dict[str, Prices]:
+        unknown = sorted(set(value) - set(SERVICE_TIERS))
+        if unknown:
+            raise ValueError(f"unknown service tier(s) {', '.join(unknown)}: give {', '.join(SERVICE_TIERS)}")
+        return value
+
+    def per_token(self, service_tier: str | None = None, prompt_tokens: int = 0) -> tuple[float, float, float]:
+        """(input, cached input, output) in USD per token, for a request served at ``service_tier`` (None, or one
+        without prices of its own: the default's) with a prompt of ``prompt_tokens``."""
+        priced = self.service_tiers.get(service_tier, self) if service_tier is not None else self
+        step = priced.long_context
+        if step is not None and prompt_tokens > step.above:
+            return _per_token(step.input, step.cached_input, step.output)
+        return _per_token(priced.input, priced.cached_input, priced.output)
+
+
+def _per_token(input_: float, cached: float | None, output: float) -> tuple[float, float, float]:
+    return input_ / 1e6, (input_ if cached is None else cached) / 1e6, output / 1e6
 
 
 # The upstream dialects config accepts (each has its module: gateway.upstream.dialects.<name>) and the API surface
@@ -121,6 +159,10 @@ class UpstreamConfig(Strict):
     # ("audio" covers "audio/speech"), "*" for all; None: as its dialect does (DIALECT_SURFACES). Chat completions and
     # the Responses API are governed by models and responses.
     endpoints: list[str] | None = None
+    # the OpenAI service tier this upstream *is* (``ultrafast``: the same model's fast tier on OpenAI's API): set on
+    # every request on the way up, replacing the client's; None: the client's is forwarded, except a fast one
+    # (priority, fast, ultrafast) to a standard-tier upstream, which is dropped (routing sent it to the slower tier)
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"] | None = None
     # send the client's own Authorization header to this upstream instead of the upstream's key (a sidecar in
     # front of applications that each hold their own OpenAI key); otherwise the client's key never leaves
     pass_client_key: bool = False
@@ -158,6 +200,15 @@ class UpstreamConfig(Strict):
     def serves(self, path: str) -> bool:
         """Whether it serves ``path`` (under /v1, no leading slash: ``embeddings``, ``files/file-abc/content``)."""
         return any(mine == "*" or path == mine or path.startswith(mine + "/") for mine in self.endpoint_paths)
+
+    def asks(self, client_tier: object) -> str | None:
+        """The ``service_tier`` a request is sent with (the client's ``client_tier``, as parsed): this upstream's own,
+        else the client's, unless that is a fast one and this upstream is on the standard tier; None: none sent."""
+        if self.service_tier is not None:
+            return self.service_tier
+        if not isinstance(client_tier, str) or (self.tier == "standard" and client_tier in FAST_SERVICE_TIERS):
+            return None
+        return client_tier
 
     @property
     def prompt_cache_ttl(self) -> float:

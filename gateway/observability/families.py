@@ -179,6 +179,10 @@ FAMILIES: tuple[Family, ...] = (
            'Redis operations that failed or outlasted state.timeout, by operation (admit, observe, rest, store, '
            'subscribe, ping): the gateway went on with its local state.',
            ('op',)),
+    Family('tier_downgrades', Counter, 'service_tier_downgrades',
+           'Requests the upstream said it served at a slower service_tier than the gateway asked for (asked, '
+           'served: auto, default, flex, scale, priority, fast, ultrafast or other); each is billed as served.',
+           ('asked', 'served')),
     Family('session_steps', Counter, 'session_steps',
            'Steps of agent sessions (requests with a session id: docs/sessions.md), by the tier and upstream that '
            'served them.',

@@ -34,10 +34,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from gateway.config.upstreams import Prices
 from gateway.observability.families import FAMILIES, TOKEN_TYPES
 
 # outcomes for which an upstream produced an answer (and may bill for it): these add cost or count as unpriced
 BILLABLE = ("success", "stream_error", "client_disconnect")
+Priced = Prices | tuple[float, float, float]  # a config's prices, or flat USD per input, cached input, output token
 STATES = ("closed", "open", "half_open", "cooldown")
 
 
@@ -48,8 +50,9 @@ class Metrics:
         registry: where the families are registered (a fresh ``CollectorRegistry`` per app).
         models: configured client-facing model names; any other value is labelled ``other``.
         routes: (tier, upstream, served models) to pre-initialise, so series exist before traffic.
-        prices: upstream name -> (input, cached input, output) in USD per token, for the configured models; an
-            upstream missing here is unpriced.
+        prices: upstream name -> its ``gateway.config.upstreams.Prices`` (per service tier and prompt size), or a
+            flat (input, cached input, output) in USD per token, for the configured models; an upstream missing here
+            is unpriced.
         model_prices: (upstream name, model as the client named it) -> the same, for any model (those only the
             upstream lists, embeddings, ...); it overrides ``prices``. Any other model is unpriced.
     """
@@ -93,6 +96,7 @@ class Metrics:
     key_refusals: Counter
     key_downgrades: Counter
     auth_failures: Counter
+    tier_downgrades: Counter
     session_steps: Counter
     session_tokens: Counter
     session_breaks: Counter
@@ -106,8 +110,8 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry, models: Iterable[str],
                  routes: Iterable[tuple[str, str, Iterable[str]]],
-                 prices: Mapping[str, tuple[float, float, float]] | None = None,
-                 model_prices: Mapping[tuple[str, str], tuple[float, float, float]] | None = None) -> None:
+                 prices: Mapping[str, Priced] | None = None,
+                 model_prices: Mapping[tuple[str, str], Priced] | None = None) -> None:
         self.registry = registry
         self.models = frozenset(models)
         self.prices = dict(prices or {})
@@ -134,8 +138,8 @@ class Metrics:
             self.quota_remaining.labels(upstream, kind).set(remaining)
 
     def reconfigure(self, models: Iterable[str], routes: Iterable[tuple[str, str, Iterable[str]]],
-                    prices: Mapping[str, tuple[float, float, float]],
-                    model_prices: Mapping[tuple[str, str], tuple[float, float, float]]) -> None:
+                    prices: Mapping[str, Priced],
+                    model_prices: Mapping[tuple[str, str], Priced]) -> None:
         """A reloaded config: the label sets and prices follow it (the families and their counts stay: a counter
         never goes back); the new routes' series are initialised as at start-up."""
         self.models = frozenset(models)
@@ -181,7 +185,8 @@ class Metrics:
     def record(self, *, tier: str, upstream: str, model: str, outcome: str, stream: bool, duration: float,
                ttft: float | None = None, decode_time: float | None = None, token_chunks: int = 0,
                usage: dict[str, Any] | None = None, time_info: dict[str, Any] | None = None,
-               processing_ms: str | None = None, estimated: bool = False) -> float | None:
+               processing_ms: str | None = None, estimated: bool = False,
+               service_tier: str | None = None) -> float | None:
         """Record one finished client request (called exactly once per request); returns the cost it added (USD), or
         None (unpriced, or nothing billable).
 
@@ -192,6 +197,8 @@ class Metrics:
             time_info: Cerebras ``time_info``; processing_ms: OpenAI's ``openai-processing-ms`` header;
             estimated: ``usage`` is the gateway's estimate (the relayed token chunks and the estimated prompt, for a
             stream without the upstream's usage): counted and priced, never a decode speed.
+            service_tier: the service tier billed (what the upstream said it served, else what it was asked), or
+            None (the default tier's prices).
         """
         labels = (tier, upstream, model if model in self.models else "other")
         self.child(self.requests, *labels, outcome).inc()
@@ -212,7 +219,7 @@ class Metrics:
                 self.child(self.usage_estimated, *labels).inc()
             if (usage is None or estimated) and outcome == "success":
                 self.child(self.usage_missing, *labels).inc()
-            cost = self._cost(labels, usage, model, source)
+            cost = self._cost(labels, usage, model, source, service_tier)
         self._reported(tier, upstream, time_info, processing_ms)
         return cost
 
@@ -239,10 +246,10 @@ class Metrics:
         return None
 
     def _cost(self, labels: tuple[str, str, str], usage: dict[str, Any] | None, model: str,
-              source: str) -> float | None:
+              source: str, service_tier: str | None = None) -> float | None:
         """Add the cost of ``usage`` (``source``: ``reported`` or ``estimated``) at the price of ``model`` on the
-        upstream (``model_prices``, else ``prices`` for a configured model) and return it (USD), or count the request
-        as unpriced (None)."""
+        upstream (``model_prices``, else ``prices`` for a configured model) at ``service_tier`` and the prompt's size,
+        and return it (USD), or count the request as unpriced (None)."""
         price = self.model_prices.get((labels[1], model))
         if price is None and model in self.models:
             price = self.prices.get(labels[1])
@@ -252,7 +259,7 @@ class Metrics:
         prompt = _int(usage.get("prompt_tokens"))
         completion = _int(usage.get("completion_tokens"))
         cached = min(prompt, _detail(usage, "prompt_tokens_details", "cached_tokens"))
-        p_in, p_cached, p_out = price
+        p_in, p_cached, p_out = price if isinstance(price, tuple) else price.per_token(service_tier, prompt)
         cost = (prompt - cached) * p_in + cached * p_cached + completion * p_out
         if cost > 0:
             self.child(self.cost, *labels, source).inc(cost)

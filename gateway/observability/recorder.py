@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from gateway.config.upstreams import SERVICE_TIERS, SPEED
 from gateway.observability import logs, tracing
 from gateway.observability.estimates import Estimates
 from gateway.observability.metrics import BILLABLE, Metrics
@@ -60,12 +61,14 @@ class Recorder:
         outcome: as recorded; recorded: :meth:`record` ran. span: its trace span, or None. key: its gateway key, or
             None. prompt_tokens: its estimated prompt (tokens), the floor of an estimated usage. session: the agent
             session it is a step of (``gateway.routing.sessions.SessionId``: ``id``, ``source``), or None; step: its
-            number in that session (0: none).
+            number in that session (0: none). asked_tier: the ``service_tier`` its last attempt was sent with (None:
+            none), what it is billed at when the upstream says nothing of the tier it served.
     """
 
     __slots__ = ("t0", "rid", "kind", "headers", "scope", "status", "rule", "fallback", "requested",
                  "upstream_model", "attempts", "outcome", "span", "key", "prompt_tokens", "tier", "upstream", "model",
-                 "stream", "recorded", "session", "step", "_obs", "_metrics", "_in_flight", "_pending")
+                 "stream", "recorded", "session", "step", "asked_tier", "_obs", "_metrics", "_in_flight",
+                 "_pending")
 
     def __init__(self, observers: Observers, headers: dict[str, str], kind: str, scope: Any, key: Named | None) -> None:
         self.t0 = time.perf_counter()
@@ -90,6 +93,7 @@ class Recorder:
         self.recorded = False
         self.session: Any = None
         self.step = 0
+        self.asked_tier: str | None = None
         self._obs = observers
         self._metrics = observers.metrics
         self._in_flight: Any = None
@@ -281,6 +285,10 @@ class Recorder:
         if kw.get("usage") is None and kw.get("token_chunks") and outcome in BILLABLE:
             kw["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": kw["token_chunks"]}
             kw["estimated"] = True
+        served = kw.pop("served_tier", None)
+        kw["service_tier"] = served or self.asked_tier  # billed as served; without the upstream's word, as asked
+        if served is not None and self.asked_tier is not None and slower(served, self.asked_tier):
+            self._downgraded(served)
         try:
             cost = self._emit(outcome, duration, kw)  # may settle the outcome (self.outcome) and the usage (kw)
             outcome = self.outcome or outcome
@@ -288,9 +296,16 @@ class Recorder:
             self._settle(outcome, tokens, cost)
             self._stepped(outcome, duration, kw.get("usage"), cost)
             if logs.wanted(outcome):
-                self._log(outcome, duration, kw, cost)
+                self._log(outcome, duration, kw, cost, served)
         except Exception:  # bookkeeping never breaks an answer: what an upstream reported is logged instead
             log.exception("recording request %s failed (usage %r)", self.rid, kw.get("usage"))
+
+    def _downgraded(self, served: str) -> None:
+        """The upstream served the request at a slower service tier than it was asked (counted and logged)."""
+        asked = self.asked_tier or "default"
+        self._metrics.tier_downgrades.labels(tier_label(asked), tier_label(served)).inc()
+        logs.event("service_tier_downgraded", request_id=self.rid, upstream=self.upstream, asked=asked,
+                   served=served)
 
     def _released(self) -> None:
         """Hook: the request ended; what it held (request body bytes) is given back."""
@@ -334,7 +349,8 @@ class Recorder:
                 m.child(m.key_cost, key.name).inc(cost)
         return tokens
 
-    def _log(self, outcome: str, duration: float, kw: dict[str, Any], cost: float | None) -> None:
+    def _log(self, outcome: str, duration: float, kw: dict[str, Any], cost: float | None,
+             served: str | None = None) -> None:
         """The request's line in the request log (``gateway.observability.logs``): never its body or a credential."""
         usage = kw.get("usage")
         details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
@@ -351,7 +367,20 @@ class Recorder:
             "input_tokens": usage.get("prompt_tokens") if isinstance(usage, dict) else None,
             "output_tokens": usage.get("completion_tokens") if isinstance(usage, dict) else None,
             "cached_tokens": details.get("cached_tokens") if isinstance(details, dict) else None,
+            "service_tier": kw.get("service_tier"), "service_tier_asked": self.asked_tier,
+            "service_tier_echoed": served is not None,
             "usage_estimated": bool(kw.get("estimated")), "cost_usd": None if cost is None else round(cost, 9)})
+
+
+def slower(served: str, asked: str) -> bool:
+    """Whether service tier ``served`` is slower than ``asked`` (``gateway.config.upstreams.SPEED``; an unknown one
+    is neither)."""
+    return SPEED.get(served, 1) < SPEED.get(asked, 1)
+
+
+def tier_label(tier: str) -> str:
+    """A service tier as a metric label: one of OpenAI's, else ``other`` (bounded)."""
+    return tier if tier in SERVICE_TIERS else "other"
 
 
 def request_id(given: str | None) -> str:

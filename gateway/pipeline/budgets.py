@@ -50,11 +50,12 @@ def estimated_cost(cand: Candidate, decision: Decision, facts: RequestFacts | No
     if facts is None:
         return 0.0
     up = cand.upstream
+    tier = up.asks(facts.service_tier)  # what the request is sent with: what it is billed at, without an echo
     if decision.rule == "passthrough":  # not a configured model: priced by model_prices alone, as metrics does
         listed = up.model_prices.get(decision.model)
-        priced = listed.per_token() if listed is not None else None
+        priced = listed.per_token(tier, facts.prompt_tokens) if listed is not None else None
     else:
-        priced = deadline.price(up, decision.model)
+        priced = deadline.price(up, decision.model, tier, facts.prompt_tokens)
     if priced is None:
         return 0.0
     return float(facts.prompt_tokens * priced[0] + (facts.max_tokens or deadline.DEFAULT_COMPLETION) * priced[2])

@@ -20,7 +20,7 @@ from gateway.responses.stream import BridgeRelay
 from gateway.responses.whole import Draft, whole_response
 from gateway.routing.facts import Decision, RequestFacts
 from gateway.stream.relay import Relay
-from gateway.stream.stats import StreamStats
+from gateway.stream.stats import StreamStats, served_tier
 from gateway.upstream.attempt import Answer, Attempt
 from gateway.wire.body import chat_usage, dumps
 
@@ -152,7 +152,7 @@ class Delivery:
         ex.status = 200  # before the record: the log line names the status answered
         ex.record("success", usage=usage,
                   time_info=time_info if isinstance(time_info, dict) else None,
-                  processing_ms=answer.headers.get("openai-processing-ms"))
+                  processing_ms=answer.headers.get("openai-processing-ms"), served_tier=served_tier(parsed))
         if ex.kind == "responses":  # kept before the answer leaves: the client's next turn may follow at once
             await self.conversations.keep_whole(ex, facts, up, parsed, response)
         await ex.whole(200, data if response is None else dumps(response), headers)

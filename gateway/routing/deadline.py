@@ -207,12 +207,13 @@ class Explorer:
         return True
 
 
-def price(up: UpstreamConfig, model: str) -> tuple[float, float, float] | None:
-    """(input, cached input, output) USD per token of ``model`` (the configured name) on ``up``: its
-    ``model_prices`` entry, else its ``prices``; None when unpriced (as ``gateway.observability.metrics`` prices a
-    request)."""
+def price(up: UpstreamConfig, model: str, service_tier: str | None = None,
+          prompt_tokens: int = 0) -> tuple[float, float, float] | None:
+    """(input, cached input, output) USD per token of ``model`` (the configured name) on ``up`` at ``service_tier``
+    (what the request is sent with: ``up.asks(...)``) for a prompt of ``prompt_tokens``: its ``model_prices``
+    entry, else its ``prices``; None when unpriced (as ``gateway.observability.metrics`` prices a request)."""
     priced = up.model_prices.get(model) or up.prices
-    return priced.per_token() if priced is not None else None
+    return priced.per_token(service_tier, prompt_tokens) if priced is not None else None
 
 
 def predict(c: Candidate, est: Latency | None, facts: RequestFacts, model: str, completion_tail: int,
@@ -220,8 +221,8 @@ def predict(c: Candidate, est: Latency | None, facts: RequestFacts, model: str, 
     """One candidate's prediction (module docstring) at ``now``; ``cached``: prompt tokens its prompt cache is
     believed to hold for the request (an agent session's, warm there: billed at ``cached_input``, and not prefilled,
     so the TTFT line is read at the uncached prompt; elsewhere the same tokens cost the input price and the prefill)."""
-    priced = price(c.upstream, model)
     prompt = facts.prompt_tokens
+    priced = price(c.upstream, model, c.upstream.asks(facts.service_tier), prompt)
     cached = min(cached, prompt)
     cost = None if priced is None else (prompt - cached) * priced[0] + cached * priced[1] + \
         completion_central * priced[2]

@@ -9,7 +9,8 @@ the workload:
 rule            matches                                                     tier
 ==============  ==========================================================  ========
 header          ``x-tiergate-tier: fast`` / ``standard``                    as asked
-service_tier    OpenAI ``service_tier``: ``priority`` / ``flex``            fast / standard
+service_tier    ``service_tier`` ``fast``/``priority``/``ultrafast``;        fast;
+                ``flex`` (``auto``/``default``/``scale``: no rule)           standard
 model_alias     an alias pinned to a tier (``aliases.<name>.tier``)         its tier
 n_gt_1          ``n`` > 1 (several choices: bulk work)                      standard
 long_prompt     estimated prompt over ``long_prompt_tokens``                standard

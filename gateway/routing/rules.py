@@ -13,6 +13,7 @@ from typing import Any
 from gateway.config.base import TIERS
 from gateway.config.routes import MatchConfig, Range, RouteConfig, RuleConfig, StrMatch
 from gateway.config.schema import GatewayConfig
+from gateway.config.upstreams import FAST_SERVICE_TIERS
 from gateway.routing.facts import TIER_HEADER, RequestFacts
 
 
@@ -179,7 +180,10 @@ def default_rules(config: GatewayConfig) -> list[RuleConfig]:
     for tier in TIERS:
         rules.append({"name": "header", "match": {"headers": {TIER_HEADER: {"regex": rf"(?i)^\s*{tier}\s*$"}}},
                       "route": {"tier": tier}})
-    rules.append({"name": "service_tier", "match": {"service_tier": ["priority"]}, "route": {"tier": "fast"}})
+    # OpenAI's speed tiers ask for the fast tier (``fast`` is ``priority``'s new name; ``ultrafast`` the wafer-scale
+    # one), ``flex`` for the standard; ``auto``, ``default`` and ``scale`` leave the choice to the rules below
+    rules.append({"name": "service_tier", "match": {"service_tier": sorted(FAST_SERVICE_TIERS)},
+                  "route": {"tier": "fast"}})
     rules.append({"name": "service_tier", "match": {"service_tier": ["flex"]}, "route": {"tier": "standard"}})
     for tier in TIERS:
         pinned = sorted(a for a, t in config.aliases.items() if t.tier == tier)

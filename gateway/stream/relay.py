@@ -1,35 +1,33 @@
 """Byte-exact SSE relay of chat-completions and Responses API streams, observed once per event.
 
-Every complete event is forwarded, byte for byte, the moment its terminating blank line arrives; all the
-events of one upstream read leave in one write. The relay edits only at event boundaries and only where
-the wire contract (``docs/reference/wire.md``) requires it:
+Every complete event is forwarded, byte for byte, the moment its terminating blank line arrives; all the events of
+one upstream read leave in one write. The relay edits only at event boundaries and only where the wire contract
+(``docs/reference/wire.md``) requires it:
 
-* exactly one ``data: [DONE]`` ends a successful chat stream (appended when the upstream sent none, the
-  repeats dropped); none follows an error;
-* the usage-only chunk (``"choices": []``) is dropped when the client did not ask for usage (whoever asked
-  the upstream for it: the gateway, or a Cerebras-style upstream on its own);
-* an upstream failure after the first byte becomes one in-band error event in OpenAI's shape
-  (``{"error": {...}}``, which the ``openai`` SDK raises as ``APIError``), with no ``[DONE]``, unless the
-  upstream already sent its own error event.
+* exactly one ``data: [DONE]`` ends a successful chat stream (appended when the upstream sent none, the repeats
+  dropped); none follows an error;
+* the usage-only chunk (``"choices": []``) is dropped when the client did not ask for usage (whoever asked the
+  upstream for it: the gateway, or a Cerebras-style upstream on its own);
+* an upstream failure after the first byte becomes one in-band error event in OpenAI's shape (``{"error": {...}}``,
+  which the ``openai`` SDK raises as ``APIError``), with no ``[DONE]``, unless the upstream sent its own.
 
-**The commit point.** Nothing is written until the first token-bearing event: the events before it (the role
-chunk, ``response.created``, keep-alive comments) carry no token, so holding them costs the client nothing, and
-until then every failure can still be answered with a real HTTP status or failed over: an error event (its own
-status), a broken or silent body, an oversized event, a body with no event at all, or no first token by the
-``ttft`` deadline. Without a ``ttft`` the hold is bounded by the idle timeout and by :data:`HOLD_BYTES`: past
-either, what is held is sent and the stream goes on committed (an upstream that keeps a client waiting with
-keep-alive comments for longer gets them through); one quiet for over :data:`ALIVE_WITHIN` of the bound is left to
-the idle watch instead, whose end before the first byte is a failover, not a 200 ending in an in-band error.
+**The commit point.** Nothing is written until the first token-bearing event: the events before it (the role chunk,
+``response.created``, keep-alive comments) carry no token, so holding them costs the client nothing, and until then
+every failure can still be answered with a real HTTP status or failed over: an error event (its own status), a broken
+or silent body, an oversized event, a body with no event at all, or no first token by the ``ttft`` deadline. Without a
+``ttft`` the hold is bounded by the idle timeout and by :data:`HOLD_BYTES`: past either, what is held is sent and the
+stream goes on committed (an upstream that keeps a client waiting with keep-alive comments for longer gets them
+through); one quiet for over :data:`ALIVE_WITHIN` of the bound is left to the idle watch instead, whose end before the
+first byte is a failover, not a 200 ending in an in-band error.
 
-**The end.** A stream ends at ``[DONE]`` or a Responses API terminal event, at the upstream's EOF, or, once
-every choice has its ``finish_reason``, after ``finish_grace`` seconds of waiting for the usage tail (the
-client's stream then ends with ``[DONE]``; the upstream connection is closed). An EOF before every choice
-finished (or before a Responses terminal event) is an interrupted stream, never a silent truncation.
+**The end.** A stream ends at ``[DONE]`` or a Responses API terminal event, at the upstream's EOF, or, once every
+choice has its ``finish_reason``, after ``finish_grace`` seconds of waiting for the usage tail (the client's stream
+then ends with ``[DONE]``; the upstream connection is closed). An EOF before every choice finished (or before a
+Responses terminal event) is an interrupted stream, never a silent truncation.
 
-**The common chunk without a parse** (``gateway.stream.template``): a read made only of events that fit the
-stream's template is observed by comparing bytes and forwarded as it came; anything else goes through the scanner
-and a JSON parse, with the same result. While relaying it fills a :class:`gateway.stream.stats.StreamStats`, from
-which the request is recorded once, at the end.
+**The common chunk without a parse** (``gateway.stream.template``): a read of events that fit the stream's template
+is observed by comparing bytes; anything else goes through the scanner and a JSON parse, with the same result. The
+figures fill a :class:`gateway.stream.stats.StreamStats`, from which the request is recorded once, at the end.
 """
 
 from __future__ import annotations
@@ -52,7 +50,7 @@ from gateway.errors import (
     event_error,
 )
 from gateway.stream.sse import EventTooLarge, SSEEvent, SSEScanner
-from gateway.stream.stats import StreamBody, StreamStats, Write, delta_has_token
+from gateway.stream.stats import StreamBody, StreamStats, Write, delta_has_token, served_tier
 from gateway.stream.template import Template
 from gateway.wire.body import chat_usage
 
@@ -74,8 +72,7 @@ class Relay:
         strip_usage_chunk: drop the ``choices: []`` usage chunk (the client did not ask for usage).
         max_event_bytes: largest single upstream event; past it the stream ends with an in-band error.
         responses: the body is a Responses API event stream (ends at its terminal event, no ``[DONE]``).
-        choices: how many choices the request asked for (``n``): the stream is finished when each has its
-            ``finish_reason``.
+        choices: the request's ``n``: the stream is finished when each choice has its ``finish_reason``.
         finish_grace: seconds to wait for the rest of a finished stream (see the module docstring).
     """
 
@@ -361,6 +358,7 @@ class Relay:
                 if not self._observe(chunk, event, now):
                     continue
             elif choices := chunk.get("choices"):
+                stats.service_tier = stats.service_tier or served_tier(chunk)  # every chunk says it: read until known
                 self._choices_seen(choices, now)
                 # this read had a token, and not the first (learning costs ~4 us: never on the way to the first token)
                 if self._learn and stats.t_last_token == now and stats.t_first_token != now:
@@ -414,6 +412,8 @@ class Relay:
             usage = response.get("usage") if isinstance(response, dict) else None
             if isinstance(usage, dict):
                 stats.usage = chat_usage(usage)
+            if isinstance(response, dict):
+                stats.service_tier = served_tier(response) or stats.service_tier
             stats.done = True  # the Responses API's end of stream (no [DONE]): end here, as after [DONE]
         if etype in ("error", "response.failed"):
             stats.error = "upstream_error_event"
@@ -442,6 +442,7 @@ class Relay:
         time_info = chunk.get("time_info")
         if isinstance(time_info, dict):
             stats.time_info = time_info
+        stats.service_tier = served_tier(chunk) or stats.service_tier  # the last chunk's word is the served tier
         choices = chunk.get("choices")
         if not choices:
             return not (self._strip and isinstance(usage, dict) and choices == [])

@@ -25,6 +25,13 @@ def delta_has_token(delta: Any) -> bool:
     return any(value and key in _TOKEN_KEYS for key, value in delta.items())
 
 
+def served_tier(answer: dict[str, Any]) -> str | None:
+    """An answer's ``service_tier`` (a chunk's, a completion's or a Response's), or None (absent, or ``auto``: not
+    decided yet)."""
+    tier = answer.get("service_tier")
+    return tier if isinstance(tier, str) and tier != "auto" else None
+
+
 def has_token(choices: Any) -> bool:
     """Whether some choice of a chunk's ``choices`` carries a token (:func:`delta_has_token`)."""
     return type(choices) is list and any(type(c) is dict and delta_has_token(c.get("delta")) for c in choices)
@@ -60,10 +67,11 @@ class StreamStats:
             ``upstream_idle_timeout`` or ``upstream_event_too_large``.
         response_id: a Responses API stream's response id (from ``response.created``), or None.
         error_event: the last in-band error event the upstream sent (its parsed data), or None.
+        service_tier: the ``service_tier`` the upstream said it served (its chunks', or its Response's), or None.
     """
 
     __slots__ = ("t_first_token", "t_last_token", "token_chunks", "usage", "time_info", "done", "finished",
-                 "complete", "error", "response_id", "error_event")
+                 "complete", "error", "response_id", "error_event", "service_tier")
 
     def __init__(self) -> None:
         self.t_first_token: float | None = None
@@ -77,3 +85,4 @@ class StreamStats:
         self.error: str | None = None
         self.response_id: str | None = None
         self.error_event: dict[str, Any] | None = None
+        self.service_tier: str | None = None
