@@ -100,12 +100,17 @@ def _events(r: httpx.Response) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize(("tier", "mode"), [("fast", "bridge"), ("standard", "native")])
 def test_whole_and_streamed_responses_are_complete_on_both_paths(stack: Stack, tier: str, mode: str) -> None:
-    body = {"model": "gpt-5.6", "input": "Say hi [[emulate tokens=6]]", "tools": TOOLS, "temperature": 0.3}
+    body = {"model": "gpt-5.6", "input": "Say hi [[emulate tokens=6]]", "tools": TOOLS, "temperature": 0.3,
+            "presence_penalty": 0.5, "max_tool_calls": 2}
     headers = {"x-tiergate-tier": tier}
     whole = httpx.post(stack.base_url + "/responses", json=body, headers=headers, timeout=10)
     assert whole.status_code == 200 and whole.headers["x-tiergate-tier"] == tier, whole.text
+    assert "x-tiergate-fallback" not in whole.headers
     _check(whole.json(), f"{mode} whole")
-    assert whole.json()["temperature"] == 0.3 and whole.json()["top_p"] == 1.0  # the client's, else the default
+    used = {k: whole.json()[k] for k in ("temperature", "top_p", "presence_penalty", "frequency_penalty",
+                                         "max_tool_calls")}
+    assert used == {"temperature": 0.3, "top_p": 1.0, "presence_penalty": 0.5, "frequency_penalty": 0.0,
+                    "max_tool_calls": 2}  # the client's, else the default
     streamed = httpx.post(stack.base_url + "/responses", json={**body, "stream": True}, headers=headers, timeout=10)
     carried = [e["response"] for e in _events(streamed) if isinstance(e.get("response"), dict)]
     assert [e["status"] for e in carried] == ["in_progress", "in_progress", "completed"]
