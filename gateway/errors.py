@@ -371,7 +371,7 @@ def upstream_error(status: int, body: bytes, headers: Mapping[str, str]) -> Upst
     an integer ``code`` (made a string), empty strings (Cerebras sends ``"param": ""``: made null), bodies with no
     string ``message`` (``{"detail": "Not Found"}``: the upstream's own words are kept) and non-JSON text. A prompt
     that overflows the context window becomes 400 ``context_length_exceeded`` (``param: messages``) whatever status
-    the upstream chose (llama.cpp answers 500).
+    the upstream chose (vLLM and llama.cpp's ``llama-server`` answer 400, ``llama-cpp-python`` and older vLLM 500).
     """
     try:
         parsed = orjson.loads(body)

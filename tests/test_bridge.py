@@ -49,7 +49,8 @@ def test_a_string_input_with_instructions_and_every_mapped_option() -> None:
                      "verbosity": "low"},
             "reasoning": {"effort": "high", "summary": "auto"}, "top_logprobs": 2,
             "store": True, "metadata": {"workload": "agent"}, "truncation": "disabled",
-            "include": ["message.output_text.logprobs"], "prompt_cache_retention": "24h"}
+            "include": ["message.output_text.logprobs"], "prompt_cache_retention": "24h", "presence_penalty": 0.5,
+            "frequency_penalty": -0.25, "max_tool_calls": 3}
     assert unbridgeable(body) is None
     assert chat_request(body, []) == {
         "model": "m",
@@ -57,7 +58,8 @@ def test_a_string_input_with_instructions_and_every_mapped_option() -> None:
         "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
                                                     "parameters": TOOL["parameters"], "strict": True}}],
         "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0.2, "top_p": 0.9, "user": "u",
-        "safety_identifier": "s", "service_tier": "priority", "prompt_cache_key": "k", "stream": True,
+        "presence_penalty": 0.5, "frequency_penalty": -0.25, "safety_identifier": "s", "service_tier": "priority",
+        "prompt_cache_key": "k", "stream": True,
         "max_completion_tokens": 64,
         "response_format": {"type": "json_schema", "json_schema": {"name": "W", "schema": {"type": "object"},
                                                                    "strict": True}},
@@ -123,7 +125,6 @@ def test_a_named_tool_choice_and_json_object() -> None:
     ({"truncation": "auto"}, "truncation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"conversation": "conv_1"}, "conversation"),
-    ({"max_tool_calls": 3}, "max_tool_calls"),
     ({"include": ["some.future.value"]}, "include"),
     ({"text": {"format": {"type": "grammar"}}}, "text.format"),
     ({"input": [{"type": "computer_call_output", "call_id": "c", "output": {}}]}, "input"),
@@ -133,6 +134,17 @@ def test_a_named_tool_choice_and_json_object() -> None:
 def test_what_the_bridge_cannot_serve_is_named(extra: dict[str, Any], param: str) -> None:
     found = unbridgeable({"model": "m", "input": "x", **extra})
     assert found is not None and found[0] == param
+
+
+def test_max_tool_calls_is_accepted_echoed_and_not_sent() -> None:
+    """It limits built-in tool calls only ("The maximum number of total calls to built-in tools that can be processed
+    in a response", OpenAI API reference), and the bridge runs none: it changes nothing, so it is no reason to leave
+    the bridge; the Response says what the client asked, as the API's does."""
+    body = {"model": "m", "input": "x", "tools": [TOOL], "max_tool_calls": 2}
+    assert unbridgeable(body) is None
+    assert "max_tool_calls" not in chat_request(body, [])
+    assert Draft(body, new_id(ID_PREFIX)).response("completed", [])["max_tool_calls"] == 2
+    assert _draft().response("completed", [])["max_tool_calls"] is None
 
 
 def test_a_conversation_moved_to_a_native_upstream_loses_only_what_it_cannot_read() -> None:
@@ -456,6 +468,10 @@ def test_content_as_text_parts_is_read_and_a_completion_without_a_message_is_a_b
     ({"text": {"format": "json"}}, "text.format"),
     ({"include": "reasoning.encrypted_content"}, "include"),
     ({"max_output_tokens": "10"}, "max_output_tokens"),
+    ({"max_tool_calls": "3"}, "max_tool_calls"),
+    ({"max_tool_calls": True}, "max_tool_calls"),
+    ({"presence_penalty": "0.5"}, "presence_penalty"),
+    ({"frequency_penalty": False}, "frequency_penalty"),
     ({"input": [{"role": "user", "content": {"text": "hi"}}]}, "input[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input[0]"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input[0]"),

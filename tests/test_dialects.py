@@ -18,12 +18,13 @@ from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import EmptyStream, UpstreamStatusError
 from gateway.stream.relay import Relay
 from gateway.stream.stats import StreamStats
-from gateway.tools.emulator import EmulatorThread, Plan
+from gateway.tenancy.keys import digest, new_key
+from gateway.tools.emulator import EmulatorConfig, EmulatorThread, Plan
 from gateway.upstream import dialects
 from gateway.upstream.dialects.base import Dialect
 from gateway.wire.body import parse_chat_request
 
-from conftest import FIXTURES, emulator, sample, start_gateway
+from conftest import FIXTURES, SCRAPE, emulator, sample, scraped, start_gateway
 
 DIALECT_DIR = Path(dialects.__file__).parent
 
@@ -290,6 +291,39 @@ def test_vllm_an_empty_stream_for_a_prompt_over_the_window_is_the_clients_400() 
     assert vllm.cause(empty, _vllm_upstream(512), 100) is empty  # it fits: the upstream's trouble
     assert vllm.cause(empty, _vllm_upstream(None), 900) is empty  # no window known: nothing to say
     assert dialects.DIALECTS["openai"].cause(empty, _vllm_upstream(512), 900) is empty
+
+
+def test_one_keys_empty_streams_without_a_context_window_open_no_breaker_for_the_others(tmp_path: Path) -> None:
+    """llama-cpp-python answers each over-long streamed prompt 200 with an empty body; without a ``context_window``
+    the gateway cannot tell that from the server's own trouble, so it is an upstream failure (502). It is
+    request-shaped (``gateway.routing.blame``): charged to the key that sent it, so a careless key's prompts (each a
+    different body) rest the upstream for that key alone, never open its breaker for every other key."""
+    keys = {name: new_key() for name in ("careless", "other")}
+    llama = EmulatorThread(lambda got: Plan(parts=[]) if b"OVERLONG" in got.body else None,
+                           EmulatorConfig(dialect="vllm", ttft=0.002, tps=5000.0))
+    cfg = {"default_tier": "fast", "upstreams": [
+        {"name": "llama", "tier": "fast", "dialect": "vllm", "models": {"m": "m"}, "base_url": llama.base_url,
+         "health": {"failures": 4, "open_seconds": 30}}],
+        "auth": {"metrics": SCRAPE, "keys": [{"name": n, "sha256": digest(k)} for n, k in keys.items()]}}
+    gw, _ = start_gateway(cfg, tmp_path)
+    url = f"http://127.0.0.1:{gw.port}/v1/chat/completions"
+
+    def post(key: str, text: str) -> httpx.Response:
+        return httpx.post(url, headers={"authorization": f"Bearer {keys[key]}"}, timeout=10, json={
+            "model": "m", "stream": True, "messages": [{"role": "user", "content": text}]})
+
+    try:
+        codes = [post("careless", f"OVERLONG prompt number {i}").status_code for i in range(8)]
+        assert codes[:4] == [502] * 4 and codes[4:] == [503] * 4, codes  # rested for that key after four
+        assert len(llama.requests) == 4  # the rest never reached the upstream
+        metrics = scraped(gw.port)
+        assert sample(metrics, "tiergate_upstream_state", upstream="llama", state="open", missing_ok=False) == 0
+        assert sample(metrics, "tiergate_upstream_state", upstream="llama", state="closed") == 1
+        ok = post("other", "hi")
+        assert ok.status_code == 200 and "data: [DONE]" in ok.text, ok.text
+    finally:
+        gw.stop()
+        llama.stop()
 
 
 def test_vllm_a_500_that_is_request_validation_is_a_400_without_server_paths() -> None:

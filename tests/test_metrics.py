@@ -76,8 +76,39 @@ def test_stream_without_usage_counts_usage_missing_and_estimated_tokens(stack: S
     assert _delta(before, after, "tiergate_tokens_total", usage="estimated", token_type="output", **lab) == 5
     assert _delta(before, after, "tiergate_tokens_total", usage="estimated", token_type="input", **lab) > 0
     assert _delta(before, after, "tiergate_usage_estimated_total", **lab) == 1
-    assert _delta(before, after, TPOT + "_count", **lab) == 0  # no usage: no decode speed from an estimate
     assert _delta(before, after, TTFT + "_count", **lab) == 1
+
+
+@pytest.mark.parametrize(("model", "tier"), [("gpt-5.6-sol-fast", "fast"), ("gpt-5.6", "standard")])
+def test_a_stream_without_usage_is_timed_from_its_token_chunks_marked_estimated(stack: Stack, model: str,
+                                                                                tier: str) -> None:
+    """An upstream that sends no usage (llama-cpp-python, even asked): its decode is timed from the relayed token
+    chunks, one token each (the estimate its tokens are counted by), in the ``usage="estimated"`` series only; the
+    same stream with usage, in the same run, is the yardstick."""
+    lab = {"tier": tier, "model": "gpt-5.6"}
+
+    def timed(usage: str) -> tuple[str, str]:
+        extra = {"usage": "none"} if usage == "estimated" else {}
+        directive = fast_directive(tokens=200, tps=750, ttft_ms=20, **extra)  # 1.333 ms per token, one per chunk
+        before = stack.metrics()
+        r = httpx.post(stack.base_url + "/chat/completions", timeout=10, json={
+            "model": model, "stream": True, "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": directive}]})
+        assert r.status_code == 200 and ('"usage":{' in r.text) == (usage == "reported")
+        return before, stack.metrics()
+
+    before, after = timed("estimated")
+    assert _delta(before, after, "tiergate_usage_estimated_total", **lab) == 1
+    for name in (TPOT, TPS):
+        assert _delta(before, after, name + "_count", usage="estimated", **lab) == 1
+        assert sample(after, name + "_count", usage="reported", **lab) == sample(
+            before, name + "_count", usage="reported", **lab)  # nothing estimated passes as reported
+    estimated = _delta(before, after, TPOT + "_sum", usage="estimated", **lab)
+    assert estimated >= 0.97 / 750  # never faster than the emulator paced it (a delay only slows it)
+    assert _delta(before, after, TPOT + "_bucket", le="0.00125", usage="estimated", **lab) == 0
+    before, after = timed("reported")
+    reported = _delta(before, after, TPOT + "_sum", usage="reported", **lab)
+    assert 0.5 <= estimated / reported <= 2.0, (estimated, reported)  # the same pace, by the same clock
 
 
 def test_cerebras_time_info_and_labels_are_bounded(stack: Stack) -> None:

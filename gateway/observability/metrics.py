@@ -7,15 +7,16 @@ Definitions (docs/metrics.md#what-the-numbers-mean; docs/reference/wire.md#gatew
 * time per output token: (t_last_token - t_first_token) / (completion_tokens - first_chunk_tokens), from the
   upstream's usage; first_chunk_tokens is the mean tokens per token-bearing chunk (completion_tokens /
   token_chunks), which is 1 when every chunk carries one token (OpenAI, Cerebras): then this is exactly
-  (t_last - t_first) / (completion_tokens - 1). Decode tokens/s is its inverse. Not recorded without usage or
-  with fewer than 2 token-bearing chunks.
+  (t_last - t_first) / (completion_tokens - 1). Decode tokens/s is its inverse. A stream without usage (llama-cpp-python
+  sends none even when asked) is measured from its relayed token chunks, each one token (the estimate its tokens are
+  counted by: exact at one token per chunk, else an upper bound of the time per token), labelled
+  ``usage="estimated"``. Not recorded with fewer than 2 token-bearing chunks.
 * request duration: arrival -> last byte written to the client.
 * overhead: arrival -> upstream request sent (routing, body preparation).
 * tokens: from the upstream's usage whenever it reported one, a failed or abandoned stream included (those
   tokens were billed), labelled ``usage="reported"``; a stream that ended without it (the client left before the
   usage chunk, or the upstream sends none) counts what it relayed instead, each token-bearing chunk as one token,
-  plus its estimated prompt, labelled ``usage="estimated"`` (a lower bound of what the upstream bills; never a
-  decode speed).
+  plus its estimated prompt, labelled ``usage="estimated"`` (a lower bound of what the upstream bills).
 * cost: from that usage and the upstream's configured prices (USD per million tokens):
   (prompt - cached) * input + cached * cached_input + completion * output, since OpenAI's ``prompt_tokens``
   includes the cached ones; labelled like the tokens. A request answered with no usage at all (a whole answer
@@ -196,7 +197,8 @@ class Metrics:
             tokens; usage: the upstream's usage object;
             time_info: Cerebras ``time_info``; processing_ms: OpenAI's ``openai-processing-ms`` header;
             estimated: ``usage`` is the gateway's estimate (the relayed token chunks and the estimated prompt, for a
-            stream without the upstream's usage): counted and priced, never a decode speed.
+            stream without the upstream's usage): counted, priced and timed as the upstream's would be, every series
+            labelled ``usage="estimated"``.
             service_tier: the service tier billed (what the upstream said it served, else what it was asked), or
             None (the default tier's prices).
         """
@@ -213,8 +215,7 @@ class Metrics:
             # its final error chunk); decode speed only from streams that ran to their end
             source = "estimated" if estimated else "reported"
             if usage is not None:
-                self._tokens(labels, usage, decode_time if outcome == "success" and not estimated else None,
-                             token_chunks, source)
+                self._tokens(labels, usage, decode_time if outcome == "success" else None, token_chunks, source)
             if estimated:
                 self.child(self.usage_estimated, *labels).inc()
             if (usage is None or estimated) and outcome == "success":
@@ -276,8 +277,8 @@ class Metrics:
                 self.child(self.tokens, *labels, token_type, source).inc(n)
         speed = decode_speed(decode_time, chunks, completion) if decode_time is not None else None
         if speed is not None:
-            self.child(self.tpot, *labels).observe(1.0 / speed)
-            self.child(self.tps, *labels).observe(speed)
+            self.child(self.tpot, *labels, source).observe(1.0 / speed)
+            self.child(self.tps, *labels, source).observe(speed)
 
     def _reported(self, tier: str, upstream: str, time_info: dict[str, Any] | None, processing_ms: str | None) -> None:
         if time_info:

@@ -18,8 +18,13 @@ _BRIDGED_FIELDS = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
     "temperature", "top_p", "text", "reasoning", "stream", "stream_options", "user", "safety_identifier", "metadata",
     "store", "previous_response_id", "include", "truncation", "service_tier", "prompt_cache_key",
-    "prompt_cache_retention", "prompt_cache_options", "top_logprobs", "background",
+    "prompt_cache_retention", "prompt_cache_options", "top_logprobs", "background", "presence_penalty",
+    "frequency_penalty",
     "client_metadata",  # Codex CLI's per-request metadata (installation and session ids): for logs, no output
+    # "the maximum number of total calls to built-in tools that can be processed in a response" (OpenAI API
+    # reference, Create a model response): the bridge runs no built-in tool (a request offering one is not
+    # bridged), so the limit has nothing to limit; echoed in the Response, not sent
+    "max_tool_calls",
 })
 
 
@@ -59,13 +64,15 @@ _SHAPES: tuple[tuple[str, type | tuple[type, ...], str], ...] = (
     ("instructions", str, "a string"), ("tools", list, "an array"), ("tool_choice", (str, dict), "a string or an "
      "object"), ("text", dict, "an object"), ("reasoning", dict, "an object"), ("include", list, "an array"),
     ("metadata", dict, "an object"), ("parallel_tool_calls", bool, "a boolean"), ("max_output_tokens", int,
-                                                                                   "an integer"))
+                                                                                   "an integer"),
+    ("max_tool_calls", int, "an integer"), ("presence_penalty", (int, float), "a number"),
+    ("frequency_penalty", (int, float), "a number"))
 
 
 def _shape_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
     for key, kind, want in _SHAPES:
         value = body.get(key)
-        if value is not None and (not isinstance(value, kind) or isinstance(value, bool) and kind is int):
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool) and kind is not bool):
             return key, f"Invalid type for '{key}': expected {want}"
     if body.get("text") is not None and not isinstance(body["text"].get("format", {}), dict):
         return "text.format", "Invalid type for 'text.format': expected an object"
@@ -210,8 +217,8 @@ def chat_request(body: Mapping[str, Any], history: list[dict[str, Any]]) -> dict
         chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
     elif choice is not None:
         chat["tool_choice"] = choice
-    for key in ("parallel_tool_calls", "temperature", "top_p", "user", "safety_identifier", "service_tier",
-                "prompt_cache_key", "stream"):
+    for key in ("parallel_tool_calls", "temperature", "top_p", "presence_penalty", "frequency_penalty", "user",
+                "safety_identifier", "service_tier", "prompt_cache_key", "stream"):
         if body.get(key) is not None:
             chat[key] = body[key]
     if body.get("max_output_tokens") is not None:

@@ -20,6 +20,7 @@ items, ``custom_tool_call(_output)``        call answered as ``custom_tool_call`
 ``tool_choice``, ``parallel_tool_calls``    the same (a named function nested)
 ``max_output_tokens``                       ``max_completion_tokens``
 ``temperature``, ``top_p``, ``user``,       the same
+``presence_penalty``, ``frequency_penalty``,
 ``safety_identifier``, ``service_tier``,
 ``prompt_cache_key``
 ``text.format`` ``json_schema`` /           ``response_format`` ``json_schema`` / ``json_object``
@@ -33,13 +34,14 @@ The upstream's dialect rules then apply (``gateway.upstream.dialects``: Cerebras
 purpose, because a chat upstream cannot act on them and they change no output: ``store`` and ``metadata`` (kept
 by the gateway, echoed in the response), ``client_metadata`` (Codex CLI's), ``reasoning.summary`` (no summaries come
 from chat), caching hints (``prompt_cache_retention``, ``prompt_cache_options``), ``stream_options``,
-``truncation: "disabled"``, and ``include`` values asking for what a chat upstream never makes
-(``reasoning.encrypted_content``, built-in tools' results): answered without it, as OpenAI answers a model that
-lacks the feature. Anything else the bridge cannot serve (:func:`unbridgeable`: built-in tools such as
-``web_search``, ``file_search``, ``computer_use``, ``code_interpreter``; ``background``; ``truncation: "auto"``;
-stored ``prompt`` templates; images by ``file_id``; tool outputs with images or files; unknown fields and item types;
-values of the wrong type) would change the answer silently, so it is never dropped: the policy sends the request to
-an upstream that serves it natively, or answers 400 naming the parameter.
+``truncation: "disabled"``, ``max_tool_calls`` (a limit on built-in tool calls, of which the bridge runs none;
+echoed), and ``include`` values asking for what a chat upstream never makes (``reasoning.encrypted_content``,
+built-in tools' results): answered without it, as OpenAI answers a model that lacks the feature. Anything else the
+bridge cannot serve (:func:`unbridgeable`: built-in tools such as ``web_search``, ``file_search``, ``computer_use``,
+``code_interpreter``; ``background``; ``truncation: "auto"``; stored ``prompt`` templates; ``conversation``; images
+by ``file_id``; tool outputs with images or files; unknown fields and item types; values of the wrong type) would
+change the answer silently, so it is never dropped: the policy sends the request to an upstream that serves it
+natively, or answers 400 naming the parameter (docs/responses.md#request gives each one's reason).
 
 Response side: a chat completion becomes a Response object (:func:`whole_response`); a chat stream becomes the
 Responses event stream (:class:`BridgeRelay`): ``response.created``, ``response.in_progress``, then per output item

@@ -34,6 +34,7 @@ done          ``0``/``1``: end with ``data: [DONE]`` (default: openai 1, cerebra
 transcript    replay NAME.body from the fixtures folder (status and content-type from NAME.json)
 status        answer this HTTP status with an OpenAI error body (``retry_after_ms`` adds the header)
 drop_after    after N events, reset the connection; stall_after: after N events, go silent
+fail_after    Responses API stream (native): after N output tokens, ``response.failed`` (``server_error``)
 fault         one of :data:`FAULTS`: a fault other gateways' and SDKs' bug reports describe
 ============  ==========================================================================
 
@@ -935,26 +936,43 @@ class Generation:
             items.append((t_end, b"data: [DONE]\n\n"))
         return items
 
-    def _output_item(self, status: str) -> dict[str, Any]:
-        """The Responses output item: a message with its text, or a function call."""
-        text = self._text(0, self.tokens) if status == "completed" else ""
+    def _output_item(self, status: str, sent: int | None = None) -> dict[str, Any]:
+        """The Responses output item: a message with its text (the first ``sent`` tokens' when given: an item the
+        answer's failure cut), or a function call."""
+        text = self._text(0, self.tokens if sent is None else sent) if status != "in_progress" else ""
         if self.tool is not None:
             name, call_id = self.tool
             return {"id": "fc_emu", "type": "function_call", "status": status, "call_id": call_id, "name": name,
                     "arguments": text}
-        content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+        content = [{"type": "output_text", "text": text, "annotations": []}] if status != "in_progress" else []
         return {"id": "msg_emu", "type": "message", "status": status, "role": "assistant", "content": content}
 
+    @property
+    def fails_at(self) -> int | None:
+        """After how many output tokens a streamed answer fails (the ``fail_after`` directive: Responses API streams
+        only, at least one token, so that the failure comes after the first: a relay can no longer fail over)."""
+        if not self.responses or self.body.get("stream") is not True or "fail_after" not in self.d:
+            return None
+        return max(1, min(self.tokens, int(self.d["fail_after"])))
+
     def final_response(self) -> dict[str, Any]:
-        """The Responses API ``response`` as it ends: ``completed``, or ``incomplete`` at the token limit."""
+        """The Responses API ``response`` as it ends: ``completed``, ``incomplete`` at the token limit, or
+        ``failed`` (``fail_after``)."""
+        if self.fails_at is not None:
+            return self._response("failed")
         return self._response("incomplete" if self.finish == "length" else "completed")
 
     def _response(self, status: str) -> dict[str, Any]:
         """A Responses API ``response`` object with every field OpenAI's has (the bridge's :class:`Draft` builds it:
-        one definition of a complete Response)."""
+        one definition of a complete Response). A failed one carries its ``error`` as OpenAI's does (OpenAPI
+        ``ResponseError``: ``server_error`` and a message) and the output it had made, ``incomplete``."""
         draft = Draft({**self.body, "model": self.model.decode()}, self.response_id)
         draft.created_at = self.created
-        out = draft.response(status, [], None, "max_output_tokens" if status == "incomplete" else None)
+        error = {"code": "server_error", "message": "The emulated model failed mid-response."}
+        out = draft.response(status, [], None, "max_output_tokens" if status == "incomplete" else None,
+                             error if status == "failed" else None)
+        if status == "failed":
+            out["output"] = [self._output_item("incomplete", self.fails_at)]
         if status in ("completed", "incomplete"):
             out["output"] = [self._output_item("completed")]
             if self.with_usage:
@@ -967,7 +985,8 @@ class Generation:
     def _response_events(self, t0: float) -> list[tuple[float, bytes]]:
         """Responses API stream (docs/reference/wire.md#responses-api-streams): created, in_progress, one delta per
         chunk (output text or function call arguments), the ``.done`` events, then completed (incomplete at the token
-        limit) with usage; every event named by an ``event:`` line and numbered; no ``[DONE]``."""
+        limit) with usage; with ``fail_after``, the deltas it got to and then ``response.failed``; every event named by
+        an ``event:`` line and numbered; no ``[DONE]``."""
         seq = iter(range(1 << 30))
 
         def event(kind: str, **fields: Any) -> bytes:
@@ -983,8 +1002,10 @@ class Generation:
             head += event("response.content_part.added", item_id="msg_emu", output_index=0, content_index=0, part=part)
         items = [(t0, head)]
         sent = 0
-        while sent < self.tokens:
-            n = min(self.per_chunk, self.tokens - sent)
+        fails_at = self.fails_at
+        until = self.tokens if fails_at is None else fails_at
+        while sent < until:
+            n = min(self.per_chunk, until - sent)
             delta = self._text(sent, n)
             at = t0 + self.ttft + sent / self.tps
             if self.tool is None:
@@ -994,6 +1015,9 @@ class Generation:
                 items.append((at, event("response.function_call_arguments.delta", item_id="fc_emu", output_index=0,
                                         delta=delta)))
             sent += n
+        if fails_at is not None:  # the deltas it got to, then the failure: no .done events for the cut item
+            items.append((items[-1][0], event("response.failed", response=self._response("failed"))))
+            return items
         text = self._text(0, self.tokens)
         status = "incomplete" if self.finish == "length" else "completed"
         done = self._response(status)
