@@ -165,13 +165,16 @@ def _nested(annotation: Any) -> tuple[type[BaseModel], str] | None:
     return None
 
 
-def config_sections(model: type[BaseModel], path: str = "") -> Iterator[tuple[str, type[BaseModel]]]:
-    """(dotted path, model) of the config file's top level and of every section below it, depth first."""
+def config_sections(model: type[BaseModel], path: str = "",
+                    above: tuple[type[BaseModel], ...] = ()) -> Iterator[tuple[str, type[BaseModel]]]:
+    """(dotted path, model) of the config file's top level and of every section below it, depth first; a section
+    that holds its own kind again (prices per service tier are prices) is listed once, where it first appears."""
     yield path, model
     for name, field in model.model_fields.items():
         found = _nested(field.annotation)
-        if found:
-            yield from config_sections(found[0], f"{path}.{name}{found[1]}" if path else f"{name}{found[1]}")
+        if found and found[0] is not model and found[0] not in above:
+            yield from config_sections(found[0], f"{path}.{name}{found[1]}" if path else f"{name}{found[1]}",
+                                       (*above, model))
 
 
 def _anchor(path: str) -> str:
@@ -202,14 +205,19 @@ def _prose(doc: str, fields: Iterable[str]) -> str:
 
 def _config() -> str:
     parts: list[str] = []
-    for path, model in config_sections(_sources().config):
+    sections = list(config_sections(_sources().config))
+    where = {model: path for path, model in reversed(sections)}  # each model's first section
+    listed = {path for path, _ in sections}
+    for path, model in sections:
         title = f"`{path}`" if path else "The top level"
         parts += [f"### {title} {{ #{_anchor(path)} }}", "", _prose(model.__doc__ or "", model.model_fields), "",
                   "| field | type | default |", "|---|---|---|"]
         for name, field in model.model_fields.items():
             full = f"{path}.{name}" if path else name
             found = _nested(field.annotation)
-            section = _anchor(full + found[1]) if found else ""
+            section = ""
+            if found:  # a section of its own, or (a recursive one) the section of its kind
+                section = _anchor(full + found[1] if full + found[1] in listed else where[found[0]])
             parts.append(f"| `{full}` | {_type_name(field.annotation, section)} | {_default(name, field)} |")
         parts.append("")
     return "\n".join(parts)

@@ -134,6 +134,12 @@ def test_shipped_production_config_is_valid_and_names_its_key_variables() -> Non
     assert {u.tier for u in loaded.config.upstreams} == {"fast", "standard"}
     # both kinds of fast upstream: a model string on OpenAI's API (Responses native), a chat-only API (bridged)
     assert {u.responses_mode for u in loaded.config.upstreams if u.tier == "fast"} == {"native", "bridge"}
+    # and gpt-5.6's fast tier both ways: OpenAI's fast model string, and OpenAI's ultrafast service tier of gpt-5.6
+    fast = {u.name: u for u in loaded.config.upstreams if u.tier == "fast" and "gpt-5.6" in u.models}
+    assert fast["openai-fast"].models["gpt-5.6"] == "gpt-5.6-sol-fast" and fast["openai-fast"].service_tier is None
+    assert fast["openai-ultrafast"].models["gpt-5.6"] == "gpt-5.6" and fast["openai-ultrafast"].service_tier == \
+        "ultrafast"
+    assert fast["openai-ultrafast"].prices is not None and "ultrafast" in fast["openai-ultrafast"].prices.service_tiers
     # the rest of the API: to OpenAI's standard tier; the fast upstreams serve chat (and Responses) only
     assert loaded.config.passthrough_upstream is not None and loaded.config.passthrough_upstream.name == "openai"
     assert [u.name for u in loaded.config.upstreams if u.serves("embeddings")] == ["openai"]

@@ -128,14 +128,15 @@ def test_every_metric_family_the_gateway_registers_is_on_the_metrics_page(site: 
         assert html.escape(family.documentation, quote=False) in page, f"{exported}: its help text is not there"
 
 
-def _config_paths(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
-    """Every field of the config file by its dotted path: ``upstreams[].timeouts.connect``, ``aliases.<name>.tier``."""
+def _config_paths(model: type[BaseModel], prefix: str = "", above: tuple[type[BaseModel], ...] = ()) -> Iterator[str]:
+    """Every field of the config file by its dotted path: ``upstreams[].timeouts.connect``, ``aliases.<name>.tier``; a
+    section that holds its own kind again (prices per service tier are prices) is walked once."""
     for name, field in model.model_fields.items():
         path = prefix + name
         yield path
         nested = _nested(field.annotation)
-        if nested is not None:
-            yield from _config_paths(nested[0], path + nested[1] + ".")
+        if nested is not None and nested[0] is not model and nested[0] not in above:
+            yield from _config_paths(nested[0], path + nested[1] + ".", (*above, model))
 
 
 def _nested(annotation: Any, step: str = "") -> tuple[type[BaseModel], str] | None:

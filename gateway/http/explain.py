@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from gateway.errors import GatewayError
 from gateway.http.errors import error_response
+from gateway.observability.estimates import bucket
 from gateway.pipeline.budgets import key_tiers
 from gateway.pipeline.exchange import KEY_SCOPE, ClientGone, read_body
 from gateway.pipeline.gateway import Gateway
@@ -100,7 +101,8 @@ def _estimates_of(gateway: Gateway, decision: Decision, facts: RequestFacts) -> 
     """The live estimate of each candidate, at the request's prompt size, for the route endpoint."""
     now, out = gateway.health.clock(), []
     for c in decision.candidates:
-        est = gateway.estimates.latency(c.upstream.name, c.upstream_model, now)
+        est = gateway.estimates.latency(c.upstream.name, bucket(c.upstream_model, c.upstream.asks(facts.service_tier)),
+                                        now)
         out.append({"upstream": c.upstream.name, "measured": est is not None, **({} if est is None else {
             "ttft_p50_ms": round(est.ttft(facts.prompt_tokens, tail=False) * 1000, 1),
             "ttft_p90_ms": round(est.ttft(facts.prompt_tokens) * 1000, 1),

@@ -14,10 +14,11 @@ median
 * **completion length** per route (the matching rule and the model), for requests without ``max_tokens``: median
   and p90, in tokens.
 
-A series with no sample left in the window is *unmeasured* (None): it aged out, and deadline routing re-measures it
-(``gateway.routing.deadline``). Summaries are computed when asked for and cached until a sample ages out or, once new
-samples arrived, for at most :data:`REFRESH` seconds, so that recording a sample costs an append and reading one a
-lookup.
+Each series is one upstream and model at one speed of service tier (:func:`bucket`: what the upstream says it served,
+else what it was asked). A series with no sample left in the window is *unmeasured* (None): it aged out, and deadline
+routing re-measures it (``gateway.routing.deadline``). Summaries are computed when asked for and cached until a sample
+ages out or, once new samples arrived, for at most :data:`REFRESH` seconds, so that recording a sample costs an append
+and reading one a lookup.
 """
 
 from __future__ import annotations
@@ -26,6 +27,18 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+# service tiers of one model that are served at their own speed: each is its own series (``gateway.config.upstreams``;
+# ``priority`` is ``fast``'s old name); the standard ones (``auto``, ``default``, ``scale``) share the model's
+_OWN_SERIES = {"priority": "fast", "fast": "fast", "ultrafast": "ultrafast", "flex": "flex"}
+
+
+def bucket(model: str, service_tier: str | None) -> str:
+    """The series of ``model`` served (or asked) at ``service_tier``: ``model`` for the standard tiers and None,
+    ``model@fast`` (priority, fast), ``model@ultrafast``, ``model@flex``: a tier's latencies never blend with
+    another's."""
+    own = _OWN_SERIES.get(service_tier) if service_tier is not None else None
+    return model if own is None else f"{model}@{own}"
 
 
 def quantile(ordered: Sequence[float], q: float) -> float:

@@ -12,6 +12,7 @@ import orjson
 from gateway.config.schema import GatewayConfig
 from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import UpstreamBadResponse, UpstreamUnavailable
+from gateway.observability.estimates import bucket
 from gateway.observability.metrics import decode_speed
 from gateway.pipeline.conversations import Conversations
 from gateway.pipeline.exchange import Exchange, Headers
@@ -30,6 +31,12 @@ def draft(ex: Exchange, up: UpstreamConfig, facts: RequestFacts) -> Draft | None
     if ex.kind != "responses" or up.responses_mode != "bridge":
         return None
     return Draft(dict(facts.body), new_id(ID_PREFIX))
+
+
+def series(ex: Exchange, up: UpstreamConfig, decision: Decision, stats: StreamStats) -> str:
+    """The live estimates' series a stream of ``up`` feeds: its model at the service tier the upstream said it served
+    (else the one it was asked: ``gateway.observability.estimates.bucket``)."""
+    return bucket(up.models.get(decision.model, decision.model), stats.service_tier or ex.asked_tier)
 
 
 class Delivery:
@@ -62,7 +69,7 @@ class Delivery:
         # an agent session's warm upstream prefilled only what its cache did not hold: its TTFT line learns the
         # uncached prompt, the size deadline routing reads it at (gateway.routing.deadline.predict)
         prompt = facts.prompt_tokens - (ex.run.affinity.warm.get(up.name, 0) if ex.run is not None else 0)
-        ex.first_token(attempt.span, up.name, up.models.get(decision.model, decision.model), prompt,
+        ex.first_token(attempt.span, up.name, series(ex, up, decision, relay.stats), prompt,
                        first - sent if first is not None and sent is not None else None)
         bridged = isinstance(relay, BridgeRelay)
         ex.open_stream(headers, "text/event-stream; charset=utf-8" if bridged else answer.content_type)
@@ -108,7 +115,7 @@ class Delivery:
         speed = (decode_speed(last - first, stats.token_chunks, completion) if first is not None and last is not None
                  else None)
         up = attempt.upstream
-        ex.decoded(up.name, up.models.get(decision.model, decision.model), speed)
+        ex.decoded(up.name, series(ex, up, decision, stats), speed)
         if facts.max_tokens is None:  # the lengths predict only requests without a limit: sampled from those
             ex.completed(decision.rule, decision.model, completion)
 

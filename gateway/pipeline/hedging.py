@@ -15,7 +15,7 @@ from typing import Any
 
 from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import GatewayError
-from gateway.observability.estimates import Estimates
+from gateway.observability.estimates import Estimates, bucket
 from gateway.pipeline.attempts import Attempts, Turn
 from gateway.pipeline.exchange import Exchange
 from gateway.routing import deadline
@@ -31,6 +31,11 @@ def may_race(decision: Decision, plan: Plan) -> bool:
     a concurrency slot."""
     route = decision.route
     return route is not None and route.hedge is not None and len(plan.candidates) > 1 and not plan.queued
+
+
+def asked_series(cand: Candidate, facts: RequestFacts) -> str:
+    """The live estimates' series of ``cand`` for this request: its model at the service tier it is asked."""
+    return bucket(cand.upstream_model, cand.upstream.asks(facts.service_tier))
 
 
 class Race:
@@ -167,7 +172,7 @@ class Hedging:
         cached = warm.get(first.upstream.name, 0)
         if not cached or second.upstream.name in warm:
             return base
-        est = self.estimates.latency(second.upstream.name, second.upstream_model, self.health.clock())
+        est = self.estimates.latency(second.upstream.name, asked_series(second, turn.facts), self.health.clock())
         return base + (est.per_token * cached if est is not None else 0.0)
 
     def delay(self, decision: Decision, cand: Candidate, facts: RequestFacts) -> float | None:
@@ -176,7 +181,7 @@ class Hedging:
         hedge = decision.route.hedge if decision.route is not None else None
         if hedge != "p95":
             return float(hedge) if hedge is not None else None
-        est = self.estimates.latency(cand.upstream.name, cand.upstream_model, self.health.clock())
+        est = self.estimates.latency(cand.upstream.name, asked_series(cand, facts), self.health.clock())
         return est.ttft_p95(facts.prompt_tokens) if est is not None else None
 
     def lost(self, ex: Exchange, up: UpstreamConfig, decision: Decision, facts: RequestFacts, attempt: Attempt,
@@ -199,7 +204,7 @@ class Hedging:
         if attempt.sent_at is None:
             return
         waited, now = time.perf_counter() - attempt.sent_at, self.health.clock()
-        model = up.models.get(decision.model, decision.model)
+        model = bucket(up.models.get(decision.model, decision.model), up.asks(facts.service_tier))
         est = self.estimates.latency(up.name, model, now)
         if est is not None and waited > est.ttft(facts.prompt_tokens, tail=False):
             ex.waited(up.name, model, facts.prompt_tokens, waited)

@@ -26,7 +26,7 @@ from typing import Any
 from gateway.config.schema import GatewayConfig
 from gateway.config.sessions import SessionBudgets
 from gateway.errors import InvalidRequest, SessionBudgetExceeded
-from gateway.observability.estimates import Estimates
+from gateway.observability.estimates import Estimates, bucket
 from gateway.pipeline.exchange import Exchange
 from gateway.routing import deadline
 from gateway.routing.facts import Candidate, Decision, RequestFacts
@@ -238,7 +238,8 @@ class Sessions:
         std = run.standard
         if ex.tier != "fast" or std is None or output <= 0:
             return None
-        est = self.estimates.latency(std.upstream.name, std.upstream_model, self.clock())
+        est = self.estimates.latency(std.upstream.name, bucket(std.upstream_model, std.upstream.asks(None)),
+                                     self.clock())
         decode = est.decode(output, tail=False) if est is not None else None
         if est is None or decode is None:
             return None

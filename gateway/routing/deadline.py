@@ -38,7 +38,7 @@ from gateway.config.base import Tier
 from gateway.config.routes import RouteConfig
 from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import InvalidRequest
-from gateway.observability.estimates import Estimates, Latency
+from gateway.observability.estimates import Estimates, Latency, bucket
 from gateway.routing.facts import Candidate, Decision, RequestFacts
 from gateway.wire.body import dumps
 
@@ -259,8 +259,10 @@ def choose(decision: Decision, facts: RequestFacts, b: Budget, estimates: Estima
     holds (:func:`predict` prices them: a move that saves less than the warm cache it throws away is not made)."""
     tail, central, source = completion_tokens(facts, decision, estimates, now)
     warm = warm or {}
-    preds = tuple(predict(c, estimates.latency(c.upstream.name, c.upstream_model, now), facts, decision.model, tail,
-                          central, b, now, warm.get(c.upstream.name, 0)) for c in decision.candidates)
+    preds = tuple(predict(c, estimates.latency(c.upstream.name, bucket(c.upstream_model,
+                                                                     c.upstream.asks(facts.service_tier)), now),
+                          facts, decision.model, tail, central, b, now, warm.get(c.upstream.name, 0))
+                  for c in decision.candidates)
     pick: Prediction | None = None
     verdict = "unmeasured"
     unmeasured = [p for p in preds if p.meets is None]

@@ -30,6 +30,8 @@ tokens        completion tokens to generate (default: max_tokens / max_completio
 tps           tokens per second; ttft_ms: time to first token in milliseconds
 per_chunk     tokens per SSE event (default 1)
 usage         ``none``: report no usage at all
+served_tier   the ``service_tier`` an OpenAI-dialect answer says it served (default: the one asked, ``auto``:
+              ``default``)
 done          ``0``/``1``: end with ``data: [DONE]`` (default: openai 1, cerebras 0)
 transcript    replay NAME.body from the fixtures folder (status and content-type from NAME.json)
 status        answer this HTTP status with an OpenAI error body (``retry_after_ms`` adds the header)
@@ -792,6 +794,10 @@ class Generation:
         self.ttft = float(d.get("ttft_ms", cfg.ttft * 1000)) / 1000
         self.per_chunk = max(1, int(d.get("per_chunk", 1)))
         self.with_usage = d.get("usage") != "none"
+        # the service tier it says it served (OpenAI's dialect echoes one in every chunk, body and Response): the one
+        # asked (auto: default), or ``served_tier=X`` (an upstream that serves a slower tier than asked)
+        asked = body.get("service_tier")
+        self.served = d.get("served_tier") or (asked if isinstance(asked, str) and asked != "auto" else "default")
         self.model = str(body.get("model", "emulated")).encode()
         self.id = b"chatcmpl-emu" + os.urandom(8).hex().encode()  # unique per answer, as an agent's history needs
         self.response_id = "resp_emu" + self.id[12:].decode()
@@ -882,8 +888,9 @@ class Generation:
                 "total_time": self.ttft + completion, "created": time.time()}
 
     def _chunk(self, choices: bytes, tail: bytes = b"") -> bytes:
+        tier = b'","service_tier":"' + self.served.encode() if self.dialect == "openai" else b""
         return (b'data: {"id":"' + self.id + b'","object":"chat.completion.chunk","created":%d,"model":"' % self.created
-                + self.model + b'","choices":[' + choices + b"]" + tail + b"}\n\n")
+                + self.model + tier + b'","choices":[' + choices + b"]" + tail + b"}\n\n")
 
     def _choice(self, index: int, delta: bytes, finish: bytes = b"null") -> bytes:
         if self.dialect != "cerebras":
@@ -966,7 +973,7 @@ class Generation:
         """A Responses API ``response`` object with every field OpenAI's has (the bridge's :class:`Draft` builds it:
         one definition of a complete Response). A failed one carries its ``error`` as OpenAI's does (OpenAPI
         ``ResponseError``: ``server_error`` and a message) and the output it had made, ``incomplete``."""
-        draft = Draft({**self.body, "model": self.model.decode()}, self.response_id)
+        draft = Draft({**self.body, "model": self.model.decode(), "service_tier": self.served}, self.response_id)
         draft.created_at = self.created
         error = {"code": "server_error", "message": "The emulated model failed mid-response."}
         out = draft.response(status, [], None, "max_output_tokens" if status == "incomplete" else None,
@@ -1049,6 +1056,8 @@ class Generation:
             "choices": [{"index": c, "message": message, "logprobs": None, "finish_reason": self.finish}
                         for c in range(self.n)],
         }
+        if self.dialect == "openai":
+            out["service_tier"] = self.served
         if self.with_usage:
             out["usage"] = self._usage()
         if self.dialect == "groq":
