@@ -208,6 +208,7 @@ class BridgeRelay(Relay):
             self._start(out)
             had_error = stats.error
             self._observe(chunk, event, now)  # usage, first/last token, finish_reason, an error
+            self.draft.served = stats.service_tier or self.draft.served  # the tier served, as the chunks say it
             if stats.error and not had_error:
                 self._failed(out, chunk)
                 continue

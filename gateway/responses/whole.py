@@ -10,6 +10,7 @@ from typing import Any
 from gateway.errors import UpstreamBadResponse
 from gateway.responses.ids import new_id
 from gateway.responses.request import _dict, _list, custom_tool_names
+from gateway.stream.stats import served_tier
 from gateway.wire.body import dumps, loads
 
 
@@ -77,6 +78,7 @@ class Draft:
         self.created_at = int(time.time())
         self.model: str = body["model"]
         self.custom = custom_tool_names(body)  # calls of these are custom_tool_call items
+        self.served: str | None = None  # the service tier the upstream said it served, once it did
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                  incomplete: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -98,7 +100,7 @@ class Draft:
             "prompt_cache_key": b.get("prompt_cache_key"), "prompt_cache_retention": None,
             "reasoning": {"effort": reasoning.get("effort"), "summary": None},
             "safety_identifier": b.get("safety_identifier"),
-            "service_tier": b.get("service_tier") or "default", "store": b.get("store", True),
+            "service_tier": self.served or b.get("service_tier") or "default", "store": b.get("store", True),
             "temperature": _number(b.get("temperature"), 1.0), "top_p": _number(b.get("top_p"), 1.0),
             "presence_penalty": _number(b.get("presence_penalty"), 0.0),
             "frequency_penalty": _number(b.get("frequency_penalty"), 0.0),
@@ -136,6 +138,7 @@ def whole_response(completion: dict[str, Any], draft: Draft) -> dict[str, Any]:
         raise UpstreamBadResponse("The upstream answered 200 without a chat completion message.")
     if isinstance(completion.get("model"), str):
         draft.model = completion["model"]
+    draft.served = served_tier(completion)
     incomplete = _INCOMPLETE.get(str(choice.get("finish_reason")))
     status = "incomplete" if incomplete else "completed"  # the items the limit cut too, as the API marks them
     output: list[dict[str, Any]] = []
