@@ -225,7 +225,7 @@ def _sessions(config: GatewayConfig, shared: SharedState | None, metrics: Metric
 
     def ended(record: SessionRecord) -> None:
         metrics.session_ended(record.steps, max(0.0, record.last - record.started))
-    local = MemorySessions(cfg.max_items, cfg.idle, ended)
+    local = MemorySessions(cfg.max_items, cfg.idle, ended, cfg.key_share)
     return SharedSessions(local, shared, cfg.max_moves) if shared is not None else local
 
 

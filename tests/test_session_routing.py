@@ -154,3 +154,28 @@ def test_the_memory_table_forgets_idle_sessions_and_tells_their_end() -> None:
     assert table.get("b", 100.0) is None and ended[-1] == (1, 1.0)  # "b" idle past 10 s
     assert isinstance(table.get("c", 5.0), SessionRecord)
     assert Warm(1.0, 5) == Warm(1.0, 5)
+
+
+def test_one_keys_runs_never_push_out_anothers() -> None:
+    table = MemorySessions(max_items=8, idle=100.0, key_share=0.25)  # two sessions per key at most
+    for owner, n in (("victim", 2), ("flood", 50)):
+        for i in range(n):
+            r = SessionRecord(owner, f"{owner}-{i}", "header", started=0.0)
+            r.add(Step("fast-a", "fast", 1.0, 0.0, 10, 0, 5), 1.0, 32)
+            table.put(scope(owner, r.id), r, 1.0)
+    assert table.get(scope("victim", "victim-0"), 2.0) is not None
+    assert table.get(scope("victim", "victim-1"), 2.0) is not None
+    assert len(table) == 4  # the flood kept its own two newest
+
+
+def test_a_header_tightens_a_keys_session_budget_but_never_raises_it() -> None:
+    from gateway.config.sessions import SessionBudgets
+    from gateway.pipeline.sessions import budgets_of
+
+    key = SessionBudgets(max_steps=10, max_usd=1.0)
+    fixed = frozenset(key.model_fields_set)
+    raised = budgets_of({"x-tiergate-session-max-steps": "1000", "x-tiergate-session-max-usd": "50"}, key, fixed)
+    assert (raised.max_steps, raised.max_usd) == (10, 1.0)
+    tighter = budgets_of({"x-tiergate-session-max-steps": "3"}, key, fixed)
+    assert tighter.max_steps == 3
+    assert budgets_of({"x-tiergate-session-max-steps": "1000"}, SessionBudgets()).max_steps == 1000  # none set

@@ -50,7 +50,8 @@ class SessionsConfig(Strict):
 
     enabled: false reads no session id (every request routes alone, as before); headers: the request headers read
     for a session id, in order, after ``x-tiergate-session`` (:data:`HARNESS_HEADERS`); max_items: sessions each
-    process keeps (the least recently used go first; with shared state Redis keeps them too); idle: seconds a
+    process keeps (the least recently used go first; with shared state Redis keeps them too); key_share: the share of
+    them one gateway key may hold (over it, its own least recently used go first); idle: seconds a
     session is kept after its last step; prompt_cache_key: ``derive`` sends upstreams that accept one
     (``gateway.upstream.dialects``) a ``prompt_cache_key`` made from the session when the client sent none, so
     that the provider's own routing finds the cache too; ``off`` sends nothing the client did not; max_moves: the
@@ -60,6 +61,7 @@ class SessionsConfig(Strict):
     enabled: bool = True
     headers: list[str] = Field(default_factory=lambda: list(HARNESS_HEADERS))
     max_items: int = Field(10_000, ge=1)
+    key_share: float = Field(0.25, gt=0, le=1)
     idle: float = Field(3600.0, gt=0)
     prompt_cache_key: Literal["derive", "off"] = "derive"
     max_moves: int = Field(32, ge=0, le=1024)

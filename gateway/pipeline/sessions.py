@@ -69,8 +69,9 @@ class Run:
         return self.record.steps + 1
 
 
-def budgets_of(headers: Mapping[str, str], base: SessionBudgets) -> SessionBudgets:
-    """The run's budgets: ``base`` (the key's, over the config's), with what the request's headers state.
+def budgets_of(headers: Mapping[str, str], base: SessionBudgets, fixed: frozenset[str] = frozenset()) -> SessionBudgets:
+    """The run's budgets: ``base`` (the key's, over the config's), with what the request's headers state; a budget
+    its gateway key sets (``fixed``) can only be tightened by a header, never raised (the key's operator's word).
 
     Raises:
         InvalidRequest: a header that is not a positive number (400 naming it).
@@ -90,6 +91,9 @@ def budgets_of(headers: Mapping[str, str], base: SessionBudgets) -> SessionBudge
                                  f"{'whole ' if whole else ''}number, got {value[:40]!r}.", param=name,
                                  code="invalid_value")
         given[field] = int(number) if whole else number * scale
+        bound = getattr(base, field)
+        if field in fixed and bound is not None and field != "expected_steps":
+            given[field] = min(given[field], bound)
     return base.model_copy(update=given) if given else base
 
 
@@ -153,7 +157,8 @@ class Sessions:
             SessionBudgetExceeded, InvalidRequest: as :meth:`begin`.
         """
         key, now = scope(owner, session.id), self.wall()
-        budgets = budgets_of(facts.headers, merged(self.cfg.budgets, key_budgets))
+        fixed = frozenset(key_budgets.model_fields_set) if key_budgets is not None else frozenset()
+        budgets = budgets_of(facts.headers, merged(self.cfg.budgets, key_budgets), fixed)
         record = await self.table.load(key, now)
         if record is None:
             record = SessionRecord(owner, session.id, session.source, started=now)

@@ -153,14 +153,18 @@ class SessionTable(Protocol):
 
 class MemorySessions:
     """Sessions kept in this process: at most ``max_items`` (the least recently used go first), each forgotten
-    ``idle`` seconds after its last step; ``on_end`` is told each session that leaves the table (for the
-    steps-per-session and duration metrics), or None."""
+    ``idle`` seconds after its last step, and at most ``key_share`` of them of one gateway key (over it, that key's
+    own least recently used go first: one tenant's runs never push out another's); ``on_end`` is told each session
+    that leaves the table (for the steps-per-session and duration metrics), or None."""
 
-    def __init__(self, max_items: int, idle: float, on_end: Callable[[SessionRecord], None] | None = None) -> None:
+    def __init__(self, max_items: int, idle: float, on_end: Callable[[SessionRecord], None] | None = None,
+                 key_share: float = 1.0) -> None:
         self.max_items = max_items
         self.idle = idle
         self.on_end = on_end
+        self.per_key = max(1, int(max_items * key_share))
         self._records: OrderedDict[str, SessionRecord] = OrderedDict()  # least recently used first
+        self._owned: dict[str | None, OrderedDict[str, None]] = {}  # each owner's keys, least recently used first
 
     def __len__(self) -> int:
         return len(self._records)
@@ -187,7 +191,12 @@ class MemorySessions:
         """Keep ``record`` under ``key`` as the most recently used; what is over the bounds, or idle, leaves."""
         self._records[key] = record
         self._records.move_to_end(key)
+        mine = self._owned.setdefault(record.owner, OrderedDict())
+        mine[key] = None
+        mine.move_to_end(key)
         self.sweep(now, 8)
+        while record.owner is not None and len(mine) > self.per_key:
+            self._forget(next(iter(mine)))  # over its share: its own least recently used
         while len(self._records) > self.max_items:
             self._forget(next(iter(self._records)))
 
@@ -201,5 +210,10 @@ class MemorySessions:
 
     def _forget(self, key: str) -> None:
         record = self._records.pop(key)
+        mine = self._owned.get(record.owner)
+        if mine is not None:
+            mine.pop(key, None)
+            if not mine:
+                del self._owned[record.owner]
         if record.steps and self.on_end is not None:
             self.on_end(record)
