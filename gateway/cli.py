@@ -113,6 +113,10 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--out", default="tiergate-bench.html", help="HTML chart to write ('' for none)")
     bench.add_argument("--json", help="also write the per-tier summary as JSON to this file")
     bench.add_argument("--quiet", action="store_true", help="no progress line")
+    bench.add_argument("--agent-loop", type=int, metavar="N", help="agent runs instead of single requests: N "
+                       "sequential steps per run, each sending the conversation so far plus a new turn, one "
+                       "x-tiergate-session per run; reports run time, step TTFT and the session's cost per tier")
+    bench.add_argument("--runs", type=int, default=3, help="with --agent-loop: runs per --mix model (default 3)")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -127,6 +131,10 @@ def _run(args: argparse.Namespace) -> int:
             return _demo(args)
         if args.command == "emulate":
             return _emulate(args)
+        if args.command == "bench" and args.agent_loop is not None:
+            from gateway.tools.agentloop import main as agent_main
+
+            return agent_main(args)
         if args.command == "bench":
             from gateway.tools.loadtest import main as bench_main
 

@@ -130,3 +130,54 @@ def test_bench_reads_the_demo_chart_back() -> None:
     assert page.count("<svg") == 3 and "<script" not in page and "tiergate bench" in page
     assert "Cost per 1,000 output tokens" in page and "s saved per extra USD" in page  # the premium question
 
+
+
+@pytest.fixture(scope="module")
+def caching(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The default emulated tiers, priced, each with a prompt cache (``--cache-ttl 300``, as in ``tiergate demo``)."""
+    tmp = tmp_path_factory.mktemp("agent")
+    fast = emulator("fast", tmp, extra=("--cache-ttl", "300"))
+    standard = emulator("standard", tmp, extra=("--cache-ttl", "300"))
+    cfg = default_config(f"http://127.0.0.1:{fast.port}/v1", f"http://127.0.0.1:{standard.port}/v1")
+    for up in cfg["upstreams"]:
+        up["prices"] = PRICES[up["tier"]]
+    gw, path = start_gateway(cfg, tmp)
+    stack = Stack(gw, {"fast": fast, "standard": standard}, path, [gw, fast, standard])
+    yield stack
+    stack.stop()
+
+
+def test_agent_loop_reports_each_tiers_runs_from_the_sessions_records(caching: Stack, tmp_path: Path) -> None:
+    """``--agent-loop 4``: per tier, runs of four steps that each send the conversation so far under one session
+    id; the steps after the first find their prefix in the upstream's prompt cache, and the gateway's record of each
+    run (cost at the cached-input price, hit ratio, steps by tier) is what the report shows."""
+    proc, report, html = bench(tmp_path, "--base-url", caching.base_url, "--agent-loop", "4", "--runs", "2",
+                               "--concurrency", "2", "--max-tokens", "12", "--mix", "gpt-5.6-sol-fast,gpt-5.6")
+    assert proc.returncode == 0, proc.stderr
+    tiers = report["tiers"]
+    assert list(tiers) == ["fast", "standard"] and not html.exists()  # a table and --json, no chart
+    for tier, t in tiers.items():
+        assert (t["runs"], t["failed_runs"], t["steps"], t["error_kinds"]) == (2, 0, 8, [])
+        assert t["steps_by_tier"] == {tier: 8}
+        assert 0 < t["step_ttft_p50_s"] <= t["step_ttft_p95_s"] < t["run_wall_p50_s"]
+        assert len(t["step_ttft_p50_by_step_s"]) == len(t["cached_tokens_by_step"]) == 4
+        first, *later = t["cached_tokens_by_step"]
+        assert all(c > first for c in later)  # each later step finds the one before it cached
+        assert later == sorted(later)  # and the cached prefix grows with the conversation
+        p = PRICES[tier]
+        for s in t["sessions"]:
+            rec = s["record"]
+            assert rec["id"] == s["id"] and rec["steps"] == 4 and rec["steps_by_tier"] == {tier: 4}
+            tok = rec["tokens"]
+            assert tok["cached"] > 0 and rec["cache_hit_ratio"] == pytest.approx(tok["cached"] / tok["prompt"],
+                                                                                 abs=1e-4)
+            billed = (tok["prompt"] - tok["cached"]) * p["input"] + tok["cached"] * p["cached_input"] \
+                + tok["output"] * p["output"]
+            assert rec["cost_usd"] == pytest.approx(billed / 1e6, rel=1e-6)
+        assert t["cost_per_run_usd"] == pytest.approx(sum(s["record"]["cost_usd"] for s in t["sessions"]) / 2)
+        assert 0 < t["cache_hit_ratio"] < 1
+    assert tiers["fast"]["run_wall_mean_s"] < tiers["standard"]["run_wall_mean_s"]
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
+    assert "fast" in lines and "standard" in lines and "USD/run" in lines["tier"]
+    assert f"{tiers['fast']['cost_per_run_usd']:.6f}" in lines["fast"]
+    assert "s per run for" in lines["premium:"]

@@ -63,6 +63,9 @@ class Result:
     completion_tokens: int | None = None
     chunks: int = 0
     duration: float = 0.0
+    prompt_tokens: int | None = None  # from the stream's usage, with the cached part of them
+    cached_tokens: int | None = None
+    text: list[str] = field(default_factory=list)  # the first choice's content deltas (an agent loop sends it back)
 
 
 @dataclass
@@ -153,16 +156,23 @@ def plan(mix: list[tuple[str, float]], n: int, seed: int) -> list[tuple[str, str
 
 async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int,
               timeout: float) -> Result:
-    """Stream one chat completion and time it at the client."""
-    res = Result(model)
+    """Stream one chat completion of ``prompt`` and time it at the client."""
     body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
             "max_completion_tokens": max_tokens,
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]}
+    return await send(session, url, body, timeout)
+
+
+async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout: float,
+               headers: dict[str, str] | None = None) -> Result:
+    """Stream the chat completion ``body`` (with ``headers``) and time it at the client (module docstring)."""
+    model = str(body.get("model"))
+    res = Result(model)
     t0 = time.perf_counter()
     first: float | None = None
     last: float | None = None
     try:
-        async with asyncio.timeout(timeout), session.post(url, data=orjson.dumps(body)) as resp:
+        async with asyncio.timeout(timeout), session.post(url, data=orjson.dumps(body), headers=headers) as resp:
             res.status = resp.status
             res.group = resp.headers.get("x-tiergate-tier") or f"model {model}"
             if resp.status != 200:
@@ -206,13 +216,29 @@ async def _read_events(resp: aiohttp.ClientResponse, res: Result) -> tuple[float
                     res.error = "stream error: " + str((chunk["error"] or {}).get("code") or "unknown")
                     continue
                 usage = chunk.get("usage")
-                if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-                    res.completion_tokens = usage["completion_tokens"]
-                if has_token(chunk.get("choices")):
+                if isinstance(usage, dict):
+                    _read_usage(usage, res)
+                choices = chunk.get("choices")
+                if has_token(choices):
                     res.chunks += 1
                     first = first if first is not None else now
                     last = now
+                    delta = choices[0].get("delta") if isinstance(choices[0], dict) else None
+                    content = delta.get("content") if isinstance(delta, dict) else None
+                    if isinstance(content, str):
+                        res.text.append(content)
     return first, last
+
+
+def _read_usage(usage: dict[str, Any], res: Result) -> None:
+    """A stream's usage into ``res``: completion, prompt and cached prompt tokens (where they are counts)."""
+    if isinstance(usage.get("completion_tokens"), int):
+        res.completion_tokens = usage["completion_tokens"]
+    if isinstance(usage.get("prompt_tokens"), int):
+        res.prompt_tokens = usage["prompt_tokens"]
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    res.cached_tokens = cached if isinstance(cached, int) else 0 if res.prompt_tokens is not None else None
 
 
 async def fetch_costs(session: aiohttp.ClientSession, metrics_url: str) -> dict[str, float] | None:
