@@ -292,3 +292,45 @@ def test_replicas_sharing_redis_keep_a_run_on_one_upstream(tmp_path: Path) -> No
     finally:
         w.stop()
         redis.kill()
+
+
+def test_deadline_routing_keeps_a_warm_session_where_a_cold_request_would_move(tmp_path: Path) -> None:
+    """Both tiers meet the budget; cold, the standard tier is the cheaper. A session warm on the fast tier holds most of
+    its prompt in the fast upstream's cache (billed at its cached_input price): moving would throw that away, so its
+    step stays; the same request without the session goes to the standard tier."""
+    ups = {n: EmulatorThread(config=EmulatorConfig(dialect="openai", ttft=0.005, tps=5000.0, cache_ttl=300.0))
+           for n in ("fast", "std")}
+    gw, _ = start_gateway({
+        "default_tier": "fast",
+        "upstreams": [
+            {"name": "fast", "tier": "fast", "base_url": ups["fast"].base_url, "models": {"m": "m-f"},
+             "prices": {"input": 2.0, "cached_input": 0.02, "output": 2.0}},
+            {"name": "std", "tier": "standard", "base_url": ups["std"].base_url, "models": {"m": "m-s"},
+             "prices": {"input": 1.0, "output": 1.0}}],
+        "estimates": {"window": 60, "samples": 16, "explore": 0, "probe": 600},
+    }, tmp_path)
+    try:
+        url = f"http://127.0.0.1:{gw.port}/v1/chat/completions"
+        history = [{"role": "user", "content": "context " * 10_000}]  # ~20k prompt tokens
+
+        def ask(headers: dict[str, str], content: str) -> httpx.Response:
+            body = {"model": "m", "max_tokens": 4, "stream": True,
+                    "messages": [*history, {"role": "user", "content": content}]}
+            with httpx.stream("POST", url, json=body, headers=headers, timeout=20) as r:
+                r.read()
+            return r
+        for _ in range(3):  # both tiers measured
+            for tier in ("fast", "standard"):
+                assert ask({"x-tiergate-tier": tier}, "warm up").status_code == 200
+        first = ask({"x-tiergate-session": "warm", "x-tiergate-tier": "fast"}, "step 1")
+        assert first.headers["x-tiergate-upstream"] == "fast"
+        budget = {"x-tiergate-deadline-ms": "20000"}
+        cold = ask(budget, "step 2")
+        assert cold.headers["x-tiergate-upstream"] == "std" and cold.headers["x-tiergate-deadline"] == "meets"
+        warm = ask({**budget, "x-tiergate-session": "warm"}, "step 2")
+        assert warm.headers["x-tiergate-upstream"] == "fast" and warm.headers["x-tiergate-deadline"] == "meets"
+        assert warm.headers["x-tiergate-affinity"] == "kept"
+    finally:
+        gw.stop()
+        for e in ups.values():
+            e.stop()
