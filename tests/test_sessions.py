@@ -334,3 +334,14 @@ def test_deadline_routing_keeps_a_warm_session_where_a_cold_request_would_move(t
         gw.stop()
         for e in ups.values():
             e.stop()
+
+
+def test_a_runs_deadline_gives_each_step_its_share_as_a_latency_budget(world: World) -> None:
+    headers = {"authorization": f"Bearer {KEYS['a']}", "x-tiergate-session": "paced",
+               "x-tiergate-session-deadline-ms": "60000", "x-tiergate-session-steps": "10"}
+    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+    r = httpx.post(world.url() + "/chat/completions", json=body, headers=headers, timeout=10)
+    assert r.status_code == 200 and "x-tiergate-deadline" in r.headers  # deadline routing ran for it
+    route = httpx.post(world.url() + "/tiergate/route", json=body, headers=headers, timeout=10).json()
+    budget = route["deadline"]
+    assert budget["source"] == "session" and 5000 < budget["deadline_ms"] <= 60000 / 9  # what is left, over 9 steps
