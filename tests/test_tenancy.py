@@ -24,7 +24,8 @@ from gateway.tools.emulator import EmulatorConfig, EmulatorThread
 
 from conftest import SCRAPE, SCRAPE_TOKEN, Proc, RedisServer, needs_redis, sample, scraped, start_gateway
 
-KEYS = {name: new_key() for name in ("a", "b", "tpm", "hostile", "victim", "leaver", "flood", "kept", "saver")}
+KEYS = {name: new_key() for name in ("a", "b", "tpm", "hostile", "victim", "leaver", "flood", "kept", "saver",
+                                     "streamer")}
 PRICE = {"input": 1.0, "output": 2.0}  # USD per million tokens
 
 
@@ -45,7 +46,8 @@ def _config(fast: EmulatorThread, standard: EmulatorThread, **extra: Any) -> dic
         "aliases": {"gpt-5.6-sol-fast": {"model": "gpt-5.6", "tier": "fast"}},
         "auth": {"metrics": SCRAPE, "keys": [key("a"), key("b"), key("tpm", limits={"tokens_per_minute": 20_000}),
                           key("hostile"), key("victim"), key("leaver", limits={"tokens_per_minute": 6_000}),
-                          key("flood"), key("kept"), key("saver", limits={"usd_per_day": 0.10})]},
+                          key("flood"), key("kept"), key("saver", limits={"usd_per_day": 0.10}),
+                          key("streamer", limits={"tokens_per_minute": 6_000})]},
         **extra,
     }
 
@@ -142,6 +144,48 @@ def test_the_passthrough_reserves_a_json_bodys_tokens_and_counts_any_usage_it_an
     assert grew("tiergate_tokens_total", token_type="output", usage="reported", model="other") == 544
     expected = (image.usage.input_tokens * 5.0 + 544 * 40.0) / 1e6  # gpt-image-1's model_prices
     assert grew("tiergate_key_cost_usd_total", key="a") == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_streamed_passthrough_answer_without_usage_is_charged_what_it_relayed(gateway: Proc) -> None:
+    """Legacy completions streamed without ``max_tokens`` or ``include_usage``: the passthrough kept only the tail
+    for a usage that never came, so a 6,000 TPM key got all eight 2,000-token streams and was charged nothing."""
+    _fresh_minute(12)
+    body = {"model": "gpt-5.6", "stream": True, "prompt": "[[emulate tokens=2000 tps=20000]] go on"}
+    before = _metrics(gateway)
+    statuses, relayed = [], []
+    for _ in range(8):
+        with httpx.stream("POST", _url(gateway) + "/v1/completions", headers=_h("streamer"), json=body,
+                          timeout=20) as resp:
+            statuses.append(resp.status_code)
+            events = [line for line in resp.iter_lines() if line.startswith('data: {"id"')]
+            if resp.status_code == 200:
+                relayed.append(len(events))
+    admitted = statuses.count(200)
+    assert relayed == [2000] * admitted  # whole answers, bytes untouched
+    assert 3 <= admitted <= 4 and statuses[admitted:] == [429] * (8 - admitted), statuses
+    after = _metrics(gateway)
+
+    def grew(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+    assert grew("tiergate_key_tokens_total", key="streamer", token_type="output") == 2000 * admitted
+    assert grew("tiergate_key_tokens_total", key="streamer", token_type="input") >= admitted  # the prompt estimate
+    assert grew("tiergate_tokens_total", token_type="output", usage="estimated", upstream="emu-standard") \
+        == 2000 * admitted
+    assert grew("tiergate_usage_estimated_total", upstream="emu-standard") == admitted
+    assert grew("tiergate_key_cost_usd_total", key="streamer") > 0
+    # a client that leaves mid-stream is charged at least what reached it
+    cut = {**body, "prompt": "[[emulate tokens=5000 tps=2000]] go on"}
+    with httpx.stream("POST", _url(gateway) + "/v1/completions", headers=_h("a"), json=cut, timeout=20) as resp:
+        seen = 0
+        for line in resp.iter_lines():
+            seen += line.startswith('data: {"id"')
+            if seen >= 500:
+                break
+    deadline = time.monotonic() + 5
+    while sample(_metrics(gateway), "tiergate_key_tokens_total", key="a", token_type="output") - sample(
+            after, "tiergate_key_tokens_total", key="a", token_type="output") < 500:
+        assert time.monotonic() < deadline, "the stream the client left was not charged what it relayed"
+        time.sleep(0.05)
 
 
 # --- 2. stored responses belong to their key -------------------------------------------------------------------------
