@@ -288,11 +288,11 @@ async def test_one_keys_objects_never_push_another_keys_out_of_the_registry() ->
 
 # --- 3. a client that leaves is still charged ----------------------------------------------------------------------
 
-def _cut_stream(gw: Proc, name: str, tokens: int, read: int) -> int:
+def _cut_stream(gw: Proc, name: str, tokens: int, read: int, tps: int = 20000) -> int:
     """A stream of ``tokens`` without ``max_tokens``, closed after ``read`` content chunks (before the usage chunk);
     returns its status."""
     body = {"model": "gpt-5.6-sol-fast", "stream": True,
-            "messages": [{"role": "user", "content": f"[[emulate tokens={tokens} tps=20000]] go"}]}
+            "messages": [{"role": "user", "content": f"[[emulate tokens={tokens} tps={tps}]] go"}]}
     with httpx.Client(timeout=20) as client, client.stream("POST", _url(gw) + "/v1/chat/completions",
                                                            headers=_h(name), json=body) as resp:
         if resp.status_code != 200:
@@ -308,22 +308,44 @@ def _cut_stream(gw: Proc, name: str, tokens: int, read: int) -> int:
     return 200
 
 
+def _recorded(gw: Proc, name: str, before: float) -> None:
+    """Wait until a request of key ``name`` past ``before`` was recorded (and charged): once the gateway saw its
+    client go and read on for the usage."""
+    deadline = time.monotonic() + 10
+    while sample(_metrics(gw), "tiergate_key_requests_total", key=name) <= before:
+        assert time.monotonic() < deadline, "the stream was never recorded"
+        time.sleep(0.02)
+
+
 def test_a_client_that_leaves_before_the_usage_is_charged_what_was_relayed(gateway: Proc) -> None:
-    _fresh_minute(12)
+    _fresh_minute(20)
     statuses = []
-    for i in range(8):  # 6,000 tokens a minute; each stream relays ~1,500 before its client leaves
+    for _ in range(8):  # 6,000 tokens a minute; each stream relays ~1,500 (and ~4,000 more are read) before it ends
         before = sample(_metrics(gateway), "tiergate_key_requests_total", key="leaver")
-        statuses.append(_cut_stream(gateway, "leaver", 2000, 1500))
-        deadline = time.monotonic() + 5  # the request is recorded (and charged) once the gateway saw the client go
-        while sample(_metrics(gateway), "tiergate_key_requests_total", key="leaver") <= before:
-            assert time.monotonic() < deadline, f"stream {i} was never recorded"
-            time.sleep(0.02)
+        statuses.append(_cut_stream(gateway, "leaver", 20_000, 1500, tps=2000))
+        _recorded(gateway, "leaver", before)
     admitted = statuses.count(200)
     assert 1 <= admitted <= 4 and statuses[admitted:] == [429] * (8 - admitted), statuses  # not all eight
     metrics = _metrics(gateway)
     assert sample(metrics, "tiergate_key_tokens_total", key="leaver", token_type="output") >= 1500 * admitted
     assert sample(metrics, "tiergate_usage_estimated_total", tier="fast") >= admitted
     assert sample(metrics, "tiergate_cost_usd_total", tier="fast", usage="estimated") > 0
+
+
+def test_a_client_that_leaves_before_the_finish_is_charged_the_usage_that_follows(gateway: Proc) -> None:
+    """The grace read for the usage after the client left was only for a finished stream: a client that closed it
+    a moment before its finish chunk was charged an estimate of what had reached it, though the usage came soon."""
+    before = _metrics(gateway)
+    assert _cut_stream(gateway, "b", 400, 40, tps=1000) == 200  # leaves after ~0.04 s of a 0.4 s answer
+    _recorded(gateway, "b", sample(before, "tiergate_key_requests_total", key="b"))
+    after = _metrics(gateway)
+
+    def grew(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+    assert grew("tiergate_key_tokens_total", key="b", token_type="output") == 400  # the upstream's own usage
+    assert grew("tiergate_tokens_total", tier="fast", token_type="output", usage="reported") == 400
+    assert grew("tiergate_usage_estimated_total", tier="fast") == 0
+    assert grew("tiergate_key_requests_total", key="b", outcome="client_disconnect") == 1
 
 
 # --- 4. one key cannot rest an upstream for everyone -------------------------------------------------------------

@@ -24,7 +24,8 @@ the idle watch instead, whose end before the first byte is a failover, not a 200
 **The end.** A stream ends at ``[DONE]`` or a Responses API terminal event, at the upstream's EOF, or, once
 every choice has its ``finish_reason``, after ``finish_grace`` seconds of waiting for the usage tail (the
 client's stream then ends with ``[DONE]``; the upstream connection is closed). An EOF before every choice
-finished (or before a Responses terminal event) is an interrupted stream, never a silent truncation.
+finished (or before a Responses terminal event) is an interrupted stream, never a silent truncation. A client that
+leaves early gets at most ``finish_grace`` more seconds of reading, unsent (:meth:`Relay.tail`).
 
 **The common chunk without a parse** (``gateway.stream.template``): a read made only of events that fit the
 stream's template is observed by comparing bytes and forwarded as it came; anything else goes through the scanner
@@ -174,11 +175,11 @@ class Relay:
         return stats
 
     async def tail(self, body: StreamBody) -> None:
-        """The client left: when the answer was finished, read on for at most ``finish_grace`` seconds, writing
-        nothing, so that the usage that follows the finish chunk is still counted (SDK loops often ``break`` on
-        ``finish_reason``). Never raises for the upstream's trouble."""
+        """The client left before the end: read on for at most ``finish_grace`` seconds, writing nothing, counting
+        token chunks and taking the usage if it comes (SDKs often ``break`` on ``finish_reason``; a long stream cut
+        short is charged what the upstream sent meanwhile). Never raises for the upstream's trouble."""
         stats = self.stats
-        if not stats.finished or stats.usage is not None or stats.done or stats.complete:
+        if stats.usage is not None or stats.done or stats.complete:
             return
         try:
             async with asyncio.timeout(self._finish_grace):

@@ -65,10 +65,12 @@ class StreamStats:
             ``upstream_idle_timeout`` or ``upstream_event_too_large``.
         response_id: a Responses API stream's response id (from ``response.created``), or None.
         error_event: the last in-band error event the upstream sent (its parsed data), or None.
+        left_early: the client left before every choice finished (what the relay read on after it left, in
+            ``Relay.tail``, is counted but never reached it: not a whole answer, whatever ``finished`` says).
     """
 
     __slots__ = ("t_first_token", "t_last_token", "token_chunks", "usage", "time_info", "done", "finished",
-                 "complete", "error", "response_id", "error_event")
+                 "complete", "error", "response_id", "error_event", "left_early")
 
     def __init__(self) -> None:
         self.t_first_token: float | None = None
@@ -82,6 +84,7 @@ class StreamStats:
         self.error: str | None = None
         self.response_id: str | None = None
         self.error_event: dict[str, Any] | None = None
+        self.left_early = False
 
 
 def event_has_token(chunk: Any) -> bool:
