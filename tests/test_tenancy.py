@@ -469,6 +469,53 @@ def test_a_budget_counts_what_was_spent_while_redis_was_away_and_survives_its_re
         redis.kill()
 
 
+def _day_spend(gw: Proc, name: str) -> float:
+    """What the replica ``gw`` knows of key ``name``'s spend today: its local ledger, as it keeps it on disk
+    (``gateway.state.ledger_file``; what it counts on from while Redis is away)."""
+    path = gw.log.with_suffix(".state") / "ledger.json"
+    try:
+        counts = orjson.loads(path.read_bytes())["counts"]
+    except (OSError, ValueError, KeyError):
+        return 0.0
+    entry = counts.get(f"{name}/all/usd/day")
+    return float(entry[1]) if isinstance(entry, list) else 0.0
+
+
+@needs_redis
+def test_a_replica_that_never_served_a_key_counts_on_from_its_shared_spend_while_redis_is_away(
+        upstreams: tuple[EmulatorThread, EmulatorThread], tmp_path: Path) -> None:
+    """A replica seeded its local ledger only from its own reservations: three spends on replica 0, Redis killed,
+    and replica 1 admitted three more from zero ($0.138 on a $0.10 budget)."""
+    redis = RedisServer(tmp_path)
+    cfg = _dear(upstreams, state={"redis_url": redis.url, "timeout": 0.2, "retry": 0.2})
+    gws = [start_gateway(cfg, tmp_path)[0] for _ in range(2)]
+
+    def up(want: float) -> None:
+        for gw in gws:
+            deadline = time.monotonic() + 10
+            while sample(_metrics(gw), "tiergate_shared_state_up") != want:
+                assert time.monotonic() < deadline, "the replica never saw Redis come or go"
+                time.sleep(0.05)
+    try:
+        up(1)
+        assert [_spend(gws[0]) for _ in range(3)] == [200] * 3  # replica 1 serves the key nothing
+        spent = sample(_metrics(gws[0]), "tiergate_key_cost_usd_total", key="saver")
+        deadline = time.monotonic() + 10  # it learns the shared spend within a second or so (and keeps it on disk)
+        while _day_spend(gws[1], "saver") < spent * 0.999 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        redis.kill()
+        up(0)
+        codes = [_spend(gws[1]) for _ in range(6)]
+        total = sum(sample(_metrics(gw), "tiergate_key_cost_usd_total", key="saver") for gw in gws)
+        # three spends cost ~0.075: one more fits the budget, and a request's estimate may pass it by one request
+        assert codes.count(200) <= 1 and codes[codes.count(200):] == [429] * (6 - codes.count(200)), codes
+        assert total <= 0.10 + spent / 3, (codes, total)
+    finally:
+        for gw in gws:
+            gw.stop()
+        redis.kill()
+
+
 # --- 6. the response store is bounded by the memory it takes, and by key -----------------------------------------
 
 def _rss(gw: Proc) -> float:
