@@ -526,27 +526,39 @@ def test_one_key_cannot_fill_the_memory_or_push_out_the_others_responses(
         upstreams: tuple[EmulatorThread, EmulatorThread], tmp_path: Path) -> None:
     """100 Responses requests of 1 MiB each moved the gateway's RSS from 87 MB to 1,276 MB and it stayed: the store
     counted JSON bytes but held parsed objects (~3.7x), and its default bound was half the container's limit."""
-    cfg = _config(*upstreams, response_store={"max_bytes": 32 * 2**20, "key_share": 0.25})
+    from gateway.responses.request import input_items
+    from gateway.responses.store import OVERHEAD, Bridged, encode
+
+    cfg = _config(*upstreams, response_store={"max_bytes": 64 * 2**20, "key_share": 0.5})  # 32 MiB for one key
     gw, _ = start_gateway(cfg, tmp_path)
     try:
         kept = _sdk(gw, "kept").responses.create(model="gpt-5.6-sol-fast", input="mine")
         flood = _sdk(gw, "flood")
         # 1 MiB of JSON in 10,000 small items: what an agent's long history looks like, and what parsing inflates most
-        big: Any = [{"role": "user", "content": f"turn {i}: " + "x" * 70} for i in range(10_000)]
-
-        body = orjson.dumps({"model": "gpt-5.6-sol-fast", "input": big, "max_output_tokens": 4})
+        request: Any = {"model": "gpt-5.6-sol-fast", "max_output_tokens": 4,
+                        "input": [{"role": "user", "content": f"turn {i}: " + "x" * 70} for i in range(10_000)]}
+        body = orjson.dumps(request)
+        answers: list[Any] = []
 
         async def send(n: int) -> None:  # httpx: the openai SDK takes ~5 s to build a request of 10,000 items
             async with httpx.AsyncClient(timeout=30, headers={**_h("flood"), "content-type": "application/json"}) as c:
                 for _ in range(n):
-                    assert (await c.post(_url(gw) + "/v1/responses", content=body)).status_code == 200
-        asyncio.run(send(6))  # the allocator's arenas grow to the working set first
+                    answer = await c.post(_url(gw) + "/v1/responses", content=body)
+                    assert answer.status_code == 200
+                    answers.append(answer.json())
+        asyncio.run(send(3))  # the allocator's arenas grow to one request's working set first
         base = _rss(gw)
-        asyncio.run(send(30))
+        asyncio.run(send(12))  # all kept: 15 records are within the key's share
+        # what the store counts for each (and holds: a record's JSON, its input items with the ids it gives them)
+        record = len(encode(Bridged(answers[-1], input_items(request), None, "flood"))) + OVERHEAD
+        stored, grown = 12 * record, _rss(gw) - base
+        print(f"RSS grew by {grown / 2**20:.1f} MiB for {stored / 2**20:.1f} MiB of records")
+        # serialised, a record takes about its JSON's bytes (measured: 1.1x); parsed objects took ~3.7x them
+        assert grown < 1.5 * stored, f"RSS grew by {grown / 2**20:.1f} MiB for {stored / 2**20:.1f} MiB of records"
+        asyncio.run(send(30))  # 74 MiB in all, past the whole store's 64: the key's share bounds it, not the store
         grown = _rss(gw) - base
-        # the flood's share of the store is 8 MiB; parsed, 30 more records would have taken ~120 MB
-        print(f"RSS grew by {grown / 2**20:.1f} MiB")
-        assert grown < 32 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB"
+        print(f"RSS grew by {grown / 2**20:.1f} MiB for the key's 32 MiB share")
+        assert grown < 1.5 * 32 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB"
         assert _sdk(gw, "kept").responses.retrieve(kept.id).id == kept.id  # never pushed out by another key
         assert flood.responses.create(model="gpt-5.6-sol-fast", input="still served").status == "completed"
     finally:
