@@ -565,6 +565,37 @@ def test_one_key_cannot_fill_the_memory_or_push_out_the_others_responses(
         gw.stop()
 
 
+def test_small_responses_take_about_the_memory_the_store_counts_for_them(
+        upstreams: tuple[EmulatorThread, EmulatorThread], tmp_path: Path) -> None:
+    """What ``orjson.dumps`` returns keeps its output buffer's allocation: the store kept each 1.6 KB record in ~8 KiB
+    more than it counted, so 2,500 small records of one key (its share of ``max_items``) took ~42 MiB, not ~5."""
+    from gateway.responses.request import input_items
+    from gateway.responses.store import OVERHEAD, Bridged, encode
+
+    gw, _ = start_gateway(_config(*upstreams), tmp_path)  # the default store: 10,000 records, a key's share 2,500
+    try:
+        request = {"model": "gpt-5.6-sol-fast", "input": "one more small turn", "max_output_tokens": 40}
+        answers: list[Any] = []
+
+        async def send(n: int) -> None:
+            async with httpx.AsyncClient(timeout=30, headers=_h("kept")) as c:
+                async def worker() -> None:
+                    for _ in range(n // 4):
+                        answer = await c.post(_url(gw) + "/v1/responses", json=request)
+                        assert answer.status_code == 200
+                        answers.append(answer.json())
+                await asyncio.gather(*(worker() for _ in range(4)))
+        asyncio.run(send(200))  # the allocator's arenas and the live estimates fill first
+        base = _rss(gw)
+        asyncio.run(send(2000))  # 2,200 records: all kept
+        record = len(encode(Bridged(answers[-1], input_items(request), None, "kept"))) + OVERHEAD
+        stored, grown = 2000 * record, _rss(gw) - base
+        print(f"RSS grew by {grown / 2**20:.1f} MiB for {stored / 2**20:.1f} MiB of records")
+        assert grown < 1.5 * stored, f"RSS grew by {grown / 2**20:.1f} MiB for {stored / 2**20:.1f} MiB of records"
+    finally:
+        gw.stop()
+
+
 def test_one_keys_bodies_in_flight_are_bounded_and_the_others_are_served(
         upstreams: tuple[EmulatorThread, EmulatorThread], tmp_path: Path) -> None:
     """Request bodies are read whole to route on them: a key with many large ones in flight at once (16 MiB each by
