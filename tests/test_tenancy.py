@@ -638,7 +638,7 @@ def test_metrics_are_read_with_a_scrape_token_never_with_a_gateway_key(
     assert ok.status_code == 200 and 'tiergate_key_requests_total{key="a"' in ok.text
     assert httpx.get(_url(gateway) + "/healthz", timeout=5).status_code == 200  # probes need nothing
     cfg = _config(*upstreams)
-    cfg["auth"]["metrics"] = {"public": True}  # a port only the monitoring network reaches
+    cfg["auth"]["metrics"] = {"public": True}  # every tenant reads it then: the API's port is the metrics port
     gw, _ = start_gateway(cfg, tmp_path)
     try:
         assert httpx.get(_url(gw) + "/metrics", timeout=5).status_code == 200

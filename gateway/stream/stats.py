@@ -105,9 +105,10 @@ class EventTally:
     """The token-bearing events (:func:`event_has_token`) of an event stream relayed with its bytes untouched (a
     passthrough answer), counted as it is read, so that an answer without usage is charged at least what it relayed.
 
-    Cheap by construction: the scanner splits the reads, and each data event is parsed once (orjson, ~1-2 us a small
-    event); nothing is written. An event over ``max_event_bytes`` (a partial image's base64) counts as one and is
-    skipped to its blank line, never held.
+    Cheap by construction, and only on the passthrough's billed event streams (never on the chat relay's path): the
+    scanner splits the reads and each data event is parsed once (orjson); measured, ~4 us an event of legacy
+    completions on a loaded 2-core machine. Nothing is written. An event over ``max_event_bytes`` (a partial image's
+    base64) counts as one and is skipped to its blank line, never held.
 
     Attributes:
         tokens: token-bearing events so far (each at least one token).
