@@ -12,7 +12,9 @@ four keys:
 * ``agent``: Responses API turns on the fast tier (through the bridge), each continuing the last with
   ``previous_response_id``; the ids it made are what the hostile key goes after;
 * ``hostile`` (20,000 tokens a minute, 0.3 USD a day), at random: the double slash (``/v1//chat/completions``) with
-  ``max_tokens`` far over its limit; long streams without ``max_tokens`` that it leaves before the usage; another
+  ``max_tokens`` far over its limit; long streams without ``max_tokens`` that it leaves before the usage; legacy
+  completions streamed through the passthrough without ``max_tokens`` or ``include_usage`` (no usage ever comes: it
+  must be charged what was relayed); another
   key's response (``GET``, ``previous_response_id``, ``DELETE``) and file; bodies that every upstream answers 500 (a
   lone surrogate); 1 MiB bodies; legacy completions with ``max_tokens`` far over its limit; ``/metrics`` with its
   gateway key.
@@ -52,8 +54,8 @@ LIMITS = {"interactive": {"tokens_per_minute": 60_000, "usd_per_day": 1.0},
           "batch": {"requests_per_minute": 300}, "agent": {}, "hostile": {"tokens_per_minute": 20_000,
                                                                          "usd_per_day": 0.3}}
 SHARE = {"interactive": 3, "batch": 2, "agent": 2, "hostile": 3}  # of every 10 workers
-TRICKS = ("double_slash", "leave_early", "their_response", "their_file", "fails_everywhere", "big_body",
-          "legacy_over", "metrics", "plain")
+TRICKS = ("double_slash", "leave_early", "stream_no_usage", "their_response", "their_file", "fails_everywhere",
+          "big_body", "legacy_over", "metrics", "plain")
 
 
 @dataclass
@@ -172,6 +174,14 @@ class Soak:
             "model": "gpt-5.6-sol-fast", "stream": True,
             "messages": [{"role": "user", "content": "[[emulate tokens=3000 tps=20000]] go"}]}, read=2000)
         return status, status in (200, 429), raw
+
+    async def _stream_no_usage(self, s: aiohttp.ClientSession) -> tuple[int, bool, bytes]:
+        """Legacy completions streamed through the passthrough, no ``max_tokens``, no usage: all 2,000 events
+        arrive (or a 429), and the key is charged them (the per-minute figures show it)."""
+        status, raw = await self._post(s, "hostile", "/v1/completions", {
+            "model": "gpt-5.6", "stream": True, "prompt": "[[emulate tokens=2000 tps=20000]] go on"})
+        whole = raw.count(b'data: {"id"') == 2000 and raw.endswith(b"data: [DONE]\n\n")
+        return status, (status == 200 and whole) or status == 429, raw[-300:]
 
     async def _their_response(self, s: aiohttp.ClientSession) -> tuple[int, bool, bytes]:
         if not self.tally.responses:

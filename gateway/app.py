@@ -194,7 +194,10 @@ def assemble(loaded: LoadedConfig, metrics: Metrics, transport: Transport, *, po
                         health, shared, observers, listed, sessions)
     passthrough = (Passthrough(config, policy, frame, bodies, budgets, owners, transport, health, observers)
                    if config.passthrough_upstream is not None else None)
-    return Gateway(config=config, policy=policy, keys=Keys(config.auth) if config.auth is not None else None,
+    keys = Keys(config.auth) if config.auth is not None else None
+    if isinstance(ledger, SharedLedger):  # it learns every key's shared spend, not only of those it serves
+        ledger.keys = tuple(keys.by_hash.values()) if keys is not None else ()
+    return Gateway(config=config, policy=policy, keys=keys,
                    chat=chat, passthrough=passthrough, frame=frame, transport=transport, metrics=metrics, health=health,
                    conversations=conversations, store=store, owners=owners, ledger=ledger, budgets=budgets,
                    estimates=estimates, explorer=explorer, shared=shared, listed=listed, sessions=sessions)

@@ -49,8 +49,9 @@ class MetricsAccess(Strict):
     """Who may read ``/metrics`` when gateway keys are on: it names every key and what each spent, which one tenant
     must not read of another. sha256: the hex SHA-256 of each scrape token (``tiergate keys add NAME --metrics``;
     Prometheus sends it as ``authorization: {credentials: ...}``): a scrape token reads ``/metrics`` and nothing else,
-    and no gateway key reads ``/metrics``; public: anyone who reaches the port reads it (as without keys), for a port
-    only the monitoring network reaches."""
+    and no gateway key reads ``/metrics``; public: anyone who reaches the port reads it (as without keys). There is no
+    separate metrics port: ``/metrics`` is on the API's port, so with ``public`` every tenant reads every key's name
+    and spend; only for a port no tenant reaches (a sidecar on loopback, a single team's gateway)."""
 
     sha256: list[str] = []
     public: bool = False

@@ -27,7 +27,8 @@ class Timeouts(Strict):
         silence).
     finish_grace: once every choice has its ``finish_reason``, how long to wait for the rest of the stream (the
         usage chunk, ``[DONE]``) before ending the client's stream with ``[DONE]`` and closing the upstream;
-        also how long the gateway reads on for usage when the client leaves after the finish.
+        also how long the gateway reads on (counting tokens, sending nothing) for the usage when the client leaves
+        before the stream's end.
     total: whole non-streaming request; streams have no total timeout.
     """
 

@@ -324,11 +324,12 @@ class Recorder:
                                     stream=self.stream, duration=duration, **kw)
 
     def _emit_passthrough(self, endpoint: str, outcome: str, duration: float, bytes_in: int, bytes_out: int,
-                          usage: dict[str, Any] | None) -> float | None:
+                          usage: dict[str, Any] | None, estimated: bool = False) -> float | None:
         """Write a passthrough request's record (:meth:`Metrics.record_passthrough`). Returns the cost added."""
         return self._metrics.record_passthrough(endpoint=endpoint, tier=self.tier, upstream=self.upstream,
                                                 model=self.model, outcome=outcome, duration=duration,
-                                                bytes_in=bytes_in, bytes_out=bytes_out, usage=usage)
+                                                bytes_in=bytes_in, bytes_out=bytes_out, usage=usage,
+                                                estimated=estimated)
 
     def _charge(self, outcome: str, usage: Any, cost: float | None) -> int | None:
         """Count the request against its key's metrics; returns the tokens its usage reports (None: no usage)."""

@@ -1,5 +1,6 @@
 """A passthrough answer on its way to the client: sent (a streamed body's writer bounded by its progress), then relayed
-as it arrives with its bytes untouched, the tail of a billed answer kept for its usage; an answer about a key's objects
+as it arrives with its bytes untouched, the tail of a billed answer kept for its usage (and a billed event stream's
+token-bearing events counted, for when it has none); an answer about a key's objects
 read whole, to claim what it made or show the key's own objects only (``gateway.tenancy.objects``).
 """
 
@@ -11,6 +12,7 @@ from gateway.errors import StreamInterrupted, UpstreamBadResponse, UpstreamTimeo
 from gateway.pipeline.exchange import Headers
 from gateway.pipeline.upload import USAGE_TAIL, PassExchange, Upload, bills
 from gateway.routing.facts import Decision
+from gateway.stream.stats import EventTally
 from gateway.tenancy.objects import OBJECT_ENDPOINTS, Owners, created_ids, filter_list
 from gateway.upstream.attempt import Answer, Attempt, Body
 from gateway.upstream.headers import field_value
@@ -42,7 +44,8 @@ async def relay(ex: PassExchange, attempt: Attempt, answer: Answer, decision: De
                 method: str, owners: Owners) -> None:
     """Relay a 2xx answer as it arrives, bytes untouched; for a ``POST`` that makes something billed by usage
     (:func:`bills`), keep the tail of its JSON or SSE body to read the usage from (a stored object fetched again is
-    not billed again).
+    not billed again), and count an event stream's token-bearing events as they arrive (``ex.tally``: what it is
+    charged when no usage comes, whether the client stays or not).
 
     Raises:
         GatewayError: the answer broke off. Before its first byte reached the client, it can fail over; after,
@@ -62,11 +65,14 @@ async def relay(ex: PassExchange, attempt: Attempt, answer: Answer, decision: De
         return await ex.end_stream()
     ctype = answer.content_type
     keep = method == "POST" and bills(ex.endpoint, ex.path) and ("json" in ctype or "event-stream" in ctype)
+    tally = ex.tally = EventTally() if keep and "event-stream" in ctype else None
     try:
         async for data in answer.chunks():
             ex.bytes_out += len(data)
             if keep:
                 ex.tail = (ex.tail + data)[-USAGE_TAIL:]
+                if tally is not None:  # before the write: what arrived counts, even if the client is gone
+                    tally.feed(data)
             await ex.write(data)
     except StreamInterrupted as exc:
         raise UpstreamUnavailable(exc.message, code=exc.code) from exc

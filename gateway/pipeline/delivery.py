@@ -82,7 +82,8 @@ class Delivery:
             stats = await asyncio.get_running_loop().create_task(relay.rest(write))
         except asyncio.CancelledError:
             if ex.gone_at is not None:
-                await relay.tail(answer)  # the client left: a finished answer's usage still follows
+                relay.stats.left_early = not relay.stats.finished
+                await relay.tail(answer)  # the client left: the usage may still follow, and the tokens are counted
                 if relay.stats.error:  # it had already failed (an agent may close on response.failed)
                     self.broke(ex, attempt, relay.stats)
             raise

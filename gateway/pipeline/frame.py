@@ -134,13 +134,13 @@ class Frame:
         watch.stop()
 
     async def _left(self, ex: Exchange) -> None:
-        """The client disconnected. When it had the whole answer (every choice finished: SDK loops often ``break`` on
-        ``finish_reason``; the usage that follows was read by the delivery) it is a success; when the stream had
-        already failed (it got the in-band error), a ``stream_error``; else a ``client_disconnect``. Either way the
-        duration ends when the client left."""
+        """The client disconnected. When it had the whole answer (every choice finished before it left: SDK loops
+        often ``break`` on ``finish_reason``; the usage that follows was read by the delivery) it is a success; when
+        the stream had already failed (it got the in-band error), a ``stream_error``; else a ``client_disconnect``.
+        Either way the duration ends when the client left."""
         stats = ex.relay.stats if ex.relay is not None else None
         outcome = ("client_disconnect" if stats is None else "stream_error" if stats.error else
-                   "success" if stats.finished else "client_disconnect")
+                   "success" if stats.finished and not stats.left_early else "client_disconnect")
         ex.record(outcome, ended=ex.gone_at, **ex.stream_figures())
 
     # shutting down

@@ -217,6 +217,7 @@ class Passthrough:
         if ex.key is not None and raw and not await self._owns(ex, references(parsed_json(raw, ex.headers)), raw):
             return None  # the body names an object of another key
         ex.model, ex.requested = decision.model, facts.model if facts is not None else None
+        ex.prompt_tokens = facts.prompt_tokens if facts is not None else 0  # the floor of an estimated usage
         if ex.key is None:
             return decision, facts
         try:

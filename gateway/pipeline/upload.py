@@ -19,9 +19,11 @@ from gateway.errors import (
     GatewayError,
     PayloadTooLarge,
 )
+from gateway.observability.metrics import BILLABLE
 from gateway.observability.recorder import Observers
 from gateway.pipeline.exchange import CLOSE, ClientGone, Exchange, Headers
 from gateway.routing.facts import Candidate, RequestFacts
+from gateway.stream.stats import EventTally
 from gateway.wire.body import chat_usage, check_limits, replace_top_level
 
 # the endpoint label of the passthrough metrics (bounded): the first path here that the request's path is or is under,
@@ -71,9 +73,9 @@ def tail_usage(tail: bytes) -> dict[str, Any] | None:
 
 class PassExchange(Exchange):
     """An :class:`Exchange` of the passthrough surface: recorded in its own families (``endpoint`` label, bytes each
-    way, usage when the answer reports one)."""
+    way, usage when the answer reports one, else an estimate for an event stream that relayed tokens)."""
 
-    __slots__ = ("endpoint", "path", "bytes_in", "bytes_out", "tail")
+    __slots__ = ("endpoint", "path", "bytes_in", "bytes_out", "tail", "tally")
 
     def __init__(self, observers: Observers, send: Send, headers: dict[str, str], path: str,
                  scope: Scope | None = None) -> None:
@@ -83,17 +85,26 @@ class PassExchange(Exchange):
         self.bytes_in = 0
         self.bytes_out = 0
         self.tail = b""  # the end of a JSON or SSE answer so far (its usage comes last)
+        self.tally: EventTally | None = None  # a billed event stream's token-bearing events (gateway.pipeline.answers)
 
     def _emit(self, outcome: str, duration: float, kw: dict[str, Any]) -> float | None:
-        """Write the record (:meth:`Metrics.record_passthrough`), with the usage at the end of the answer. A client
-        that left after an event stream's ``data: [DONE]`` (SDKs stop reading there) had the whole answer: a
-        success."""
+        """Write the record (:meth:`Metrics.record_passthrough`), with the usage at the end of the answer; an event
+        stream without one that relayed tokens is charged its token-bearing events (each a token) plus the estimated
+        prompt, marked ``estimated`` (as a chat stream without usage: ``Recorder.record``), so that leaving out
+        ``stream_options.include_usage`` dodges neither a key's limits nor the cost. A client that left after an
+        event stream's ``data: [DONE]`` (SDKs stop reading there) had the whole answer: a success."""
         if outcome == "client_disconnect" and self.tail.endswith(b"data: [DONE]\n\n"):
             outcome = "success"
         self.outcome = outcome  # the request log says what the metrics say
         found = tail_usage(self.tail) if self.tail else None
-        usage = kw["usage"] = chat_usage(found) if found is not None else None  # Responses/audio token shapes too
-        return self._emit_passthrough(self.endpoint, outcome, duration, self.bytes_in, self.bytes_out, usage)
+        usage = chat_usage(found) if found is not None else None  # Responses/audio token shapes too
+        tally, estimated = self.tally, False
+        if usage is None and tally is not None and tally.tokens and outcome in BILLABLE:
+            usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": tally.tokens}
+            estimated = kw["estimated"] = True
+        kw["usage"] = usage
+        return self._emit_passthrough(self.endpoint, outcome, duration, self.bytes_in, self.bytes_out, usage,
+                                      estimated)
 
 
 class Upload:

@@ -61,11 +61,15 @@ Record = Bridged | Native
 
 
 def encode(record: Record) -> bytes:
-    """``record`` as the JSON bytes a store keeps (and :func:`decode` reads)."""
+    """``record`` as the JSON bytes a store keeps (and :func:`decode` reads), in an object of exactly their size:
+    what ``orjson.dumps`` returns keeps its output buffer's allocation (measured: ~8 KiB of RSS for a 700-byte
+    result), so a store of small records held ~9x the bytes it counted."""
     if isinstance(record, Bridged):
-        return orjson.dumps({"k": "b", "response": record.response, "input": record.input,
+        data = orjson.dumps({"k": "b", "response": record.response, "input": record.input,
                              "previous": record.previous, "owner": record.owner, "s": record.session})
-    return orjson.dumps({"k": "n", "upstream": record.upstream, "owner": record.owner, "s": record.session})
+    else:
+        data = orjson.dumps({"k": "n", "upstream": record.upstream, "owner": record.owner, "s": record.session})
+    return memoryview(data).tobytes()
 
 
 def decode(data: bytes) -> Record | None:

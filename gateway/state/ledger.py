@@ -1,11 +1,14 @@
 """What gateway keys spent, counted by every replica in Redis (:class:`SharedLedger`): one atomic script per
-reservation in the request's pipeline, a settlement that replaces the reservation by what was used, and what was
-spent while Redis was away added back when it answers again (``lua/key_reserve.lua``, ``lua/key_settle.lua``)."""
+reservation in the request's pipeline, a settlement that replaces the reservation by what was used, every key's shared
+counters read back every second or so, and what was spent while Redis was away added back when it answers again
+(``lua/key_reserve.lua``, ``lua/key_settle.lua``)."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
+
+from redis.asyncio.client import Pipeline
 
 from gateway.state.link import DAY_MS, MAX_PENDING, RedisLink, number
 from gateway.tenancy.keys import Key
@@ -15,6 +18,7 @@ TOMB_MS = 600_000  # a reservation that arrives later than this after its cancel
 
 
 WINDOW_MS = {"minute": 120_000, "day": 2 * DAY_MS, "month": 32 * DAY_MS}  # a counter outlives its window a little
+SYNC_KEYS = 500  # keys whose shared counters one sync reads (one MGET each); more keys are read in turn, 500 a tick
 
 
 class SharedLedger:
@@ -26,7 +30,11 @@ class SharedLedger:
     Every answer of Redis gives the counters' values, which the replica keeps twice: in ``local`` (so that while Redis
     is away it counts on from what every replica had spent, not from zero; ``gateway.state.ledger_file`` keeps ``local``
     across a restart of the replica) and as each counter's *floor*, sent with every write: a counter Redis lost (it
-    restarted without its data, or evicted it) starts again from the last value this replica saw, not from zero.
+    restarted without its data, or evicted it) starts again from the last value this replica saw, not from zero. So
+    that this holds for the keys a replica has not served too, :meth:`sync` reads every configured key's counters
+    (``keys``) when Redis answers again and every ``gateway.state.link.TICK_S`` seconds while it does
+    (:data:`SYNC_KEYS` keys a tick at most, in turn): an outage finds each replica knowing every key's spend of at
+    most a tick before.
 
     While Redis is away, ``local`` counts this replica's requests, and their settlements wait (bounded) and add what
     they used to the shared counters when Redis answers again, so that what was spent meanwhile counts for every
@@ -40,7 +48,10 @@ class SharedLedger:
         self.waiting: list[tuple[list[str], list[str]]] = []  # settlements for when Redis answers again
         # the last value Redis gave of each counter: (key, level, dim, window) -> (window id, value)
         self.seen: dict[tuple[str, str, str, str], tuple[str, float]] = {}
+        self.keys: tuple[Key, ...] = ()  # every configured key (the composition root sets it, again on a reload)
+        self._cursor = 0  # where the next sync starts in keys
         shared.on_restored.append(self._resend)
+        shared.on_tick.append(self.sync)
 
     def _counter(self, key: Key, level: str, dim: str, window: str, at: str) -> str:
         return f"{self.shared.prefix}:{{key:{key.name}}}:{level}:{dim}:{window}:{at}"
@@ -63,6 +74,31 @@ class SharedLedger:
                 slot = (key.name, level, dim, window)
                 self.seen[slot] = counts[slot] = (at[window], max(0.0, value))
         self.local.version += 1
+
+    def sync(self) -> None:
+        """Read the shared counters of the current windows of up to :data:`SYNC_KEYS` keys (in turn), one ``MGET`` per
+        key (its counters share its hash slot), with the next pipeline, not awaited; each reply is kept as
+        :meth:`_saw` keeps a reservation's. A counter Redis does not hold leaves the local one as it is."""
+        keys = self.keys
+        if not keys or not self.shared.up:
+            return
+        start = self._cursor % len(keys)
+        batch = keys[start:start + SYNC_KEYS]
+        self._cursor = start + len(batch)
+        at = {w: v[0] for w, v in windows(self.local.wall()).items()}
+        for key in batch:
+            limits = bounded(key, ("all", "fast"))
+            if not limits:
+                continue
+            counters = [self._counter(key, level, dim, window, at[window]) for level, dim, window, _ in limits]
+
+            def read(pipe: Pipeline, counters: list[str] = counters) -> Any:
+                return pipe.mget(counters)
+
+            def learned(values: Any, key: Key = key, limits: list[tuple[str, str, str, float]] = limits) -> None:
+                if isinstance(values, list):
+                    self._saw(key, limits, at, values)
+            self.shared.queue("keys", read, learned)
 
     async def reserve(self, key: Key, spend: Spend, fast: bool) -> Hold | Refusal:
         """See ``gateway.tenancy.keys.MemoryLedger.reserve``."""
@@ -135,6 +171,9 @@ class SharedLedger:
         self.shared.queue("keys", lambda pipe: pipe.evalsha(self.shared.key_settle.sha, len(keys), *keys, *args))
 
     def _resend(self) -> None:
+        """Redis answers again: the settlements that waited go first, then a sync (in the same pipeline, after them:
+        what it reads includes what was spent meanwhile)."""
         waiting, self.waiting = self.waiting, []
         for keys, args in waiting:
             self._send(keys, args)
+        self.sync()

@@ -37,6 +37,7 @@ FAILURES = (RedisError, OSError, TimeoutError)
 
 DAY_MS = 86_400_000
 MAX_PENDING = 10_000  # commands asked in one event-loop turn; past it they are dropped (and counted)
+TICK_S = 1.0  # seconds between the calls of ``on_tick`` while Redis answers
 
 @dataclass
 class _Ask:
@@ -73,7 +74,8 @@ class RedisLink:
     Attributes:
         up: Redis answered the last operation (False from start until the first ping answers).
         replica: this process's name in the messages (host, pid, random), so that it skips its own.
-        on_restored: called each time Redis answers again; on_deleted: told the response ids other replicas deleted.
+        on_restored: called each time Redis answers again; on_deleted: told the response ids other replicas deleted;
+        on_tick: called every :data:`TICK_S` seconds or so while Redis answers (by the subscriber: :meth:`tick`).
     """
 
     def __init__(self, url: SecretStr, cfg: StateConfig, metrics: Metrics, *,
@@ -98,6 +100,8 @@ class RedisLink:
         self.up = False
         self.on_deleted: list[Callable[[str], None]] = []  # told the ids other replicas deleted
         self.on_restored: list[Callable[[], None]] = []  # called each time Redis answers again
+        self.on_tick: list[Callable[[], None]] = []  # called about every TICK_S seconds while Redis answers
+        self._next_tick = 0.0  # time.monotonic() of the next tick
         self._asks: list[_Ask] = []  # commands for the next pipeline (one per event-loop turn)
         self._flushes: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
@@ -210,6 +214,16 @@ class RedisLink:
                         op, exc, self.cfg.retry)
         self.up = False
         self.metrics.shared_up.set(0)
+
+    def tick(self) -> None:
+        """Call ``on_tick`` if :data:`TICK_S` seconds passed since the last time (the subscriber calls this between
+        messages, at least once a second)."""
+        now = time.monotonic()
+        if now < self._next_tick or not self.up:
+            return
+        self._next_tick = now + TICK_S
+        for callback in self.on_tick:
+            callback()
 
     def _restored(self) -> None:
         if self._said_down:

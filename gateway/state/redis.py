@@ -245,6 +245,7 @@ class SharedState(RedisLink):
                     message = await pubsub.get_message(timeout=1.0)
                     if message is not None and message.get("type") == "message":
                         self._apply(message["data"])
+                    self.tick()
             except Exception as exc:  # noqa: BLE001 - whatever went wrong, the subscriber lives on and tries again
                 self._failed("subscribe" if self.up else "ping", exc)
             finally:

@@ -23,7 +23,8 @@ first byte is a failover, not a 200 ending in an in-band error.
 **The end.** A stream ends at ``[DONE]`` or a Responses API terminal event, at the upstream's EOF, or, once every
 choice has its ``finish_reason``, after ``finish_grace`` seconds of waiting for the usage tail (the client's stream
 then ends with ``[DONE]``; the upstream connection is closed). An EOF before every choice finished (or before a
-Responses terminal event) is an interrupted stream, never a silent truncation.
+Responses terminal event) is an interrupted stream, never a silent truncation. A client that leaves early gets at most
+``finish_grace`` more seconds of reading, unsent (:meth:`Relay.tail`).
 
 **The common chunk without a parse** (``gateway.stream.template``): a read of events that fit the stream's template
 is observed by comparing bytes; anything else goes through the scanner and a JSON parse, with the same result. The
@@ -171,11 +172,11 @@ class Relay:
         return stats
 
     async def tail(self, body: StreamBody) -> None:
-        """The client left: when the answer was finished, read on for at most ``finish_grace`` seconds, writing
-        nothing, so that the usage that follows the finish chunk is still counted (SDK loops often ``break`` on
-        ``finish_reason``). Never raises for the upstream's trouble."""
+        """The client left before the end: read on for at most ``finish_grace`` seconds, writing nothing, counting
+        token chunks and taking the usage if it comes (SDKs often ``break`` on ``finish_reason``; a long stream cut
+        short is charged what the upstream sent meanwhile). Never raises for the upstream's trouble."""
         stats = self.stats
-        if not stats.finished or stats.usage is not None or stats.done or stats.complete:
+        if stats.usage is not None or stats.done or stats.complete:
             return
         try:
             async with asyncio.timeout(self._finish_grace):
@@ -189,8 +190,7 @@ class Relay:
 
     async def _hold(self, body: StreamBody, chunks: AsyncIterator[bytes],
                     deadline: float | None) -> tuple[bytes, bool, AsyncIterator[bytes]]:
-        """Read until the first token, the stream's end, a failure, or (without a ``deadline``) the hold's bound,
-        writing nothing.
+        """Read until the first token, the end, a failure or (without a ``deadline``) the hold's bound, writing nothing.
 
         Returns:
             (the held output, whether the upstream's body ended while held, the body's reads to go on with).
