@@ -196,7 +196,8 @@ def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
             "gateway keys are on and auth.metrics has no scrape token: /metrics answers 401 to everyone (it names "
             "every key and its spend); add one (tiergate keys add prometheus --metrics) or set auth.metrics.public")
     settings = Settings().model_copy(update={"log_level": args.log_level, "log_format": args.log_format})
-    common = uvicorn_options(args.host, args.port, args.log_level, settings)
+    common = uvicorn_options(args.host, args.port, args.log_level, settings,
+                             loaded.config.limits.websocket.max_message_bytes)
     if args.workers < 1:
         raise ConfigError("--workers: must be at least 1")
     if args.workers > 1:
