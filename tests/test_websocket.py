@@ -345,3 +345,17 @@ def test_an_idle_socket_is_closed(keyed: Proc) -> None:
         idle = time.monotonic() - done
         assert conn._connection.close_code == 1000 and conn._connection.close_reason == "idle_timeout"
     assert 1.0 <= idle < 10
+
+
+def test_turns_of_one_socket_are_routed_each_and_are_steps_of_its_session(
+        stack: tuple[Proc, EmulatorThread, EmulatorThread]) -> None:
+    gw, fast, standard = stack
+    fast_before, std_before = len(fast.requests), len(standard.requests)
+    sdk = client(gw.port)
+    with sdk.responses.connect(extra_headers={"x-tiergate-session": "ws-run-1"}) as conn:
+        for model in ("gpt-5.6", "gpt-5.6-sol-fast", "gpt-5.6"):
+            conn.response.create(model=model, input="step [[emulate tokens=3]]")
+            assert until_done(conn)[-1].type == "response.completed"
+    assert len(standard.requests) - std_before == 2 and len(fast.requests) - fast_before == 1
+    run = httpx.get(f"http://127.0.0.1:{gw.port}/v1/tiergate/sessions/ws-run-1", timeout=5).json()
+    assert run["steps"] == 3 and run["last_upstream"] == "emu-standard"
