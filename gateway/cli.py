@@ -266,6 +266,8 @@ def _demo(args: argparse.Namespace) -> int:
               "    -d '{\"model\": \"gpt-5.6-sol-fast\", \"stream\": true, "
               "\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'",
               f"  models: gpt-5.6-sol-fast (fast tier), gpt-5.6 (standard tier); metrics: {base}/metrics",
+              f"  WebSocket mode: ws://{args.host}:{args.port}/v1/responses (client.responses.connect(); the fast "
+              "tier through the bridge, the standard tier over an upstream socket)",
               "  the rest of /v1 (embeddings, audio, files, batches, ...) passes through to the standard tier", "",
               sep="\n", flush=True)
         args.workers = 1
