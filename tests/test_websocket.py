@@ -243,28 +243,65 @@ def test_a_native_upstream_without_websocket_mode_gets_one_http_request_per_mess
         standard.stop()
 
 
-def test_the_drain_finishes_the_response_in_flight_then_closes_with_1001(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", ["gpt-5.6", "gpt-5.6-sol-fast"])
+def test_the_drain_finishes_the_response_in_flight_then_closes_with_1001(tmp_path: Path, model: str) -> None:
     fast, standard = emulator("fast", tmp_path), emulator("standard", tmp_path)
     gw, _ = start_gateway(ws_config(f"http://127.0.0.1:{fast.port}/v1", f"http://127.0.0.1:{standard.port}/v1"),
                           tmp_path, env={"GATEWAY_DRAIN_TIMEOUT": "20"})
     try:
         with client(gw.port).responses.connect() as conn:
-            # 40 tokens at 20 tokens/s: two seconds of output, the drain begins after the first
-            conn.response.create(model="gpt-5.6", input="drain [[emulate tokens=40 tps=20]]")
+            # 40 tokens at 20 tokens/s: two seconds of output, the drain begins at the first
+            conn.response.create(model=model, input="drain [[emulate tokens=40 tps=20]]")
             events = []
             for event in conn:
                 events.append(event)
-                if event.type == "response.output_text.delta":
+                if event.type.endswith(".delta"):
                     gw.popen.send_signal(signal.SIGTERM)
                     signalled = time.monotonic()
                     break
+            time.sleep(0.2)  # the drain has begun: a message after it is not served
+            conn.response.create(model=model, input="one more [[emulate tokens=3]]")
             events += list(conn)  # the rest of the response, then the close ends the iteration (1001 is OK)
             code = conn._connection.close_code
+        finished = time.monotonic() - signalled
         assert events[-1].type == "response.completed", [e.type for e in events[-3:]]
         assert sum(e.type == "response.output_text.delta" for e in events) == 40
+        refused = [(e.status, e.error.code) for e in events if e.type == "error"]
+        assert refused == [(503, "gateway_draining")], "the message sent during the drain is answered, not served"
         assert code == 1001
-        assert gw.popen.wait(15) == 0 or gw.popen.returncode in (0, -signal.SIGTERM)
-        assert time.monotonic() - signalled > 0.5, "the response was not cut at the signal"
+        assert finished > 1.0, "the response was cut at the signal"  # half of its two seconds: it ran on
+        assert gw.popen.wait(15) in (0, -signal.SIGTERM)
+    finally:
+        gw.stop()
+        fast.stop()
+        standard.stop()
+
+
+def test_a_reload_applies_to_the_next_message_of_an_open_socket(tmp_path: Path) -> None:
+    fast = EmulatorThread(config=EmulatorConfig.for_tier("fast"))
+    standard = EmulatorThread(config=EmulatorConfig.for_tier("standard", ttft=0.02, tps=500))
+    cfg = ws_config(fast.base_url, standard.base_url)
+    gw, path = start_gateway(cfg, tmp_path, extra=("--log-level", "info"))
+    try:
+        with client(gw.port).responses.connect() as conn:
+            conn.response.create(model="gpt-5.6", input="before [[emulate tokens=2]]")
+            assert until_done(conn)[-1].type == "response.completed"
+            sockets = {r.connection for r in standard.requests if r.method == "WS"}
+            closed = len(standard.closed_at)
+            path.write_text(json.dumps({**cfg, "default_tier": "fast"}))  # gpt-5.6 now goes to the fast tier
+            gw.popen.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 10
+            while '"reload": true' not in gw.log.read_text().replace('"reload":true', '"reload": true'):
+                assert time.monotonic() < deadline, "the reload was not logged"
+                time.sleep(0.05)
+            conn.response.create(model="gpt-5.6", input="after [[emulate tokens=2]]")
+            assert until_done(conn)[-1].type == "response.completed"
+            deadline = time.monotonic() + 5
+            while len(standard.closed_at) == closed:  # the old config's upstream socket is closed, this one open
+                assert time.monotonic() < deadline, "the old config's upstream socket stayed open"
+                time.sleep(0.02)
+        assert fast.requests and fast.requests[-1].path == "/v1/chat/completions", "the new config served it"
+        assert len(sockets) == 1
     finally:
         gw.stop()
         fast.stop()
