@@ -55,17 +55,18 @@ class WebSocketLimits(Strict):
     1009 (message too big), the limit in the close reason (enforced by the server protocol as it reads: a change takes
     a restart); idle: seconds a socket may stay open with nothing in flight and no message from its client, then it is
     closed with 1000 and the reason ``idle_timeout``; sockets_per_key: sockets one gateway key may hold open at once
-    (without ``auth:``, every client together), past it the handshake is answered 429
+    (without ``auth:``, every client together; counted per process), past it the handshake is answered 429
     ``websocket_connection_limit_reached``; in_flight: ``response.create`` messages of one socket queued or being
     served at once (across its ``stream_id`` lanes), past it the message is answered with an ``error`` event (429
     ``too_many_requests_in_flight``); memory_bytes: what one socket keeps of the responses it made so that
-    ``previous_response_id`` continues them even with ``store: false`` (their JSON bytes; the oldest go first)."""
+    ``previous_response_id`` continues them even with ``store: false`` (their JSON bytes; the oldest go first; a key
+    may hold ``sockets_per_key`` times it)."""
 
     max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     idle: float = Field(300.0, gt=0)
     sockets_per_key: int = Field(64, ge=1)
     in_flight: int = Field(16, ge=1)
-    memory_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    memory_bytes: int = Field(8 * 1024 * 1024, ge=1024)
 
 
 class Limits(Strict):
