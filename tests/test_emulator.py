@@ -190,7 +190,7 @@ def test_websocket_mode_serves_the_stream_as_frames(emu: dict[str, EmulatorThrea
     assert again[-1].response.output[0].type == "function_call", "tool=call: another step of the loop"
     assert unknown.type == "error" and unknown.error.code == "previous_response_not_found"
     assert unavailable.type == "error" and unavailable.status == 503
-    assert [r.method for r in emu["openai"].requests[-4:]] == ["WS"] * 4
+    assert [r.method for r in emu["openai"].requests[-5:]] == ["GET"] + ["WS"] * 4  # the handshake, then each message
     with pytest.raises(InvalidStatus) as refused:
         openai.OpenAI(base_url=emu["cerebras"].base_url, api_key="x").responses.connect().enter()
     assert refused.value.response.status_code == 404

@@ -21,7 +21,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from gateway.tenancy.keys import digest
-from gateway.tools.emulator import EmulatorConfig, EmulatorThread
+from gateway.tools.emulator import EmulatorConfig, EmulatorThread, Plan
 
 from conftest import SCRAPE, Proc, default_config, emulator, sample, scraped, start_gateway
 
@@ -105,7 +105,7 @@ def test_a_tool_loop_on_the_standard_tier_crosses_one_upstream_socket(stack: tup
     with client(gw.port).responses.connect() as conn:
         first, second = tool_loop(conn, "gpt-5.6", store=True)
     assert first[0].response.id.startswith("resp_emu"), "the upstream's own response, relayed"
-    sent = standard.requests[std_before:]
+    sent = [r for r in standard.requests[std_before:] if r.method != "GET"]  # not the upstream socket's handshake
     assert [r.method for r in sent] == ["WS", "WS"], "both turns went as response.create frames"
     assert sent[0].connection == sent[1].connection, "over one upstream socket"
     assert json.loads(sent[1].body)["previous_response_id"] == first[-1].response.id
@@ -237,6 +237,27 @@ def test_a_native_upstream_without_websocket_mode_gets_one_http_request_per_mess
         assert sent == [("POST", "/v1/responses")] * 2
         assert json.loads(standard.requests[1].body)["stream"] is True
         assert second[-1].type == "response.completed"
+    finally:
+        gw.stop()
+        fast.stop()
+        standard.stop()
+
+
+def test_an_upstream_that_refuses_the_upgrade_gets_http_from_then_on(tmp_path: Path) -> None:
+    refuse = Plan(status=404, headers={"content-type": "application/json"}, chunked=False,
+                  parts=[(0.0, b'{"error":{"message":"Not found","type":"invalid_request_error","code":null}}')])
+    fast = EmulatorThread(config=EmulatorConfig.for_tier("fast"))
+    standard = EmulatorThread(lambda r: refuse if r.method == "GET" else None,
+                              EmulatorConfig.for_tier("standard", ttft=0.02, tps=500))
+    gw, _ = start_gateway(ws_config(fast.base_url, standard.base_url), tmp_path)
+    try:
+        with client(gw.port).responses.connect() as conn:
+            _, second = tool_loop(conn, "gpt-5.6", store=True)
+        assert [(r.method, r.path) for r in standard.requests] == [("GET", "/v1/responses"),
+                                                                    ("POST", "/v1/responses"),
+                                                                    ("POST", "/v1/responses")]
+        assert second[-1].type == "response.completed" and not fast.requests
+        assert "upstream_websocket_refused" in gw.log.read_text()
     finally:
         gw.stop()
         fast.stop()
@@ -375,11 +396,11 @@ def test_a_key_holds_at_most_its_sockets(keyed: Proc) -> None:
 
 def test_an_idle_socket_is_closed(keyed: Proc) -> None:
     with client(keyed.port, KEY).responses.connect() as conn:
+        sent = time.monotonic()  # the idle time starts after the response, so no sooner than a second after this
         conn.response.create(model="gpt-5.6-sol-fast", input="hi [[emulate tokens=2]]")
         until_done(conn)
-        done = time.monotonic()
         assert list(conn) == []  # the close (1000) ends the iteration
-        idle = time.monotonic() - done
+        idle = time.monotonic() - sent
         assert conn._connection.close_code == 1000 and conn._connection.close_reason == "idle_timeout"
     assert 1.0 <= idle < 10
 
@@ -393,6 +414,7 @@ def test_turns_of_one_socket_are_routed_each_and_are_steps_of_its_session(
         for model in ("gpt-5.6", "gpt-5.6-sol-fast", "gpt-5.6"):
             conn.response.create(model=model, input="step [[emulate tokens=3]]")
             assert until_done(conn)[-1].type == "response.completed"
-    assert len(standard.requests) - std_before == 2 and len(fast.requests) - fast_before == 1
+    served = [r for r in standard.requests[std_before:] if r.method == "WS"]
+    assert len(served) == 2 and len(fast.requests) - fast_before == 1
     run = httpx.get(f"http://127.0.0.1:{gw.port}/v1/tiergate/sessions/ws-run-1", timeout=5).json()
     assert run["steps"] == 3 and run["last_upstream"] == "emu-standard"

@@ -265,6 +265,7 @@ class EmulatorProtocol(asyncio.Protocol):
         self.rate_headers: list[tuple[bytes, bytes]] = []  # the budget's headers for the answer being written
         self.upgrade: _Request | None = None  # a WebSocket handshake read, to be upgraded (gateway.tools.emulator_ws)
         self.socket: EmulatorSocket | None = None  # the connection once upgraded
+        self.upgrade_played = False  # a script answered the handshake
 
     @property
     def cfg(self) -> EmulatorConfig:
@@ -314,10 +315,20 @@ class EmulatorProtocol(asyncio.Protocol):
         req.method = self.parser.get_method()
         req.received = time.perf_counter()
         self.current = req
+        emu = self.emulator
         if wants_socket(req.method, req.url, req.headers):
             self.upgrade = req  # answered once httptools stops at the upgrade (data_received)
+            got = Received("GET", req.url.decode(), {k.decode("latin-1"): v.decode("latin-1")
+                                                     for k, v in req.headers.items()}, b"", time.monotonic(),
+                           self.number)
+            if emu.record:
+                emu.requests.append(got)
+            plan = emu.handler(got) if emu.handler is not None else None
+            if plan is not None:  # a script answers the handshake (an upstream without WebSocket mode)
+                self.upgrade = None
+                self.upgrade_played = True
+                self.play(plan)
             return
-        emu = self.emulator
         try:
             if emu.handler is not None or emu.record:
                 got = Received(req.method.decode(), req.url.decode(), {k.decode("latin-1"): v.decode("latin-1")
@@ -338,6 +349,8 @@ class EmulatorProtocol(asyncio.Protocol):
         """httptools stopped at a WebSocket handshake: the Responses API's WebSocket mode (OpenAI dialect only), the
         connection's from now on (``rest``: bytes that came after the handshake)."""
         req, self.upgrade = self.upgrade, None
+        if self.upgrade_played:
+            return  # its plan answers; nothing more is read on this connection
         if req is None or self.cfg.dialect != "openai":
             self._reply(404, b'{"message":"Not Found","type":"not_found_error","param":"","code":"not_found"}')
             self._close()
