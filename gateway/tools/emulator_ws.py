@@ -7,9 +7,10 @@ emulator answers a streamed ``POST /v1/responses`` (:class:`gateway.tools.emulat
 the same pace, directives included), one event per text frame with the message's ``stream_id``; messages are served
 one at a time, in order. A ``previous_response_id`` the emulator did not make is an ``error`` event (400
 ``previous_response_not_found``), ``[[emulate status=N]]`` an ``error`` event with that status, and any other client
-event an ``error`` event (400). Every message is recorded as a :class:`Received` with method ``WS`` (tests); the
-connection's close is recorded as for HTTP (``closed_at``). The token budget (``tokens_per_minute``) and scripted
-handlers apply to HTTP only.
+event an ``error`` event (400). The handshake is recorded as a :class:`Received` with method ``GET`` (a scripted
+handler may answer it with a plan: an upstream without WebSocket mode), every message as one with method ``WS``
+(tests); the connection's close is recorded as for HTTP (``closed_at``). The token budget (``tokens_per_minute``)
+applies to HTTP only, and so do scripted answers to messages.
 """
 
 from __future__ import annotations
