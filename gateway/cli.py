@@ -204,7 +204,8 @@ def _serve(args: argparse.Namespace, loaded: LoadedConfig) -> int:
             "gateway keys are on and auth.metrics has no scrape token: /metrics answers 401 to everyone (it names "
             "every key and its spend); add one (tiergate keys add prometheus --metrics) or set auth.metrics.public")
     settings = Settings().model_copy(update={"log_level": args.log_level, "log_format": args.log_format})
-    common = uvicorn_options(args.host, args.port, args.log_level, settings)
+    common = uvicorn_options(args.host, args.port, args.log_level, settings,
+                             loaded.config.limits.websocket.max_message_bytes)
     if args.workers < 1:
         raise ConfigError("--workers: must be at least 1")
     if args.workers > 1:
@@ -273,6 +274,8 @@ def _demo(args: argparse.Namespace) -> int:
               "    -d '{\"model\": \"gpt-5.6-sol-fast\", \"stream\": true, "
               "\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'",
               f"  models: gpt-5.6-sol-fast (fast tier), gpt-5.6 (standard tier); metrics: {base}/metrics",
+              f"  WebSocket mode: ws://{args.host}:{args.port}/v1/responses (client.responses.connect(); the fast "
+              "tier through the bridge, the standard tier over an upstream socket)",
               "  the rest of /v1 (embeddings, audio, files, batches, ...) passes through to the standard tier", "",
               sep="\n", flush=True)
         args.workers = 1

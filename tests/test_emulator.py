@@ -153,3 +153,44 @@ def test_a_token_budget_is_shared_by_every_caller_and_reported(dialect: str, suf
         assert _post(emu, "/chat/completions", **body).status_code == 200
     finally:
         emu.stop()
+
+
+def test_websocket_mode_serves_the_stream_as_frames(emu: dict[str, EmulatorThread]) -> None:
+    """``GET /v1/responses`` upgraded (OpenAI dialect): each ``response.create`` streams the events a streamed POST
+    would, one per frame with its ``stream_id``; a follow-up continues a response it made; one it did not make, and
+    a ``status`` directive, are ``error`` events; the Cerebras dialect refuses the upgrade as it refuses the path."""
+    import openai
+    from websockets.exceptions import InvalidStatus
+
+    sdk = openai.OpenAI(base_url=emu["openai"].base_url, api_key="unused", max_retries=0)
+    with sdk.responses.connect() as conn:
+        conn.response.create(model="m", input="weather?", tools=[RESPONSES_TOOL], stream_id="lane-1")
+        first = []
+        for event in conn:
+            first.append(event)
+            if event.type == "response.completed":
+                break
+        call = first[-1].response.output[0]
+        conn.response.create(model="m", previous_response_id=first[-1].response.id, tools=[RESPONSES_TOOL],
+                             input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+                                    {"type": "message", "role": "user", "content": "[[emulate tool=call]]"}])
+        again = []
+        for event in conn:
+            again.append(event)
+            if event.type == "response.completed":
+                break
+        conn.response.create(model="m", input="hi", previous_response_id="resp_unknown")
+        unknown = conn.recv()
+        conn.response.create(model="m", input="hi [[emulate status=503]]")
+        unavailable = conn.recv()
+    assert [e.type for e in first][:2] == ["response.created", "response.in_progress"]
+    assert {e.stream_id for e in first} == {"lane-1"}
+    assert call.type == "function_call"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    assert again[-1].response.output[0].type == "function_call", "tool=call: another step of the loop"
+    assert unknown.type == "error" and unknown.error.code == "previous_response_not_found"
+    assert unavailable.type == "error" and unavailable.status == 503
+    assert [r.method for r in emu["openai"].requests[-5:]] == ["GET"] + ["WS"] * 4  # the handshake, then each message
+    with pytest.raises(InvalidStatus) as refused:
+        openai.OpenAI(base_url=emu["cerebras"].base_url, api_key="x").responses.connect().enter()
+    assert refused.value.response.status_code == 404

@@ -48,20 +48,42 @@ class ResponseStore(Strict):
     key_share: float = Field(0.25, gt=0, le=1)
 
 
+class WebSocketLimits(Strict):
+    """Bounds of the Responses API's WebSocket mode (``GET /v1/responses`` upgraded; docs: WebSocket mode).
+
+    max_message_bytes: one client message (a ``response.create`` with its input); a larger one closes the socket with
+    1009 (message too big), the limit in the close reason (enforced by the server protocol as it reads: a change takes
+    a restart); idle: seconds a socket may stay open with nothing in flight and no message from its client, then it is
+    closed with 1000 and the reason ``idle_timeout``; sockets_per_key: sockets one gateway key may hold open at once
+    (without ``auth:``, every client together; counted per process), past it the handshake is answered 429
+    ``websocket_connection_limit_reached``; in_flight: ``response.create`` messages of one socket queued or being
+    served at once (across its ``stream_id`` lanes), past it the message is answered with an ``error`` event (429
+    ``too_many_requests_in_flight``); memory_bytes: what one socket keeps of the responses it made so that
+    ``previous_response_id`` continues them even with ``store: false`` (their JSON bytes; the oldest go first; a key
+    may hold ``sockets_per_key`` times it)."""
+
+    max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    idle: float = Field(300.0, gt=0)
+    sockets_per_key: int = Field(64, ge=1)
+    in_flight: int = Field(16, ge=1)
+    memory_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+
+
 class Limits(Strict):
     """Size limits in bytes. max_request_bytes: a JSON request body (chat completions, Responses, and the JSON
     bodies of the other endpoints, which are read whole to route on their ``model``); max_event_bytes: one SSE
     event; max_passthrough_bytes: any other body (file uploads, audio), streamed to the upstream as it arrives and
     never held whole (OpenAI's own file limit is 512 MB); max_bytes_in_flight: the JSON request bodies held in memory
     at once, in all (past it, 503 ``gateway_busy``); key_share: the share of that one gateway key may hold (past it,
-    429 ``request_bytes_in_flight``). The defaults fit the shipped container limit (512 MiB) with the process, the
-    response store and hundreds of streams."""
+    429 ``request_bytes_in_flight``); websocket: the WebSocket mode's bounds. The defaults fit the shipped
+    container limit (512 MiB) with the process, the response store and hundreds of streams."""
 
     max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     max_event_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     max_passthrough_bytes: int = Field(1024 * 1024 * 1024, ge=1024)
     max_bytes_in_flight: int = Field(128 * 1024 * 1024, ge=1024)
     key_share: float = Field(0.25, gt=0, le=1)
+    websocket: WebSocketLimits = WebSocketLimits()
 
 
 class PassthroughConfig(Strict):

@@ -143,6 +143,9 @@ class UpstreamConfig(Strict):
     # how it serves POST /v1/responses: natively, through the gateway's Responses <-> chat bridge, or not at all;
     # None: as its dialect does (DIALECT_SURFACES)
     responses: Literal["native", "bridge", "none"] | None = None
+    # its Responses API offers WebSocket mode (``wss://.../v1/responses``: OpenAI's does): a client socket's messages
+    # routed here go over one upstream socket held for that client socket; false: each as a streamed POST
+    websocket: bool = False
     timeouts: Timeouts = Timeouts()
     models: dict[str, str] = Field(min_length=1)
     context_window: int | None = Field(None, ge=1)
@@ -181,6 +184,13 @@ class UpstreamConfig(Strict):
         if self.pass_client_key and self.api_key_env is not None:
             raise ValueError("pass_client_key sends the client's own key: api_key_env would never be used (set it "
                              "to null)")
+        return self
+
+    @model_validator(mode="after")
+    def _socket_is_native(self) -> UpstreamConfig:
+        if self.websocket and self.responses_mode != "native":
+            raise ValueError(f"websocket: true needs the Responses API served natively; this upstream's is "
+                             f"{self.responses_mode!r} (the bridge serves WebSocket mode over chat completions itself)")
         return self
 
     @field_validator("endpoints")

@@ -1,6 +1,7 @@
 """The outer ASGI app: who may ask (gateway keys), and which part answers each request.
 
-``POST`` to the two hot-path endpoints goes straight to :class:`gateway.pipeline.chat.ChatPipeline`; the rest of
+``POST`` to the two hot-path endpoints goes straight to :class:`gateway.pipeline.chat.ChatPipeline`, a WebSocket
+upgrade of ``/v1/responses`` (WebSocket mode) to :class:`gateway.http.websocket.Sockets`; the rest of
 ``/v1`` to the passthrough (:mod:`gateway.pipeline.passthrough`) but for the gateway's own paths (``/v1/models``
 listings and the configured models, the responses its bridge made, ``/v1/tiergate/``); everything else (lifespan,
 /metrics, /healthz, errors) to the FastAPI app (:mod:`gateway.http.admin`).
@@ -24,6 +25,7 @@ from gateway.config.load import LoadedConfig, load_config
 from gateway.config.settings import environ
 from gateway.errors import ConfigError, Unauthorized
 from gateway.http.errors import error_response
+from gateway.http.websocket import Sockets
 from gateway.observability import logs
 from gateway.observability.recorder import request_id
 from gateway.pipeline.chat import KINDS
@@ -58,6 +60,7 @@ class HotPath:
         self.retiring: set[Gateway] = set()  # replaced by a reload, serving what they had in flight
         self._drain: float | None = None  # the drain timeout, once shutdown began
         self._retiring_tasks: set[asyncio.Task[None]] = set()
+        self.sockets = Sockets(lambda: self.gateway)  # WebSocket mode's client sockets, across reloads
         self._install(gateway)
 
     def _install(self, gateway: Gateway) -> None:
@@ -75,6 +78,7 @@ class HotPath:
         self._drain = timeout
         for gw in (self.gateway, *self.retiring):
             gw.begin_drain(timeout)
+        self.sockets.begin_drain()
 
     async def reload(self) -> bool:
         """``SIGHUP``: read the config file again. A valid one is swapped in at once (new requests use it; requests in
@@ -116,6 +120,9 @@ class HotPath:
             await gw.transport.stop()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":  # the Responses API's WebSocket mode (gateway.http.websocket)
+            await self.sockets(scope, receive, send)
+            return
         if scope["type"] == "http":
             if self.keys is not None and scope["path"] == "/metrics":  # every key's name and spend: not a tenant's
                 try:

@@ -19,6 +19,10 @@ on its pooled connection meanwhile was lost (a connection error). Here an idle c
 ``drain_idle_grace`` seconds: a request on it is answered (``/readyz``: 503 ``draining``; the rest served as during
 the drain) with ``connection: close``, and one still idle then is closed (:meth:`GuardedHttpToolsProtocol.shutdown`).
 
+A WebSocket handshake (the Responses API's WebSocket mode) leaves this protocol for
+:class:`GuardedWebSocketsProtocol` (uvicorn's, over ``websockets``' sans-I/O implementation), its deadlines cancelled;
+that one leaves an accepted socket's shutdown to the app's drain.
+
 The limits come from the process settings (``GATEWAY_MAX_HEAD_BYTES``, ``GATEWAY_HEAD_TIMEOUT``,
 ``GATEWAY_BODY_TIMEOUT``, ``GATEWAY_DRAIN_TIMEOUT``, ``GATEWAY_DRAIN_IDLE_GRACE``) through :func:`configure`, called in
 every process that serves. :func:`drain_on_exit` tells the app when shutdown starts, so that streams drain instead of
@@ -36,6 +40,7 @@ from typing import Any
 
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from uvicorn.supervisors.multiprocess import Multiprocess
 
 from gateway.config.settings import Settings
@@ -197,6 +202,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.flow.read_paused and not self.pipeline and self.cycle is not None and not self.cycle.response_complete:
             self.flow.resume_reading()
 
+    def handle_websocket_upgrade(self) -> None:
+        """A WebSocket handshake (``GET /v1/responses``, WebSocket mode): the connection is the WebSocket protocol's
+        from here (:class:`GuardedWebSocketsProtocol`), so this one's head and body deadlines and drain grace end, or
+        they would write an HTTP answer into the socket's frames."""
+        self._cancel()
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+        super().handle_websocket_upgrade()
+
     def shutdown(self) -> None:
         """uvicorn's graceful shutdown began (SIGTERM): a request under way is the connection's last (uvicorn's own
         rule); an idle connection stays open ``drain_idle_grace`` seconds, so that a request already sent on it, or
@@ -285,6 +300,22 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             _hangup(cycle)
 
 
+class GuardedWebSocketsProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's WebSocket protocol (``websockets``' sans-I/O implementation) under the gateway's drain.
+
+    At shutdown uvicorn's protocol closed every open socket at once with 1012 (service restart), cutting the
+    responses in flight. Here an accepted socket is left to the app, which drains it
+    (:meth:`gateway.pipeline.websocket.SocketSession.drain`: the response in flight finishes, then a 1001 close);
+    uvicorn still waits for the app up to its graceful-shutdown timeout, then cancels it. A message over
+    ``ws_max_size`` (``limits.websocket.max_message_bytes``) fails the socket with 1009, as ``websockets`` does.
+    """
+
+    def shutdown(self) -> None:
+        if self.handshake_complete and self.initial_response is None and not self.close_sent:
+            return  # the app's drain closes it once what is in flight has finished
+        super().shutdown()
+
+
 def _hangup(cycle: Any) -> None:
     """Tell the app of ``cycle`` (a uvicorn ``RequestResponseCycle``) that its client is gone (:class:`Hangup`)."""
     hangup = getattr(cycle, "tiergate_hangup", None)
@@ -355,10 +386,13 @@ class Supervisor(Multiprocess):
         super().terminate_all()
 
 
-def uvicorn_options(host: str, port: int, log_level: str, settings: Settings) -> dict[str, Any]:
-    """uvicorn's settings for serving the gateway (``uvicorn.Config`` keywords): uvloop, the guarded protocol, no
+def uvicorn_options(host: str, port: int, log_level: str, settings: Settings,
+                    ws_max_size: int = 16 * 1024 * 1024) -> dict[str, Any]:
+    """uvicorn's settings for serving the gateway (``uvicorn.Config`` keywords): uvloop, the guarded protocols (HTTP,
+    and WebSocket mode's with messages of at most ``ws_max_size`` bytes: ``limits.websocket.max_message_bytes``), no
     access log or proxy-header middleware on the hot path, the keep-alive and drain of ``settings``."""
     return {"host": host, "port": port, "loop": "uvloop", "http": GuardedHttpToolsProtocol, "log_level": log_level,
+            "ws": GuardedWebSocketsProtocol, "ws_max_size": ws_max_size,
             "access_log": False, "lifespan": "on", "server_header": False, "date_header": False,
             "proxy_headers": False,  # the gateway reads no client address; saves a middleware per request
             "timeout_keep_alive": settings.keepalive_timeout,

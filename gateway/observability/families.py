@@ -210,6 +210,18 @@ FAMILIES: tuple[Family, ...] = (
            '(kind actual) and what the standard tier was estimated to take for the same tokens (kind '
            'standard_estimate); the difference is the time the fast tier saved.',
            ('kind',)),
+    Family('ws_sockets', Gauge, 'websocket_sockets',
+           'Client sockets open in the Responses API WebSocket mode (GET /v1/responses upgraded).',
+           (), multiprocess_mode="livesum"),
+    Family('ws_closes', Counter, 'websocket_closes',
+           'Client sockets of WebSocket mode that ended, by reason: client (the client closed or left), idle '
+           '(limits.websocket.idle), drain (shutdown: 1001), too_big (a message over max_message_bytes: 1009), '
+           'unauthorized (its key no longer valid: 1008), error (the gateway closed it on a failure: 1011).',
+           ('reason',)),
+    Family('ws_refusals', Counter, 'websocket_refusals',
+           'WebSocket handshakes refused before accept, by reason: unauthorized (401), sockets_per_key (429), '
+           'draining (503), unknown_url (404).',
+           ('reason',)),
     Family('shared_dropped', Counter, 'shared_state_dropped',
            'Updates for the other replicas not sent because Redis was unreachable (cooldowns, breaker '
            'transitions, quota reports).',

@@ -108,6 +108,9 @@ class Metrics:
     shared_up: Gauge
     shared_errors: Counter
     shared_dropped: Counter
+    ws_sockets: Gauge
+    ws_closes: Counter
+    ws_refusals: Counter
 
     def __init__(self, registry: CollectorRegistry, models: Iterable[str],
                  routes: Iterable[tuple[str, str, Iterable[str]]],

@@ -202,9 +202,10 @@ class Attempts:
         return "tgs-" + str(ex.run.key)
 
     def open(self, ex: Exchange, up: UpstreamConfig, need: int, path: str, verdicts: Verdicts) -> Attempt:
-        """An attempt on ``up`` (``async with`` it), with its trace span when the request is traced."""
+        """An attempt on ``up`` (``async with`` it), with its trace span when the request is traced; over the
+        request's own transport when it has one (a WebSocket-mode message: its socket's upstream sockets)."""
         span, trace = ex.attempt_span(up, up.models.get(ex.model, ex.model))
-        return Attempt(self.transport, up, verdicts, self.health.clock, need_tokens=need, stream=ex.stream,
+        return Attempt(ex.via or self.transport, up, verdicts, self.health.clock, need_tokens=need, stream=ex.stream,
                        request_id=ex.rid, path=path, client_key=ex.headers.get("authorization"), span=span,
                        trace=trace, blame=ex.blame)
 

@@ -14,7 +14,7 @@ from gateway.errors import InvalidRequest
 from gateway.pipeline.exchange import Exchange
 from gateway.responses.ids import ID_PREFIX
 from gateway.responses.request import input_items, unbridgeable
-from gateway.responses.store import Bridged, Native, ResponseStore
+from gateway.responses.store import Bridged, Native, ResponseStore, SocketStore
 from gateway.responses.stream import BridgeRelay
 from gateway.routing.facts import Continuation, RequestFacts
 from gateway.stream.relay import Relay
@@ -52,21 +52,23 @@ class Conversations:
         """
         if ex.kind != "responses":
             return RequestFacts(body, ex.headers, size, defaults=ex.key.cfg.metadata if ex.key is not None else None)
-        return await self.responses_facts(body, ex.headers, size, refresh=True, key=ex.key)
+        return await self.responses_facts(body, ex.headers, size, refresh=True, key=ex.key, store=ex.memory)
 
     async def responses_facts(self, body: dict[str, Any], headers: dict[str, str], size: int,
-                              refresh: bool, key: Key | None) -> RequestFacts:
+                              refresh: bool, key: Key | None, store: ResponseStore | None = None) -> RequestFacts:
         """The facts of a Responses request (``refresh``: continuing it makes its conversation live another ttl; the
-        route endpoint's look does not)."""
-        cont = await self.continuation(body, refresh, key)
+        route endpoint's look does not; ``store``: where to look, a WebSocket-mode socket's own store, else the
+        gateway's)."""
+        cont = await self.continuation(body, refresh, key, store)
         if cont is not None and cont.history:
             size += len(dumps(list(cont.history)))  # the conversation goes upstream too: routing counts it
         return RequestFacts(body, headers, size, responses=True, continuation=cont, bridgeable=unbridgeable,
                             defaults=key.cfg.metadata if key is not None else None)
 
-    async def continuation(self, body: dict[str, Any], refresh: bool, key: Key | None) -> Continuation | None:
-        """What the store knows of the response a Responses request continues (``previous_response_id``), for the
-        caller's gateway ``key``: only its own responses are found.
+    async def continuation(self, body: dict[str, Any], refresh: bool, key: Key | None,
+                           store: ResponseStore | None = None) -> Continuation | None:
+        """What the store (``store``, else the gateway's) knows of the response a Responses request continues
+        (``previous_response_id``), for the caller's gateway ``key``: only its own responses are found.
 
         Raises:
             InvalidRequest: 400 ``previous_response_not_found``: the response is another key's, or the gateway made it
@@ -78,10 +80,11 @@ class Conversations:
         if not isinstance(previous, str):
             return None
         who = key.name if key is not None else None
-        record = await self.store.get(previous, who)
+        store = store if store is not None else self.store
+        record = await store.get(previous, who)
         if isinstance(record, Native):
             return Continuation(previous, upstream=record.upstream, session=record.session)
-        history = await self.store.history(previous, who, refresh) if isinstance(record, Bridged) else None
+        history = await store.history(previous, who, refresh) if isinstance(record, Bridged) else None
         if history is not None:
             assert isinstance(record, Bridged)
             return Continuation(previous, held=True, history=tuple(history), session=record.session)
@@ -108,10 +111,11 @@ class Conversations:
                 started = True
                 ex.response_kept(up.tier, up.name, bridged)
                 if not bridged and relay.stats.response_id is not None:
-                    await self.keep(facts, relay.stats.response_id, Native(up.name, owner(ex), session_name(ex)))
+                    await self.keep(facts, relay.stats.response_id, Native(up.name, owner(ex), session_name(ex)),
+                                    ex.memory)
             if bridging is not None and not kept and bridging.response is not None:
                 kept = True
-                await self.keep(facts, bridging.response["id"], bridged_record(ex, facts, bridging.response))
+                await self.keep(facts, bridging.response["id"], bridged_record(ex, facts, bridging.response), ex.memory)
             await ex.write(data)
         return write
 
@@ -121,12 +125,17 @@ class Conversations:
         ``response``, or the native answer's upstream)."""
         ex.response_kept(up.tier, up.name, response is not None)
         if response is not None:
-            await self.keep(facts, response["id"], bridged_record(ex, facts, response))
+            await self.keep(facts, response["id"], bridged_record(ex, facts, response), ex.memory)
         elif isinstance(parsed.get("id"), str):
-            await self.keep(facts, parsed["id"], Native(up.name, owner(ex), session_name(ex)))
+            await self.keep(facts, parsed["id"], Native(up.name, owner(ex), session_name(ex)), ex.memory)
 
-    async def keep(self, facts: RequestFacts, response_id: str, record: Bridged | Native) -> None:
-        """Keep what a follow-up to ``response_id`` needs, unless the request said ``store: false``."""
+    async def keep(self, facts: RequestFacts, response_id: str, record: Bridged | Native,
+                   memory: SocketStore | None = None) -> None:
+        """Keep what a follow-up to ``response_id`` needs: in ``memory`` (the WebSocket-mode socket that made it)
+        always; in the gateway's store unless the request said ``store: false``."""
+        if memory is not None and not await memory.put(response_id, record):
+            log.warning("response %s is larger than its socket's memory (limits.websocket.memory_bytes): not kept",
+                        response_id)
         if facts.body.get("store") is not False and not await self.store.put(response_id, record):
             log.warning("response %s is larger than its key's share of response_store.max_bytes: not kept",
                         response_id)

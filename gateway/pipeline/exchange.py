@@ -26,10 +26,12 @@ from gateway.errors import (
 )
 from gateway.observability.metrics import BILLABLE
 from gateway.observability.recorder import Observers, Recorder
+from gateway.responses.store import SocketStore
 from gateway.routing.blame import Blame
 from gateway.stream.relay import Relay
 from gateway.tenancy.keys import Key
 from gateway.tenancy.ledger import Hold
+from gateway.upstream.attempt import Transport
 
 JSON = b"application/json"
 KEY_SCOPE = "tiergate.key"  # the ASGI scope entry that holds a request's authenticated gateway key
@@ -61,10 +63,12 @@ class Exchange(Recorder):
         held, bodies: the request body bytes it holds in memory and their :class:`BodyBudget`.
         run, sessions: when it is a step of an agent session, the step (``gateway.pipeline.sessions.Run``) and the
             sessions it is added to once recorded; else None.
+        via, memory: for a message of a WebSocket-mode socket, the transport its attempts use (its upstream sockets,
+            ``gateway.upstream.websocket``) and the socket's store of the responses it made; else None.
     """
 
     __slots__ = ("answered", "relay", "gone_at", "cut", "task", "hold", "blame", "held", "bodies", "run", "sessions",
-                 "_send", "_start")
+                 "via", "memory", "_send", "_start")
     key: Key | None  # the recorder's key, as the pipeline uses it (authenticated by the app: ``KEY_SCOPE``)
 
     def __init__(self, observers: Observers, send: Send, headers: dict[str, str], kind: str,
@@ -81,6 +85,8 @@ class Exchange(Recorder):
         self.gone_at: float | None = None
         self.cut = False
         self.task: Any = None
+        self.via: Transport | None = None
+        self.memory: SocketStore | None = None
         self._send = send
         self._start: Message | None = None
 

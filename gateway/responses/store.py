@@ -161,15 +161,21 @@ class MemoryResponseStore:
         return decode(entry.data) if entry is not None else None
 
     async def history(self, response_id: str, owner: str | None, refresh: bool = True) -> list[dict[str, Any]] | None:
+        chain, missing = self.chain(response_id, owner, refresh)
+        return None if missing is not None else items_of(chain)
+
+    def chain(self, response_id: str, owner: str | None, refresh: bool = True) -> tuple[list[bytes], str | None]:
+        """The encoded records of ``response_id``'s conversation held here, newest first, and the first link not held
+        (None: the whole chain is here; ``response_id`` itself when none of it is)."""
         chain: list[bytes] = []
         current: str | None = response_id
         while current is not None:
             entry = self._get(current, owner, touch=refresh)
             if entry is None or len(chain) > self.max_items:
-                return None
+                return chain, current
             chain.append(entry.data)
             current = entry.previous
-        return items_of(chain)
+        return chain, None
 
     async def put(self, response_id: str, record: Record) -> bool:
         data = encode(record)
@@ -240,3 +246,34 @@ def items_of(chain: list[bytes]) -> list[dict[str, Any]] | None:
         items += record.input
         items += record.response.get("output") or []
     return items
+
+
+class SocketStore:
+    """A :class:`ResponseStore` for the requests of one WebSocket-mode socket: what the socket made is kept in its own
+    memory (``local``), whatever ``store`` said, so that ``previous_response_id`` continues it on that socket even with
+    ``store: false`` (OpenAI's WebSocket mode keeps the previous response in memory on the connection); anything
+    else is looked up in the gateway's ``shared`` store (a conversation begun over HTTP continues on a socket)."""
+
+    def __init__(self, local: MemoryResponseStore, shared: ResponseStore) -> None:
+        self.local = local
+        self.shared = shared
+
+    async def get(self, response_id: str, owner: str | None) -> Record | None:
+        found = await self.local.get(response_id, owner)
+        return found if found is not None else await self.shared.get(response_id, owner)
+
+    async def history(self, response_id: str, owner: str | None, refresh: bool = True) -> list[dict[str, Any]] | None:
+        chain, missing = self.local.chain(response_id, owner, refresh)
+        if missing is None:
+            return items_of(chain)
+        before = await self.shared.history(missing, owner, refresh)  # the older turns, made over HTTP or elsewhere
+        newer = items_of(chain)
+        return None if before is None or newer is None else before + newer
+
+    async def put(self, response_id: str, record: Record) -> bool:
+        """Keep ``record`` in the socket's memory (the caller keeps it in the shared store too unless ``store:
+        false``)."""
+        return await self.local.put(response_id, record)
+
+    async def delete(self, response_id: str, owner: str | None) -> bool:
+        return await self.local.delete(response_id, owner) | await self.shared.delete(response_id, owner)

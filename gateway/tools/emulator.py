@@ -10,7 +10,8 @@ It answers in two ways:
   requests after the same simulated generation time (OpenAI: with an ``openai-processing-ms`` header); serves
   ``/v1/responses`` the same way (OpenAI only: the gateway bridges the others; a ``previous_response_id`` it did
   not make is a 400 ``previous_response_not_found``, as OpenAI's;
-  ``GET`` / ``DELETE /v1/responses/{id}`` read and remove the responses it made);
+  ``GET`` / ``DELETE /v1/responses/{id}`` read and remove the responses it made; ``GET /v1/responses`` upgraded to a
+  WebSocket serves its WebSocket mode: ``gateway.tools.emulator_ws``);
   acts enough like a model for agents to run (tool calls, JSON answers, ``n``, token limits: :class:`Generation`);
   and replays a recorded transcript from ``tests/fixtures/upstream`` at the configured pace;
 * **by script**: a ``handler(Received) -> Plan | None`` given in Python (tests: :class:`EmulatorThread`) plays
@@ -38,6 +39,8 @@ status        answer this HTTP status with an OpenAI error body (``retry_after_m
 drop_after    after N events, reset the connection; stall_after: after N events, go silent
 fail_after    Responses API stream (native): after N output tokens, ``response.failed`` (``server_error``)
 fault         one of :data:`FAULTS`: a fault other gateways' and SDKs' bug reports describe
+tool          ``call``: with tools, call one even after tool results (an agent loop of many steps); ``text``: answer
+              in text
 ============  ==========================================================================
 
 ``POST /emulator/config`` with ``{"ttft_ms": 3000}`` and/or ``{"tps": 50}`` changes the defaults of every later
@@ -80,6 +83,7 @@ import httptools
 import orjson
 
 from gateway.responses.whole import Draft
+from gateway.tools.emulator_ws import EmulatorSocket, wants_socket
 from gateway.tools.prompt_cache import PromptCache
 from gateway.tools.surface import Surface
 
@@ -262,6 +266,9 @@ class EmulatorProtocol(asyncio.Protocol):
         self.served = 0  # requests received on this connection
         self.number = 0
         self.rate_headers: list[tuple[bytes, bytes]] = []  # the budget's headers for the answer being written
+        self.upgrade: _Request | None = None  # a WebSocket handshake read, to be upgraded (gateway.tools.emulator_ws)
+        self.socket: EmulatorSocket | None = None  # the connection once upgraded
+        self.upgrade_played = False  # a script answered the handshake
 
     @property
     def cfg(self) -> EmulatorConfig:
@@ -275,8 +282,13 @@ class EmulatorProtocol(asyncio.Protocol):
         self.number = self.emulator.opened
 
     def data_received(self, data: bytes) -> None:
+        if self.socket is not None:
+            self.socket.data_received(data)
+            return
         try:
             self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as exc:
+            self._upgraded(data[exc.args[0]:] if exc.args and isinstance(exc.args[0], int) else b"")
         except httptools.HttpParserError:
             self._reply(400, b'{"error":{"message":"bad request","type":"invalid_request_error"}}')
             self._close()
@@ -284,6 +296,8 @@ class EmulatorProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.timer is not None:
             self.timer.cancel()
+        if self.socket is not None:
+            self.socket.connection_lost()
         self.transport = None
         if self.emulator.record:
             self.emulator.closed_at.append(time.monotonic())
@@ -305,6 +319,19 @@ class EmulatorProtocol(asyncio.Protocol):
         req.received = time.perf_counter()
         self.current = req
         emu = self.emulator
+        if wants_socket(req.method, req.url, req.headers):
+            self.upgrade = req  # answered once httptools stops at the upgrade (data_received)
+            got = Received("GET", req.url.decode(), {k.decode("latin-1"): v.decode("latin-1")
+                                                     for k, v in req.headers.items()}, b"", time.monotonic(),
+                           self.number)
+            if emu.record:
+                emu.requests.append(got)
+            plan = emu.handler(got) if emu.handler is not None else None
+            if plan is not None:  # a script answers the handshake (an upstream without WebSocket mode)
+                self.upgrade = None
+                self.upgrade_played = True
+                self.play(plan)
+            return
         try:
             if emu.handler is not None or emu.record:
                 got = Received(req.method.decode(), req.url.decode(), {k.decode("latin-1"): v.decode("latin-1")
@@ -320,6 +347,20 @@ class EmulatorProtocol(asyncio.Protocol):
         except Exception as exc:  # a bad directive must not kill the emulator
             self._reply(500, orjson.dumps({"error": {"message": f"emulator: {exc}", "type": "server_error",
                                                      "param": None, "code": None}}))
+
+    def _upgraded(self, rest: bytes) -> None:
+        """httptools stopped at a WebSocket handshake: the Responses API's WebSocket mode (OpenAI dialect only), the
+        connection's from now on (``rest``: bytes that came after the handshake)."""
+        req, self.upgrade = self.upgrade, None
+        if self.upgrade_played:
+            return  # its plan answers; nothing more is read on this connection
+        if req is None or self.cfg.dialect != "openai":
+            self._reply(404, b'{"message":"Not Found","type":"not_found_error","param":"","code":"not_found"}')
+            self._close()
+            return
+        self.socket = EmulatorSocket(self, req.method, req.url, req.headers)
+        if rest:
+            self.socket.data_received(rest)
 
     def play(self, plan: Plan) -> None:
         """Answer with a scripted :class:`Plan`."""
@@ -840,11 +881,14 @@ class Generation:
     def _tool_to_call(self) -> tuple[str, Any] | None:
         body = self.body
         tools = [t for t in body.get("tools") or [] if isinstance(t, dict) and t.get("type") == "function"]
-        if not tools or body.get("tool_choice") == "none":
+        forced = self.d.get("tool")  # call: a tool call even after tool results (an agent loop); text: never
+        if not tools or body.get("tool_choice") == "none" or forced == "text":
             return None
         history = body.get("messages") if not self.responses else body.get("input")
-        if isinstance(history, list) and any(isinstance(m, dict) and (m.get("role") == "tool" or m.get("type") ==
-                                                                      "function_call_output") for m in history):
+        answered = isinstance(history, list) and any(
+            isinstance(m, dict) and (m.get("role") == "tool" or m.get("type") == "function_call_output")
+            for m in history)
+        if answered and forced != "call":
             return None  # the tool already answered: now the model answers in text
         fns = [t.get("function", t) for t in tools]
         choice = body.get("tool_choice")

@@ -3,8 +3,9 @@ production :class:`gateway.upstream.attempt.Transport`; tests use one that plays
 (``gateway.tools.scripted``).
 
 aiohttp is used for upstream I/O on the hot path instead of httpx: measured on this machine it costs a third of the
-CPU per relayed chunk and serves ~15x the non-streaming requests/s (``bench/`` re-measures it). Only this module and
-``gateway.upstream.response`` import aiohttp or catch its exceptions. A request that went out on a pooled connection
+CPU per relayed chunk and serves ~15x the non-streaming requests/s (``bench/`` re-measures it). Only this module,
+``gateway.upstream.response`` and ``gateway.upstream.websocket`` (the upstream sockets of WebSocket mode) import
+aiohttp or catch its exceptions. A request that went out on a pooled connection
 the upstream had just closed is sent once more on a new one (RFC 9112 §9.3.1); a body held whole but large goes in
 pieces whose writing is watched.
 """
@@ -243,6 +244,30 @@ class UpstreamPool:
             conn.protocol.read_timeout = None  # aiohttp's ResponseHandler: no sock_read for the body...
             conn.protocol.start_timeout()  # ...and the timer armed by the status line's read is cancelled
         return UpstreamResponse(resp, upstream.timeouts.idle, stale_retried=retried, encoded=decode is False)
+
+    async def open_socket(self, upstream: UpstreamConfig, *, request_id: str, client_key: str | None = None,
+                          trace: Mapping[str, str] | None = None,
+                          max_msg_size: int = 8 * 1024 * 1024) -> aiohttp.ClientWebSocketResponse[bool]:
+        """Open a WebSocket to the upstream's ``/responses`` (its WebSocket mode: ``gateway.upstream.websocket``) over
+        the shared session, with the upstream's key (or, for a ``pass_client_key`` upstream, ``client_key``) and the
+        trace context, within ``timeouts.connect``; frames over ``max_msg_size`` bytes fail it. Text frames are read
+        as bytes (``decode_text=False``): they are relayed as they came, never decoded and encoded again.
+
+        Raises:
+            aiohttp.WSServerHandshakeError: the upstream answered the upgrade with another status (``status``);
+            aiohttp.ClientError, OSError, TimeoutError: it could not be reached in time.
+        """
+        assert self._session is not None, "UpstreamPool.start() was not called"
+        headers = {"User-Agent": USER_AGENT, "X-Client-Request-Id": request_id}
+        auth = client_key if upstream.pass_client_key else self._auth.get(upstream.name)
+        if auth:
+            headers["Authorization"] = auth
+        if trace:
+            headers.update(trace)
+        async with asyncio.timeout(upstream.timeouts.connect):
+            return await self._session.ws_connect(upstream.base_url + "/responses", headers=headers, autoping=True,
+                                                  max_msg_size=max_msg_size, compress=0, decode_text=False,
+                                                  timeout=aiohttp.ClientWSTimeout(ws_close=2.0))
 
 
 async def _pieces(data: bytes, window: asyncio.Timeout, idle: float) -> AsyncIterator[bytes]:

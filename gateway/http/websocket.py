@@ -1,0 +1,117 @@
+"""The door of the Responses API's WebSocket mode: ``GET /v1/responses`` with a WebSocket upgrade (ASGI ``websocket``
+scope), checked before it is accepted, then served by :class:`gateway.pipeline.websocket.SocketSession`.
+
+Before accept, with ``auth:`` configured, the gateway key of the handshake's ``Authorization`` (or ``api-key``)
+header must be known, and the key may hold at most ``limits.websocket.sockets_per_key`` sockets (without ``auth:``
+every client together); the path must be ``/v1/responses`` and the gateway not draining. A handshake that fails one
+of these is answered with an HTTP status and OpenAI's error envelope through the ASGI ``websocket.http.response``
+extension (which uvicorn's WebSocket protocols offer): 401 ``invalid_api_key``, 429
+``websocket_connection_limit_reached``, 404 ``unknown_url``, 503 ``gateway_draining``; the ``openai`` SDK raises
+with that status. A server without the extension gets a close with 1008 (policy violation) and the reason instead,
+before accept (uvicorn answers it as a 403).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from starlette.types import Receive, Scope, Send
+
+from gateway.errors import GatewayDraining, GatewayError, RateLimited, Unauthorized, UnknownURL
+from gateway.observability import logs
+from gateway.observability.recorder import request_id
+from gateway.pipeline.gateway import Gateway
+from gateway.pipeline.websocket import POLICY, SERVER_ERROR, SocketSession
+
+log = logging.getLogger("tiergate")
+
+PATH = "/v1/responses"
+DENIAL = "websocket.http.response"  # the ASGI extension that answers a handshake with an HTTP response
+
+
+class Sockets:
+    """Every client socket of the process (reloads keep them): how many each gateway key holds, and the drain.
+
+    Args:
+        current: the gateway serving new requests now (``gateway.http.dispatch.HotPath``).
+    """
+
+    def __init__(self, current: Callable[[], Gateway]) -> None:
+        self.current = current
+        self.by_key: dict[str | None, int] = {}
+        self.sessions: set[SocketSession] = set()
+        self.draining = False
+
+    def begin_drain(self) -> None:
+        """Shutdown began: no new socket is accepted; each open one finishes what is in flight, then closes with
+        1001 (:meth:`SocketSession.drain`)."""
+        self.draining = True
+        for session in list(self.sessions):
+            session.drain()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve one ASGI ``websocket`` connection (module docstring)."""
+        if (await receive())["type"] != "websocket.connect":
+            return  # gone before its handshake was read
+        gateway = self.current()
+        key_name: str | None = None
+        try:
+            if scope["path"] != PATH:
+                raise UnknownURL(f"Unknown WebSocket URL: {scope['path']}; WebSocket mode is served on {PATH}.")
+            if gateway.keys is not None:
+                key_name = gateway.keys.authenticate(scope["headers"]).name
+            if self.draining or gateway.frame.draining:
+                raise GatewayDraining("The gateway is shutting down; connect again.", headers={"retry-after": "1"})
+            limit = gateway.config.limits.websocket.sockets_per_key
+            if self.by_key.get(key_name, 0) >= limit:
+                who = f"The gateway key '{key_name}'" if key_name is not None else "This gateway"
+                raise RateLimited(f"{who} has {limit} WebSocket connections open, its limit "
+                                  "(limits.websocket.sockets_per_key); close one and connect again.",
+                                  code="websocket_connection_limit_reached", headers={"retry-after": "1"})
+        except GatewayError as exc:
+            return await self.deny(gateway, exc, scope, send)
+        self.by_key[key_name] = self.by_key.get(key_name, 0) + 1
+        gateway.metrics.ws_sockets.inc()
+        reason = "error"
+        try:
+            await send({"type": "websocket.accept"})
+            session = SocketSession(self.current, scope, receive, send)
+            self.sessions.add(session)
+            if self.draining:
+                session.drain()
+            try:
+                reason = await session.run()
+            except Exception:
+                log.exception("WebSocket session on %s failed", PATH)
+                await session.close(SERVER_ERROR, "internal error")
+            finally:
+                self.sessions.discard(session)
+        finally:
+            left = self.by_key.get(key_name, 1) - 1
+            if left > 0:
+                self.by_key[key_name] = left
+            else:
+                self.by_key.pop(key_name, None)
+            gateway.metrics.ws_sockets.dec()
+            gateway.metrics.ws_closes.labels(reason).inc()
+
+    async def deny(self, gateway: Gateway, exc: GatewayError, scope: Scope, send: Send) -> None:
+        """Refuse the handshake with ``exc``'s status and envelope (or, without the extension, a 1008 close)."""
+        reason = {401: "unauthorized", 429: "sockets_per_key", 503: "draining"}.get(exc.status, "unknown_url")
+        gateway.metrics.ws_refusals.labels(reason).inc()
+        rid = request_id(dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1") or None)
+        if isinstance(exc, Unauthorized):  # counted and logged as every refused /v1 request, never with the key
+            gateway.metrics.auth_failures.labels(exc.reason).inc()
+            logs.event("auth_failed", reason=exc.reason, method="GET", path=scope["path"], websocket=True)
+        headers = {**exc.headers, "x-request-id": rid}
+        if isinstance(exc, Unauthorized):
+            headers["www-authenticate"] = 'Bearer realm="tiergate"'
+        if DENIAL not in scope.get("extensions", {}):
+            await send({"type": "websocket.close", "code": POLICY, "reason": f"{exc.status} {exc.code}"[:123]})
+            return
+        body = exc.body()
+        await send({"type": "websocket.http.response.start", "status": exc.status,
+                    "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+                    + [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
+        await send({"type": "websocket.http.response.body", "body": body})

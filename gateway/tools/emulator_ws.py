@@ -1,0 +1,177 @@
+"""The emulator's Responses API WebSocket mode: ``GET /v1/responses`` upgraded on the emulator's own port (OpenAI
+dialect only, as OpenAI serves it; the others answer the upgrade 404, as they answer ``POST /v1/responses``).
+
+Frames go through ``websockets``' sans-I/O server protocol (handshake, framing, ping, close): no frame is parsed
+here. Each ``response.create`` (the fields of a ``POST /v1/responses`` body, ``stream`` implicit) is answered as the
+emulator answers a streamed ``POST /v1/responses`` (:class:`gateway.tools.emulator.Generation`: the same events at
+the same pace, directives included), one event per text frame with the message's ``stream_id``; messages are served
+one at a time, in order. A ``previous_response_id`` the emulator did not make is an ``error`` event (400
+``previous_response_not_found``), ``[[emulate status=N]]`` an ``error`` event with that status, and any other client
+event an ``error`` event (400). The handshake is recorded as a :class:`Received` with method ``GET`` (a scripted
+handler may answer it with a plan: an upstream without WebSocket mode), every message as one with method ``WS``
+(tests); the connection's close is recorded as for HTTP (``closed_at``). The token budget (``tokens_per_minute``)
+applies to HTTP only, and so do scripted answers to messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from websockets.frames import Frame, Opcode
+from websockets.http11 import Request
+from websockets.protocol import State
+from websockets.server import ServerProtocol
+
+if TYPE_CHECKING:
+    from gateway.tools.emulator import EmulatorProtocol
+
+
+def wants_socket(method: bytes, url: bytes, headers: dict[bytes, bytes]) -> bool:
+    """Whether a request is a WebSocket handshake for ``/v1/responses``."""
+    return (method == b"GET" and url.split(b"?", 1)[0].endswith(b"/responses")
+            and headers.get(b"upgrade", b"").lower() == b"websocket")
+
+
+def error_event(status: int, message: str, code: str | None, param: str | None = None,
+                lane: str | None = None) -> dict[str, Any]:
+    """An ``error`` server event (OpenAI's ``ResponseWsError``)."""
+    etype = "invalid_request_error" if status < 500 else "server_error"
+    event: dict[str, Any] = {"type": "error", "status": status,
+                             "error": {"message": message, "type": etype, "param": param, "code": code}}
+    if lane is not None:
+        event["stream_id"] = lane
+    return event
+
+
+class EmulatorSocket:
+    """One upgraded emulator connection (module docstring). It stands in for the connection's protocol where a
+    :class:`~gateway.tools.emulator.Generation` and a :class:`~gateway.tools.emulator.Schedule` write: ``cfg``,
+    ``emulator``, ``loop``, ``timer``, ``transport``, :meth:`write`, :meth:`end_chunked`, :meth:`reset`."""
+
+    def __init__(self, proto: EmulatorProtocol, method: bytes, url: bytes, headers: dict[bytes, bytes]) -> None:
+        self.proto = proto
+        self.emulator = proto.emulator
+        self.loop = proto.loop
+        self.transport = proto.transport
+        self.timer: asyncio.TimerHandle | None = None
+        self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers.items()}
+        self.conn = ServerProtocol(max_size=64 * 1024 * 1024)
+        self.queue: deque[dict[str, Any]] = deque()
+        self.lane: str | None = None  # the stream_id of the message being answered
+        self.busy = False
+        head = [method + b" " + url + b" HTTP/1.1", *(k + b": " + v for k, v in headers.items())]
+        self.conn.receive_data(b"\r\n".join(head) + b"\r\n\r\n")
+        for event in self.conn.events_received():
+            if isinstance(event, Request):
+                self.conn.send_response(self.conn.accept(event))
+        self.flush()
+
+    @property
+    def cfg(self) -> Any:
+        return self.emulator.config
+
+    def flush(self) -> None:
+        """Write what the protocol has to send; close the connection once the closing handshake is over."""
+        if self.transport is None:
+            return
+        data = self.conn.data_to_send()
+        if data:
+            self.transport.write(b"".join(data))
+        if self.conn.close_expected() or self.conn.state is State.CLOSED:
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        self.conn.receive_data(data)
+        for frame in self.conn.events_received():
+            if isinstance(frame, Frame) and frame.opcode in (Opcode.TEXT, Opcode.BINARY):
+                self.message(bytes(frame.data))
+        self.flush()
+
+    def connection_lost(self) -> None:
+        self.transport = None
+        if self.timer is not None:
+            self.timer.cancel()
+
+    def send(self, event: dict[str, Any] | bytes) -> None:
+        """Send one server event (a dict, or its JSON bytes) as a text frame."""
+        if self.transport is None or self.conn.state is not State.OPEN:
+            return
+        self.conn.send_text(event if isinstance(event, bytes) else orjson.dumps(event))
+        self.flush()
+
+    def message(self, text: bytes) -> None:
+        try:
+            event = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            self.send(error_event(400, "The message is not valid JSON.", "invalid_json"))
+            return
+        if not isinstance(event, dict) or event.get("type") != "response.create":
+            kind = event.get("type") if isinstance(event, dict) else None
+            self.send(error_event(400, f"Unsupported client event {kind!r}.", "unknown_event_type", "type"))
+            return
+        self.queue.append(event)
+        if not self.busy:
+            self.next()
+
+    def next(self) -> None:
+        """Answer the next queued message, if any."""
+        while self.queue and not self.busy and self.transport is not None:
+            self.answer(self.queue.popleft())
+
+    def answer(self, event: dict[str, Any]) -> None:
+        from gateway.tools.emulator import Generation, Received, Schedule, _directives
+
+        lane = event.get("stream_id")
+        self.lane = lane if isinstance(lane, str) else None
+        body = {k: v for k, v in event.items() if k not in ("type", "stream_id")}
+        body["stream"] = True
+        raw = orjson.dumps(body)
+        emu = self.emulator
+        if emu.record:
+            emu.requests.append(Received("WS", "/v1/responses", dict(self.headers), raw, time.monotonic(),
+                                         self.proto.number))
+        d = _directives(raw)
+        previous = body.get("previous_response_id")
+        if "status" in d:
+            status = int(d["status"])
+            event = error_event(status, d.get("message", f"emulated {status}"), d.get("code"), lane=self.lane)
+            if "retry_after_ms" in d:  # as OpenAI's error events carry the answer's headers
+                event["error"]["headers"] = {"retry-after-ms": d["retry_after_ms"]}
+            self.send(event)
+            return
+        if previous is not None and previous not in emu.responses_made:
+            self.send(error_event(400, f"Previous response with id '{previous}' not found.",
+                                  "previous_response_not_found", "previous_response_id", self.lane))
+            return
+        gen = Generation(self, body, d, responses=True)  # type: ignore[arg-type]
+        emu.made(gen.final_response())
+        gen.t0 = self.loop.time()
+        self.busy = True
+        Schedule(self, gen._response_events(gen.t0), d).start()  # type: ignore[arg-type]
+
+    # what Schedule writes through
+
+    def write(self, payload: bytes, chunked: bool = True) -> None:
+        """A Schedule's payload: SSE events, each sent as its ``data`` in one frame."""
+        for part in payload.split(b"\n\n"):
+            for line in part.split(b"\n"):
+                if line.startswith(b"data: "):
+                    data = line[6:]
+                    if self.lane is not None:
+                        data = b'{"stream_id":' + orjson.dumps(self.lane) + b"," + data[1:]
+                    self.send(data)
+
+    def end_chunked(self) -> None:
+        """The response ended: the next message's turn."""
+        self.busy = False
+        self.loop.call_soon(self.next)
+
+    def reset(self) -> None:
+        self.proto.reset()
+
+    def _close(self) -> None:
+        self.proto._close()

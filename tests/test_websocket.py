@@ -1,0 +1,420 @@
+"""The Responses API's WebSocket mode through the gateway, over real sockets, with the real ``openai`` SDK's
+``client.responses.connect()``: the fast tier through the bridge (a Cerebras-dialect emulator: chat completions
+only), the standard tier natively over an upstream socket (an OpenAI-dialect emulator with ``websocket: true``), the
+socket's memory for ``previous_response_id`` with ``store: false``, a client leaving (its upstream closed), the drain
+(the response finishes, then 1001), the handshake's key check, and the limits (message size, sockets per key,
+idle)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.sync.client import connect
+
+from gateway.tenancy.keys import digest
+from gateway.tools.emulator import EmulatorConfig, EmulatorThread, Plan
+
+from conftest import SCRAPE, Proc, default_config, emulator, sample, scraped, start_gateway
+
+TOOLS: list[Any] = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
+                     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                    "required": ["city"], "additionalProperties": False}, "strict": True}]
+KEY = "tg-ws-test-key"
+
+
+def ws_config(fast: str, standard: str, **overrides: Any) -> dict[str, Any]:
+    """The test config, the standard upstream offering WebSocket mode."""
+    cfg = default_config(fast, standard, **overrides)
+    cfg["upstreams"][1]["websocket"] = True
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, EmulatorThread, EmulatorThread]]:
+    """A gateway in front of two in-process emulators (they record what they were sent)."""
+    fast = EmulatorThread(config=EmulatorConfig.for_tier("fast"))
+    standard = EmulatorThread(config=EmulatorConfig.for_tier("standard", ttft=0.05, tps=400))
+    gw, _ = start_gateway(ws_config(fast.base_url, standard.base_url), tmp_path_factory.mktemp("ws"))
+    yield gw, fast, standard
+    gw.stop()
+    fast.stop()
+    standard.stop()
+
+
+def client(port: int, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+
+
+def until_done(conn: Any, limit: int = 2000) -> list[Any]:
+    """The events of one response, through its terminal event (or an ``error`` event)."""
+    events = []
+    for event in conn:
+        events.append(event)
+        if event.type in ("response.completed", "response.incomplete", "response.failed", "error"):
+            return events
+        assert len(events) < limit
+    raise AssertionError(f"the socket ended after {[e.type for e in events]}")
+
+
+def tool_loop(conn: Any, model: str, store: bool) -> tuple[list[Any], list[Any]]:
+    """A two-turn tool loop on one socket: the model calls the tool, the tool's output goes back with
+    ``previous_response_id`` (only the new item, as WebSocket mode wants), the model answers in text."""
+    conn.response.create(model=model, input="What is the weather in Paris?", tools=TOOLS, store=store)
+    first = until_done(conn)
+    done = first[-1]
+    assert done.type == "response.completed", done
+    call = next(item for item in done.response.output if item.type == "function_call")
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"]
+    conn.response.create(model=model, previous_response_id=done.response.id, tools=TOOLS, store=store,
+                         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
+    second = until_done(conn)
+    assert second[-1].type == "response.completed", second[-1]
+    return first, second
+
+
+def test_a_tool_loop_on_the_fast_tier_goes_through_the_bridge(stack: tuple[Proc, EmulatorThread,
+                                                                             EmulatorThread]) -> None:
+    gw, fast, standard = stack
+    fast_before, std_before = len(fast.requests), len(standard.requests)
+    with client(gw.port).responses.connect() as conn:
+        first, second = tool_loop(conn, "gpt-5.6-sol-fast", store=True)
+    assert first[0].type == "response.created" and first[0].response.id.startswith("resp_tg")
+    assert any(e.type == "response.function_call_arguments.delta" for e in first)
+    text = "".join(e.delta for e in second if e.type == "response.output_text.delta")
+    assert text and second[-1].response.output_text == text
+    sent = fast.requests[fast_before:]
+    assert [r.path for r in sent] == ["/v1/chat/completions"] * 2, "each turn is one streamed chat completion"
+    history = json.loads(sent[1].body)["messages"]
+    assert [m["role"] for m in history][-2:] == ["assistant", "tool"], "the bridge sent the whole conversation"
+    assert len(standard.requests) == std_before
+
+
+def test_a_tool_loop_on_the_standard_tier_crosses_one_upstream_socket(stack: tuple[Proc, EmulatorThread,
+                                                                                   EmulatorThread]) -> None:
+    gw, fast, standard = stack
+    fast_before, std_before = len(fast.requests), len(standard.requests)
+    with client(gw.port).responses.connect() as conn:
+        first, second = tool_loop(conn, "gpt-5.6", store=True)
+    assert first[0].response.id.startswith("resp_emu"), "the upstream's own response, relayed"
+    sent = [r for r in standard.requests[std_before:] if r.method != "GET"]  # not the upstream socket's handshake
+    assert [r.method for r in sent] == ["WS", "WS"], "both turns went as response.create frames"
+    assert sent[0].connection == sent[1].connection, "over one upstream socket"
+    assert json.loads(sent[1].body)["previous_response_id"] == first[-1].response.id
+    assert len(fast.requests) == fast_before
+
+
+@pytest.mark.parametrize("model", ["gpt-5.6-sol-fast", "gpt-5.6"])
+def test_store_false_is_continued_from_the_sockets_memory_only(stack: tuple[Proc, EmulatorThread, EmulatorThread],
+                                                               model: str) -> None:
+    gw, _, _ = stack
+    with client(gw.port).responses.connect() as conn:
+        first, _ = tool_loop(conn, model, store=False)
+    # the gateway kept nothing of it: over HTTP (or another socket) the id is unknown, as OpenAI's store: false is
+    made = first[-1].response.id
+    if model == "gpt-5.6-sol-fast":
+        with pytest.raises(openai.BadRequestError) as err:
+            client(gw.port).responses.create(model=model, input="and tomorrow?", previous_response_id=made)
+        assert err.value.code == "previous_response_not_found"
+        with client(gw.port).responses.connect() as other:
+            other.response.create(model=model, input="and tomorrow?", previous_response_id=made)
+            refused = until_done(other)[-1]
+        assert refused.type == "error" and refused.status == 400
+        assert refused.error.code == "previous_response_not_found"
+
+
+def test_lanes_are_served_side_by_side_each_in_order(stack: tuple[Proc, EmulatorThread, EmulatorThread]) -> None:
+    gw, _, _ = stack
+    with client(gw.port).responses.connect() as conn:
+        for lane in ("a", "b", "a"):
+            conn.response.create(model="gpt-5.6-sol-fast", input=f"lane {lane} [[emulate tokens=20 tps=400]]",
+                                 stream_id=lane)
+        seen: dict[str, list[str]] = {"a": [], "b": []}
+        ended = 0
+        for event in conn:
+            assert event.stream_id in seen, event
+            seen[event.stream_id].append(event.type)
+            if event.type == "response.completed":
+                ended += 1
+                if ended == 3:
+                    break
+    assert seen["a"].count("response.created") == 2 and seen["b"].count("response.created") == 1
+    # FIFO within a lane: the second response of lane a starts after the first ended
+    first_end = seen["a"].index("response.completed")
+    assert seen["a"].index("response.created", 1) > first_end
+
+
+def test_steer_and_unknown_events_are_answered(stack: tuple[Proc, EmulatorThread, EmulatorThread]) -> None:
+    gw, _, _ = stack
+    with client(gw.port).responses.connect() as conn:
+        conn.response.steer(input="shorter, please", previous_response_id="resp_x")
+        steer = conn.recv()
+        conn.send_raw(json.dumps({"type": "response.cancel"}))
+        unknown = conn.recv()
+        conn.response.create(model="gpt-5.6-sol-fast", input="hi [[emulate tokens=2]]")
+        assert until_done(conn)[-1].type == "response.completed", "the socket goes on"
+    assert steer.type == "response.steer.failed" and steer.error.code == "steering_not_supported"
+    assert steer.steer.input == "shorter, please"
+    assert unknown.type == "error" and unknown.status == 400 and unknown.error.param == "type"
+
+
+def test_each_message_is_metered_and_an_error_status_is_an_error_event(stack: tuple[Proc, EmulatorThread,
+                                                                                    EmulatorThread]) -> None:
+    gw, _, _ = stack
+    text = httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text
+    before = sample(text, "tiergate_requests_total", tier="fast", outcome="success")
+    ttft_before = sample(text, "tiergate_time_to_first_token_seconds_count", tier="fast")
+    with client(gw.port).responses.connect() as conn:
+        for _ in range(3):
+            conn.response.create(model="gpt-5.6-sol-fast", input="hi [[emulate tokens=4]]")
+            assert until_done(conn)[-1].type == "response.completed"
+        conn.response.create(model="no-such-model", input="hi")
+        missing = until_done(conn)[-1]
+        conn.response.create(model="gpt-5.6-sol-fast", input="hi [[emulate status=429 retry_after_ms=50]]")
+        limited = until_done(conn)[-1]
+        text = httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text
+        assert sample(text, "tiergate_websocket_sockets") >= 1
+    time.sleep(0.1)  # both tiers' 50 ms cooldowns pass before the next test
+    assert missing.type == "error" and missing.status == 404 and missing.error.code == "model_not_found"
+    assert limited.type == "error" and limited.status == 429
+    assert sample(text, "tiergate_requests_total", tier="fast", outcome="success") - before == 3
+    assert sample(text, "tiergate_time_to_first_token_seconds_count", tier="fast") - ttft_before == 3
+    log = [json.loads(line) for line in gw.log.read_text().splitlines() if line.startswith("{")]
+    assert any(r.get("method") == "WS" and r.get("status") == 404 for r in log)
+
+
+def _left_mid_response(gw: Proc, up: EmulatorThread, model: str) -> None:
+    """A client that leaves after a few deltas of a long response: the upstream's connection closes long before
+    the response would have ended."""
+    closed = len(up.closed_at)
+    with client(gw.port).responses.connect() as conn:
+        conn.response.create(model=model, input="long [[emulate tokens=2000 tps=100]]")  # 20 s of output
+        deltas = 0
+        for event in conn:
+            if event.type.endswith(".delta"):
+                deltas += 1
+                if deltas == 3:
+                    left = time.monotonic()
+                    break
+    deadline = left + 10  # half the response's own length: it is cancelled, not played out
+    while len(up.closed_at) == closed and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(up.closed_at) > closed, "the upstream connection stayed open after the client left"
+    assert up.closed_at[-1] - left < 10
+
+
+def test_a_client_that_leaves_cancels_the_bridged_upstream(stack: tuple[Proc, EmulatorThread,
+                                                                       EmulatorThread]) -> None:
+    gw, fast, _ = stack
+    _left_mid_response(gw, fast, "gpt-5.6-sol-fast")
+
+
+def test_a_client_that_leaves_closes_the_upstream_socket(stack: tuple[Proc, EmulatorThread,
+                                                                      EmulatorThread]) -> None:
+    gw, _, standard = stack
+    _left_mid_response(gw, standard, "gpt-5.6")
+    with client(gw.port).responses.connect() as conn:  # the next socket opens a new upstream socket
+        conn.response.create(model="gpt-5.6", input="hi [[emulate tokens=2]]")
+        assert until_done(conn)[-1].type == "response.completed"
+
+
+def test_a_native_upstream_without_websocket_mode_gets_one_http_request_per_message(tmp_path: Path) -> None:
+    fast = EmulatorThread(config=EmulatorConfig.for_tier("fast"))
+    standard = EmulatorThread(config=EmulatorConfig.for_tier("standard", ttft=0.02, tps=500))
+    gw, _ = start_gateway(default_config(fast.base_url, standard.base_url), tmp_path)
+    try:
+        with client(gw.port).responses.connect() as conn:
+            _, second = tool_loop(conn, "gpt-5.6", store=False)
+        sent = [(r.method, r.path) for r in standard.requests]
+        assert sent == [("POST", "/v1/responses")] * 2
+        assert json.loads(standard.requests[1].body)["stream"] is True
+        assert second[-1].type == "response.completed"
+    finally:
+        gw.stop()
+        fast.stop()
+        standard.stop()
+
+
+def test_an_upstream_that_refuses_the_upgrade_gets_http_from_then_on(tmp_path: Path) -> None:
+    refuse = Plan(status=404, headers={"content-type": "application/json"}, chunked=False,
+                  parts=[(0.0, b'{"error":{"message":"Not found","type":"invalid_request_error","code":null}}')])
+    fast = EmulatorThread(config=EmulatorConfig.for_tier("fast"))
+    standard = EmulatorThread(lambda r: refuse if r.method == "GET" else None,
+                              EmulatorConfig.for_tier("standard", ttft=0.02, tps=500))
+    gw, _ = start_gateway(ws_config(fast.base_url, standard.base_url), tmp_path)
+    try:
+        with client(gw.port).responses.connect() as conn:
+            _, second = tool_loop(conn, "gpt-5.6", store=True)
+        assert [(r.method, r.path) for r in standard.requests] == [("GET", "/v1/responses"),
+                                                                    ("POST", "/v1/responses"),
+                                                                    ("POST", "/v1/responses")]
+        assert second[-1].type == "response.completed" and not fast.requests
+        assert "upstream_websocket_refused" in gw.log.read_text()
+    finally:
+        gw.stop()
+        fast.stop()
+        standard.stop()
+
+
+@pytest.mark.parametrize("model", ["gpt-5.6", "gpt-5.6-sol-fast"])
+def test_the_drain_finishes_the_response_in_flight_then_closes_with_1001(tmp_path: Path, model: str) -> None:
+    fast, standard = emulator("fast", tmp_path), emulator("standard", tmp_path)
+    gw, _ = start_gateway(ws_config(f"http://127.0.0.1:{fast.port}/v1", f"http://127.0.0.1:{standard.port}/v1"),
+                          tmp_path, env={"GATEWAY_DRAIN_TIMEOUT": "20"})
+    try:
+        with client(gw.port).responses.connect() as conn:
+            # 40 tokens at 20 tokens/s: two seconds of output, the drain begins at the first
+            conn.response.create(model=model, input="drain [[emulate tokens=40 tps=20]]")
+            events = []
+            for event in conn:
+                events.append(event)
+                if event.type.endswith(".delta"):
+                    gw.popen.send_signal(signal.SIGTERM)
+                    signalled = time.monotonic()
+                    break
+            time.sleep(0.2)  # the drain has begun: a message after it is not served
+            conn.response.create(model=model, input="one more [[emulate tokens=3]]")
+            events += list(conn)  # the rest of the response, then the close ends the iteration (1001 is OK)
+            code = conn._connection.close_code
+        finished = time.monotonic() - signalled
+        assert events[-1].type == "response.completed", [e.type for e in events[-3:]]
+        assert sum(e.type == "response.output_text.delta" for e in events) == 40
+        refused = [(e.status, e.error.code) for e in events if e.type == "error"]
+        assert refused == [(503, "gateway_draining")], "the message sent during the drain is answered, not served"
+        assert code == 1001
+        assert finished > 1.0, "the response was cut at the signal"  # half of its two seconds: it ran on
+        assert gw.popen.wait(15) in (0, -signal.SIGTERM)
+    finally:
+        gw.stop()
+        fast.stop()
+        standard.stop()
+
+
+def test_a_reload_applies_to_the_next_message_of_an_open_socket(tmp_path: Path) -> None:
+    fast = EmulatorThread(config=EmulatorConfig.for_tier("fast"))
+    standard = EmulatorThread(config=EmulatorConfig.for_tier("standard", ttft=0.02, tps=500))
+    cfg = ws_config(fast.base_url, standard.base_url)
+    gw, path = start_gateway(cfg, tmp_path, extra=("--log-level", "info"))
+    try:
+        with client(gw.port).responses.connect() as conn:
+            conn.response.create(model="gpt-5.6", input="before [[emulate tokens=2]]")
+            assert until_done(conn)[-1].type == "response.completed"
+            sockets = {r.connection for r in standard.requests if r.method == "WS"}
+            closed = len(standard.closed_at)
+            path.write_text(json.dumps({**cfg, "default_tier": "fast"}))  # gpt-5.6 now goes to the fast tier
+            gw.popen.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 10
+            while '"reload": true' not in gw.log.read_text().replace('"reload":true', '"reload": true'):
+                assert time.monotonic() < deadline, "the reload was not logged"
+                time.sleep(0.05)
+            conn.response.create(model="gpt-5.6", input="after [[emulate tokens=2]]")
+            assert until_done(conn)[-1].type == "response.completed"
+            deadline = time.monotonic() + 5
+            while len(standard.closed_at) == closed:  # the old config's upstream socket is closed, this one open
+                assert time.monotonic() < deadline, "the old config's upstream socket stayed open"
+                time.sleep(0.02)
+        assert fast.requests and fast.requests[-1].path == "/v1/chat/completions", "the new config served it"
+        assert len(sockets) == 1
+    finally:
+        gw.stop()
+        fast.stop()
+        standard.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """A gateway with gateway keys, two sockets per key, 2 KiB messages and a one-second idle limit."""
+    fast = EmulatorThread(config=EmulatorConfig.for_tier("fast"))
+    standard = EmulatorThread(config=EmulatorConfig.for_tier("standard", ttft=0.02, tps=500))
+    limits = {"websocket": {"sockets_per_key": 2, "max_message_bytes": 2048, "idle": 1.0}}
+    auth = {"metrics": SCRAPE, "keys": [{"name": "agent", "sha256": digest(KEY)}]}
+    gw, _ = start_gateway(ws_config(fast.base_url, standard.base_url, limits=limits, auth=auth),
+                          tmp_path_factory.mktemp("keyed"))
+    yield gw
+    gw.stop()
+    fast.stop()
+    standard.stop()
+
+
+@pytest.mark.parametrize("key", [None, "tg-not-a-key"])
+def test_the_key_is_checked_at_the_handshake(keyed: Proc, key: str | None) -> None:
+    with pytest.raises(InvalidStatus) as err:
+        if key is None:  # no key at all: the SDK refuses to start without one, so the library it connects with
+            connect(f"ws://127.0.0.1:{keyed.port}/v1/responses").close()
+        else:
+            client(keyed.port, key).responses.connect().enter().close()
+    response = err.value.response
+    assert response.status_code == 401
+    assert json.loads(response.body)["error"]["code"] == "invalid_api_key"
+    assert response.headers["www-authenticate"].startswith("Bearer")
+    assert sample(scraped(keyed.port), "tiergate_websocket_refusals_total", reason="unauthorized") >= 1
+    with client(keyed.port, KEY).responses.connect() as conn:
+        conn.response.create(model="gpt-5.6-sol-fast", input="hi [[emulate tokens=2]]")
+        assert until_done(conn)[-1].type == "response.completed"
+
+
+def test_a_message_over_the_limit_closes_the_socket_with_1009(keyed: Proc) -> None:
+    with client(keyed.port, KEY).responses.connect() as conn:
+        conn.response.create(model="gpt-5.6-sol-fast", input="x" * 4096)
+        with pytest.raises(ConnectionClosed) as err:
+            conn.recv()
+    assert err.value.rcvd is not None and err.value.rcvd.code == 1009
+    with client(keyed.port, KEY).responses.connect() as conn:  # a message under it is served
+        conn.response.create(model="gpt-5.6-sol-fast", input="x" * 1000)
+        assert until_done(conn)[-1].type == "response.completed"
+
+
+def test_a_key_holds_at_most_its_sockets(keyed: Proc) -> None:
+    one = client(keyed.port, KEY).responses.connect().enter()
+    two = client(keyed.port, KEY).responses.connect().enter()
+    try:
+        with pytest.raises(InvalidStatus) as err:
+            client(keyed.port, KEY).responses.connect().enter()
+        assert err.value.response.status_code == 429
+        assert json.loads(err.value.response.body)["error"]["code"] == "websocket_connection_limit_reached"
+        one.close()
+        deadline = time.monotonic() + 5
+        while True:  # the gateway sees the close a moment later
+            try:
+                three = client(keyed.port, KEY).responses.connect().enter()
+                break
+            except InvalidStatus:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        three.close()
+    finally:
+        two.close()
+
+
+def test_an_idle_socket_is_closed(keyed: Proc) -> None:
+    with client(keyed.port, KEY).responses.connect() as conn:
+        sent = time.monotonic()  # the idle time starts after the response, so no sooner than a second after this
+        conn.response.create(model="gpt-5.6-sol-fast", input="hi [[emulate tokens=2]]")
+        until_done(conn)
+        assert list(conn) == []  # the close (1000) ends the iteration
+        idle = time.monotonic() - sent
+        assert conn._connection.close_code == 1000 and conn._connection.close_reason == "idle_timeout"
+    assert 1.0 <= idle < 10
+
+
+def test_turns_of_one_socket_are_routed_each_and_are_steps_of_its_session(
+        stack: tuple[Proc, EmulatorThread, EmulatorThread]) -> None:
+    gw, fast, standard = stack
+    fast_before, std_before = len(fast.requests), len(standard.requests)
+    sdk = client(gw.port)
+    with sdk.responses.connect(extra_headers={"x-tiergate-session": "ws-run-1"}) as conn:
+        for model in ("gpt-5.6", "gpt-5.6-sol-fast", "gpt-5.6"):
+            conn.response.create(model=model, input="step [[emulate tokens=3]]")
+            assert until_done(conn)[-1].type == "response.completed"
+    served = [r for r in standard.requests[std_before:] if r.method == "WS"]
+    assert len(served) == 2 and len(fast.requests) - fast_before == 1
+    run = httpx.get(f"http://127.0.0.1:{gw.port}/v1/tiergate/sessions/ws-run-1", timeout=5).json()
+    assert run["steps"] == 3 and run["last_upstream"] == "emu-standard"
