@@ -32,8 +32,9 @@ def _fixture(name: str) -> bytes:
     return (FIXTURES / f"{name}.body").read_bytes()
 
 
-def _relayed(data: bytes) -> tuple[bytes, StreamStats]:
-    """``data`` (one upstream read) through the relay: what the client gets, and what was measured."""
+def _relayed(data: bytes, dialect: str = "openai") -> tuple[bytes, StreamStats]:
+    """``data`` (one upstream read) through the relay of an upstream of ``dialect``: what the client gets, and what
+    was measured."""
     from test_relay_template import Reads
 
     out: list[bytes] = []
@@ -41,7 +42,7 @@ def _relayed(data: bytes) -> tuple[bytes, StreamStats]:
     async def write(part: bytes) -> None:
         out.append(part)
 
-    relay = Relay(strip_usage_chunk=False, max_event_bytes=1 << 20)
+    relay = Relay(strip_usage_chunk=False, max_event_bytes=1 << 20, extra=dialects.DIALECTS[dialect])
     stats = asyncio.run(relay.run(Reads([data]), write))
     return b"".join(out), stats
 
@@ -91,7 +92,7 @@ def test_vllm_context_overflow_answered_500_is_the_clients_400() -> None:
 def test_vllm_recorded_stream_has_no_usage_unless_asked_and_relays_whole() -> None:
     """The recorded vLLM stream (no include_usage asked) carries no usage: the relay counts its token chunks."""
     data = _fixture("vllm_chat_stream")
-    out, stats = _relayed(data)
+    out, stats = _relayed(data, "vllm")
     assert out == data
     assert stats.usage is None and stats.token_chunks > 0 and stats.done
 
@@ -110,7 +111,7 @@ def test_groq_keeps_its_own_service_tiers_and_drops_openais(tier: str, kept: boo
 
 def test_groq_recorded_usage_in_x_groq_is_read() -> None:
     data = _fixture("groq_chat_stream_text")
-    out, stats = _relayed(data)
+    out, stats = _relayed(data, "groq")
     assert out == data
     usage = stats.usage
     assert usage is not None and usage["prompt_tokens"] == 18 and usage["completion_tokens"] == 73
@@ -194,6 +195,37 @@ def test_a_groq_fast_tier_and_a_vllm_standard_tier_serve_through_the_gateway(tmp
         gw.stop()
         groq.stop()
         vllm.stop()
+
+
+@pytest.mark.parametrize(("transcript", "dialect", "output_tokens"), [
+    ("groq_chat_stream_text", "groq", 73),              # x_groq.usage on the last chunk
+    ("llamacpp_chat_stream_reasoning", "vllm", 82),     # llama-server's timings.predicted_n
+])
+def test_usage_in_the_member_a_dialect_adds_is_counted_for_that_dialect_only(
+        transcript: str, dialect: str, output_tokens: int, tmp_path: Path) -> None:
+    """Over loopback: the recorded stream's usage, which only its dialect's member holds, is counted as reported
+    when the upstream is labelled with that dialect; labelled ``openai``, the same bytes are read for OpenAI's members
+    alone (docs/architecture.md#general-readers), so the stream counts as one without usage."""
+    upstreams = {label: _replaying(transcript) for label in (dialect, "openai")}
+    cfg = {"upstreams": [
+        {"name": label, "tier": tier, "dialect": label, "models": {"m": "m"}, "base_url": up.base_url}
+        for (label, up), tier in zip(upstreams.items(), ("fast", "standard"), strict=True)], "default_tier": "fast"}
+    gw, _ = start_gateway(cfg, tmp_path)
+    try:
+        url = f"http://127.0.0.1:{gw.port}/v1/chat/completions"
+        for tier in ("fast", "standard"):
+            body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+            r = httpx.post(url, json=body, headers={"x-tiergate-tier": tier}, timeout=10)
+            assert r.status_code == 200 and r.content == _fixture(transcript), r.text
+        metrics = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=5).text
+        assert sample(metrics, "tiergate_tokens_total", tier="fast", token_type="output", usage="reported",
+                      missing_ok=False) == output_tokens
+        assert sample(metrics, "tiergate_tokens_total", tier="standard", token_type="output", usage="reported") == 0
+        assert sample(metrics, "tiergate_usage_missing_total", tier="standard", missing_ok=False) == 1
+    finally:
+        gw.stop()
+        for up in upstreams.values():
+            up.stop()
 
 
 @pytest.mark.parametrize("dialect", ["groq", "vllm"])
