@@ -5,6 +5,8 @@ over loopback sockets, a gateway whose upstreams are a ``vllm`` and a ``groq`` d
 
 from __future__ import annotations
 
+import argparse
+import ast
 import asyncio
 import typing
 from pathlib import Path
@@ -18,7 +20,7 @@ from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import EmptyStream, UpstreamStatusError
 from gateway.stream.relay import Relay
 from gateway.stream.stats import StreamStats
-from gateway.tools.emulator import EmulatorThread, Plan
+from gateway.tools.emulator import PROFILES, EmulatorThread, Plan
 from gateway.upstream import dialects
 from gateway.upstream.dialects.base import Dialect
 from gateway.wire.body import parse_chat_request
@@ -62,6 +64,49 @@ def test_every_dialect_config_accepts_has_its_module_and_no_module_is_left_out()
         assert isinstance(dialect, Dialect) and dialect.name == name
         assert type(dialect).__module__ == f"gateway.upstream.dialects.{name}"
         assert type(dialect).__doc__ and (DIALECT_DIR / f"{name}.py").read_text().startswith('"""')
+
+
+def test_every_dialect_has_an_emulator_profile_and_an_emulate_flag() -> None:
+    """A new dialect adds its row to the emulator's profile table; ``tiergate emulate --dialect`` takes what config
+    admits (read from the config's Literal, never listed again)."""
+    from gateway.cli import _emulate_flags
+
+    accepted = set(typing.get_args(UpstreamConfig.model_fields["dialect"].annotation))
+    assert set(PROFILES) == accepted
+    emulate = argparse.ArgumentParser()
+    _emulate_flags(emulate)
+    for name in accepted:
+        assert emulate.parse_args(["--dialect", name]).dialect == name
+    with pytest.raises(SystemExit):
+        emulate.parse_args(["--dialect", "anthropic"])
+
+
+GATEWAY = Path(dialects.__file__).parents[2]  # gateway/
+# where a dialect's name may appear in code: its module, its name and surface in config, its emulator profile
+OWN_PLACES = {"upstream/dialects", "config/upstreams.py", "tools/emulator.py"}
+
+
+def _named_in_code(path: Path, names: set[str]) -> list[tuple[int, str]]:
+    """String constants of ``path`` that are one of ``names``, docstrings aside."""
+    tree = ast.parse(path.read_text())
+    docs = {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [(node.lineno, node.value) for node in ast.walk(tree) if isinstance(node, ast.Constant)
+            and isinstance(node.value, str) and node.value in names and id(node) not in docs]
+
+
+def test_no_module_outside_a_dialects_own_places_branches_on_its_name() -> None:
+    """Adding a dialect touches its module, its fixtures, its emulator profile and its name in config: code elsewhere
+    that names one (``if dialect == "cerebras"``) would be one more place to edit. The default, ``openai``, may be
+    named (a passthrough prefers an upstream of it)."""
+    names = set(typing.get_args(UpstreamConfig.model_fields["dialect"].annotation)) - {"openai"}
+    modules = [p for p in sorted(GATEWAY.rglob("*.py"))
+               if not any(str(p.relative_to(GATEWAY)).startswith(own) for own in OWN_PLACES)]
+    assert len(modules) > 50 and GATEWAY / "cli.py" in modules  # the scan reads the runtime, not nothing
+    found = [f"gateway/{path.relative_to(GATEWAY)}:{line}: {name!r}"
+             for path in modules for line, name in _named_in_code(path, names)]
+    assert not found, "dialect names outside the dialect's own places:\n  " + "\n  ".join(found)
 
 
 # --- vllm: the client's extra fields are its own; usage is asked for ------------------------------------------------
