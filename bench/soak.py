@@ -1,15 +1,16 @@
-"""Soak: many concurrent streams for minutes against upstreams that inject issue 10's faults at random.
+"""Soak: many concurrent streams for minutes against upstreams that play, at random, faults of real upstreams.
 
     .venv/bin/python -m bench.soak [--streams 200] [--minutes 10] [--max-requests N] [--seed 0] [--out DIR]
 
 Starts two emulated upstreams (fast: Cerebras dialect, standard: OpenAI dialect) and a gateway in front of them,
 then keeps ``--streams`` requests in flight for ``--minutes``. Each request is a normal answer or, at random, one
-of the emulator's faults (``gateway.tools.emulator.FAULTS``: error events before the first token, silence after the
-finish, an error then a cut body, mislabelled streams, late usage, exhausted quotas, context overflows, reset
-headers, stale keep-alive connections, ...), a cut or stalled stream, or a client that leaves (right after the
-finish chunk, or mid-stream). Every answer is checked against what that fault must give the client (a status, a
-stream that ends with ``[DONE]`` and no error, or exactly one in-band error event), and the gateway's own
-``tiergate_requests_total`` by outcome is read before and after.
+of the emulator's faults (``gateway.tools.emulator.FAULTS``, each one that other gateways' and SDKs' bug reports
+describe an upstream doing: error events before the first token, silence after the finish, an error then a cut body,
+mislabelled streams, late usage, exhausted quotas, context overflows, reset headers, stale keep-alive connections,
+...), a cut or stalled stream, or a client that leaves (right after the finish chunk, or mid-stream). Every answer is
+checked against what that fault must give the client (a status, a stream that ends with ``[DONE]`` and no error, or
+exactly one in-band error event), and the gateway's own ``tiergate_requests_total`` by outcome is read before and
+after.
 
 It reports requests by expected outcome and by the gateway's outcome, every wrong outcome (with examples), and
 the gateway's RSS, open file descriptors and asyncio tasks after warm-up and after the load (once it has

@@ -10,6 +10,10 @@ A page asks for a table with a marker on a line of its own, ``<!-- generated: NA
 * ``config``: every field of the YAML config file, by its dotted path, one section per part with its docstring;
 * ``error-classes``: the error tree's classes the gateway answers with: status, ``type``, ``code``.
 
+A table cell asks for a size with ``<!-- lines: NAME[,NAME...] -->``: the lines of Python in those packages
+(``gateway/NAME/``, every module under it) or top-level modules (``gateway/NAME.py``), counted at build time
+(:func:`lines_of`), so that the architecture page's package table never goes stale.
+
 An unknown marker stops the build, and so does (as a warning, under ``--strict``) a page that names a ``tiergate_*``
 metric the gateway does not register: a renamed metric cannot stay in the prose.
 
@@ -34,6 +38,8 @@ from pydantic import BaseModel
 log = logging.getLogger(f"mkdocs.plugins.{__name__}")
 
 MARKER = re.compile(r"^<!-- generated: ([a-z-]+) -->$", re.MULTILINE)
+LINES = re.compile(r"<!-- lines: ([\w,]+) -->")
+GATEWAY = Path(__file__).resolve().parents[1] / "gateway"
 METRIC_NAME = re.compile(r"\btiergate_[a-z0-9_]*\*?")  # a trailing * is a family of names (tiergate_key_*)
 SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
             "gauge": (), "summary": ("_sum", "_count", "_created"), "info": ("_info",)}
@@ -274,6 +280,22 @@ GENERATED = {"metric-families": _metric_families, "metric-buckets": _metric_buck
              "config": _config, "error-classes": _error_classes}
 
 
+# --- package sizes -------------------------------------------------------------------------------------------------
+
+def lines_of(unit: str) -> int:
+    """Lines of Python in ``gateway/<unit>/`` (every module under it) or in ``gateway/<unit>.py``.
+
+    Raises:
+        PluginError: neither exists (a marker naming a package that moved)."""
+    folder = GATEWAY / unit
+    files = sorted(folder.rglob("*.py")) if folder.is_dir() else [GATEWAY / f"{unit}.py"]
+    if not all(f.is_file() for f in files) or not files:
+        from mkdocs.exceptions import PluginError
+
+        raise PluginError(f"<!-- lines: {unit} -->: there is no gateway/{unit}/ nor gateway/{unit}.py")
+    return sum(len(f.read_text(encoding="utf-8").splitlines()) for f in files)
+
+
 # --- the hook ------------------------------------------------------------------------------------------------------
 
 @cache
@@ -295,4 +317,5 @@ def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
     named = {found for found in METRIC_NAME.findall(markdown) if not found.endswith(("*", "_"))}
     for name in sorted(named - _known_metric_names()):
         log.warning("%s names the metric %s, which the gateway does not register", page.file.src_path, name)
+    markdown = LINES.sub(lambda m: f"{sum(lines_of(unit) for unit in m.group(1).split(',')):,}", markdown)
     return MARKER.sub(fill, markdown)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -22,6 +23,7 @@ from pydantic import ValidationError
 from gateway.config.base import TIERS
 from gateway.config.load import LoadedConfig, load_config
 from gateway.config.settings import Settings, environ, set_worker_environment
+from gateway.config.upstreams import Dialect
 from gateway.errors import ConfigError
 from gateway.observability import logs
 from gateway.routing.policy import Policy
@@ -85,7 +87,7 @@ def _emulate_flags(emulate: argparse.ArgumentParser) -> None:
     emulate.add_argument("--port", type=int, default=9101)
     emulate.add_argument("--tps", type=float, help="output tokens per second (fast 750, standard 50)")
     emulate.add_argument("--ttft", type=float, help="time to first token in seconds (fast 0.05, standard 0.4)")
-    emulate.add_argument("--dialect", choices=("openai", "cerebras", "vllm", "groq"),
+    emulate.add_argument("--dialect", choices=typing.get_args(Dialect),  # what config admits (each has a profile)
                          help="fast: cerebras, standard: openai")
     emulate.add_argument("--fixtures", type=Path,
                          help="recorded transcripts (default: the checkout's tests/fixtures/upstream)")

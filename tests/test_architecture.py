@@ -166,3 +166,41 @@ def _is_table(stmt: ast.stmt) -> bool:
 def test_functions_fit_on_a_screen(path: Path) -> None:
     long = _long_functions(path)
     assert not long, f"gateway/{_id(path)}.py: split these (at most {MAX_FUNCTION_LINES} lines of code): {long}"
+
+
+# The packages that serve a request hand what they learn of it to its recorder (gateway.observability.recorder), the
+# only caller of the metrics, the request log and the trace on behalf of a request (docs: architecture).
+REQUEST_PATH = ("http", "pipeline", "upstream", "responses", "stream")
+_FAMILY_CALLS = frozenset({"labels", "inc", "dec", "observe", "set"})
+
+
+def _records_itself(path: Path) -> list[str]:
+    """Calls in ``path`` that record a request without its recorder: a trace call, a request-log line, an event-log
+    line naming a ``request_id``, or a metric family touched directly (``<x>.metrics.<family>.inc()``)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        func, owner = node.func, node.func.value
+        name = owner.id if isinstance(owner, ast.Name) else None
+        if (name == "tracing" or (name == "logs" and func.attr == "request")
+                or (name == "logs" and func.attr == "event" and any(k.arg == "request_id" for k in node.keywords))
+                or (func.attr in _FAMILY_CALLS and isinstance(owner, ast.Attribute)
+                    and isinstance(owner.value, ast.Attribute) and owner.value.attr == "metrics")):
+            out.append(f"line {node.lineno}: {ast.unparse(func)}(...)")
+    return out
+
+
+@pytest.mark.parametrize("path", [p for p in RUNTIME if _unit(p) in REQUEST_PATH], ids=_id)
+def test_a_request_is_recorded_only_by_its_recorder(path: Path) -> None:
+    found = _records_itself(path)
+    assert not found, f"gateway/{_id(path)}.py records a request itself; tell its recorder instead: {found}"
+
+
+def test_the_recorder_rule_catches_a_direct_call(tmp_path: Path) -> None:
+    """The check itself, on what the HTTP surface and an attempt once did: a counter bumped, a request-log line, a
+    span ended, an event naming a request, all without the request's recorder."""
+    source = tmp_path / "dispatch.py"
+    source.write_text("self.gateway.metrics.auth_failures.labels(reason).inc()\nlogs.request({})\n"
+                      "tracing.end_attempt(span, None)\nlogs.event('x', request_id=rid)\nlogs.event('reloaded')\n")
+    assert len(_records_itself(source)) == 4

@@ -5,6 +5,8 @@ over loopback sockets, a gateway whose upstreams are a ``vllm`` and a ``groq`` d
 
 from __future__ import annotations
 
+import argparse
+import ast
 import asyncio
 import typing
 from pathlib import Path
@@ -19,7 +21,7 @@ from gateway.errors import EmptyStream, UpstreamStatusError
 from gateway.stream.relay import Relay
 from gateway.stream.stats import StreamStats
 from gateway.tenancy.keys import digest, new_key
-from gateway.tools.emulator import EmulatorConfig, EmulatorThread, Plan
+from gateway.tools.emulator import PROFILES, EmulatorConfig, EmulatorThread, Plan
 from gateway.upstream import dialects
 from gateway.upstream.dialects.base import Dialect
 from gateway.wire.body import parse_chat_request
@@ -33,8 +35,9 @@ def _fixture(name: str) -> bytes:
     return (FIXTURES / f"{name}.body").read_bytes()
 
 
-def _relayed(data: bytes) -> tuple[bytes, StreamStats]:
-    """``data`` (one upstream read) through the relay: what the client gets, and what was measured."""
+def _relayed(data: bytes, dialect: str = "openai") -> tuple[bytes, StreamStats]:
+    """``data`` (one upstream read) through the relay of an upstream of ``dialect``: what the client gets, and what
+    was measured."""
     from test_relay_template import Reads
 
     out: list[bytes] = []
@@ -42,7 +45,7 @@ def _relayed(data: bytes) -> tuple[bytes, StreamStats]:
     async def write(part: bytes) -> None:
         out.append(part)
 
-    relay = Relay(strip_usage_chunk=False, max_event_bytes=1 << 20)
+    relay = Relay(strip_usage_chunk=False, max_event_bytes=1 << 20, extra=dialects.DIALECTS[dialect])
     stats = asyncio.run(relay.run(Reads([data]), write))
     return b"".join(out), stats
 
@@ -62,6 +65,49 @@ def test_every_dialect_config_accepts_has_its_module_and_no_module_is_left_out()
         assert isinstance(dialect, Dialect) and dialect.name == name
         assert type(dialect).__module__ == f"gateway.upstream.dialects.{name}"
         assert type(dialect).__doc__ and (DIALECT_DIR / f"{name}.py").read_text().startswith('"""')
+
+
+def test_every_dialect_has_an_emulator_profile_and_an_emulate_flag() -> None:
+    """A new dialect adds its row to the emulator's profile table; ``tiergate emulate --dialect`` takes what config
+    admits (read from the config's Literal, never listed again)."""
+    from gateway.cli import _emulate_flags
+
+    accepted = set(typing.get_args(UpstreamConfig.model_fields["dialect"].annotation))
+    assert set(PROFILES) == accepted
+    emulate = argparse.ArgumentParser()
+    _emulate_flags(emulate)
+    for name in accepted:
+        assert emulate.parse_args(["--dialect", name]).dialect == name
+    with pytest.raises(SystemExit):
+        emulate.parse_args(["--dialect", "anthropic"])
+
+
+GATEWAY = Path(dialects.__file__).parents[2]  # gateway/
+# where a dialect's name may appear in code: its module, its name and surface in config, its emulator profile
+OWN_PLACES = {"upstream/dialects", "config/upstreams.py", "tools/emulator.py"}
+
+
+def _named_in_code(path: Path, names: set[str]) -> list[tuple[int, str]]:
+    """String constants of ``path`` that are one of ``names``, docstrings aside."""
+    tree = ast.parse(path.read_text())
+    docs = {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [(node.lineno, node.value) for node in ast.walk(tree) if isinstance(node, ast.Constant)
+            and isinstance(node.value, str) and node.value in names and id(node) not in docs]
+
+
+def test_no_module_outside_a_dialects_own_places_branches_on_its_name() -> None:
+    """Adding a dialect touches its module, its fixtures, its emulator profile and its name in config: code elsewhere
+    that names one (``if dialect == "cerebras"``) would be one more place to edit. The default, ``openai``, may be
+    named (a passthrough prefers an upstream of it)."""
+    names = set(typing.get_args(UpstreamConfig.model_fields["dialect"].annotation)) - {"openai"}
+    modules = [p for p in sorted(GATEWAY.rglob("*.py"))
+               if not any(str(p.relative_to(GATEWAY)).startswith(own) for own in OWN_PLACES)]
+    assert len(modules) > 50 and GATEWAY / "cli.py" in modules  # the scan reads the runtime, not nothing
+    found = [f"gateway/{path.relative_to(GATEWAY)}:{line}: {name!r}"
+             for path in modules for line, name in _named_in_code(path, names)]
+    assert not found, "dialect names outside the dialect's own places:\n  " + "\n  ".join(found)
 
 
 # --- vllm: the client's extra fields are its own; usage is asked for ------------------------------------------------
@@ -92,7 +138,7 @@ def test_vllm_context_overflow_answered_500_is_the_clients_400() -> None:
 def test_vllm_recorded_stream_has_no_usage_unless_asked_and_relays_whole() -> None:
     """The recorded vLLM stream (no include_usage asked) carries no usage: the relay counts its token chunks."""
     data = _fixture("vllm_chat_stream")
-    out, stats = _relayed(data)
+    out, stats = _relayed(data, "vllm")
     assert out == data
     assert stats.usage is None and stats.token_chunks > 0 and stats.done
 
@@ -111,7 +157,7 @@ def test_groq_keeps_its_own_service_tiers_and_drops_openais(tier: str, kept: boo
 
 def test_groq_recorded_usage_in_x_groq_is_read() -> None:
     data = _fixture("groq_chat_stream_text")
-    out, stats = _relayed(data)
+    out, stats = _relayed(data, "groq")
     assert out == data
     usage = stats.usage
     assert usage is not None and usage["prompt_tokens"] == 18 and usage["completion_tokens"] == 73
@@ -196,6 +242,37 @@ def test_a_groq_fast_tier_and_a_vllm_standard_tier_serve_through_the_gateway(tmp
         gw.stop()
         groq.stop()
         vllm.stop()
+
+
+@pytest.mark.parametrize(("transcript", "dialect", "output_tokens"), [
+    ("groq_chat_stream_text", "groq", 73),              # x_groq.usage on the last chunk
+    ("llamacpp_chat_stream_reasoning", "vllm", 82),     # llama-server's timings.predicted_n
+])
+def test_usage_in_the_member_a_dialect_adds_is_counted_for_that_dialect_only(
+        transcript: str, dialect: str, output_tokens: int, tmp_path: Path) -> None:
+    """Over loopback: the recorded stream's usage, which only its dialect's member holds, is counted as reported
+    when the upstream is labelled with that dialect; labelled ``openai``, the same bytes are read for OpenAI's members
+    alone (docs/architecture.md#general-readers), so the stream counts as one without usage."""
+    upstreams = {label: _replaying(transcript) for label in (dialect, "openai")}
+    cfg = {"upstreams": [
+        {"name": label, "tier": tier, "dialect": label, "models": {"m": "m"}, "base_url": up.base_url}
+        for (label, up), tier in zip(upstreams.items(), ("fast", "standard"), strict=True)], "default_tier": "fast"}
+    gw, _ = start_gateway(cfg, tmp_path)
+    try:
+        url = f"http://127.0.0.1:{gw.port}/v1/chat/completions"
+        for tier in ("fast", "standard"):
+            body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+            r = httpx.post(url, json=body, headers={"x-tiergate-tier": tier}, timeout=10)
+            assert r.status_code == 200 and r.content == _fixture(transcript), r.text
+        metrics = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=5).text
+        assert sample(metrics, "tiergate_tokens_total", tier="fast", token_type="output", usage="reported",
+                      missing_ok=False) == output_tokens
+        assert sample(metrics, "tiergate_tokens_total", tier="standard", token_type="output", usage="reported") == 0
+        assert sample(metrics, "tiergate_usage_missing_total", tier="standard", missing_ok=False) == 1
+    finally:
+        gw.stop()
+        for up in upstreams.values():
+            up.stop()
 
 
 @pytest.mark.parametrize("dialect", ["groq", "vllm"])

@@ -195,6 +195,22 @@ def test_a_page_that_names_a_metric_the_gateway_does_not_have_is_a_warning(hooks
     assert warned == ["probe.md names the metric tiergate_request_total, which the gateway does not register"]
 
 
+def test_the_architecture_page_sizes_every_package_from_the_code(site: Path, hooks: Any) -> None:
+    """The package table's line counts are counted when the site is built (``<!-- lines: NAME -->``), and every
+    package and top-level module of the runtime has a count, once: none goes stale, and a new package is not left
+    out."""
+    gateway = ROOT / "gateway"
+    units = {p.name for p in gateway.iterdir() if p.is_dir() and p.name != "tools" and any(p.glob("*.py"))}
+    units |= {p.stem for p in gateway.glob("*.py") if p.stem != "__init__"}
+    marked = [unit for found in hooks.LINES.findall((ROOT / "docs" / "architecture.md").read_text())
+              for unit in found.split(",")]
+    assert sorted(marked) == sorted(units)
+    built = _page(site, "architecture")
+    for unit in ("pipeline", "errors"):
+        assert f"<td style=\"text-align: right;\">{hooks.lines_of(unit):,}</td>" in built
+    assert "<!-- lines:" not in built
+
+
 def test_an_unknown_generated_table_stops_the_build(hooks: Any) -> None:
     from mkdocs.exceptions import PluginError
 

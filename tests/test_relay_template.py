@@ -21,7 +21,9 @@ import pytest
 
 from gateway.errors import GatewayError
 from gateway.stream.relay import Relay
+from gateway.stream.stats import Extra
 from gateway.stream.template import Template
+from gateway.upstream import dialects
 
 from conftest import FIXTURES
 
@@ -42,10 +44,11 @@ class Reads:
         pass
 
 
-def relay(reads: list[bytes], *, learn: int | None = None, choices: int = 1) -> tuple[bytes, dict[str, Any], int]:
-    """Relay ``reads``; return the client's bytes, the stats that do not depend on the clock, and how many events
-    went the full way (``_process``)."""
-    r = Relay(strip_usage_chunk=True, max_event_bytes=1 << 20, choices=choices)
+def relay(reads: list[bytes], *, learn: int | None = None, choices: int = 1,
+          extra: Extra | None = None) -> tuple[bytes, dict[str, Any], int]:
+    """Relay ``reads`` (from an upstream whose dialect is ``extra``; None: OpenAI's); return the client's bytes, the
+    stats that do not depend on the clock, and how many events went the full way (``_process``)."""
+    r = Relay(strip_usage_chunk=True, max_event_bytes=1 << 20, choices=choices, extra=extra)
     if learn is not None:
         r.LEARN = learn
         r._learn = learn
@@ -73,16 +76,16 @@ def relay(reads: list[bytes], *, learn: int | None = None, choices: int = 1) -> 
     raised = asyncio.run(go())
     stats = r.stats
     figures: dict[str, Any] = {"raised": raised}
-    figures |= {name: getattr(stats, name) for name in ("token_chunks", "usage", "time_info", "done", "finished",
+    figures |= {name: getattr(stats, name) for name in ("token_chunks", "usage", "timings", "done", "finished",
                                                         "complete", "error")}
     figures["timed"] = (stats.t_first_token is None, stats.t_last_token is None)
     return b"".join(out), figures, full
 
 
-def both(reads: list[bytes], choices: int = 1) -> int:
+def both(reads: list[bytes], choices: int = 1, extra: Extra | None = None) -> int:
     """Assert both paths agree on ``reads``; return the events the shipped path parsed."""
-    fast_out, fast, parsed = relay(reads, choices=choices)
-    full_out, full, _ = relay(reads, learn=0, choices=choices)
+    fast_out, fast, parsed = relay(reads, choices=choices, extra=extra)
+    full_out, full, _ = relay(reads, learn=0, choices=choices, extra=extra)
     assert fast_out == full_out
     assert fast == full
     return parsed
@@ -148,6 +151,22 @@ def test_recorded_refusal_and_tool_call_streams_take_the_fast_path() -> None:
     for name in ("openai_chat_stream_refusal", "openai_chat_stream_tool_call", "cerebras_chat_stream_tool_call"):
         events = per_event((FIXTURES / f"{name}.body").read_bytes())
         assert both(events) <= len(events) // 2, name
+
+
+@pytest.mark.parametrize(("name", "dialect", "read"), [
+    ("groq_chat_stream_text", "groq", "usage"),                 # x_groq.usage on the last chunk
+    ("llamacpp_chat_stream_reasoning", "vllm", "usage"),        # llama-server's timings.predicted_n
+    ("cerebras_chat_stream_text", "cerebras", "timings"),        # time_info on the finish chunk
+])
+def test_the_member_a_dialect_adds_is_read_on_both_paths(name: str, dialect: str, read: str) -> None:
+    """The member an upstream's dialect adds to OpenAI's chunks is read whether its chunk came after template chunks
+    or not; an upstream of another dialect is read for OpenAI's members alone."""
+    events = per_event((FIXTURES / f"{name}.body").read_bytes())
+    both(events, extra=dialects.DIALECTS[dialect])
+    _, figures, _ = relay(events, extra=dialects.DIALECTS[dialect])
+    assert figures[read] is not None
+    _, as_openai, _ = relay(events, extra=dialects.DIALECTS["openai"])
+    assert as_openai["timings"] is None and (read == "timings" or as_openai["usage"] is None)
 
 
 def test_plain_text_streams_past_the_first_token_chunk_are_not_parsed() -> None:

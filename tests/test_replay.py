@@ -348,14 +348,14 @@ def test_openais_401_to_the_gateways_key_is_a_502_without_its_words(openai_stack
 
 
 @pytest.mark.parametrize(("name", "output_tokens"), [
-    ("groq_chat_stream_text", 73),                    # x_groq.usage on the last chunk
-    ("llamacpp_chat_stream_reasoning", 82),           # timings.predicted_n
     ("cerebras_chat_stream_text", 35),                # usage on the finish_reason chunk
     ("openai_chat_stream_include_usage_length", 100),  # the choices: [] usage chunk
     ("vllm_chat_stream", None),                       # no usage at all: counted as missing, never invented
     ("ollama_openai_compat_chat_stream", None),
 ])
-def test_usage_is_read_wherever_the_dialect_puts_it(stack: Stack, name: str, output_tokens: int | None) -> None:
+def test_usage_is_read_wherever_openais_shape_puts_it(stack: Stack, name: str, output_tokens: int | None) -> None:
+    """OpenAI's ``usage`` member, on a usage chunk or a finish chunk, through an ``openai``-dialect upstream; the
+    members other dialects add (``x_groq``, llama-server's ``timings``): tests/test_dialects.py."""
     body = {"model": "gpt-5.6", "stream": True, "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": f"x [[emulate transcript={name} tps=5000 ttft_ms=1]]"}]}
     lab = {"tier": "standard", "model": "gpt-5.6"}

@@ -8,7 +8,7 @@ Shape (see ``config/gateway.yaml`` for a commented example)::
         tier: fast
         base_url: https://api.cerebras.ai/v1
         api_key_env: CEREBRAS_API_KEY # name of the env var holding the key; null = no key
-        dialect: cerebras             # openai | cerebras | vllm | groq: gateway.upstream.dialects
+        dialect: cerebras             # one of gateway.config.upstreams.Dialect (gateway.upstream.dialects)
         timeouts: {connect: 5, idle: 60, total: 600}   # seconds
         models: {gpt-oss-120b: gpt-oss-120b}           # client-facing name -> upstream model id
         prices: {input: 0.35, cached_input: 0.1, output: 0.75}   # USD per million tokens (optional)

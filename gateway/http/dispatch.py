@@ -27,7 +27,7 @@ from gateway.errors import ConfigError, Unauthorized
 from gateway.http.errors import error_response
 from gateway.http.websocket import Sockets
 from gateway.observability import logs
-from gateway.observability.recorder import request_id
+from gateway.observability.recorder import unauthorized
 from gateway.pipeline.chat import KINDS
 from gateway.pipeline.exchange import KEY_SCOPE
 from gateway.pipeline.gateway import Gateway
@@ -153,13 +153,9 @@ class HotPath:
 
     async def _unauthorized(self, exc: Unauthorized, scope: Scope, receive: Receive, send: Send) -> None:
         """A ``/v1`` request without a known gateway key: OpenAI's 401, before its body is read (so the connection
-        closes after it); counted and logged by reason, never with the key."""
-        self.gateway.metrics.auth_failures.labels(exc.reason).inc()
-        logs.event("auth_failed", reason=exc.reason, method=scope["method"], path=scope["path"])
-        rid = request_id(dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1") or None)
-        if logs.wanted("client_error"):  # its request line, as every /v1 request has (no key name: it has none)
-            logs.request({"request_id": rid, "method": scope["method"], "path": scope["path"], "status": exc.status,
-                          "outcome": "client_error", "key": None, "error": exc.code, "reason": exc.reason})
+        closes after it); recorded by reason (``gateway.observability.recorder.unauthorized``), never with the key."""
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1") or None
+        rid = unauthorized(self.gateway.metrics, exc, scope["method"], scope["path"], given)
         response = error_response(exc, {"www-authenticate": 'Bearer realm="tiergate"', "connection": "close",
                                         "x-request-id": rid})
         await response(scope, receive, send)

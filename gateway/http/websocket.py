@@ -19,8 +19,7 @@ from collections.abc import Callable
 from starlette.types import Receive, Scope, Send
 
 from gateway.errors import GatewayDraining, GatewayError, RateLimited, Unauthorized, UnknownURL
-from gateway.observability import logs
-from gateway.observability.recorder import request_id
+from gateway.observability.recorder import request_id, unauthorized
 from gateway.pipeline.gateway import Gateway
 from gateway.pipeline.websocket import POLICY, SERVER_ERROR, SocketSession
 
@@ -72,7 +71,7 @@ class Sockets:
         except GatewayError as exc:
             return await self.deny(gateway, exc, scope, send)
         self.by_key[key_name] = self.by_key.get(key_name, 0) + 1
-        gateway.metrics.ws_sockets.inc()
+        gateway.metrics.socket_opened()
         reason = "error"
         try:
             await send({"type": "websocket.accept"})
@@ -93,17 +92,17 @@ class Sockets:
                 self.by_key[key_name] = left
             else:
                 self.by_key.pop(key_name, None)
-            gateway.metrics.ws_sockets.dec()
-            gateway.metrics.ws_closes.labels(reason).inc()
+            gateway.metrics.socket_closed(reason)
 
     async def deny(self, gateway: Gateway, exc: GatewayError, scope: Scope, send: Send) -> None:
         """Refuse the handshake with ``exc``'s status and envelope (or, without the extension, a 1008 close)."""
         reason = {401: "unauthorized", 429: "sockets_per_key", 503: "draining"}.get(exc.status, "unknown_url")
-        gateway.metrics.ws_refusals.labels(reason).inc()
-        rid = request_id(dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1") or None)
+        gateway.metrics.socket_refused(reason)
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1") or None
         if isinstance(exc, Unauthorized):  # counted and logged as every refused /v1 request, never with the key
-            gateway.metrics.auth_failures.labels(exc.reason).inc()
-            logs.event("auth_failed", reason=exc.reason, method="GET", path=scope["path"], websocket=True)
+            rid = unauthorized(gateway.metrics, exc, "GET", scope["path"], given)
+        else:
+            rid = request_id(given)
         headers = {**exc.headers, "x-request-id": rid}
         if isinstance(exc, Unauthorized):
             headers["www-authenticate"] = 'Bearer realm="tiergate"'

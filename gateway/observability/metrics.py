@@ -29,7 +29,6 @@ requests. Labels are bounded: tier, upstream and model come from the config (unk
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -167,6 +166,20 @@ class Metrics:
                 self.est_speed.labels(upstream, model, "p50").set(est.speed.central)
                 self.est_speed.labels(upstream, model, "p10").set(est.speed.tail)
 
+    def socket_opened(self) -> None:
+        """A WebSocket-mode socket was accepted: a fact of the socket, not of one of its requests (each message is
+        recorded by its own recorder)."""
+        self.ws_sockets.inc()
+
+    def socket_closed(self, reason: str) -> None:
+        """A WebSocket-mode socket closed, for ``reason``."""
+        self.ws_sockets.dec()
+        self.ws_closes.labels(reason).inc()
+
+    def socket_refused(self, reason: str) -> None:
+        """A WebSocket-mode handshake was refused, for ``reason``."""
+        self.ws_refusals.labels(reason).inc()
+
     def session_ended(self, steps: int, seconds: float) -> None:
         """An agent session ended (idle past ``sessions.idle``, or pushed out of the table) after ``steps`` steps and
         ``seconds`` of wall-clock time: a fact of the sessions table, not of one request."""
@@ -188,9 +201,8 @@ class Metrics:
 
     def record(self, *, tier: str, upstream: str, model: str, outcome: str, stream: bool, duration: float,
                ttft: float | None = None, decode_time: float | None = None, token_chunks: int = 0,
-               usage: dict[str, Any] | None = None, time_info: dict[str, Any] | None = None,
-               processing_ms: str | None = None, estimated: bool = False,
-               service_tier: str | None = None) -> float | None:
+               usage: dict[str, Any] | None = None, timings: Mapping[str, float] | None = None,
+               estimated: bool = False, service_tier: str | None = None) -> float | None:
         """Record one finished client request (called exactly once per request); returns the cost it added (USD), or
         None (unpriced, or nothing billable).
 
@@ -198,7 +210,9 @@ class Metrics:
             duration: seconds from arrival to last byte; ttft: seconds to the first token (streams);
             decode_time: seconds from first to last token-bearing chunk; token_chunks: how many chunks carried
             tokens; usage: the upstream's usage object;
-            time_info: Cerebras ``time_info``; processing_ms: OpenAI's ``openai-processing-ms`` header;
+            timings: the upstream's own seconds by phase (``queue``, ``prompt``, ``completion``, ``total``), as
+            its dialect reads them (``gateway.upstream.dialects``: Cerebras' ``time_info``, OpenAI's
+            ``openai-processing-ms``);
             estimated: ``usage`` is the gateway's estimate (the relayed token chunks and the estimated prompt, for a
             stream without the upstream's usage): counted, priced and timed as the upstream's would be, every series
             labelled ``usage="estimated"``.
@@ -224,7 +238,9 @@ class Metrics:
             if (usage is None or estimated) and outcome == "success":
                 self.child(self.usage_missing, *labels).inc()
             cost = self._cost(labels, usage, model, source, service_tier)
-        self._reported(tier, upstream, time_info, processing_ms)
+        if timings:
+            for phase, seconds in timings.items():
+                self.child(self.upstream_reported, tier, upstream, phase).observe(seconds)
         return cost
 
     def record_passthrough(self, *, endpoint: str, tier: str, upstream: str, model: str, outcome: str,
@@ -286,16 +302,6 @@ class Metrics:
         if speed is not None:
             self.child(self.tpot, *labels, source).observe(1.0 / speed)
             self.child(self.tps, *labels, source).observe(speed)
-
-    def _reported(self, tier: str, upstream: str, time_info: dict[str, Any] | None, processing_ms: str | None) -> None:
-        if time_info:
-            for phase in ("queue", "prompt", "completion", "total"):
-                value = time_info.get(f"{phase}_time")
-                if isinstance(value, int | float) and value >= 0:
-                    self.child(self.upstream_reported, tier, upstream, phase).observe(value)
-        elif processing_ms:
-            with contextlib.suppress(ValueError):
-                self.child(self.upstream_reported, tier, upstream, "total").observe(float(processing_ms) / 1000.0)
 
 
 def decode_speed(decode_time: float, token_chunks: int, completion_tokens: int) -> float | None:

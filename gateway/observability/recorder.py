@@ -7,6 +7,8 @@ decision (:meth:`Recorder.decided`), each attempt (:meth:`Recorder.attempting`) 
 (:meth:`Recorder.spilled`, :meth:`Recorder.upstream_failed`, :meth:`Recorder.failed_over`), the first token and the
 usage (:meth:`Recorder.first_token`, :meth:`Recorder.usage`), and finally :meth:`Recorder.record`, exactly once.
 
+A request refused before it has a recorder (no known gateway key: :func:`unauthorized`) is recorded here too.
+
 Facts of the process rather than of one request stay with their owners: the circuit breakers' state
 (``gateway.routing.health``), the shared-state link (``gateway.state.link``) and the key ledger's gauges.
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.config.upstreams import SERVICE_TIERS, SPEED
+from gateway.errors import Unauthorized, UpstreamStatusError
 from gateway.observability import logs, tracing
 from gateway.observability.estimates import Estimates
 from gateway.observability.metrics import BILLABLE, Metrics
@@ -143,6 +146,18 @@ class Recorder:
             self._metrics.attempts.observe(tried)
             if reason is not None:
                 self._metrics.fallbacks.labels(decided_tier, self.tier, reason).inc()
+
+    def attempt_ended(self, span: Any, error: BaseException | None) -> None:
+        """An attempt ended, with ``error`` or None: its span (``attempt_span``; None: not traced) ends with it."""
+        if span is not None:
+            tracing.end_attempt(span, error)
+
+    def upstream_refused_key(self, tier: str, upstream: str, path: str, exc: UpstreamStatusError) -> None:
+        """``upstream`` answered ``exc`` (401 or 403) to the gateway's own credential for it at ``path``: the event
+        log's ``upstream_auth_failed``, with the upstream's words, keys masked (``logs.redact``)."""
+        logs.event("upstream_auth_failed", "warning", request_id=self.rid, upstream=upstream, tier=tier, path=path,
+                   status=exc.status, type=logs.redact(exc.error_type, 100),
+                   code=None if exc.code is None else logs.redact(exc.code, 100), message=logs.redact(exc.message))
 
     def upstream_failed(self, tier: str, upstream: str, reason: str) -> None:
         """An attempt on ``upstream`` failed with ``reason`` (``tiergate_upstream_errors_total``)."""
@@ -382,6 +397,20 @@ def slower(served: str, asked: str) -> bool:
 def tier_label(tier: str) -> str:
     """A service tier as a metric label: one of OpenAI's, else ``other`` (bounded)."""
     return tier if tier in SERVICE_TIERS else "other"
+
+
+def unauthorized(metrics: Metrics, exc: Unauthorized, method: str, path: str, given_id: str | None) -> str:
+    """A ``/v1`` request refused before a recorder was made for it (no known gateway key: ``exc``): counted by reason
+    (``tiergate_auth_failures_total``), in the event log and, when client errors are logged, with its request line
+    (no key name: it has none; never the key). Returns its request id (:func:`request_id` of ``given_id``, the
+    client's ``x-request-id``)."""
+    metrics.auth_failures.labels(exc.reason).inc()
+    logs.event("auth_failed", reason=exc.reason, method=method, path=path)
+    rid = request_id(given_id)
+    if logs.wanted("client_error"):
+        logs.request({"request_id": rid, "method": method, "path": path, "status": exc.status,
+                      "outcome": "client_error", "key": None, "error": exc.code, "reason": exc.reason})
+    return rid
 
 
 def request_id(given: str | None) -> str:

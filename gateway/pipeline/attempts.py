@@ -207,7 +207,7 @@ class Attempts:
         span, trace = ex.attempt_span(up, up.models.get(ex.model, ex.model))
         return Attempt(ex.via or self.transport, up, verdicts, self.health.clock, need_tokens=need, stream=ex.stream,
                        request_id=ex.rid, path=path, client_key=ex.headers.get("authorization"), span=span,
-                       trace=trace, blame=ex.blame)
+                       trace=trace, blame=ex.blame, recorder=ex)
 
     def answer_headers(self, ex: Exchange, decision: Decision, up: UpstreamConfig, reason: str | None,
                        answer: Answer) -> Headers:

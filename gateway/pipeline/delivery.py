@@ -55,9 +55,10 @@ class Delivery:
         made = draft(ex, up, facts)
         hold = None if attempt.first_token_by is not None else up.timeouts.idle  # no ttft: idle bounds the hold
         if made:
-            return BridgeRelay(made, max_event_bytes=limit, finish_grace=up.timeouts.finish_grace, hold_seconds=hold)
+            return BridgeRelay(made, max_event_bytes=limit, finish_grace=up.timeouts.finish_grace, hold_seconds=hold,
+                               extra=attempt.dialect)
         return Relay(strip_usage_chunk=strip_usage, max_event_bytes=limit, responses=ex.kind == "responses",
-                     choices=facts.n, finish_grace=up.timeouts.finish_grace, hold_seconds=hold)
+                     choices=facts.n, finish_grace=up.timeouts.finish_grace, hold_seconds=hold, extra=attempt.dialect)
 
     async def deliver(self, ex: Exchange, attempt: Attempt, answer: Answer, headers: Headers, relay: Relay,
                       decision: Decision, facts: RequestFacts) -> None:
@@ -151,16 +152,16 @@ class Delivery:
         up, made = attempt.upstream, draft(ex, attempt.upstream, facts)
         response = whole_response(parsed, made) if made else None  # UpstreamBadResponse: no completion
         attempt.ok()
-        usage, time_info = parsed.get("usage"), parsed.get("time_info")
+        usage, dialect = parsed.get("usage"), attempt.dialect
         usage = chat_usage(usage) if isinstance(usage, dict) else None
+        _, timings = dialect.member_facts(parsed.get(dialect.member)) if dialect.member else (None, None)
         ex.usage(attempt.span, usage, parsed.get("model"))
         if facts.max_tokens is None and usage is not None and isinstance(completion := usage.get("completion_tokens"),
                                                                           int):
             ex.completed(decision.rule, decision.model, completion)
         ex.status = 200  # before the record: the log line names the status answered
-        ex.record("success", usage=usage,
-                  time_info=time_info if isinstance(time_info, dict) else None,
-                  processing_ms=answer.headers.get("openai-processing-ms"), served_tier=served_tier(parsed))
+        ex.record("success", usage=usage, timings=timings or dialect.answer_timings(answer.headers),
+                  served_tier=served_tier(parsed))
         if ex.kind == "responses":  # kept before the answer leaves: the client's next turn may follow at once
             await self.conversations.keep_whole(ex, facts, up, parsed, response)
         await ex.whole(200, data if response is None else dumps(response), headers)

@@ -182,7 +182,7 @@ class Exchange(Recorder):
         first, last = stats.t_first_token, stats.t_last_token
         return {"ttft": first - self.t0 if first is not None else None,
                 "decode_time": last - first if first is not None and last is not None else None,
-                "token_chunks": stats.token_chunks, "usage": stats.usage, "time_info": stats.time_info,
+                "token_chunks": stats.token_chunks, "usage": stats.usage, "timings": stats.timings,
                 "served_tier": stats.service_tier}
 
     def route_headers(self, tier: str, upstream: str, rule: str, fallback: str | None) -> Headers:

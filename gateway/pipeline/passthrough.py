@@ -171,7 +171,7 @@ class Passthrough:
             body = upload if upload is not None else with_model(raw, facts, cand)
             async with Attempt(self.transport, up, UNTRACKED, self.health.clock, need_tokens=0, stream=False,
                                request_id=ex.rid, path=target, method=method, forward=ex.headers,
-                               client_key=ex.headers.get("authorization")) as attempt:
+                               client_key=ex.headers.get("authorization"), recorder=ex) as attempt:
                 try:
                     answer = await answers.send(attempt, body, upload)
                     await answers.relay(ex, attempt, answer, decision, plan.reason, method, self.owners)

@@ -66,7 +66,7 @@ from gateway.responses.request import _dict, _list
 from gateway.responses.whole import _INCOMPLETE, Draft, _content_text, _logprobs, _str, custom_input, response_usage
 from gateway.stream.relay import Relay
 from gateway.stream.sse import SSEEvent
-from gateway.stream.stats import Write, delta_has_token
+from gateway.stream.stats import Extra, Write, delta_has_token
 from gateway.wire.body import dumps, loads
 
 
@@ -141,9 +141,9 @@ class BridgeRelay(Relay):
     """
 
     def __init__(self, draft: Draft, *, max_event_bytes: int, finish_grace: float,
-                 hold_seconds: float | None = None) -> None:
+                 hold_seconds: float | None = None, extra: Extra | None = None) -> None:
         super().__init__(strip_usage_chunk=True, max_event_bytes=max_event_bytes, finish_grace=finish_grace,
-                         hold_seconds=hold_seconds)
+                         hold_seconds=hold_seconds, extra=extra)
         self.draft = draft
         self.response: dict[str, Any] | None = None
         self._seq = 0

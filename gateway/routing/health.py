@@ -407,7 +407,7 @@ class Untracked:
     def finish(self) -> None:
         """Nothing to give back."""
 
-    def observe_headers(self, headers: Mapping[str, str], now: float, mark: Any = None) -> None:
+    def observe_report(self, report: dict[str, tuple[float, float]], now: float, mark: Any = None) -> None:
         """Nothing is read."""
 
     def settle(self, exc: GatewayError | None, now: float, need_tokens: int = 0, source: str | None = None) -> None:

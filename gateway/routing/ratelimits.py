@@ -1,6 +1,9 @@
-"""Rate-limit headers as OpenAI and Cerebras send them: reset durations (``6m0s``, ``120ms``, Cerebras' float seconds),
-retry hints (``retry-after-ms``, ``retry-after``), the tightest window of each kind an answer reports, and how long a
-429 asks to wait. Pure code over a header mapping."""
+"""Rate-limit headers, read in every form the upstreams send them (each dialect's module says which its upstreams
+send): reset durations (``6m0s``, ``120ms``, ``2m59.56s``) or float seconds (``1.5``), windows with or without a
+period suffix (``-tokens``, ``-tokens-minute``, ``-requests-day``), retry hints (``retry-after-ms``,
+``retry-after``); the tightest window of each kind an answer reports, and how long a 429 asks to wait. Pure code
+over a header mapping. One reader for every dialect, on purpose: docs/architecture.md#general-readers (the dialects
+call it, ``gateway.upstream.dialects.base.Dialect.quota_report`` and ``retry_wait``, and may override)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 
 @functools.lru_cache(maxsize=1024)  # one per answer with rate-limit headers; the values repeat ("6m0s", "1ms", ...)
 def parse_reset(value: str) -> float | None:
-    """Seconds from a rate-limit reset header: ``1.5`` (Cerebras), ``6m0s``, ``120ms``, ``1m19.156s`` (OpenAI)."""
+    """Seconds from a rate-limit reset header: float seconds (``1.5``) or a Go-style duration (``6m0s``, ``120ms``,
+    ``1m19.156s``); None for anything else."""
     value = value.strip()
     try:
         seconds = float(value)
@@ -49,7 +53,7 @@ def parse_retry_after(headers: Mapping[str, str]) -> float | None:
 def quota_report(headers: Mapping[str, str]) -> dict[str, tuple[float, float]]:
     """The tightest window of each kind an answer's ``x-ratelimit-remaining-*`` / ``-reset-*`` headers report:
     ``{"requests" | "tokens": (remaining, seconds to its reset)}``; a window without a readable reset is taken for
-    the per-minute one both OpenAI and Cerebras use (60 s)."""
+    the per-minute one every upstream that sends these headers has (60 s)."""
     seen: dict[str, tuple[float, float]] = {}
     for name, value in headers.items():
         if not name.startswith("x-ratelimit-remaining-"):
@@ -71,8 +75,8 @@ def quota_report(headers: Mapping[str, str]) -> dict[str, tuple[float, float]]:
 def retry_wait(headers: Mapping[str, str]) -> float | None:
     """Seconds a 429 asks to wait: its retry hint, else the reset of the window it exhausted, else None.
 
-    Cerebras answers 429 with ``x-ratelimit-reset-requests-minute`` / ``-tokens-minute`` (float seconds) and no
-    ``retry-after`` (its rate-limit docs). The windows whose ``x-ratelimit-remaining-*`` is 0 decide (the longest
+    Some upstreams answer 429 with ``x-ratelimit-reset-*`` and no ``retry-after`` (Cerebras' rate-limit docs: float
+    seconds per minute and per day). The windows whose ``x-ratelimit-remaining-*`` is 0 decide (the longest
     of them); with no remaining counts at all, the soonest reset (a daily window's reset is hours away and says
     nothing about which window ran out).
     """

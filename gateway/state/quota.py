@@ -31,7 +31,12 @@ class SharedVerdicts:
             self.shared.landed(self.local.name, self.admission.member)
 
     def observe_headers(self, headers: Mapping[str, str], now: float, mark: Any = None) -> None:
-        report = quota_report(headers)
+        """:meth:`observe_report` of ``headers`` read by the general reader (``gateway.routing.ratelimits``)."""
+        self.observe_report(quota_report(headers), now, mark)
+
+    def observe_report(self, report: dict[str, tuple[float, float]], now: float, mark: Any = None) -> None:
+        """An answer's rate-limit report (as its dialect read it), told to the local health and the shared
+        estimate."""
         self.local.observe_report(report, now, mark)
         self.reported = True
         self.shared.observed(self.local, report, self.admission)

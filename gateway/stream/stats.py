@@ -1,8 +1,9 @@
 """What a relayed stream is made of and what is measured of it: the body the relay reads (:class:`StreamBody`), the
 write it answers with (:data:`Write`), when a chunk carries a token (:func:`has_token`: content, refusal, reasoning or
 a tool-call delta, never a role-only chunk), the figures of one stream (:class:`StreamStats`: first and last token
-times, token-bearing chunks, usage, the upstream's own timing, how it ended), and the token-bearing events of a stream
-relayed untouched (:class:`EventTally`: the passthrough's)."""
+times, token-bearing chunks, usage, the upstream's own timing, how it ended), the token-bearing events of a stream
+relayed untouched (:class:`EventTally`: the passthrough's), and what an upstream kind adds to OpenAI's chunks
+(:class:`Extra`: its dialect's)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,22 @@ def has_token(choices: Any) -> bool:
     return type(choices) is list and any(type(c) is dict and delta_has_token(c.get("delta")) for c in choices)
 
 
+class Extra(Protocol):
+    """What an upstream kind adds to OpenAI's chunks: the one top-level member in which its streams (and whole answers)
+    report usage or timings of their own, and what that member's value says. The relay is given the upstream's
+    dialect (``gateway.upstream.dialects.base.Dialect``) as one; without it, a stream is read as OpenAI's."""
+
+    @property
+    def member(self) -> str | None:
+        """The member's name (each dialect's module names its own), or None: nothing beyond OpenAI's members."""
+        ...
+
+    def member_facts(self, value: Any) -> tuple[dict[str, Any] | None, dict[str, float] | None]:
+        """What the member's ``value`` says: (usage in the chat shape, or None; the upstream's own seconds by phase
+        (``queue``, ``prompt``, ``completion``, ``total``), or None). Never raises for an odd value."""
+        ...
+
+
 class StreamBody(Protocol):
     """What the relay reads: an upstream response body (``gateway.upstream.client.UpstreamResponse``, or a fake)."""
 
@@ -61,9 +78,10 @@ class StreamStats:
     Attributes:
         t_first_token / t_last_token: arrival of the first / last token-bearing chunk, or None.
         token_chunks: token-bearing chunks received.
-        usage: the last ``usage`` object seen (OpenAI/Azure usage chunk, Cerebras finish chunk,
-            ``x_groq.usage``, or llama.cpp ``timings`` mapped to prompt/completion tokens), or None.
-        time_info: Cerebras' ``time_info`` (seconds), or None.
+        usage: the last ``usage`` object seen (OpenAI's usage chunk, or a finish chunk that carries one), else the
+            usage its dialect's member reports (:class:`Extra`), or None.
+        timings: the upstream's own seconds by phase, as its dialect's member reports them (:class:`Extra`), or
+            None.
         done: the stream's end was sent to the client: ``[DONE]``, or a Responses API terminal event
             (``response.completed``, ``response.incomplete``, ``response.failed``).
         finished: every choice has its ``finish_reason`` (chat streams): the answer is complete.
@@ -77,7 +95,7 @@ class StreamStats:
             ``Relay.tail``, is counted but never reached it: not a whole answer, whatever ``finished`` says).
     """
 
-    __slots__ = ("t_first_token", "t_last_token", "token_chunks", "usage", "time_info", "done", "finished",
+    __slots__ = ("t_first_token", "t_last_token", "token_chunks", "usage", "timings", "done", "finished",
                  "complete", "error", "response_id", "error_event", "service_tier", "left_early")
 
     def __init__(self) -> None:
@@ -85,7 +103,7 @@ class StreamStats:
         self.t_last_token: float | None = None
         self.token_chunks = 0
         self.usage: dict[str, Any] | None = None
-        self.time_info: dict[str, Any] | None = None
+        self.timings: dict[str, float] | None = None
         self.done = False
         self.finished = False
         self.complete = False

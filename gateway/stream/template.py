@@ -27,10 +27,10 @@ class Template:
     An ordinary chunk is one SSE event ``data: <json>\\n\\n`` whose ``choices`` hold one choice with no
     ``finish_reason`` and a ``delta`` of one text member (``content``, ``reasoning_content``, ``reasoning`` or
     ``refusal``: a token when not empty) or of one tool call's ``function.arguments`` (``always``: a token even
-    when empty), and nothing that :meth:`Relay._process` looks at more closely (usage, an error, ``x_groq``, ...).
-    ``head`` is its bytes up to the text's opening quote, ``mid`` from the text's closing quote to the end of the
-    event or, when the chunk ends with OpenAI's ``"obfuscation":"<ASCII letters and digits>"`` (a value that changes
-    every chunk, sometimes empty), to that value's opening quote (``wild``).
+    when empty), and nothing that :meth:`Relay._process` looks at more closely (usage, an error, the member its
+    dialect adds, ...). ``head`` is its bytes up to the text's opening quote, ``mid`` from the text's closing quote
+    to the end of the event or, when the chunk ends with OpenAI's ``"obfuscation":"<ASCII letters and digits>"`` (a
+    value that changes every chunk, sometimes empty), to that value's opening quote (``wild``).
 
     Why a match is safe: an event that is ``head`` + ``text`` + ``mid`` (+ an obfuscation value and ``"}``), where
     ``text`` holds no unescaped quote, no line break and ends on no escaping backslash, tokenises as JSON exactly

@@ -3,13 +3,13 @@
 It answers in two ways:
 
 * **like a model** (the default): it streams ``/v1/chat/completions`` with one SSE event per token (or
-  ``per_chunk`` tokens per event) at a set rate after a set time to first token, in its dialect's profile: OpenAI
-  (role chunk, content chunks, finish chunk, a ``choices: []`` usage chunk only with
-  ``stream_options.include_usage``, ``[DONE]``), vLLM (the same), Groq (the same, and ``x_groq.usage`` on the
-  finish chunk) or Cerebras (usage and ``time_info`` on the finish chunk, no ``[DONE]``); answers non-streaming
-  requests after the same simulated generation time (OpenAI: with an ``openai-processing-ms`` header); serves
-  ``/v1/responses`` the same way (OpenAI only: the gateway bridges the others; a ``previous_response_id`` it did
-  not make is a 400 ``previous_response_not_found``, as OpenAI's;
+  ``per_chunk`` tokens per event) at a set rate after a set time to first token, in its dialect's profile
+  (:data:`PROFILES`, one row per dialect): OpenAI (role chunk, content chunks, finish chunk, a ``choices: []`` usage
+  chunk only with ``stream_options.include_usage``, ``[DONE]``), vLLM (the same), Groq (the same, and
+  ``x_groq.usage`` on the finish chunk) or Cerebras (usage and ``time_info`` on the finish chunk, no ``[DONE]``);
+  answers non-streaming requests after the same simulated generation time (OpenAI: with an ``openai-processing-ms``
+  header); serves ``/v1/responses`` the same way (OpenAI only: the gateway bridges the others; a
+  ``previous_response_id`` it did not make is a 400 ``previous_response_not_found``, as OpenAI's;
   ``GET`` / ``DELETE /v1/responses/{id}`` read and remove the responses it made; ``GET /v1/responses`` upgraded to a
   WebSocket serves its WebSocket mode: ``gateway.tools.emulator_ws``);
   acts enough like a model for agents to run (tool calls, JSON answers, ``n``, token limits: :class:`Generation`);
@@ -33,7 +33,8 @@ per_chunk     tokens per SSE event (default 1)
 usage         ``none``: report no usage at all
 served_tier   the ``service_tier`` an OpenAI-dialect answer says it served (default: the one asked, ``auto``:
               ``default``)
-done          ``0``/``1``: end with ``data: [DONE]`` (default: openai 1, cerebras 0)
+done          ``0``/``1``: end with ``data: [DONE]`` (default: the dialect's profile, cerebras 0, the others 1)
+dialect       answer in this dialect's profile instead of the emulator's own
 transcript    replay NAME.body from the fixtures folder (status and content-type from NAME.json)
 status        answer this HTTP status with an OpenAI error body (``retry_after_ms`` adds the header)
 drop_after    after N events, reset the connection; stall_after: after N events, go silent
@@ -49,10 +50,10 @@ request (an upstream that starts queueing mid-test); ``GET /emulator/config`` sh
 With ``tokens_per_minute`` (``--tokens-per-minute``, or ``{"tokens_per_minute": N}`` on the admin endpoint; 0 turns
 it off) the emulator keeps one per-minute token budget for everyone who calls it, as OpenAI and Cerebras do per
 organisation: each chat-completions or Responses request is charged when it arrives (its messages' JSON bytes / 4,
-plus its ``max_tokens``), every answer reports what is left in the dialect's rate-limit headers (OpenAI:
-``x-ratelimit-*-tokens`` with resets such as ``12.5s``; Cerebras: ``x-ratelimit-*-tokens-minute`` in seconds), and a
-request the rest does not cover is answered 429. The window starts with the first request and restarts a minute
-after it started.
+plus its ``max_tokens``), every answer reports what is left in the dialect's rate-limit headers (OpenAI's form:
+``x-ratelimit-*-tokens`` with resets such as ``12.5s``; Cerebras': ``x-ratelimit-*-tokens-minute`` in seconds), and a
+request the rest does not cover is answered 429 in the dialect's error shape. The window starts with the first request
+and restarts a minute after it started.
 
 With ``timing_log`` (``tiergate emulate --timing-log FILE``) every streamed answer appends one JSON line when it
 ends: ``{"rid", "received", "first_token", "last_token", "token_chunks"}``, times from ``time.perf_counter()``
@@ -144,6 +145,68 @@ class EmulatorConfig:
         """Defaults per tier: fast 750 tokens/s, 50 ms TTFT, Cerebras dialect; standard 50 tokens/s, 400 ms, OpenAI."""
         base = cls() if tier == "fast" else cls(tps=50.0, ttft=0.4, dialect="openai")
         return cls(**{**base.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
+
+def _openai_429(budget: int, spent: int, cost: int) -> bytes:
+    return orjson.dumps({"error": {
+        "message": f"Rate limit reached for tokens per min (TPM): Limit {budget}, Used {spent}, Requested {cost}.",
+        "type": "tokens", "param": None, "code": "rate_limit_exceeded"}})
+
+
+def _x_groq(gen: Generation) -> bytes:
+    return b',"x_groq":{"id":"req_' + gen.id[-26:] + b'","usage":' + orjson.dumps(gen._usage()) + b"}"
+
+
+def _groq_whole(gen: Generation) -> dict[str, Any]:
+    return {"x_groq": {"id": "req_" + gen.id.decode()[-26:]}}
+
+
+def _cerebras_finish(gen: Generation) -> bytes:
+    return b',"usage":' + orjson.dumps(gen._usage()) + b',"time_info":' + orjson.dumps(gen._time_info())
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How the upstreams of one dialect answer, as the emulator plays them: one row of :data:`PROFILES` per dialect
+    (the names ``gateway.config.upstreams.Dialect`` admits; a new dialect adds its row, and tests/test_dialects.py
+    fails while one is missing). The defaults are OpenAI's.
+
+    Attributes:
+        responses: serves ``/v1/responses`` itself; else 404 (the gateway bridges the Responses API to it).
+        openai_chunks: OpenAI's chunk shape (a role chunk with ``content: ""`` and ``refusal: null``, a
+            ``finish_reason`` member on every chunk, a ``choices: []`` usage chunk only when
+            ``stream_options.include_usage`` asks, and ``usage: null`` on the other chunks then); False: Cerebras'
+            (a bare role chunk, ``finish_reason`` on the finish chunk alone, no separate usage chunk).
+        done: a stream ends with ``data: [DONE]`` (the ``done`` directive overrides it).
+        finish: what the last finish chunk carries after its ``choices``, given the answer, when usage is reported.
+        whole: the members a whole answer adds, given the answer.
+        processing_ms: a whole answer has an ``openai-processing-ms`` header (whole milliseconds).
+        window: the period suffix of the rate-limit headers of its token budget (``-minute``), or none.
+        reset: how their reset is written: a Go-style duration (``%.3fs``) or float seconds (``%.3f``).
+        refusal: the body of the 429 its exhausted token budget answers, given (budget, spent, cost) in tokens.
+        service_tier: its answers say the ``service_tier`` that served them (every chunk, a whole answer, a Response).
+    """
+
+    responses: bool = False
+    openai_chunks: bool = True
+    done: bool = True
+    finish: Callable[[Generation], bytes] = lambda gen: b""
+    whole: Callable[[Generation], dict[str, Any]] = lambda gen: {}
+    processing_ms: bool = False
+    window: bytes = b""
+    reset: bytes = b"%.3fs"
+    refusal: Callable[[int, int, int], bytes] = _openai_429
+    service_tier: bool = False
+
+
+PROFILES: dict[str, Profile] = {
+    "openai": Profile(responses=True, processing_ms=True, service_tier=True),
+    "vllm": Profile(),
+    "groq": Profile(finish=_x_groq, whole=_groq_whole),
+    "cerebras": Profile(openai_chunks=False, done=False, finish=_cerebras_finish,
+                        whole=lambda gen: {"time_info": gen._time_info()}, window=b"-minute", reset=b"%.3f",
+                        refusal=lambda budget, spent, cost: _TPM),
+}
+
 
 @dataclass
 class Plan:
@@ -349,12 +412,13 @@ class EmulatorProtocol(asyncio.Protocol):
                                                      "param": None, "code": None}}))
 
     def _upgraded(self, rest: bytes) -> None:
-        """httptools stopped at a WebSocket handshake: the Responses API's WebSocket mode (OpenAI dialect only), the
-        connection's from now on (``rest``: bytes that came after the handshake)."""
+        """httptools stopped at a WebSocket handshake: the Responses API's WebSocket mode (a dialect whose profile
+        serves the Responses API: OpenAI's), the connection's from now on (``rest``: bytes that came after the
+        handshake)."""
         req, self.upgrade = self.upgrade, None
         if self.upgrade_played:
             return  # its plan answers; nothing more is read on this connection
-        if req is None or self.cfg.dialect != "openai":
+        if req is None or not PROFILES[self.cfg.dialect].responses:
             self._reply(404, b'{"message":"Not Found","type":"not_found_error","param":"","code":"not_found"}')
             self._close()
             return
@@ -402,7 +466,7 @@ class EmulatorProtocol(asyncio.Protocol):
         raw = b"".join(req.body)
         body = orjson.loads(raw)
         d = _directives(raw)
-        if path.endswith(b"/responses") and d.get("dialect", self.cfg.dialect) != "openai":
+        if path.endswith(b"/responses") and not PROFILES[d.get("dialect", self.cfg.dialect)].responses:
             # Cerebras' API serves chat completions only, and the others' Responses API is partial: the gateway
             # bridges the Responses API to them (gateway.config.upstreams.DIALECT_SURFACES)
             self._reply(404, b'{"message":"Not Found","type":"not_found_error","param":"","code":"not_found"}')
@@ -461,17 +525,12 @@ class EmulatorProtocol(asyncio.Protocol):
         fits = spent + cost <= budget
         emu.window = (start, spent + cost if fits else spent)
         left, reset = budget - emu.window[1], start + 60.0 - now
-        if self.cfg.dialect != "cerebras":  # OpenAI's form; Groq's and vLLM's proxies copy it
-            names, when = (b"x-ratelimit-limit-tokens", b"x-ratelimit-remaining-tokens",
-                           b"x-ratelimit-reset-tokens"), b"%.3fs" % reset
-        else:
-            names, when = (b"x-ratelimit-limit-tokens-minute", b"x-ratelimit-remaining-tokens-minute",
-                           b"x-ratelimit-reset-tokens-minute"), b"%.3f" % reset
-        self.rate_headers = [(names[0], b"%d" % budget), (names[1], b"%d" % left), (names[2], when)]
+        profile = PROFILES[self.cfg.dialect]
+        self.rate_headers = [(b"x-ratelimit-limit-tokens" + profile.window, b"%d" % budget),
+                             (b"x-ratelimit-remaining-tokens" + profile.window, b"%d" % left),
+                             (b"x-ratelimit-reset-tokens" + profile.window, profile.reset % reset)]
         if not fits:
-            self._reply(429, _TPM if self.cfg.dialect == "cerebras" else orjson.dumps({"error": {
-                "message": f"Rate limit reached for tokens per min (TPM): Limit {budget}, Used {spent}, Requested "
-                           f"{cost}.", "type": "tokens", "param": None, "code": "rate_limit_exceeded"}}))
+            self._reply(429, profile.refusal(budget, spent, cost))
         return fits
 
     def _admin(self, req: _Request) -> None:
@@ -830,7 +889,7 @@ class Generation:
         self.proto = proto
         self.body = body
         self.d = d
-        self.dialect = d.get("dialect", cfg.dialect)
+        self.profile = PROFILES[d.get("dialect", cfg.dialect)]
         self.tps = float(d.get("tps", cfg.tps))
         self.ttft = float(d.get("ttft_ms", cfg.ttft * 1000)) / 1000
         self.per_chunk = max(1, int(d.get("per_chunk", 1)))
@@ -932,12 +991,12 @@ class Generation:
                 "total_time": self.ttft + completion, "created": time.time()}
 
     def _chunk(self, choices: bytes, tail: bytes = b"") -> bytes:
-        tier = b'","service_tier":"' + self.served.encode() if self.dialect == "openai" else b""
+        tier = b'","service_tier":"' + self.served.encode() if self.profile.service_tier else b""
         return (b'data: {"id":"' + self.id + b'","object":"chat.completion.chunk","created":%d,"model":"' % self.created
                 + self.model + tier + b'","choices":[' + choices + b"]" + tail + b"}\n\n")
 
     def _choice(self, index: int, delta: bytes, finish: bytes = b"null") -> bytes:
-        if self.dialect != "cerebras":
+        if self.profile.openai_chunks:
             return b'{"index":%d,"delta":%s,"finish_reason":%s}' % (index, delta, finish)
         if finish == b"null":  # Cerebras omits finish_reason until the last chunk
             return b'{"delta":%s,"index":%d}' % (delta, index)
@@ -954,7 +1013,8 @@ class Generation:
         return b'{"tool_calls":[{"index":0,' + head + b"}]}"
 
     def _events(self, t0: float) -> list[tuple[float, bytes]]:
-        openai = self.dialect != "cerebras"  # vllm and groq stream OpenAI's shape (groq adds x_groq)
+        profile = self.profile
+        openai = profile.openai_chunks
         so = self.body.get("stream_options")
         include_usage = openai and self.with_usage and isinstance(so, dict) and so.get("include_usage") is True
         null_usage = b',"usage":null' if include_usage else b""
@@ -971,19 +1031,13 @@ class Generation:
             sent += n
         t_end = items[-1][0]
         finish = orjson.dumps(self.finish)
-        if openai:
-            x_groq = (b',"x_groq":{"id":"req_' + self.id[-26:] + b'","usage":' + orjson.dumps(self._usage()) + b"}"
-                      if self.dialect == "groq" and self.with_usage else b"")  # Groq: usage on the finish chunk
-            items += [(t_end, self._chunk(self._choice(c, b"{}", finish), null_usage + (x_groq if c == self.n - 1
-                                                                                       else b"")))
-                      for c in range(self.n)]
-            if include_usage:
-                items.append((t_end, self._chunk(b"", b',"usage":' + orjson.dumps(self._usage()))))
-        else:
-            tail = b',"usage":' + orjson.dumps(self._usage()) + b',"time_info":' + orjson.dumps(self._time_info())
-            items += [(t_end, self._chunk(self._choice(c, b"{}", finish), tail if self.with_usage and c == self.n - 1
-                                          else b"")) for c in range(self.n)]
-        if self.d.get("done", "1" if openai else "0") == "1":
+        tail = profile.finish(self) if self.with_usage else b""  # on the last choice's finish chunk
+        items += [(t_end, self._chunk(self._choice(c, b"{}", finish), null_usage + (tail if c == self.n - 1
+                                                                                   else b"")))
+                  for c in range(self.n)]
+        if include_usage:
+            items.append((t_end, self._chunk(b"", b',"usage":' + orjson.dumps(self._usage()))))
+        if self.d.get("done", "1" if profile.done else "0") == "1":
             items.append((t_end, b"data: [DONE]\n\n"))
         return items
 
@@ -1100,15 +1154,12 @@ class Generation:
             "choices": [{"index": c, "message": message, "logprobs": None, "finish_reason": self.finish}
                         for c in range(self.n)],
         }
-        if self.dialect == "openai":
+        if self.profile.service_tier:
             out["service_tier"] = self.served
         if self.with_usage:
             out["usage"] = self._usage()
-        if self.dialect == "groq":
-            out["x_groq"] = {"id": "req_" + self.id.decode()[-26:]}
-        if self.dialect == "cerebras":
-            out["time_info"] = self._time_info()
-        if self.dialect != "openai":
+        out.update(self.profile.whole(self))
+        if not self.profile.processing_ms:
             self.proto._reply(200, orjson.dumps(out))
             return
         # OpenAI reports its own processing time of a request, in whole milliseconds

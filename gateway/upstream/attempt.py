@@ -22,7 +22,7 @@ from gateway.errors import (
     UpstreamStatusError,
     UpstreamTimeout,
 )
-from gateway.observability import logs, tracing
+from gateway.observability.recorder import Recorder
 from gateway.routing.blame import Blame, request_shaped
 from gateway.upstream import dialects
 
@@ -73,7 +73,7 @@ class Verdicts(Protocol):
 
     def start(self, now: float, need_tokens: int) -> Any: ...
     def finish(self) -> None: ...
-    def observe_headers(self, headers: Mapping[str, str], now: float, mark: Any = None) -> None: ...
+    def observe_report(self, report: dict[str, tuple[float, float]], now: float, mark: Any = None) -> None: ...
     def settle(self, exc: GatewayError | None, now: float, need_tokens: int = 0,
                source: str | None = None) -> None: ...
     def retract(self, source: str) -> None: ...
@@ -94,7 +94,8 @@ class Attempt:
         says ``pass_client_key`` (else ignored: the client's key never reaches an upstream); span / trace: the
         attempt's trace span and the W3C Trace Context headers sent upstream (``gateway.observability.tracing``), or
         None; blame: whom a request-shaped failure is charged to (``gateway.routing.health.Blame``; None: nobody, the
-        upstream alone).
+        upstream alone); recorder: the request's (``gateway.observability.recorder.Recorder``), told how the attempt
+        ended (its span ends there) and a refused credential; None: nothing is recorded.
 
     Attributes:
         dialect: the upstream's (``gateway.upstream.dialects``): reads its error answers and error events.
@@ -107,8 +108,9 @@ class Attempt:
                  clock: Callable[[], float], *, need_tokens: int, stream: bool, request_id: str,
                  path: str, method: str = "POST", forward: Mapping[str, str] | None = None,
                  client_key: str | None = None, span: Any = None, trace: Mapping[str, str] | None = None,
-                 blame: Blame | None = None) -> None:
+                 blame: Blame | None = None, recorder: Recorder | None = None) -> None:
         self.upstream = upstream
+        self.recorder = recorder
         self.dialect = dialects.of(upstream)  # what its answers and errors mean
         self.blame = blame
         self.span = span  # the attempt's trace span (gateway.observability.tracing), or None
@@ -142,8 +144,8 @@ class Attempt:
                         tb: TracebackType | None) -> None:
         if isinstance(exc, GatewayError):
             self.failed(exc)
-        if self.span is not None:
-            tracing.end_attempt(self.span, exc or self._error)
+        if self.recorder is not None:
+            self.recorder.attempt_ended(self.span, exc or self._error)
         answer, self.answer = self.answer, None
         if answer is not None:
             if self._complete:
@@ -171,7 +173,7 @@ class Attempt:
         except TimeoutError as err:
             raise UpstreamTimeout(f"No first token from the upstream within {self.upstream.timeouts.ttft:g} s.",
                                   code="upstream_ttft_timeout") from err
-        self.health.observe_headers(answer.headers, self._clock(), self._mark)
+        self.health.observe_report(self.dialect.quota_report(answer.headers), self._clock(), self._mark)
         if answer.status != 200 and not (self._forward is not None and 200 <= answer.status < 300):
             if 300 <= answer.status < 400:  # a redirect to the upstream's own hosts, or a 304 to a request never
                 # made conditional: nothing a client of the gateway can follow or use
@@ -219,14 +221,13 @@ class Attempt:
         """Whose fault ``exc`` is: a 401 or 403 from an upstream that got the gateway's own key says that key is wrong
         or lacks access, so it becomes :class:`UpstreamAuthFailed` (502; failover; a breaker failure, as every request
         will fail the same way until an operator fixes the key), logged once as ``upstream_auth_failed`` with the
-        upstream's words, keys masked (``logs.redact``). From a ``pass_client_key`` upstream it was the client's own
-        key: kept, and relayed."""
+        upstream's words, keys masked (by its recorder: ``upstream_refused_key``). From a ``pass_client_key`` upstream
+        it was the client's own key: kept, and relayed."""
         if not isinstance(exc, UpstreamStatusError) or not exc.credential_refused or self.upstream.pass_client_key:
             return exc
         up = self.upstream
-        logs.event("upstream_auth_failed", "warning", request_id=self._rid, upstream=up.name, tier=up.tier,
-                   path=self._path.split("?", 1)[0], status=exc.status, type=logs.redact(exc.error_type, 100),
-                   code=None if exc.code is None else logs.redact(exc.code, 100), message=logs.redact(exc.message))
+        if self.recorder is not None:
+            self.recorder.upstream_refused_key(up.tier, up.name, self._path.split("?", 1)[0], exc)
         refused = UpstreamAuthFailed(up.name, exc.status, exc.code)
         refused.__cause__ = exc
         return refused

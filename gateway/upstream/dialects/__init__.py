@@ -1,15 +1,30 @@
-"""Upstream dialects, one module each (``base`` holds the interface); :func:`of` picks an upstream's."""
+"""Upstream dialects, one module each (``base`` holds the interface); :func:`of` picks an upstream's.
+
+Each module beside ``base`` holds one :class:`Dialect` subclass, found here by looking, so that adding a dialect is its
+own module (and its name in ``gateway.config.upstreams``): nothing here lists them.
+"""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from gateway.config.upstreams import UpstreamConfig
 from gateway.upstream.dialects.base import Dialect
-from gateway.upstream.dialects.cerebras import Cerebras
-from gateway.upstream.dialects.groq import Groq
-from gateway.upstream.dialects.openai import OpenAI
-from gateway.upstream.dialects.vllm import VLLM
 
-DIALECTS: dict[str, Dialect] = {d.name: d for d in (OpenAI(), Cerebras(), VLLM(), Groq())}
+
+def _found() -> dict[str, Dialect]:
+    """One instance of the :class:`Dialect` subclass each module of this package defines, by its ``name``."""
+    out: dict[str, Dialect] = {}
+    for module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base"):
+        loaded = importlib.import_module(f"{__name__}.{module}")
+        for value in vars(loaded).values():
+            if isinstance(value, type) and issubclass(value, Dialect) and value.__module__ == loaded.__name__:
+                out[value.name] = value()
+    return out
+
+
+DIALECTS: dict[str, Dialect] = _found()
 
 
 def of(upstream: UpstreamConfig) -> Dialect:

@@ -16,11 +16,15 @@ from typing import Any
 from gateway.upstream.dialects.base import Dialect
 from gateway.wire.body import dumps, loads_exact, needs_exact
 
+PHASES = ("queue", "prompt", "completion", "total")  # time_info's <phase>_time members, float seconds
+
 
 class Cerebras(Dialect):
-    """Cerebras Inference: OpenAI fields it rejects are dropped; usage is asked for (it sends it unasked too)."""
+    """Cerebras Inference: OpenAI fields it rejects are dropped; usage is asked for (it sends it unasked too); its
+    ``time_info`` is the upstream's own time."""
 
     name = "cerebras"
+    member = "time_info"
     prompt_cache_key = False  # an unknown property is a 422; its prompt cache is keyed by the prefix alone
     # the OpenAI fields its API answers 422 (an unknown property): dropped, the body re-serialised
     drop = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
@@ -44,3 +48,13 @@ class Cerebras(Dialect):
             if options or "stream_options" in out:
                 out["stream_options"] = options
         return dumps(out)
+
+    def member_facts(self, value: Any) -> tuple[dict[str, Any] | None, dict[str, float] | None]:
+        """``time_info`` (``queue_time``, ``prompt_time``, ``completion_time``, ``total_time``: float seconds; Cerebras'
+        chat-completions reference) as the upstream's seconds by phase; a phase that is no number, or negative, is
+        left out. Its usage is OpenAI's ``usage`` member, beside it."""
+        if not isinstance(value, dict):
+            return None, None
+        found = {phase: float(v) for phase in PHASES if isinstance(v := value.get(f"{phase}_time"), int | float)
+                 and not isinstance(v, bool) and v >= 0}
+        return None, found or None

@@ -32,6 +32,7 @@ class Groq(Dialect):
     tier is the upstream's trouble, not the client's."""
 
     name = "groq"
+    member = "x_groq"
     prompt_cache_key = False  # Groq's prompt cache is keyed by the prefix alone; the field is not in its API
 
     def body(self, raw: bytes, body: Mapping[str, Any], upstream_model: str, ask_usage: bool) -> bytes:
@@ -41,6 +42,12 @@ class Groq(Dialect):
             raw = remove_top_level(raw, b"service_tier")
             body = {k: v for k, v in body.items() if k != "service_tier"}
         return super().body(raw, body, upstream_model, ask_usage)
+
+    def member_facts(self, value: Any) -> tuple[dict[str, Any] | None, dict[str, float] | None]:
+        """``x_groq.usage`` (chat shape): a stream's last chunk carries it, asked for or not; counted where OpenAI's
+        ``usage`` is missing. Its timing fields are not read."""
+        usage = value.get("usage") if isinstance(value, dict) else None
+        return (usage if isinstance(usage, dict) else None), None
 
     def status_error(self, status: int, data: bytes, headers: Mapping[str, str]) -> UpstreamStatusError:
         """As OpenAI's; ``498 capacity_exceeded`` becomes a 503 (retried elsewhere, and by the SDKs), Groq's words

@@ -3,8 +3,9 @@
 
 Facts (docs/reference/wire.md#chat-streams): streams end with ``data: [DONE]``; usage comes in a last
 ``choices: []`` chunk only when ``stream_options.include_usage`` asked for it; rate-limit headers
-``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` with Go-style durations (``6m0s``); errors
-``{"error": {"message", "type", "param", "code"}}``; the Responses API served natively.
+``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` with Go-style durations (``6m0s``); a whole answer's
+``openai-processing-ms`` header is its processing time; errors ``{"error": {"message", "type", "param", "code"}}``;
+the Responses API served natively. Every one of these is the base class's behaviour.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ class VLLM(Dialect):
     beside tool calls (both only when the request has them: other bodies are the client's bytes)."""
 
     name = "vllm"
+    member = "timings"  # llama.cpp's llama-server: on the last chunk it sends
     prompt_cache_key = False  # vLLM's and llama.cpp's prefix caches are keyed by the prompt alone
 
     def body(self, raw: bytes, body: Mapping[str, Any], upstream_model: str, ask_usage: bool) -> bytes:
@@ -57,6 +58,13 @@ class VLLM(Dialect):
             body = {**body, "messages": messages}
         return super().body(raw, body, upstream_model, ask_usage)
 
+    def member_facts(self, value: Any) -> tuple[dict[str, Any] | None, dict[str, float] | None]:
+        """llama-server's ``timings`` with ``predicted_n`` (tokens generated) and ``prompt_n`` (prompt tokens it
+        evaluated) as usage, for a stream whose server sent no ``usage`` (one that ignores
+        ``stream_options.include_usage``). Its milliseconds are not read."""
+        if isinstance(value, dict) and "predicted_n" in value:
+            return {"prompt_tokens": value.get("prompt_n", 0), "completion_tokens": value["predicted_n"]}, None
+        return None, None
 
     def cause(self, exc: GatewayError, upstream: UpstreamConfig, need_tokens: int) -> GatewayError:
         """An empty 200 stream from a server whose ``context_window`` the request's estimate exceeds is the prompt
