@@ -333,7 +333,7 @@ def test_client_disconnect_closes_the_upstream_quickly(fake: EmulatorThread, gw:
 
 def _disconnect(fake: EmulatorThread, gw: Proc, body: bytes, phase: str) -> float:
     """Send ``body`` on a raw connection, wait until the upstream has it (and for ``phase``'s moment), and close the
-    connection; returns when (``time.monotonic()``)."""
+    connection; returns when (``time.monotonic()``, just before the close)."""
     n = len(fake.requests)
     with socket.create_connection(("127.0.0.1", gw.port), timeout=5) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -353,7 +353,7 @@ def _disconnect(fake: EmulatorThread, gw: Proc, body: bytes, phase: str) -> floa
                 sock.recv(65536)  # nothing is sent before the first token (the commit point): not even the comment
         else:
             time.sleep(0.1)
-        return time.monotonic()
+        return time.monotonic()  # taken before the close: the gateway may see it before this thread runs again
 
 
 def test_a_thousand_disconnects_leave_no_connection_or_task_behind(fake: EmulatorThread, gw: Proc) -> None:
