@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from conftest import Proc, default_config, emulator, start_gateway
+from conftest import Proc, default_config, emulator, round_trip, start_gateway, timely
 
 ENV = {"GATEWAY_MAX_HEAD_BYTES": "16384", "GATEWAY_HEAD_TIMEOUT": "0.5", "GATEWAY_BODY_TIMEOUT": "0.5"}
 BODY = orjson.dumps({"model": "gpt-5.6", "messages": [{"role": "user", "content": "hi [[emulate tokens=2]]"}]})
@@ -39,7 +39,25 @@ def _read_all(sock: socket.socket) -> bytes:
 
 
 def test_oversized_head_gets_431_without_stalling_others(gw: Proc) -> None:
-    worst = []
+    def attempt() -> tuple[float, float]:
+        floor = round_trip(gw.port)
+        answer, worst = _oversized_head_while_probing(gw)
+        assert answer.startswith(b"HTTP/1.1 431 ")
+        assert orjson.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_header_too_large"
+        assert len(worst) >= 10, f"/healthz probes: {len(worst)}"
+        # no /healthz probe waited a quarter of a second longer than one exchange costs now: an event loop that
+        # buffered the 5 MB head before refusing it (httptools' cost grows faster than the head: 2.4 s for 50 MB)
+        # would hold them all up; a stall of the machine is transient, so a try it spoiled is run again
+        return max(worst), 0.25 + floor
+    timely(attempt)
+    assert httpx.post(f"http://127.0.0.1:{gw.port}/v1/chat/completions", content=BODY, timeout=5,
+                      headers={"content-type": "application/json"}).status_code == 200
+
+
+def _oversized_head_while_probing(gw: Proc) -> tuple[bytes, list[float]]:
+    """Send a request with a 5 MB header line while a thread probes ``/healthz`` every 10 ms; returns the answer and
+    each probe's seconds."""
+    worst: list[float] = []
     stop = threading.Event()
 
     def probe() -> None:  # bounded: stops with the test, or after 200 probes
@@ -68,11 +86,7 @@ def test_oversized_head_gets_431_without_stalling_others(gw: Proc) -> None:
     finally:
         stop.set()
         thread.join(10)
-    assert answer.startswith(b"HTTP/1.1 431 ")
-    assert orjson.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_header_too_large"
-    assert len(worst) >= 10 and max(worst) < 0.25, f"/healthz probes: {len(worst)}, worst {max(worst):.3f} s"
-    assert httpx.post(f"http://127.0.0.1:{gw.port}/v1/chat/completions", content=BODY, timeout=5,
-                      headers={"content-type": "application/json"}).status_code == 200
+    return answer, worst
 
 
 @pytest.mark.parametrize("sent", [b"", b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"])

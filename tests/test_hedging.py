@@ -15,7 +15,7 @@ import pytest
 
 from gateway.tools.emulator import EmulatorThread, Plan
 
-from conftest import Proc, chunk, sample, sse, start_gateway
+from conftest import Proc, chunk, round_trip, sample, sse, start_gateway, timely
 
 STREAM = sse(chunk(role=True), chunk("Hello"), chunk(" there"), chunk(finish="stop"), chunk(usage=True))
 HEDGE_AFTER = 0.2  # seconds
@@ -83,26 +83,35 @@ def _hedges(gw: Proc, outcome: str) -> float:
 
 
 def test_a_stalled_fast_candidate_loses_to_the_hedge(gw: Proc, ups: dict[str, EmulatorThread]) -> None:
-    _reset(ups, fast=stream_plan(0, end="stall"), standard=stream_plan(0.05))
-    won = _hedges(gw, "won")
-    r, data, first = _ask(gw)
-    assert r.status_code == 200
-    assert r.headers["x-tiergate-upstream"] == "std" and r.headers["x-tiergate-fallback"] == "hedge"
-    assert data == STREAM  # byte-equal to the standard upstream's stream: one answer, never a mix
-    assert len(ups["fast"].requests) == 1 and len(ups["standard"].requests) == 1
-    # the hedge started after the delay, not before
-    assert ups["standard"].requests[0].at - ups["fast"].requests[0].at >= HEDGE_AFTER * 0.9
-    # the stalled upstream's connection was closed within 100 ms of the winner's first token
-    deadline = time.monotonic() + 2
-    while not ups["fast"].closed_at and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert first is not None and ups["fast"].closed_at, "the stalled connection stayed open"
-    assert ups["fast"].closed_at[0] - first < 0.1
-    assert _hedges(gw, "won") == won + 1
+    def attempt() -> tuple[float, float]:
+        _reset(ups, fast=stream_plan(0, end="stall"), standard=stream_plan(0.05))
+        won = _hedges(gw, "won")
+        floor = round_trip(gw.port)
+        r, data, first = _ask(gw)
+        assert r.status_code == 200
+        assert r.headers["x-tiergate-upstream"] == "std" and r.headers["x-tiergate-fallback"] == "hedge"
+        assert data == STREAM  # byte-equal to the standard upstream's stream: one answer, never a mix
+        assert len(ups["fast"].requests) == 1 and len(ups["standard"].requests) == 1
+        # the hedge started after the delay, not before
+        assert ups["standard"].requests[0].at - ups["fast"].requests[0].at >= HEDGE_AFTER * 0.9
+        _closed(ups["fast"])
+        assert first is not None and ups["fast"].closed_at, "the stalled connection stayed open"
+        assert _hedges(gw, "won") == won + 1
+        # the stalled upstream's connection was closed within 100 ms (over the loopback floor) of the winner's first
+        # token; uncancelled, it would stay open for its idle timeout (5 s)
+        return ups["fast"].closed_at[0] - first, 0.1 + floor
+    timely(attempt)
     text = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=5).text
     assert sample(text, "tiergate_hedge_cost_usd_total", upstream="fast", missing_ok=False) > 0
     assert sample(text, "tiergate_fallbacks_total", reason="hedge", to_tier="standard", missing_ok=False) >= 1
     assert sample(text, "tiergate_requests_total", upstream="std", outcome="success", missing_ok=False) >= 1
+
+
+def _closed(up: EmulatorThread) -> None:
+    """Wait (bounded) until a connection to ``up`` was closed."""
+    deadline = time.monotonic() + 2
+    while not up.closed_at and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def test_a_fast_candidate_that_answers_in_time_never_starts_the_hedge(gw: Proc, ups: dict[str, EmulatorThread]) -> None:
@@ -119,27 +128,34 @@ def test_a_fast_candidate_that_answers_in_time_never_starts_the_hedge(gw: Proc, 
 
 def test_a_hedge_that_started_loses_to_a_late_first_token_and_is_cancelled(gw: Proc,
                                                                            ups: dict[str, EmulatorThread]) -> None:
-    _reset(ups, fast=stream_plan(HEDGE_AFTER + 0.1), standard=stream_plan(1.0))
-    lost = _hedges(gw, "lost")
-    r, data, first = _ask(gw)
-    assert r.headers["x-tiergate-upstream"] == "fast" and data == STREAM
-    assert len(ups["standard"].requests) == 1  # it started ...
-    deadline = time.monotonic() + 2
-    while not ups["standard"].closed_at and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert first is not None and ups["standard"].closed_at and ups["standard"].closed_at[0] - first < 0.1  # ... and
-    assert _hedges(gw, "lost") == lost + 1  # was cancelled as soon as the fast tier's first token came
+    def attempt() -> tuple[float, float]:
+        _reset(ups, fast=stream_plan(HEDGE_AFTER + 0.1), standard=stream_plan(1.0))
+        lost = _hedges(gw, "lost")
+        floor = round_trip(gw.port)
+        r, data, first = _ask(gw)
+        assert r.headers["x-tiergate-upstream"] == "fast" and data == STREAM
+        assert len(ups["standard"].requests) == 1  # it started ...
+        _closed(ups["standard"])
+        assert first is not None and ups["standard"].closed_at, "the hedge's connection stayed open"
+        assert _hedges(gw, "lost") == lost + 1  # ... and was cancelled as soon as the fast tier's first token came:
+        # within 100 ms over the loopback floor (uncancelled, it would run to its own first token, 0.7 s later)
+        return ups["standard"].closed_at[0] - first, 0.1 + floor
+    timely(attempt)
 
 
 def test_a_failure_before_the_delay_fails_over_at_once(gw: Proc, ups: dict[str, EmulatorThread]) -> None:
     err = Plan(status=503, headers={"content-type": "application/json"}, chunked=False,
                parts=[(0, b'{"error":{"message":"overloaded","type":"server_error","param":null,"code":null}}')])
-    _reset(ups, fast=err, standard=stream_plan(0))
-    t0 = time.monotonic()
-    r, data, _ = _ask(gw)
-    assert r.status_code == 200 and r.headers["x-tiergate-upstream"] == "std" and data == STREAM
-    assert r.headers["x-tiergate-fallback"] == "upstream_5xx"
-    assert ups["standard"].requests[0].at - t0 < HEDGE_AFTER  # no waiting for the hedge delay
+
+    def attempt() -> tuple[float, float]:
+        _reset(ups, fast=err, standard=stream_plan(0))
+        r, data, _ = _ask(gw)
+        assert r.status_code == 200 and r.headers["x-tiergate-upstream"] == "std" and data == STREAM
+        assert r.headers["x-tiergate-fallback"] == "upstream_5xx"
+        # no waiting for the hedge delay, whose timer started before the fast request reached its upstream: a gateway
+        # that waited could not send the failover sooner than HEDGE_AFTER after that arrival, less one hop
+        return ups["standard"].requests[0].at - ups["fast"].requests[0].at, HEDGE_AFTER / 2
+    timely(attempt)
 
 
 def test_both_failing_is_one_error_answer(gw: Proc, ups: dict[str, EmulatorThread]) -> None:

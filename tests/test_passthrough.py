@@ -33,7 +33,7 @@ from gateway.tools.emulator import EmulatorThread, Plan, Received
 from gateway.tools.scripted import ScriptedTransport
 from gateway.tools.surface import vector
 
-from conftest import Proc, Stack, sample, start_gateway
+from conftest import Proc, Stack, round_trip, sample, start_gateway, timely
 
 # the real SDK, unchanged, against the emulated standard tier (passthrough.upstream defaults to it)
 
@@ -420,41 +420,54 @@ def test_an_oversized_upload_is_413_and_never_completed_upstream(rec: Recorder, 
     assert httpx.get(_url(pgw) + "/files", timeout=5).status_code == 200
 
 
-def _closed_within(rec: Recorder, after: float, seen: int, limit: float = 0.1) -> float:
+def _closed_within(rec: Recorder, after: float, seen: int) -> float:
     deadline = time.monotonic() + 2
     while time.monotonic() < deadline:
-        late = [t for t in rec.up.closed_at[seen:] if t >= after - 0.001]
+        late = [t for t in rec.up.closed_at[seen:] if t >= after]
         if late:
             return late[0] - after
         time.sleep(0.002)
     raise AssertionError("the upstream connection was never closed")
 
 
+# "Within 100 ms" (docs/passthrough.md) is over the loopback floor measured before each try (conftest.round_trip), and
+# a try a stall made late is run again (conftest.timely): a gateway that noticed the client only at its body timeout
+# (1 s) or the upstream's idle timeout (3 s) is late on every try.
+
 def test_client_gone_mid_upload_closes_the_upstream_within_100_ms(rec: Recorder, pgw: Proc) -> None:
     rec.plan = Plan(headers={"content-type": "application/json"}, parts=[(0, b"{}")])
-    httpx.get(_url(pgw) + "/files", timeout=5)  # keep-alive connections settle
-    seen = len(rec.up.closed_at)
-    sock = socket.create_connection(("127.0.0.1", pgw.port))
-    sock.sendall(b"POST /v1/files HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream\r\n"
-                 b"content-length: 3000000\r\n\r\n" + b"y" * 200_000)
-    time.sleep(0.3)  # the upload is under way upstream
-    opened = rec.up.opened
-    sock.close()
-    gone = time.monotonic()
-    assert _closed_within(rec, gone, seen) < 0.1
-    assert rec.up.opened == opened
-    assert httpx.get(_url(pgw) + "/files", timeout=5).status_code == 200  # nothing else was lost
+
+    def attempt() -> tuple[float, float]:
+        httpx.get(_url(pgw) + "/files", timeout=5)  # keep-alive connections settle
+        floor = round_trip(pgw.port)
+        seen = len(rec.up.closed_at)
+        sock = socket.create_connection(("127.0.0.1", pgw.port))
+        sock.sendall(b"POST /v1/files HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream\r\n"
+                     b"content-length: 3000000\r\n\r\n" + b"y" * 200_000)
+        time.sleep(0.3)  # the upload is under way upstream
+        opened = rec.up.opened
+        gone = time.monotonic()  # before the close: the gateway may see it before this thread runs again
+        sock.close()
+        took = _closed_within(rec, gone, seen)
+        assert rec.up.opened == opened
+        assert httpx.get(_url(pgw) + "/files", timeout=5).status_code == 200  # nothing else was lost
+        return took, 0.1 + floor
+    timely(attempt)
 
 
 def test_client_gone_mid_download_closes_the_upstream_within_100_ms(rec: Recorder, pgw: Proc) -> None:
     rec.plan = Plan(headers={"content-type": "audio/mpeg"}, parts=[(0.02, b"a" * 1000)] * 200)
-    seen = len(rec.up.closed_at)
-    with httpx.stream("POST", _url(pgw) + "/audio/speech", json={"input": "x"}, timeout=5) as resp:
-        first = next(resp.iter_raw())
-        assert first
-        resp.close()
-        gone = time.monotonic()
-    assert _closed_within(rec, gone, seen) < 0.1
+
+    def attempt() -> tuple[float, float]:
+        floor = round_trip(pgw.port)
+        seen = len(rec.up.closed_at)
+        with httpx.stream("POST", _url(pgw) + "/audio/speech", json={"input": "x"}, timeout=5) as resp:
+            reads = resp.iter_raw()  # held: a dropped generator closes the connection at once
+            assert next(reads)
+            gone = time.monotonic()  # before the close: the gateway may see it before this thread runs again
+            resp.close()
+        return _closed_within(rec, gone, seen), 0.1 + floor  # the upstream's answer takes 4 s
+    timely(attempt)
 
 
 def test_passthrough_metrics_by_endpoint_and_outcome(rec: Recorder, pgw: Proc) -> None:
@@ -730,18 +743,24 @@ def test_an_upstream_that_stops_reading_an_upload_is_a_504(raw_gw: tuple[Proc, R
 def test_a_client_gone_mid_upload_after_an_early_answer_closes_the_upstream(
         raw_gw: tuple[Proc, RawUp, Proc, RawUp]) -> None:
     _, _, proc, early = raw_gw
-    seen = len(early.closed_at)
-    sock = socket.create_connection(("127.0.0.1", proc.port), timeout=5)
-    sock.sendall(b'POST /v1/audio/transcriptions HTTP/1.1\r\nhost: x\r\ncontent-type: multipart/form-data; '
-                 b'boundary=b\r\ncontent-length: 5000000\r\n\r\n' + b"q" * 100_000)
-    assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # the upstream answered before the body's end
-    time.sleep(0.2)
-    sock.close()
-    gone = time.monotonic()
-    deadline = gone + 2
-    while len(early.closed_at) == seen and time.monotonic() < deadline:
-        time.sleep(0.002)
-    assert early.closed_at[seen:] and early.closed_at[seen] - gone < 0.1  # not after its 5 s answer
+
+    def attempt() -> tuple[float, float]:
+        floor = round_trip(proc.port)
+        seen = len(early.closed_at)
+        sock = socket.create_connection(("127.0.0.1", proc.port), timeout=5)
+        sock.sendall(b'POST /v1/audio/transcriptions HTTP/1.1\r\nhost: x\r\ncontent-type: multipart/form-data; '
+                     b'boundary=b\r\ncontent-length: 5000000\r\n\r\n' + b"q" * 100_000)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # the upstream answered before the body's end
+        time.sleep(0.2)
+        gone = time.monotonic()  # before the close: the gateway may see it before this thread runs again
+        sock.close()
+        deadline = gone + 2
+        while len(early.closed_at) == seen and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert early.closed_at[seen:], "the upstream connection stayed open"
+        # within 100 ms over the floor, not at the body timeout (1 s) nor after its 5 s answer
+        return early.closed_at[seen] - gone, 0.1 + floor
+    timely(attempt)
     text = httpx.get(f"http://127.0.0.1:{proc.port}/metrics", timeout=5).text
     assert sample(text, "tiergate_passthrough_requests_total", upstream="early", outcome="client_disconnect") >= 1
 
