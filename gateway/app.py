@@ -191,7 +191,7 @@ def assemble(loaded: LoadedConfig, metrics: Metrics, transport: Transport, *, po
     listed = UpstreamModels(config, transport, health.clock)
     sessions = Sessions(config, table, estimates, health.clock, time.time)
     chat = ChatPipeline(config, policy, frame, bodies, budgets, conversations, attempts, hedging, estimates, explorer,
-                        health, shared, observers, listed, sessions)
+                        health, shared, observers, listed, sessions, owners)
     passthrough = (Passthrough(config, policy, frame, bodies, budgets, owners, transport, health, observers)
                    if config.passthrough_upstream is not None else None)
     keys = Keys(config.auth) if config.auth is not None else None

@@ -18,6 +18,7 @@ import httpx
 import openai
 import orjson
 import pytest
+from websockets.sync.client import connect
 
 from gateway.tenancy.keys import digest, new_key
 from gateway.tools.emulator import EmulatorConfig, EmulatorThread
@@ -272,6 +273,47 @@ def test_a_file_and_a_batch_are_reached_only_by_the_key_that_made_them(
     assert a.files.retrieve(made.id).filename == "a-secrets.jsonl" and a.files.content(made.id).content == line
     assert {made.id} <= {f.id for f in a.files.list()} and mine.id not in {f.id for f in a.files.list()}
     assert a.batches.retrieve(batch.id).id == batch.id
+
+
+def test_a_model_call_reads_only_the_objects_its_key_made(gateway: Proc,
+                                                         upstreams: tuple[EmulatorThread, EmulatorThread]) -> None:
+    """A chat completion, a Responses request and a WebSocket message reach the upstream with the gateway's one
+    credential, which reads any file, vector store or conversation of the account: key B summarised key A's file by
+    naming its id in a content part, and searched a vector store nobody made through the gateway."""
+    a, b = _sdk(gateway, "a"), _sdk(gateway, "b")
+    made = a.files.create(file=("a-notes.txt", b"A's secret notes"), purpose="user_data")
+    chat_file = [{"role": "user", "content": [{"type": "file", "file": {"file_id": made.id}},
+                                              {"type": "text", "text": "summarise"}]}]
+    resp_file = [{"role": "user", "content": [{"type": "input_file", "file_id": made.id},
+                                              {"type": "input_text", "text": "summarise"}]}]
+    before = _seen(upstreams)
+    calls = [
+        lambda: b.chat.completions.create(model="gpt-5.6", max_tokens=2, messages=chat_file),
+        lambda: b.chat.completions.create(model="gpt-5.6-sol-fast", max_tokens=2, messages=chat_file, stream=True),
+        lambda: b.responses.create(model="gpt-5.6", max_output_tokens=2, input=resp_file),
+        lambda: b.responses.create(model="gpt-5.6", max_output_tokens=2, input="find it",
+                                   tools=[{"type": "file_search", "vector_store_ids": ["vs_nobodys"]}]),
+        lambda: b.responses.create(model="gpt-5.6", max_output_tokens=2, input="go on",
+                                   conversation="conv_nobodys"),
+    ]
+    for call in calls:
+        with pytest.raises(openai.NotFoundError) as refused:
+            call()
+        assert refused.value.code == "object_not_found"
+    # a name spelled with JSON escapes is the same name once parsed: it is not hidden from the check
+    escaped = (b'{"model": "gpt-5.6", "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "file", '
+               b'"file": {"file\\u005fid": "' + made.id.encode() + b'"}}]}]}')
+    status, answer = _raw(gateway, "POST", "/v1/chat/completions", "b", escaped)
+    assert status == 404 and orjson.loads(answer)["error"]["code"] == "object_not_found"
+    with connect(f"ws://127.0.0.1:{gateway.port}/v1/responses", additional_headers=_h("b")) as ws:
+        ws.send(orjson.dumps({"type": "response.create", "model": "gpt-5.6", "input": resp_file}).decode())
+        event = orjson.loads(ws.recv(timeout=10))
+    assert event["type"] == "error" and event["status"] == 404 and event["error"]["code"] == "object_not_found"
+    assert _seen(upstreams) == before  # refused before any upstream was asked
+    # the key that made the file may name it, on either tier
+    assert a.chat.completions.create(model="gpt-5.6", max_tokens=2, messages=chat_file).choices
+    assert a.responses.create(model="gpt-5.6", max_output_tokens=2, input=resp_file).status in ("completed", "incomplete")
+    assert _seen(upstreams) == before + 2
 
 
 async def test_one_keys_objects_never_push_another_keys_out_of_the_registry() -> None:

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from starlette.types import Receive, Scope, Send
 
 from gateway.config.schema import GatewayConfig
-from gateway.errors import GatewayError, ModelNotFound
+from gateway.errors import GatewayError, ModelNotFound, ObjectNotFound
 from gateway.observability.estimates import Estimates
 from gateway.observability.recorder import Observers
 from gateway.pipeline.attempts import Attempts, Turn, give_up
@@ -51,6 +51,7 @@ from gateway.routing.health import Health
 from gateway.routing.policy import Policy
 from gateway.state.redis import Admission, SharedState
 from gateway.tenancy.keys import Key
+from gateway.tenancy.objects import Owners, named_objects
 from gateway.wire.body import client_wants_usage, parse_request
 
 KINDS = {"/v1/chat/completions": "chat", "/v1/responses": "responses"}  # the hot path's endpoints, by path
@@ -69,7 +70,7 @@ class ChatPipeline:
     def __init__(self, config: GatewayConfig, policy: Policy, frame: Frame, bodies: BodyBudget, budgets: KeyBudgets,
                  conversations: Conversations, attempts: Attempts, hedging: Hedging, estimates: Estimates,
                  explorer: deadline.Explorer, health: Health, shared: SharedState | None, observers: Observers,
-                 listed: Listing | None, sessions: Sessions) -> None:
+                 listed: Listing | None, sessions: Sessions, owners: Owners) -> None:
         self.config = config
         self.policy = policy
         self.frame = frame
@@ -85,6 +86,7 @@ class ChatPipeline:
         self.observers = observers
         self.listed = listed
         self.sessions = sessions
+        self.owners = owners
 
     def endpoint(self, kind: str) -> Callable[[Scope, Receive, Send], Any]:
         """The bare ASGI endpoint of ``kind`` (``chat``: OpenAI's "Create chat completion"; ``responses``: "Create a
@@ -165,10 +167,13 @@ class ChatPipeline:
 
         Raises:
             GatewayError: the request cannot be read or served (400, 404 ``model_not_found``, ...): the client's;
-                429 ``session_budget_exceeded``: its session spent a budget.
+                429 ``session_budget_exceeded``: its session spent a budget; 404 ``object_not_found``: it names a
+                file, vector store, conversation or container its gateway key did not make.
         """
         body = parse_request(ex.kind, raw)
         ex.requested = body["model"]  # for the request log, also when the model is unknown
+        if ex.key is not None:
+            await self.owns(ex.key, raw, body)
         facts = await self.conversations.facts(ex, body, len(raw))  # a Responses continuation: what the store knows
         try:
             decision = self.policy.decide(facts)
@@ -194,6 +199,22 @@ class ChatPipeline:
             chosen = decision.candidates[0].upstream
             ex.chose_by_deadline(chosen.tier, chosen.name, decision.deadline.verdict)
         return facts, decision
+
+    async def owns(self, key: Key, raw: bytes, body: Any) -> None:
+        """Refuse a body that names an object ``key`` did not make (``gateway.tenancy.objects.named_objects``):
+        every key's model call reaches the upstream with the gateway's one credential, which reads any file of the
+        account.
+
+        Raises:
+            ObjectNotFound: 404, as OpenAI answers an id the project does not hold; nothing is sent upstream.
+        """
+        named = named_objects(raw, body)
+        if not named:
+            return
+        mine = await self.owners.owned(named, key.name)
+        for object_id in named:
+            if object_id not in mine:
+                raise ObjectNotFound(f"No such object: {object_id}.", param="id")
 
     async def listed_route(self, facts: RequestFacts) -> Decision:
         """The route of a model no upstream is configured for: to the passthrough upstream when its ``/v1/models``

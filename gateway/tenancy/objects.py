@@ -10,7 +10,10 @@ another project's id is "No such File object"); the gateway scopes them to the k
 * a ``POST`` that answers a JSON object with an ``id`` makes that id the requesting key's (:meth:`Owners.claim`);
 * a path that names an object (:func:`object_ids`: each segment that is no word of the API's paths) is served only
   when every object it names is the requesting key's, else answered 404 as an unknown id is (never sent upstream);
-* a body that names objects (:data:`REFERENCES`: ``input_file_id``, ``file_ids``, ``training_file``, ...) likewise;
+* a body that names objects (:data:`REFERENCES`: ``input_file_id``, ``file_ids``, ``training_file``, ...) likewise,
+  on the passthrough and on the hot path (a chat message's ``file.file_id``, a Responses ``input_file``, a
+  ``file_search`` tool's ``vector_store_ids``, a ``conversation``, a ``code_interpreter`` ``container``:
+  :func:`named_objects`), since a model call reads what it names with the same credential;
 * a list (``GET /v1/files``, ``/v1/batches``, ...) shows the key's own objects only (:func:`filter_list`).
 
 An id the gateway never saw made (made before the gateway, or straight at the provider) is nobody's: no key reaches it.
@@ -45,7 +48,12 @@ OBJECT_ENDPOINTS = frozenset({"files", "uploads", "batches", "vector_stores", "f
 # responses, conversations, containers, evals)
 REFERENCES = frozenset({"input_file_id", "file_id", "file_ids", "training_file", "validation_file", "vector_store_id",
                         "vector_store_ids", "assistant_id", "thread_id", "conversation", "container_id",
-                        "previous_response_id", "fine_tuned_model_checkpoint", "upload_id", "eval_id", "video_id"})
+                        "container", "previous_response_id", "fine_tuned_model_checkpoint", "upload_id", "eval_id",
+                        "video_id"})
+# what the hot path looks for in a body's bytes before it walks the parsed body (:func:`named_objects`): a part of
+# each name of REFERENCES that a chat or Responses body may hold, and the JSON escapes of the characters those names
+# are made of (0x50-0x7f), which no encoder writes for them but a client may, to hide a name from a byte search
+NEEDLES = (b"file_id", b"vector_store", b'"conversation"', b'"container', b"\\u005", b"\\u006", b"\\u007")
 
 
 def object_ids(path: str) -> list[str]:
@@ -57,28 +65,41 @@ def object_ids(path: str) -> list[str]:
     return [s for s in segments[1:] if s and s not in WORDS]
 
 
-def references(body: Any) -> list[str]:
-    """The object ids a JSON request body names (:data:`REFERENCES`, at the top level and one level down, as in
-    ``tool_resources.file_search.vector_store_ids`` or ``data_sources``)."""
+def references(body: Any, depth: int = 3, skip: frozenset[str] = frozenset()) -> list[str]:
+    """The object ids a JSON request body names (:data:`REFERENCES` but ``skip``, from the top level down to
+    ``depth`` levels of objects and lists, as in ``tool_resources.file_search.vector_store_ids`` or
+    ``data_sources``)."""
     out: list[str] = []
+    limit = depth
 
     def take(obj: Any, depth: int) -> None:
         if isinstance(obj, dict):
             for k, v in obj.items():
-                if k in REFERENCES:
+                if k in REFERENCES and k not in skip:
                     if isinstance(v, str):
                         out.append(v)
                     elif isinstance(v, list):
                         out.extend(x for x in v if isinstance(x, str))
                     elif isinstance(v, dict) and isinstance(v.get("id"), str):  # {"conversation": {"id": ...}}
                         out.append(v["id"])
-                elif depth < 3 and isinstance(v, dict | list):
+                elif depth < limit and isinstance(v, dict | list):
                     take(v, depth + 1)
-        elif isinstance(obj, list) and depth < 3:
+        elif isinstance(obj, list) and depth < limit:
             for v in obj:
                 take(v, depth + 1)
     take(body, 0)
     return out
+
+
+def named_objects(raw: bytes, body: Any) -> list[str]:
+    """The object ids a chat completion or Responses request body names (``raw``: its bytes; ``body``: parsed), to
+    any depth a message's content part sits at (``messages[].content[].file.file_id``:
+    ``input[].content[].file_id``: 5 levels); ``previous_response_id`` is left to the response store, whose
+    responses are owned there. A body none of :data:`NEEDLES` occurs in names none: it is not walked (a few
+    substring searches over its bytes, ~1 µs for 10 KB)."""
+    if not any(needle in raw for needle in NEEDLES):
+        return []
+    return references(body, depth=8, skip=frozenset({"previous_response_id"}))
 
 
 def created_ids(answer: bytes) -> list[str]:
