@@ -192,7 +192,7 @@ def assemble(loaded: LoadedConfig, metrics: Metrics, transport: Transport, *, po
     sessions = Sessions(config, table, estimates, health.clock, time.time)
     chat = ChatPipeline(config, policy, frame, bodies, budgets, conversations, attempts, hedging, estimates, explorer,
                         health, shared, observers, listed, sessions, owners)
-    passthrough = (Passthrough(config, policy, frame, bodies, budgets, owners, transport, health, observers)
+    passthrough = (Passthrough(config, policy, frame, bodies, budgets, owners, transport, health, observers, sessions)
                    if config.passthrough_upstream is not None else None)
     keys = Keys(config.auth) if config.auth is not None else None
     if isinstance(ledger, SharedLedger):  # it learns every key's shared spend, not only of those it serves

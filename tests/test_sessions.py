@@ -345,3 +345,44 @@ def test_a_runs_deadline_gives_each_step_its_share_as_a_latency_budget(world: Wo
     route = httpx.post(world.url() + "/tiergate/route", json=body, headers=headers, timeout=10).json()
     budget = route["deadline"]
     assert budget["source"] == "session" and 5000 < budget["deadline_ms"] <= 60000 / 9  # what is left, over 9 steps
+
+
+def test_a_key_made_for_one_run_is_bounded_by_that_runs_budgets(tmp_path: Path) -> None:
+    """The attack: a key with ``session.id`` and budgets named a fresh session (or a ``prompt_cache_key``, or a
+    harness header) for each request, so each was the first step of a new run and no budget ever held; the
+    passthrough ignored the run; and a header raised the config's ``sessions.budgets``. Now a pinned key's every
+    request is a step of its run, its passthrough ends with the run, and headers only tighten the operator's
+    budgets."""
+    up = EmulatorThread(config=EmulatorConfig(dialect="openai", ttft=0.002, tps=5000.0))
+    one, anyone = new_key(), new_key()
+    cfg = {"upstreams": [{"name": "std", "tier": "standard", "base_url": up.base_url, "models": {"m": "m-s"},
+                          "prices": PRICE}],
+           "sessions": {"budgets": {"max_steps": 3}},
+           "auth": {"metrics": {"public": True}, "keys": [
+               {"name": "one-run", "sha256": digest(one), "session": {"id": "run-7", "budgets": {"max_steps": 2}}},
+               {"name": "anyone", "sha256": digest(anyone)}]}}
+    gw, _ = start_gateway(cfg, tmp_path)
+    try:
+        url = f"http://127.0.0.1:{gw.port}/v1"
+        ask = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+        def post(key: str, path: str = "/chat/completions", body: Any = ask, **headers: str) -> httpx.Response:
+            return httpx.post(url + path, json=body, timeout=10, headers={"authorization": f"Bearer {key}", **headers})
+        first = post(one, **{"x-tiergate-session": "evade-1"})
+        second = post(one, body={**ask, "prompt_cache_key": "evade-2"}, **{"session-id": "evade-3"})
+        assert [r.headers.get("x-tiergate-session-step") for r in (first, second)] == ["1", "2"]
+        third = post(one, **{"x-tiergate-session": "evade-4"})
+        assert third.status_code == 429 and third.json()["error"]["code"] == "session_budget_exceeded"
+        seen = len(up.requests)
+        late = post(one, "/completions", {"model": "m", "prompt": "hi", "max_tokens": 2})
+        assert late.status_code == 429 and late.json()["error"]["param"] == "max_steps"
+        assert len(up.requests) == seen  # the passthrough ended with the run
+        assert httpx.get(f"{url}/tiergate/sessions/run-7", headers={"authorization": f"Bearer {one}"},
+                         timeout=5).json()["steps"] == 2
+        # a key without a pinned run: a header cannot raise the config's max_steps (3)
+        codes = [post(anyone, **{"x-tiergate-session": "raised", "x-tiergate-session-max-steps": "1000"}).status_code
+                 for _ in range(4)]
+        assert codes == [200, 200, 200, 429]
+    finally:
+        gw.stop()
+        up.stop()

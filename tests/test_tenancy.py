@@ -312,7 +312,8 @@ def test_a_model_call_reads_only_the_objects_its_key_made(gateway: Proc,
     assert _seen(upstreams) == before  # refused before any upstream was asked
     # the key that made the file may name it, on either tier
     assert a.chat.completions.create(model="gpt-5.6", max_tokens=2, messages=chat_file).choices
-    assert a.responses.create(model="gpt-5.6", max_output_tokens=2, input=resp_file).status in ("completed", "incomplete")
+    answer = a.responses.create(model="gpt-5.6", max_output_tokens=2, input=resp_file)
+    assert answer.status in ("completed", "incomplete")
     assert _seen(upstreams) == before + 2
 
 

@@ -38,10 +38,14 @@ class SessionBudgets(Strict):
 
 
 class KeySession(Strict):
-    """A gateway key's session defaults (``auth.keys[].session``): ``id``, the session every request of the key
-    without a session of its own belongs to (a key made for one agent run), and the run's ``budgets``."""
+    """A gateway key's session defaults (``auth.keys[].session``): ``id``, the session of a key made for one agent
+    run; ``pin``: with ``id``, every request of the key is a step of that run, whatever session it names (so that
+    its budgets bound the key: a client cannot start another run under a fresh name, and the passthrough is refused
+    once the run's budget is spent); false: ``id`` is only the session of requests that name none; and the
+    ``budgets`` of each run of the key."""
 
     id: str | None = Field(None, min_length=1, max_length=200)
+    pin: bool = True
     budgets: SessionBudgets = SessionBudgets()
 
 

@@ -78,7 +78,7 @@ async def _decide(gateway: Gateway, request: Request,
     facts = (await gateway.conversations.responses_facts(body, headers, len(raw), refresh=False, key=key)
              if responses else RequestFacts(body, headers, len(raw), defaults=defaults))
     decision = gateway.policy.decide(facts, explain=True)
-    session = gateway.sessions.identify(facts, key.cfg.session.id if key is not None else None)
+    session = gateway.sessions.identify(facts, key.cfg.session if key is not None else None)
     run = None
     if session is not None:
         run, decision = await gateway.sessions.look(key.name if key is not None else None, session, facts, decision,

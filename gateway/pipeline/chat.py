@@ -181,7 +181,7 @@ class ChatPipeline:
             decision = await self.listed_route(facts)  # the passthrough upstream may list it: it can be sent
         ex.prompt_tokens = facts.prompt_tokens
         key = ex.key
-        session = self.sessions.identify(facts, key.cfg.session.id if key is not None else None)
+        session = self.sessions.identify(facts, key.cfg.session if key is not None else None)
         if session is not None:
             ex.session, ex.sessions = session, self.sessions
             run, decision = await self.sessions.begin(ex, session, facts, decision,

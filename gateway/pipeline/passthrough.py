@@ -36,6 +36,7 @@ from gateway.pipeline.attempts import attempting, give_up
 from gateway.pipeline.budgets import KeyBudgets, refusal_outcome
 from gateway.pipeline.exchange import CLOSE, BodyBudget, ClientGone, headers_of, read_body
 from gateway.pipeline.frame import Frame, Watch
+from gateway.pipeline.sessions import Sessions
 from gateway.pipeline.upload import (
     PassExchange,
     Upload,
@@ -63,7 +64,8 @@ class Passthrough:
     composition root)."""
 
     def __init__(self, config: GatewayConfig, policy: Policy, frame: Frame, bodies: BodyBudget, budgets: KeyBudgets,
-                 owners: Owners, transport: Transport, health: Health, observers: Observers) -> None:
+                 owners: Owners, transport: Transport, health: Health, observers: Observers,
+                 sessions: Sessions) -> None:
         self.config = config
         self.policy = policy
         self.frame = frame
@@ -73,6 +75,7 @@ class Passthrough:
         self.transport = transport
         self.health = health
         self.observers = observers
+        self.sessions = sessions
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, owner: str | None = None) -> None:
         """Serve one request under ``/v1``; ``owner``: the upstream that alone can serve it (see
@@ -220,6 +223,12 @@ class Passthrough:
         ex.prompt_tokens = facts.prompt_tokens if facts is not None else 0  # the floor of an estimated usage
         if ex.key is None:
             return decision, facts
+        spent = await self.sessions.pinned_spent(ex.key)  # a key made for one run ends with the run's budget
+        if spent is not None:
+            assert spent.param is not None
+            ex.session_refused(spent.param)
+            await ex.error(spent, "client_error", closing(ex, raw))  # as on the hot path
+            return None
         try:
             return await self.budgets.keyed(ex, ex.key, decision, facts), facts
         except GatewayError as exc:

@@ -24,13 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.config.schema import GatewayConfig
-from gateway.config.sessions import SessionBudgets
+from gateway.config.sessions import KeySession, SessionBudgets
 from gateway.errors import InvalidRequest, SessionBudgetExceeded
 from gateway.observability.estimates import Estimates, bucket
 from gateway.pipeline.exchange import Exchange
 from gateway.routing import deadline
 from gateway.routing.facts import Candidate, Decision, RequestFacts
 from gateway.routing.sessions import NO_AFFINITY, Affinity, SessionId, affinity, keep_first, moved_because, session_of
+from gateway.tenancy.keys import Key
 from gateway.tenancy.sessions import SessionRecord, SessionTable, Step, scope
 
 BUDGET_HEADERS = {  # request header -> (budget field, scale: the header's unit in the field's)
@@ -71,7 +72,8 @@ class Run:
 
 def budgets_of(headers: Mapping[str, str], base: SessionBudgets, fixed: frozenset[str] = frozenset()) -> SessionBudgets:
     """The run's budgets: ``base`` (the key's, over the config's), with what the request's headers state; a budget
-    its gateway key sets (``fixed``) can only be tightened by a header, never raised (the key's operator's word).
+    the operator set (``fixed``: in ``sessions.budgets`` or the key's) can only be tightened by a header, never
+    raised.
 
     Raises:
         InvalidRequest: a header that is not a positive number (400 naming it).
@@ -125,11 +127,31 @@ class Sessions:
         self.tier_of = {u.name: u.tier for u in config.upstreams}
         self.in_flight: dict[str, int] = {}  # steps of each run in flight in this process (max_steps counts them)
 
-    def identify(self, facts: RequestFacts, key_default: str | None) -> SessionId | None:
-        """The session ``facts``' request is a step of, or None (``sessions.enabled: false``: always None)."""
+    def identify(self, facts: RequestFacts, key: KeySession | None) -> SessionId | None:
+        """The session ``facts``' request is a step of, or None (``sessions.enabled: false``: always None). ``key``:
+        its gateway key's session defaults; a key pinned to one run (``id`` with ``pin``) names every request's."""
         if not self.cfg.enabled:
             return None
-        return session_of(facts, self.headers, key_default)
+        if key is not None and key.id is not None and key.pin:
+            return SessionId(key.id, "key")
+        return session_of(facts, self.headers, key.id if key is not None else None)
+
+    async def pinned_spent(self, key: Key) -> SessionBudgetExceeded | None:
+        """The 429 of a passthrough request whose key is pinned to a run (``auth.keys[].session``) that has spent a
+        budget (steps, USD, its deadline; ``on_usd: standard`` or not: the passthrough has no cheaper tier), or None.
+        The passthrough request is no step of the run: its cost counts to the key's ``limits``, not the run's."""
+        cfg = key.cfg.session
+        if not self.cfg.enabled or cfg.id is None or not cfg.pin:
+            return None
+        record = await self.table.load(scope(key.name, cfg.id), self.wall())
+        if record is None:
+            return None
+        b = merged(self.cfg.budgets, cfg.budgets)
+        run = Run(SessionId(cfg.id, "key"), scope(key.name, cfg.id), record, NO_AFFINITY, b, self.wall())
+        spent = self._spent(run)
+        if spent is None and b.max_usd is not None and record.usd >= b.max_usd:
+            spent = refusal(run, "max_usd", f"${record.usd:.6f} of its ${b.max_usd:g} spent")
+        return spent
 
     async def begin(self, ex: Exchange, session: SessionId, facts: RequestFacts, decision: Decision,
                     key_budgets: SessionBudgets | None) -> tuple[Run, Decision]:
@@ -157,8 +179,8 @@ class Sessions:
             SessionBudgetExceeded, InvalidRequest: as :meth:`begin`.
         """
         key, now = scope(owner, session.id), self.wall()
-        fixed = frozenset(key_budgets.model_fields_set) if key_budgets is not None else frozenset()
-        budgets = budgets_of(facts.headers, merged(self.cfg.budgets, key_budgets), fixed)
+        fixed = self.cfg.budgets.model_fields_set | (key_budgets.model_fields_set if key_budgets is not None else set())
+        budgets = budgets_of(facts.headers, merged(self.cfg.budgets, key_budgets), frozenset(fixed))
         record = await self.table.load(key, now)
         if record is None:
             record = SessionRecord(owner, session.id, session.source, started=now)
@@ -177,11 +199,10 @@ class Sessions:
         Raises:
             SessionBudgetExceeded: a budget is spent (``param`` names it).
         """
+        spent = self._spent(run)
+        if spent is not None:
+            raise spent
         b, record = run.budgets, run.record
-        if b.max_steps is not None and record.steps + self.in_flight.get(run.key, 0) >= b.max_steps:
-            raise refusal(run, "max_steps", f"{record.steps} of its {b.max_steps} steps taken")
-        if b.deadline is not None and record.steps and run.arrived - record.started >= b.deadline:
-            raise refusal(run, "deadline", f"{run.arrived - record.started:.1f} s of its {b.deadline:g} s used")
         if b.max_usd is not None and record.usd >= b.max_usd:
             rest = tuple(c for c in decision.candidates if c.upstream.tier != "fast")
             if b.on_usd == "refuse" or not rest:
@@ -190,6 +211,17 @@ class Sessions:
             fallback = "session_budget" if rest[0] is not decision.candidates[0] else decision.fallback
             return dataclasses.replace(decision, candidates=rest, fallback=fallback)
         return decision
+
+    def _spent(self, run: Run) -> SessionBudgetExceeded | None:
+        """The refusal of a run that has taken its steps (those in flight in this process counted) or used its
+        deadline, or None."""
+        b, record = run.budgets, run.record
+        if b.max_steps is not None and record.steps + self.in_flight.get(run.key, 0) >= b.max_steps:
+            return refusal(run, "max_steps", f"{record.steps} of its {b.max_steps} steps taken")
+        if b.deadline is not None and record.steps and run.arrived - record.started >= b.deadline:
+            return refusal(run, "deadline", f"{(run.arrived - record.started) * 1000:.0f} ms of its "
+                                            f"{b.deadline * 1000:.0f} ms used")
+        return None
 
     async def record_of(self, owner: str | None, session_id: str) -> SessionRecord | None:
         """The run ``owner``'s gateway key named ``session_id`` (``GET /v1/tiergate/sessions/{id}``), or None: another
