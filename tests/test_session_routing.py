@@ -168,6 +168,25 @@ def test_one_keys_runs_never_push_out_anothers() -> None:
     assert len(table) == 4  # the flood kept its own two newest
 
 
+def test_a_full_table_takes_room_from_the_largest_holder_not_from_a_key_within_its_share() -> None:
+    """The attack read in the code: with the table full of other keys' runs, a new key's first runs pushed out the
+    least recently used of anyone's, a quiet key within its share included."""
+    table = MemorySessions(max_items=8, idle=100.0, key_share=0.5)  # four per key at most
+
+    def put(owner: str, i: int, at: float) -> None:
+        r = SessionRecord(owner, f"{owner}-{i}", "header", started=at)
+        r.add(Step("fast-a", "fast", 1.0, 0.0, 10, 0, 5), at, 32)
+        table.put(scope(owner, r.id), r, at)
+    for i in range(2):
+        put("quiet", i, 1.0)  # the least recently used of all
+    for i in range(6):
+        put("busy", i, 2.0)  # over its share of four: its own two oldest go (six in the table)
+    for i in range(4):
+        put("newcomer", i, 3.0)
+    assert table.get(scope("quiet", "quiet-0"), 4.0) is not None and table.get(scope("quiet", "quiet-1"), 4.0)
+    assert len(table) == 8
+
+
 def test_a_header_tightens_a_keys_session_budget_but_never_raises_it() -> None:
     from gateway.config.sessions import SessionBudgets
     from gateway.pipeline.sessions import budgets_of

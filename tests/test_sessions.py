@@ -11,6 +11,7 @@ The upstreams are in-process emulators (``EmulatorThread``: they record every re
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -313,15 +314,15 @@ def test_deadline_routing_keeps_a_warm_session_where_a_cold_request_would_move(t
         url = f"http://127.0.0.1:{gw.port}/v1/chat/completions"
         history = [{"role": "user", "content": "context " * 10_000}]  # ~20k prompt tokens
 
-        def ask(headers: dict[str, str], content: str) -> httpx.Response:
-            body = {"model": "m", "max_tokens": 4, "stream": True,
+        def ask(headers: dict[str, str], content: str, tokens: int = 4) -> httpx.Response:
+            body = {"model": "m", "max_tokens": tokens, "stream": True,
                     "messages": [*history, {"role": "user", "content": content}]}
             with httpx.stream("POST", url, json=body, headers=headers, timeout=20) as r:
                 r.read()
             return r
-        for _ in range(3):  # both tiers measured
+        for _ in range(4):  # both tiers measured (32 tokens: a starved runner's reads never take them all at once)
             for tier in ("fast", "standard"):
-                assert ask({"x-tiergate-tier": tier}, "warm up").status_code == 200
+                assert ask({"x-tiergate-tier": tier}, "warm up", 32).status_code == 200
         first = ask({"x-tiergate-session": "warm", "x-tiergate-tier": "fast"}, "step 1")
         assert first.headers["x-tiergate-upstream"] == "fast"
         budget = {"x-tiergate-deadline-ms": "20000"}
@@ -386,3 +387,46 @@ def test_a_key_made_for_one_run_is_bounded_by_that_runs_budgets(tmp_path: Path) 
     finally:
         gw.stop()
         up.stop()
+
+
+@needs_redis
+def test_one_keys_runs_are_bounded_in_redis_as_in_a_process(tmp_path: Path) -> None:
+    """The attack: with shared state, one key's 150 one-step runs were all kept in Redis for an hour (the process's
+    table kept 25). Each key's runs are indexed there too, its least recently used deleted past its share."""
+    redis = RedisServer(tmp_path)
+    up = EmulatorThread(config=EmulatorConfig(dialect="openai", ttft=0.002, tps=5000.0))
+    flood, quiet = new_key(), new_key()
+    cfg = {"upstreams": [{"name": "std", "tier": "standard", "base_url": up.base_url, "models": {"m": "m-s"}}],
+           "sessions": {"max_items": 8, "key_share": 0.25},  # two runs per key
+           "state": {"redis_url": redis.url, "timeout": 0.5, "retry": 0.2},
+           "auth": {"metrics": {"public": True}, "keys": [{"name": "flood", "sha256": digest(flood)},
+                                                           {"name": "quiet", "sha256": digest(quiet)}]}}
+    gw, _ = start_gateway(cfg, tmp_path)
+    try:
+        deadline = time.monotonic() + 10
+        while sample(scraped(gw.port), "tiergate_shared_state_up") != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{gw.port}/v1"
+        ask = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+        def step(key: str, session: str) -> None:
+            r = httpx.post(url + "/chat/completions", json=ask, timeout=10,
+                           headers={"authorization": f"Bearer {key}", "x-tiergate-session": session})
+            assert r.status_code == 200, r.text
+        step(quiet, "q-1")
+        for i in range(30):
+            step(flood, f"flood-{i}")
+        time.sleep(0.3)  # the last steps' records reach Redis in their loop turn
+
+        def sessions() -> list[bytes]:
+            out = subprocess.run(["redis-cli", "-p", str(redis.port), "--scan", "--pattern", "tiergate:session:*"],
+                                 capture_output=True, check=True).stdout
+            return [k for k in out.split() if not k.endswith(b":moves")]
+        assert len(sessions()) == 3  # the flood's two newest and the quiet key's one
+        found = httpx.get(f"{url}/tiergate/sessions/q-1", headers={"authorization": f"Bearer {quiet}"}, timeout=5)
+        assert found.status_code == 200 and found.json()["steps"] == 1
+    finally:
+        gw.stop()
+        up.stop()
+        redis.kill()

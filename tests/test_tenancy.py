@@ -327,6 +327,11 @@ async def test_one_keys_objects_never_push_another_keys_out_of_the_registry() ->
         await owners.claim(f"file-h{i}", "hostile")
     assert [await owners.owner(f"file-a{i}") for i in range(10)] == ["a"] * 10
     assert await owners.owner("file-h999") == "hostile" and await owners.owner("file-h974") is None
+    full = MemoryOwners(max_items=8, ttl=60, key_share=0.5)  # full of others' ids, a newcomer takes room from the
+    for owner, n in (("quiet", 2), ("busy", 6), ("newcomer", 4)):  # largest holder, never from a key in its share
+        for i in range(n):
+            await full.claim(f"file-{owner}{i}", owner)
+    assert [await full.owner(f"file-quiet{i}") for i in range(2)] == ["quiet"] * 2 and len(full._owners) == 8
 
 
 # --- 3. a client that leaves is still charged ----------------------------------------------------------------------

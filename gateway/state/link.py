@@ -97,6 +97,7 @@ class RedisLink:
         self.key_reserve = self.redis.register_script(scripts.KEY_RESERVE)
         self.key_settle = self.redis.register_script(scripts.KEY_SETTLE)
         self.session_step = self.redis.register_script(scripts.SESSION_STEP)
+        self.session_index = self.redis.register_script(scripts.SESSION_INDEX)
         self.up = False
         self.on_deleted: list[Callable[[str], None]] = []  # told the ids other replicas deleted
         self.on_restored: list[Callable[[], None]] = []  # called each time Redis answers again

@@ -259,7 +259,7 @@ class SharedState(RedisLink):
         names = list(health.by_name) if health is not None else []
         pipe = self.redis.pipeline(transaction=False)
         scripts = (self._admit, self._observe, self._landed, self._rest, self._history, self.key_reserve,
-                   self.key_settle, self.session_step)
+                   self.key_settle, self.session_step, self.session_index)
         for script in scripts:
             pipe.script_load(script.script)
         for name in names:

@@ -20,8 +20,11 @@ def record_key(record: SessionRecord) -> str:
 class SharedSessions:
     """A ``gateway.tenancy.sessions.SessionTable`` kept in Redis: ``{prefix}:session:{<key>}``, a hash of the run's
     totals (added to by ``lua/session_step.lua``, so that steps served at once by two replicas both count) and
-    ``...:moves``, its newest moves; both live ``sessions.idle`` after the last step. ``local`` keeps a copy of each
-    session this process served, read while Redis is away (then the other replicas' steps since are missed)."""
+    ``...:moves``, its newest moves; both live ``sessions.idle`` after the last step. ``{prefix}:sessions:{<owner>}``
+    indexes each gateway key's sessions by their last step (``lua/session_index.lua``), so that one key holds at most
+    its share of ``sessions.max_items`` in Redis too (its least recently used go; without keys, ``max_items`` in
+    all). ``local`` keeps a copy of each session this process served, read while Redis is away (then the other
+    replicas' steps since are missed)."""
 
     def __init__(self, local: MemorySessions, shared: RedisLink, max_moves: int) -> None:
         self.local = local
@@ -72,6 +75,18 @@ class SharedSessions:
         name = self._key(key)
         script = self.shared.session_step
         self.shared.queue("session", lambda pipe: pipe.evalsha(script.sha, 2, name, name + ":moves", *args))
+        # the key's index: over its share, its own least recently used runs leave Redis as they leave this table
+        index = f"{self.shared.prefix}:sessions:{{{record.owner or ''}}}"
+        bound = self.local.per_key if record.owner is not None else self.local.max_items
+        at: list[str | int] = [key, repr(now), bound, repr(self.local.idle), self.ttl_ms]
+        indexing = self.shared.session_index
+        self.shared.queue("session", lambda pipe: pipe.evalsha(indexing.sha, 1, index, *at), self._evict)
+
+    def _evict(self, gone: Any) -> None:
+        """Delete the records of the sessions that left a key's index (one key per command: each its own slot)."""
+        names = [self._key(k.decode() if isinstance(k, bytes) else str(k)) for k in gone or ()]
+        if names:
+            self.shared.queue("session", lambda pipe: [pipe.delete(n, n + ":moves") for n in names])
 
 
 def decode(fields: Any, moves: Any) -> SessionRecord | None:

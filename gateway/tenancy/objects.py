@@ -154,8 +154,9 @@ class Owners(Protocol):
 
 class MemoryOwners:
     """An :class:`Owners` in this process: at most ``max_items`` ids, each forgotten ``ttl`` seconds after it was
-    claimed (the least recently claimed first when full), and at most ``key_share`` of them one key's (past it, its own
-    oldest go: no key's objects push out another's). ``clock``: seconds (``time.monotonic``)."""
+    claimed (when full, the oldest of the key holding the most go first), and at most ``key_share`` of them one key's
+    (past it, its own oldest go: no key's objects push out those of a key within its share). ``clock``: seconds
+    (``time.monotonic``)."""
 
     def __init__(self, max_items: int, ttl: float, clock: Callable[[], float] = time.monotonic,
                  key_share: float = 0.25) -> None:
@@ -189,7 +190,9 @@ class MemoryOwners:
         while len(mine) > self.per_key:
             self._drop(next(iter(mine)))
         while len(self._owners) > self.max_items:
-            self._drop(next(iter(self._owners)))
+            # full: the key holding the most ids gives up its oldest (never a key within its share, for another)
+            largest = max(self._by_key.values(), key=len)
+            self._drop(next(iter(largest)))
 
     def _drop(self, object_id: str) -> None:
         found = self._owners.pop(object_id, None)
