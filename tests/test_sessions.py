@@ -23,6 +23,7 @@ import orjson
 import pytest
 
 from gateway.tenancy.keys import digest, new_key
+from gateway.tenancy.sessions import scope
 from gateway.tools.emulator import EmulatorConfig, EmulatorThread, Plan, Received
 
 from conftest import RedisServer, needs_redis, sample, scraped, start_gateway
@@ -178,6 +179,9 @@ def test_a_responses_conversation_is_one_session_through_the_bridge(world: World
     sent = [orjson.loads(r.body) for r in world.ups[raw.headers["x-tiergate-upstream"]].requests[-2:]]
     keys = {s.get("prompt_cache_key") for s in sent}  # one derived key for the run, where the client sent none
     assert len(keys) == 1 and next(iter(keys)).startswith("tgs-")
+    # keyed with the gateway key's own digest: another tenant who knows the key's name and the run's id cannot
+    # compute it (to send it as its own prompt_cache_key and share this run's cache routing)
+    assert next(iter(keys)) != "tgs-" + scope("a", first.id)
 
 
 def test_budgets_refuse_before_anything_reaches_an_upstream(world: World) -> None:

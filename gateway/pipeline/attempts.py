@@ -10,6 +10,8 @@ the error its caller fails over on (or answers with); past the first byte nothin
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -195,11 +197,15 @@ class Attempts:
 
     def cache_key(self, ex: Exchange, body: Mapping[str, Any]) -> str | None:
         """The ``prompt_cache_key`` an agent session's step is sent with when the client sent none
-        (``sessions.prompt_cache_key: derive``): ``tgs-`` and the session's table key (its gateway key and id,
-        hashed: one per run, the same on every replica, and never another tenant's), else None."""
+        (``sessions.prompt_cache_key: derive``): ``tgs-`` and 32 hex digits of the session's table key (its gateway
+        key and id), HMAC-SHA-256'd with the key's own digest when it has one: one per run, the same on every replica,
+        and one no other tenant can compute from a key name and a session id it guessed (to send as its own
+        ``prompt_cache_key`` and land on this run's cache routing); else None."""
         if ex.run is None or "prompt_cache_key" in body or self.config.sessions.prompt_cache_key != "derive":
             return None
-        return "tgs-" + str(ex.run.key)
+        if ex.key is None:  # no gateway keys: one tenant
+            return "tgs-" + str(ex.run.key)
+        return "tgs-" + hmac.new(ex.key.cfg.sha256.encode(), str(ex.run.key).encode(), hashlib.sha256).hexdigest()[:32]
 
     def open(self, ex: Exchange, up: UpstreamConfig, need: int, path: str, verdicts: Verdicts) -> Attempt:
         """An attempt on ``up`` (``async with`` it), with its trace span when the request is traced; over the
