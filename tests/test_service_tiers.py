@@ -176,3 +176,19 @@ def test_the_live_estimates_keep_each_served_tier_apart(world: Any) -> None:
     series = {(e["upstream"], e["model"]) for e in est["latency"]} if "latency" in est else set(str(est))
     text = orjson.dumps(est).decode()
     assert "m-ultra@ultrafast" in text and '"m-ultra"' in text, (series, text[:500])
+
+
+@pytest.mark.parametrize(("tier", "code"), [("x" * 2_000_000, "invalid_value"), ("FLEX", "invalid_value"),
+                                            ("", "invalid_value"), (123, "invalid_type"), ({"a": 1}, "invalid_type")])
+def test_a_service_tier_that_is_no_tier_is_refused(world: Any, tier: Any, code: str) -> None:
+    """The attack: a 2 MB ``service_tier`` was sent upstream and written twice into one request log line (4 MB);
+    an object was dropped in silence and the request served at the default tier."""
+    gw, ups = world
+    before = sum(len(e.requests) for e in ups.values())
+    r = _post(gw, {"service_tier": tier})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert (err["code"], err["param"], err["type"]) == (code, "service_tier", "invalid_request_error")
+    assert len(r.content) < 1000  # the refusal does not echo a huge value
+    assert sum(len(e.requests) for e in ups.values()) == before
+    assert _post(gw, {"service_tier": "on_demand"}).status_code == 200  # another provider's word passes

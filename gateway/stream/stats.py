@@ -34,8 +34,8 @@ def delta_has_token(delta: Any) -> bool:
 def served_tier(answer: dict[str, Any]) -> str | None:
     """An answer's ``service_tier`` (a chunk's, a completion's or a Response's), or None (absent, or ``auto``: not
     decided yet)."""
-    tier = answer.get("service_tier")
-    return tier if isinstance(tier, str) and tier != "auto" else None
+    tier = answer.get("service_tier")  # bounded: it reaches the request log and a metric's label
+    return tier[:32] if isinstance(tier, str) and tier != "auto" else None
 
 
 def has_token(choices: Any) -> bool:

@@ -139,6 +139,7 @@ def parse_request(kind: str, raw: bytes) -> dict[str, Any]:
 
 
 LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+SERVICE_TIER = re.compile(r"[a-z][a-z0-9_]{0,31}")  # what check_service_tier lets through
 
 
 def _routable(raw: bytes) -> dict[str, Any]:
@@ -160,7 +161,27 @@ def _routable(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"Invalid type for 'stream': expected a boolean, got {_json_type(stream)}.",
                              param="stream", code="invalid_type")
     check_limits(body)
+    tier = body.get("service_tier")
+    if tier is not None:
+        check_service_tier(tier)
     return body
+
+
+def check_service_tier(tier: Any) -> None:
+    """A ``service_tier`` is a short lower-case word (OpenAI's ``auto``, ``default``, ``flex``, ``scale``,
+    ``priority``, ``fast``, ``ultrafast``; other providers' such as Groq's ``on_demand`` pass too): routing, billing
+    and the request log read it, so a 2 MB string or an object is refused, not logged twice or dropped in silence.
+
+    Raises:
+        InvalidRequest: 400 ``invalid_type`` (not a string) or ``invalid_value`` naming ``service_tier``.
+    """
+    if not isinstance(tier, str):
+        raise InvalidRequest(f"Invalid type for 'service_tier': expected a string, got {_json_type(tier)}.",
+                             param="service_tier", code="invalid_type")
+    if not SERVICE_TIER.fullmatch(tier):
+        raise InvalidRequest(f"Invalid value for 'service_tier': {tier[:40]!r} is no service tier (a lower-case word "
+                             "such as 'auto', 'default', 'flex', 'priority', 'fast' or 'ultrafast').",
+                             param="service_tier", code="invalid_value")
 
 
 def check_limits(body: Mapping[str, Any]) -> None:
