@@ -45,7 +45,7 @@ from gateway.pipeline.hedging import Hedging
 from gateway.pipeline.models import UpstreamModels
 from gateway.pipeline.passthrough import Passthrough
 from gateway.pipeline.sessions import Sessions
-from gateway.responses.store import MemoryResponseStore, ResponseStore
+from gateway.responses.store import MemoryResponseStore, ResponseStore, SocketMemory
 from gateway.routing import deadline
 from gateway.routing.health import Health
 from gateway.routing.policy import Policy
@@ -200,7 +200,9 @@ def assemble(loaded: LoadedConfig, metrics: Metrics, transport: Transport, *, po
     return Gateway(config=config, policy=policy, keys=keys,
                    chat=chat, passthrough=passthrough, frame=frame, transport=transport, metrics=metrics, health=health,
                    conversations=conversations, store=store, owners=owners, ledger=ledger, budgets=budgets,
-                   estimates=estimates, explorer=explorer, shared=shared, listed=listed, sessions=sessions)
+                   estimates=estimates, explorer=explorer, shared=shared, listed=listed, sessions=sessions,
+                   socket_memory=previous.socket_memory if previous is not None else SocketMemory(
+                       config.limits.websocket.memory_bytes_total, config.limits.key_share))
 
 
 def _state(config: GatewayConfig, shared: SharedState | None) -> tuple[ResponseStore, Ledger, Owners, Estimates,

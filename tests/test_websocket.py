@@ -418,3 +418,30 @@ def test_turns_of_one_socket_are_routed_each_and_are_steps_of_its_session(
     assert len(served) == 2 and len(fast.requests) - fast_before == 1
     run = httpx.get(f"http://127.0.0.1:{gw.port}/v1/tiergate/sessions/ws-run-1", timeout=5).json()
     assert run["steps"] == 3 and run["last_upstream"] == "emu-standard"
+
+
+async def test_one_keys_sockets_keep_at_most_its_share_of_the_processs_socket_memory() -> None:
+    """The attack read in the config: a key may hold 64 sockets of 8 MiB of responses each (512 MiB, the shipped
+    container's whole limit). Every socket of a process now counts against ``memory_bytes_total``, a key's sockets
+    against ``limits.key_share`` of it: past it, the socket that keeps more drops its own oldest."""
+    from gateway.responses.store import OVERHEAD, Bridged, MemoryResponseStore, SocketMemory, SocketStore, encode
+
+    def turn(owner: str, i: int) -> Bridged:
+        return Bridged({"output": [{"type": "message", "text": f"{i:04d}" + "x" * 1000}]}, [], None, owner)
+    one = len(encode(turn("hog", 0))) + OVERHEAD
+    memory = SocketMemory(max_bytes=40 * one, key_share=0.25)  # ten responses a key
+
+    def socket(owner: str) -> SocketStore:
+        return SocketStore(MemoryResponseStore(10_000, 1 << 20, 60.0), MemoryResponseStore(1, 1, 60.0), memory, owner)
+    quiet = socket("quiet")
+    for i in range(5):
+        assert await quiet.put(f"q{i}", turn("quiet", i))
+    hogs = [socket("hog") for _ in range(8)]
+    for i in range(200):
+        await hogs[i % 8].put(f"h{i}", turn("hog", i))
+    assert memory.by_key["hog"] <= memory.key_bytes and memory.bytes <= memory.max_bytes
+    assert all([await quiet.get(f"q{i}", "quiet") for i in range(5)])  # the other key's responses are all kept
+    assert await hogs[199 % 8].get("h199", "hog") is not None  # each hog socket keeps its newest
+    for h in hogs:
+        h.close()
+    assert memory.by_key.get("hog") is None and memory.bytes == quiet.local.bytes > 0

@@ -59,14 +59,16 @@ class WebSocketLimits(Strict):
     ``websocket_connection_limit_reached``; in_flight: ``response.create`` messages of one socket queued or being
     served at once (across its ``stream_id`` lanes), past it the message is answered with an ``error`` event (429
     ``too_many_requests_in_flight``); memory_bytes: what one socket keeps of the responses it made so that
-    ``previous_response_id`` continues them even with ``store: false`` (their JSON bytes; the oldest go first; a key
-    may hold ``sockets_per_key`` times it)."""
+    ``previous_response_id`` continues them even with ``store: false`` (their JSON bytes; the oldest go first);
+    memory_bytes_total: what all sockets of a process keep so, of which one gateway key's sockets hold at most
+    ``limits.key_share`` (past either, the socket that keeps more drops its own oldest responses)."""
 
     max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     idle: float = Field(300.0, gt=0)
     sockets_per_key: int = Field(64, ge=1)
     in_flight: int = Field(16, ge=1)
     memory_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    memory_bytes_total: int = Field(64 * 1024 * 1024, ge=1024)
 
 
 class Limits(Strict):

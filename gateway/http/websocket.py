@@ -75,7 +75,7 @@ class Sockets:
         reason = "error"
         try:
             await send({"type": "websocket.accept"})
-            session = SocketSession(self.current, scope, receive, send)
+            session = SocketSession(self.current, scope, receive, send, key_name)
             self.sessions.add(session)
             if self.draining:
                 session.drain()

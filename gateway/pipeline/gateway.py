@@ -16,7 +16,7 @@ from gateway.pipeline.frame import Frame
 from gateway.pipeline.models import UpstreamModels
 from gateway.pipeline.passthrough import Passthrough
 from gateway.pipeline.sessions import Sessions
-from gateway.responses.store import ResponseStore
+from gateway.responses.store import ResponseStore, SocketMemory
 from gateway.routing import deadline
 from gateway.routing.health import Health
 from gateway.routing.policy import Policy
@@ -36,7 +36,8 @@ class Gateway:
         passthrough: the rest of /v1 (None: passthrough is off); frame: its requests in flight and its drain;
         transport: its upstream connections; conversations, store, owners, ledger, estimates, explorer, health,
         shared: the state it reads and changes (carried over by a reload); listed: what the passthrough upstream lists;
-        sessions: its agent sessions (their table carried over by a reload).
+        sessions: its agent sessions (their table carried over by a reload); socket_memory: what its WebSocket-mode
+        sockets keep in memory, counted in all (carried over by a reload, as the sockets are).
     """
 
     config: GatewayConfig
@@ -58,6 +59,7 @@ class Gateway:
     shared: SharedState | None
     listed: UpstreamModels
     sessions: Sessions
+    socket_memory: SocketMemory
 
     def in_flight(self) -> int:
         """Requests this gateway is serving now."""

@@ -157,10 +157,12 @@ class SocketSession:
 
     Args:
         current: the gateway serving new requests now (a reload swaps it; each message is served by the one current
-            when it starts); scope, receive, send: the socket's ASGI ``websocket`` scope and channels.
+            when it starts); scope, receive, send: the socket's ASGI ``websocket`` scope and channels; owner: its
+            gateway key's name (None without keys).
     """
 
-    def __init__(self, current: Callable[[], Gateway], scope: Scope, receive: Receive, send: Send) -> None:
+    def __init__(self, current: Callable[[], Gateway], scope: Scope, receive: Receive, send: Send,
+                 owner: str | None = None) -> None:
         self.current = current
         self.scope = scope
         self.receive = receive
@@ -171,7 +173,8 @@ class SocketSession:
         limits = gateway.config.limits.websocket
         self.limits = limits
         self.memory = SocketStore(MemoryResponseStore(MEMORY_ITEMS, limits.memory_bytes,
-                                                      gateway.config.response_store.ttl), gateway.store)
+                                                      gateway.config.response_store.ttl), gateway.store,
+                                  gateway.socket_memory, owner)
         self.via = UpstreamSockets(gateway.transport, gateway.config.limits.max_event_bytes)
         self.via_of: Gateway = gateway
         self.lanes: dict[str | None, Lane] = {}
@@ -393,4 +396,5 @@ class SocketSession:
         for task in [lane.task for lane in self.lanes.values() if lane.task is not None] + list(self._tasks):
             with contextlib.suppress(BaseException):
                 await task
+        self.memory.close()
         await self.via.stop()

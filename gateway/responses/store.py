@@ -205,6 +205,14 @@ class MemoryResponseStore:
         """Drop ``response_id`` whoever owns it (another replica deleted it: ``gateway.state.redis``)."""
         self._drop(response_id)
 
+    def oldest(self) -> str | None:
+        """The id of the record held longest without being continued, or None (empty)."""
+        return next(iter(self._records), None)
+
+    def holds(self, response_id: str) -> bool:
+        """Whether ``response_id`` is held (expired or not)."""
+        return response_id in self._records
+
     def _get(self, response_id: str, owner: str | None, *, touch: bool) -> _Entry | None:
         entry = self._records.get(response_id)
         if entry is None or entry.owner != owner:
@@ -248,15 +256,60 @@ def items_of(chain: list[bytes]) -> list[dict[str, Any]] | None:
     return items
 
 
+class SocketMemory:
+    """What every WebSocket-mode socket of a process keeps in its memory, counted in all and per gateway key, so that
+    one key's sockets (up to ``sockets_per_key`` of them, each up to ``memory_bytes``) cannot take the process's memory
+    from the others: past ``max_bytes`` in all, or past ``key_share`` of it for one key, the socket that keeps more
+    drops its own oldest responses (``limits.websocket.memory_bytes_total``, ``limits.key_share``). Bytes as
+    :class:`MemoryResponseStore` counts them."""
+
+    def __init__(self, max_bytes: int, key_share: float) -> None:
+        self.max_bytes = max_bytes
+        self.key_bytes = max(1, int(max_bytes * key_share))
+        self.bytes = 0
+        self.by_key: dict[str | None, int] = {}
+
+    def add(self, owner: str | None, delta: int) -> None:
+        """``owner``'s sockets keep ``delta`` bytes more (less, when negative)."""
+        self.bytes += delta
+        held = self.by_key.get(owner, 0) + delta
+        if held > 0:
+            self.by_key[owner] = held
+        else:
+            self.by_key.pop(owner, None)
+
+    def over(self, owner: str | None) -> bool:
+        """Whether the sockets keep more than their bound, in all or (a gateway key's: ``owner`` not None) for
+        ``owner``."""
+        return self.bytes > self.max_bytes or (owner is not None and self.by_key.get(owner, 0) > self.key_bytes)
+
+
 class SocketStore:
     """A :class:`ResponseStore` for the requests of one WebSocket-mode socket: what the socket made is kept in its own
     memory (``local``), whatever ``store`` said, so that ``previous_response_id`` continues it on that socket even with
     ``store: false`` (OpenAI's WebSocket mode keeps the previous response in memory on the connection); anything
-    else is looked up in the gateway's ``shared`` store (a conversation begun over HTTP continues on a socket)."""
+    else is looked up in the gateway's ``shared`` store (a conversation begun over HTTP continues on a socket).
+    ``memory``: what the process's sockets keep, in all (``owner``: the socket's gateway key, None without keys);
+    :meth:`close` gives the socket's bytes back."""
 
-    def __init__(self, local: MemoryResponseStore, shared: ResponseStore) -> None:
+    def __init__(self, local: MemoryResponseStore, shared: ResponseStore, memory: SocketMemory | None = None,
+                 owner: str | None = None) -> None:
         self.local = local
         self.shared = shared
+        self.memory = memory
+        self.owner = owner
+        self.counted = 0  # local.bytes as memory last counted them
+
+    def _count(self) -> None:
+        """Tell ``memory`` what ``local`` holds now (it also shrinks by itself: expired records, its own bounds)."""
+        if self.memory is not None:
+            self.memory.add(self.owner, self.local.bytes - self.counted)
+            self.counted = self.local.bytes
+
+    def close(self) -> None:
+        """The socket is over: its memory is freed."""
+        self.local = MemoryResponseStore(1, 1, 0.0)
+        self._count()
 
     async def get(self, response_id: str, owner: str | None) -> Record | None:
         found = await self.local.get(response_id, owner)
@@ -272,8 +325,17 @@ class SocketStore:
 
     async def put(self, response_id: str, record: Record) -> bool:
         """Keep ``record`` in the socket's memory (the caller keeps it in the shared store too unless ``store:
-        false``)."""
-        return await self.local.put(response_id, record)
+        false``); over the process's bound (:class:`SocketMemory`) this socket's oldest go, ``record`` last (then
+        False: not kept)."""
+        kept = await self.local.put(response_id, record)
+        self._count()
+        memory = self.memory
+        while memory is not None and memory.over(self.owner) and (oldest := self.local.oldest()) is not None:
+            self.local.forget(oldest)
+            self._count()
+        return kept and self.local.holds(response_id)
 
     async def delete(self, response_id: str, owner: str | None) -> bool:
-        return await self.local.delete(response_id, owner) | await self.shared.delete(response_id, owner)
+        gone = await self.local.delete(response_id, owner) | await self.shared.delete(response_id, owner)
+        self._count()
+        return gone
