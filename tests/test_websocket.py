@@ -135,6 +135,31 @@ def test_store_false_is_continued_from_the_sockets_memory_only(stack: tuple[Proc
         client(gw.port).responses.retrieve(made)
 
 
+def test_a_warm_up_pinned_to_the_fast_tier_moves_to_a_native_upstream(stack: tuple[Proc, EmulatorThread,
+                                                                                    EmulatorThread]) -> None:
+    """``generate: false`` (a warm-up: OpenAI's WebSocket mode guide) is not the bridge's to serve: a message pinned
+    to the fast tier goes to the native standard upstream (``fallback=responses_feature`` in its log line), whose
+    answer is a response without output; the next turn continues it."""
+    gw, fast, standard = stack
+    fast_before, std_before = len(fast.requests), len(standard.requests)
+    with client(gw.port).responses.connect() as conn:
+        conn.send({"type": "response.create", "model": "gpt-5.6-sol-fast", "input": "the instructions",
+                   "generate": False})  # type: ignore[arg-type]
+        warm = until_done(conn)
+        conn.response.create(model="gpt-5.6", input="now [[emulate tokens=3]]",
+                             previous_response_id=warm[-1].response.id)
+        answered = until_done(conn)
+    assert [e.type for e in warm] == ["response.created", "response.completed"]
+    assert warm[-1].response.output == [] and warm[-1].response.usage.output_tokens == 0
+    assert answered[-1].type == "response.completed"
+    assert len(fast.requests) == fast_before
+    sent = [json.loads(r.body) for r in standard.requests[std_before:] if r.method == "WS"]
+    assert sent[0]["generate"] is False and len(sent) == 2
+    log = [json.loads(line) for line in gw.log.read_text().splitlines() if line.startswith("{")]
+    line = next(r for r in reversed(log) if r.get("method") == "WS" and r.get("model") == "gpt-5.6-sol-fast")
+    assert line["tier"] == "standard" and line["fallback"] == "responses_feature"
+
+
 def test_lanes_are_served_side_by_side_each_in_order(stack: tuple[Proc, EmulatorThread, EmulatorThread]) -> None:
     gw, _, _ = stack
     with client(gw.port).responses.connect() as conn:
