@@ -188,11 +188,18 @@ def test_steer_and_unknown_events_are_answered(stack: tuple[Proc, EmulatorThread
         steer = conn.recv()
         conn.send_raw(json.dumps({"type": "response.cancel"}))
         unknown = conn.recv()
+        not_events = []
+        for raw in ("null", "[]", "5", '"response.create"', "{}"):  # JSON, but not an object with a type
+            conn.send_raw(raw)
+            not_events.append(conn.recv())
         conn.response.create(model="gpt-5.6-sol-fast", input="hi [[emulate tokens=2]]")
         assert until_done(conn)[-1].type == "response.completed", "the socket goes on"
     assert steer.type == "response.steer.failed" and steer.error.code == "steering_not_supported"
     assert steer.steer.input == "shorter, please"
     assert unknown.type == "error" and unknown.status == 400 and unknown.error.param == "type"
+    for refused in not_events:
+        assert refused.type == "error" and refused.status == 400 and refused.error.code == "unknown_event_type"
+        assert "must be a JSON object with a 'type'" in refused.error.message, refused
 
 
 def test_each_message_is_metered_and_an_error_status_is_an_error_event(stack: tuple[Proc, EmulatorThread,
