@@ -113,6 +113,15 @@ def test_every_docs_page_and_anchor_the_code_cites_exists(site: Path) -> None:
     assert cited > 20  # the code does cite the docs: the pattern matches
 
 
+def test_the_config_the_demo_reads_is_config_demo_yaml() -> None:
+    """The docs tell readers to change ``config/demo.yaml``; ``tiergate demo`` reads the packaged
+    ``gateway/demo.yaml`` (a symlink to it in the repository; a copy in a wheel): they must be the same file."""
+    from gateway.cli import DEMO_CONFIG
+
+    assert DEMO_CONFIG == ROOT / "gateway" / "demo.yaml"
+    assert DEMO_CONFIG.read_bytes() == (ROOT / "config" / "demo.yaml").read_bytes()
+
+
 # --- the generated reference ---------------------------------------------------------------------------------------
 
 def test_every_metric_family_the_gateway_registers_is_on_the_metrics_page(site: Path, hooks: Any) -> None:
