@@ -265,6 +265,14 @@ def test_every_response_header_the_gateway_sets_is_in_the_routing_table() -> Non
     assert not missing, f"response headers missing from the table of docs/routing.md#response-headers: {missing}"
 
 
+def test_every_config_section_opens_with_its_own_words(hooks: Any) -> None:
+    """A section's text on the configuration page is its class's docstring: one that sends the reader elsewhere
+    ("(module docstring)", a page they cannot see) says nothing there."""
+    for path, model in hooks.config_sections(hooks._sources().config):
+        lead = inspect.cleandoc(model.__doc__ or "").split("\n\n")[0]
+        assert "docstring" not in lead, f"config section {path!r} opens with {lead!r}"
+
+
 # --- the hook's own checks -----------------------------------------------------------------------------------------
 
 class _Page:
