@@ -18,8 +18,9 @@ import typing
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from gateway.config.auth import KeyConfig
 from gateway.config.base import TIERS
 from gateway.config.load import LoadedConfig, load_config
 from gateway.config.settings import Settings, environ, set_worker_environment
@@ -297,6 +298,21 @@ def _demo(args: argparse.Namespace) -> int:
                 proc.kill()
 
 
+def _key_line(k: KeyConfig) -> str:
+    """One gateway key in ``check-config``'s listing: its tiers, limits, fast-tier allowance, metadata defaults, and
+    the session its requests belong to and its runs' budgets (``auth.keys[].session``)."""
+    def listed(model: BaseModel) -> str:  # the fields set, as "name value" (numbers as written: 1.5, 20)
+        return ", ".join(f"{n} {v:g}" if isinstance(v, int | float) else f"{n} {v}"
+                         for n, v in model.model_dump(exclude_none=True, exclude_defaults=True).items())
+
+    limits, fast, budgets = listed(k.limits) or "no limits", listed(k.fast), listed(k.session.budgets)
+    meta = ", ".join(f"{n}={v}" for n, v in k.metadata.items())
+    session = "; ".join(part for part in (f"session id {k.session.id}" if k.session.id else "",
+                                          f"session budgets: {budgets}" if budgets else "") if part)
+    return (f"  {k.name}: tiers {'/'.join(k.tiers)}; {limits}" + (f"; fast tier: {fast}" if fast else "")
+            + (f"; metadata {meta}" if meta else "") + (f"; {session}" if session else ""))
+
+
 def _require_free(host: str, port: int, what: str) -> None:
     """Refuse to start when ``host:port`` is taken (else the readiness check would find the other process).
 
@@ -361,11 +377,7 @@ def _check(path: Path) -> int:
     if cfg.auth is not None:
         print(f"\ngateway keys (auth): {len(cfg.auth.keys)}; every /v1 request needs one")
         for k in cfg.auth.keys:
-            limits = ", ".join(f"{n} {v:g}" for n, v in k.limits.model_dump(exclude_none=True).items()) or "no limits"
-            fast = ", ".join(f"{n} {v:g}" for n, v in k.fast.model_dump(exclude_none=True).items())
-            meta = ", ".join(f"{n}={v}" for n, v in k.metadata.items())
-            print(f"  {k.name}: tiers {'/'.join(k.tiers)}; {limits}" + (f"; fast tier: {fast}" if fast else "")
-                  + (f"; metadata {meta}" if meta else ""))
+            print(_key_line(k))
     else:
         print("\ngateway keys: none (auth: not configured): whoever reaches the port spends the upstream keys")
     warnings = config_warnings(cfg)

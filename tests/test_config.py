@@ -126,6 +126,20 @@ def test_check_config_prints_the_resolved_routes() -> None:
     assert "standard/emulated-standard: gpt-5.6-2026-10-01" in out
 
 
+def test_check_config_lists_a_keys_session_and_its_budgets(tmp_path: Path) -> None:
+    """A key made for one agent run (``auth.keys[].session``) is listed with its session id and budgets, not as a key
+    with "no limits"."""
+    keys = [{"name": "agent", "sha256": "0" * 64,
+             "session": {"id": "run-7", "budgets": {"max_steps": 20, "max_usd": 1.5, "on_usd": "standard"}}},
+            {"name": "plain", "sha256": "1" * 64, "limits": {"requests_per_minute": 60}}]
+    proc = _cli("check-config", str(_write(tmp_path, _with(auth={"keys": keys}))))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert ("  agent: tiers fast/standard; no limits; session id run-7; session budgets: max_steps 20, max_usd 1.5, "
+            "on_usd standard") in lines
+    assert "  plain: tiers fast/standard; requests_per_minute 60" in lines
+
+
 def test_shipped_production_config_is_valid_and_names_its_key_variables() -> None:
     proc = _cli("check-config", "config/gateway.yaml")
     assert proc.returncode == 0, proc.stderr

@@ -8,6 +8,7 @@ them, and these tests read the gateway through it too.
 
 from __future__ import annotations
 
+import ast
 import html
 import importlib.util
 import inspect
@@ -112,6 +113,15 @@ def test_every_docs_page_and_anchor_the_code_cites_exists(site: Path) -> None:
     assert cited > 20  # the code does cite the docs: the pattern matches
 
 
+def test_the_config_the_demo_reads_is_config_demo_yaml() -> None:
+    """The docs tell readers to change ``config/demo.yaml``; ``tiergate demo`` reads the packaged
+    ``gateway/demo.yaml`` (a symlink to it in the repository; a copy in a wheel): they must be the same file."""
+    from gateway.cli import DEMO_CONFIG
+
+    assert DEMO_CONFIG == ROOT / "gateway" / "demo.yaml"
+    assert DEMO_CONFIG.read_bytes() == (ROOT / "config" / "demo.yaml").read_bytes()
+
+
 # --- the generated reference ---------------------------------------------------------------------------------------
 
 def test_every_metric_family_the_gateway_registers_is_on_the_metrics_page(site: Path, hooks: Any) -> None:
@@ -176,6 +186,91 @@ def test_every_error_class_is_on_the_errors_page(site: Path, hooks: Any) -> None
         pending += cls.__subclasses__()
         if not issubclass(cls, hooks._sources().startup_error):
             assert f"<code>{cls.__name__}</code>" in page, f"{cls.__name__} is not on the errors page"
+
+
+CODE = re.compile(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+")  # an OpenAI error code: snake_case, at least two words
+
+
+def _strings(node: ast.AST) -> set[str]:
+    return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and CODE.fullmatch(n.value)}
+
+
+def error_codes() -> set[str]:
+    """Every error ``code`` the gateway's own source can answer with (``gateway/``, not the emulator's ``tools/``):
+    a class's ``code`` attribute, a ``code=`` argument (its literals: ``err.code or "capacity_exceeded"`` counts),
+    the ``"code"`` of a dict literal (an in-band error event), the default of a ``code`` parameter, and a literal
+    passed where a function (or a class's ``__init__``) of the gateway takes ``code`` positionally
+    (``StreamInterrupted``)."""
+    sources = sorted(p for p in (ROOT / "gateway").rglob("*.py") if "tools" not in p.parts)
+    trees = [ast.parse(p.read_text("utf-8")) for p in sources]
+    where: dict[str, set[int]] = {}  # callable name -> positions of its code parameter (without self)
+    for tree in trees:
+        for node in ast.walk(tree):
+            defs = [(node.name, node)] if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else []
+            if isinstance(node, ast.ClassDef):
+                defs = [(node.name, f) for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"]
+            for name, fn in defs:
+                params = [a.arg for a in fn.args.posonlyargs + fn.args.args if a.arg not in ("self", "cls")]
+                if "code" in params:
+                    where.setdefault(name, set()).add(params.index("code"))
+    return {code for tree in trees for node in ast.walk(tree) for code in _codes_at(node, where)}
+
+
+def _codes_at(node: ast.AST, where: dict[str, set[int]]) -> set[str]:
+    """The codes ``node`` itself produces (:func:`error_codes`)."""
+    if isinstance(node, ast.ClassDef):
+        return {c for st in node.body if isinstance(st, ast.Assign | ast.AnnAssign) and st.value is not None
+                and any(isinstance(t, ast.Name) and t.id == "code"
+                        for t in (st.targets if isinstance(st, ast.Assign) else [st.target]))
+                for c in _strings(st.value)}
+    if isinstance(node, ast.Call):
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        return ({c for kw in node.keywords if kw.arg == "code" for c in _strings(kw.value)}
+                | {c for i in where.get(name, ()) if i < len(node.args) for c in _strings(node.args[i])})
+    if isinstance(node, ast.Dict):
+        return {c for k, v in zip(node.keys, node.values, strict=True)
+                if isinstance(k, ast.Constant) and k.value == "code" for c in _strings(v)}
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+        a = node.args
+        positional = a.posonlyargs + a.args
+        pairs = [*zip(positional[len(positional) - len(a.defaults):], a.defaults, strict=True),
+                 *zip(a.kwonlyargs, a.kw_defaults, strict=True)]
+        return {c for arg, d in pairs if arg.arg == "code" and d is not None for c in _strings(d)}
+    return set()
+
+
+def test_every_error_code_the_gateway_answers_is_on_the_errors_page(hooks: Any) -> None:
+    """docs/errors.md claims every error: each ``code`` the source can produce is named on it (in its text, or in
+    the error-class table generated into it)."""
+    codes = error_codes()
+    assert {"model_not_found", "session_budget_exceeded", "too_many_requests_in_flight", "upstream_idle_timeout",
+            "websocket_connection_limit_reached", "capacity_exceeded"} <= codes  # the collector finds each form
+    text = (ROOT / "docs" / "errors.md").read_text("utf-8") + hooks._error_classes()
+    missing = sorted(code for code in codes if f"`{code}`" not in text)
+    assert not missing, f"error codes the gateway answers with that docs/errors.md does not name: {missing}"
+
+
+def test_every_response_header_the_gateway_sets_is_in_the_routing_table() -> None:
+    """Each ``x-tiergate-*`` response header (the gateway writes its response headers as bytes: ``b"x-tiergate-..."``)
+    is a row of the table on docs/routing.md#response-headers."""
+    names = {name for p in (ROOT / "gateway").rglob("*.py") if "tools" not in p.parts
+             for name in re.findall(r'b"(x-tiergate-[a-z0-9-]+)"', p.read_text("utf-8"))}
+    assert {"x-tiergate-tier", "x-tiergate-session-budget", "x-tiergate-predicted-ms"} <= names
+    page = (ROOT / "docs" / "routing.md").read_text("utf-8")
+    section = page.split("{ #response-headers }", 1)[1].split("\n## ", 1)[0]
+    rows = {name for line in section.splitlines() if line.startswith("| `")  # a row's header, or its companions
+            for name in re.findall(r"`(x-tiergate-[a-z0-9-]+)`", line)}  # ("with `x-tiergate-predicted-ms` / ...")
+    missing = sorted(names - rows)
+    assert not missing, f"response headers missing from the table of docs/routing.md#response-headers: {missing}"
+
+
+def test_every_config_section_opens_with_its_own_words(hooks: Any) -> None:
+    """A section's text on the configuration page is its class's docstring: one that sends the reader elsewhere
+    ("(module docstring)", a page they cannot see) says nothing there."""
+    for path, model in hooks.config_sections(hooks._sources().config):
+        lead = inspect.cleandoc(model.__doc__ or "").split("\n\n")[0]
+        assert "docstring" not in lead, f"config section {path!r} opens with {lead!r}"
 
 
 # --- the hook's own checks -----------------------------------------------------------------------------------------

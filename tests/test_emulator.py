@@ -194,3 +194,60 @@ def test_websocket_mode_serves_the_stream_as_frames(emu: dict[str, EmulatorThrea
     with pytest.raises(InvalidStatus) as refused:
         openai.OpenAI(base_url=emu["cerebras"].base_url, api_key="x").responses.connect().enter()
     assert refused.value.response.status_code == 404
+
+
+def _until_done(conn: Any) -> list[Any]:
+    events = []
+    for event in conn:
+        events.append(event)
+        if event.type in ("response.completed", "error"):
+            return events
+    raise AssertionError(f"the socket ended after {[e.type for e in events]}")
+
+
+def test_a_store_false_response_is_kept_only_by_the_socket_that_made_it(emu: dict[str, EmulatorThread]) -> None:
+    """As OpenAI's API: a ``store: false`` response is not retrievable (404) nor continued over HTTP (400); over
+    WebSocket mode the socket that made it keeps it in memory, so it continues there, and only there."""
+    import openai
+
+    up = emu["openai"]
+    made = _post(up, "/responses", input="x", store=False).json()["id"]
+    assert httpx.get(f"{up.base_url}/responses/{made}").status_code == 404
+    follow = _post(up, "/responses", input="y", previous_response_id=made)
+    assert follow.status_code == 400 and follow.json()["error"]["code"] == "previous_response_not_found"
+    stored = _post(up, "/responses", input="x").json()["id"]
+    assert httpx.get(f"{up.base_url}/responses/{stored}").status_code == 200
+
+    sdk = openai.OpenAI(base_url=up.base_url, api_key="unused", max_retries=0)
+    with sdk.responses.connect() as conn:
+        conn.response.create(model="m", input="x", store=False)
+        on_socket = _until_done(conn)[-1].response.id
+        conn.response.create(model="m", input="y", store=False, previous_response_id=on_socket)
+        assert _until_done(conn)[-1].type == "response.completed", "its own socket continues it"
+        conn.response.create(model="m", input="y", previous_response_id=stored)
+        assert _until_done(conn)[-1].type == "response.completed", "a stored one continues on any socket"
+    with sdk.responses.connect() as other:
+        other.response.create(model="m", input="y", previous_response_id=on_socket)
+        refused = _until_done(other)[-1]
+    assert refused.type == "error" and refused.error.code == "previous_response_not_found"
+    assert httpx.get(f"{up.base_url}/responses/{on_socket}").status_code == 404
+    assert _post(up, "/responses", input="y", previous_response_id=on_socket).status_code == 400
+
+
+def test_a_warm_up_makes_a_response_without_output(emu: dict[str, EmulatorThread]) -> None:
+    """``generate: false`` over WebSocket mode (OpenAI's WebSocket mode guide: a warm-up): ``response.created`` and
+    ``response.completed`` with no output and no output tokens; the response is continued as any other."""
+    import openai
+
+    sdk = openai.OpenAI(base_url=emu["openai"].base_url, api_key="unused", max_retries=0)
+    with sdk.responses.connect() as conn:
+        conn.send({"type": "response.create", "model": "m", "input": "the tools and instructions",
+                   "generate": False})  # type: ignore[arg-type]
+        warm = _until_done(conn)
+        conn.response.create(model="m", input="now answer", previous_response_id=warm[-1].response.id)
+        answered = _until_done(conn)
+    assert [e.type for e in warm] == ["response.created", "response.completed"]
+    done = warm[-1].response
+    assert done.output == [] and done.usage is not None and done.usage.output_tokens == 0
+    assert done.usage.input_tokens > 0
+    assert answered[-1].type == "response.completed" and answered[-1].response.output_text

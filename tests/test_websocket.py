@@ -115,20 +115,49 @@ def test_a_tool_loop_on_the_standard_tier_crosses_one_upstream_socket(stack: tup
 @pytest.mark.parametrize("model", ["gpt-5.6-sol-fast", "gpt-5.6"])
 def test_store_false_is_continued_from_the_sockets_memory_only(stack: tuple[Proc, EmulatorThread, EmulatorThread],
                                                                model: str) -> None:
+    """On the bridge (the fast tier) and natively over an upstream socket (the standard tier, whose emulator keeps a
+    store: false response only in that socket's memory, as OpenAI's API does): the socket continues it; over HTTP, or
+    on another socket, the id is unknown; GET /v1/responses/{id} does not find it."""
     gw, _, _ = stack
     with client(gw.port).responses.connect() as conn:
         first, _ = tool_loop(conn, model, store=False)
-    # the gateway kept nothing of it: over HTTP (or another socket) the id is unknown, as OpenAI's store: false is
+    # nothing kept it beyond its socket: over HTTP (or another socket) the id is unknown, as OpenAI's store: false is
     made = first[-1].response.id
-    if model == "gpt-5.6-sol-fast":
-        with pytest.raises(openai.BadRequestError) as err:
-            client(gw.port).responses.create(model=model, input="and tomorrow?", previous_response_id=made)
-        assert err.value.code == "previous_response_not_found"
-        with client(gw.port).responses.connect() as other:
-            other.response.create(model=model, input="and tomorrow?", previous_response_id=made)
-            refused = until_done(other)[-1]
-        assert refused.type == "error" and refused.status == 400
-        assert refused.error.code == "previous_response_not_found"
+    with pytest.raises(openai.BadRequestError) as err:
+        client(gw.port).responses.create(model=model, input="and tomorrow?", previous_response_id=made)
+    assert err.value.code == "previous_response_not_found"
+    with client(gw.port).responses.connect() as other:
+        other.response.create(model=model, input="and tomorrow?", previous_response_id=made)
+        refused = until_done(other)[-1]
+    assert refused.type == "error" and refused.status == 400
+    assert refused.error.code == "previous_response_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client(gw.port).responses.retrieve(made)
+
+
+def test_a_warm_up_pinned_to_the_fast_tier_moves_to_a_native_upstream(stack: tuple[Proc, EmulatorThread,
+                                                                                    EmulatorThread]) -> None:
+    """``generate: false`` (a warm-up: OpenAI's WebSocket mode guide) is not the bridge's to serve: a message pinned
+    to the fast tier goes to the native standard upstream (``fallback=responses_feature`` in its log line), whose
+    answer is a response without output; the next turn continues it."""
+    gw, fast, standard = stack
+    fast_before, std_before = len(fast.requests), len(standard.requests)
+    with client(gw.port).responses.connect() as conn:
+        conn.send({"type": "response.create", "model": "gpt-5.6-sol-fast", "input": "the instructions",
+                   "generate": False})  # type: ignore[arg-type]
+        warm = until_done(conn)
+        conn.response.create(model="gpt-5.6", input="now [[emulate tokens=3]]",
+                             previous_response_id=warm[-1].response.id)
+        answered = until_done(conn)
+    assert [e.type for e in warm] == ["response.created", "response.completed"]
+    assert warm[-1].response.output == [] and warm[-1].response.usage.output_tokens == 0
+    assert answered[-1].type == "response.completed"
+    assert len(fast.requests) == fast_before
+    sent = [json.loads(r.body) for r in standard.requests[std_before:] if r.method == "WS"]
+    assert sent[0]["generate"] is False and len(sent) == 2
+    log = [json.loads(line) for line in gw.log.read_text().splitlines() if line.startswith("{")]
+    line = next(r for r in reversed(log) if r.get("method") == "WS" and r.get("model") == "gpt-5.6-sol-fast")
+    assert line["tier"] == "standard" and line["fallback"] == "responses_feature"
 
 
 def test_lanes_are_served_side_by_side_each_in_order(stack: tuple[Proc, EmulatorThread, EmulatorThread]) -> None:
@@ -159,11 +188,18 @@ def test_steer_and_unknown_events_are_answered(stack: tuple[Proc, EmulatorThread
         steer = conn.recv()
         conn.send_raw(json.dumps({"type": "response.cancel"}))
         unknown = conn.recv()
+        not_events = []
+        for raw in ("null", "[]", "5", '"response.create"', "{}"):  # JSON, but not an object with a type
+            conn.send_raw(raw)
+            not_events.append(conn.recv())
         conn.response.create(model="gpt-5.6-sol-fast", input="hi [[emulate tokens=2]]")
         assert until_done(conn)[-1].type == "response.completed", "the socket goes on"
     assert steer.type == "response.steer.failed" and steer.error.code == "steering_not_supported"
     assert steer.steer.input == "shorter, please"
     assert unknown.type == "error" and unknown.status == 400 and unknown.error.param == "type"
+    for refused in not_events:
+        assert refused.type == "error" and refused.status == 400 and refused.error.code == "unknown_event_type"
+        assert "must be a JSON object with a 'type'" in refused.error.message, refused
 
 
 def test_each_message_is_metered_and_an_error_status_is_an_error_event(stack: tuple[Proc, EmulatorThread,
@@ -232,7 +268,9 @@ def test_a_native_upstream_without_websocket_mode_gets_one_http_request_per_mess
     gw, _ = start_gateway(default_config(fast.base_url, standard.base_url), tmp_path)
     try:
         with client(gw.port).responses.connect() as conn:
-            _, second = tool_loop(conn, "gpt-5.6", store=False)
+            # stored: over HTTP the upstream holds what it made only so (a store: false turn is not continued there,
+            # as OpenAI's API does not continue it: docs/websocket.md#memory)
+            _, second = tool_loop(conn, "gpt-5.6", store=True)
         sent = [(r.method, r.path) for r in standard.requests]
         assert sent == [("POST", "/v1/responses")] * 2
         assert json.loads(standard.requests[1].body)["stream"] is True

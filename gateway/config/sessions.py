@@ -50,7 +50,9 @@ class KeySession(Strict):
 
 
 class SessionsConfig(Strict):
-    """Agent sessions (module docstring).
+    """Agent sessions: an agent session is the run of one agent, its requests (steps) told apart by a session id
+    (a header such as ``x-tiergate-session``, a harness's own, or the Responses API's chain), so that each step goes
+    to the upstream whose prompt cache holds the run's prefix, and the run is bounded by its budgets and recorded.
 
     enabled: false reads no session id (every request routes alone, as before); headers: the request headers read
     for a session id, in order, after ``x-tiergate-session`` (:data:`HARNESS_HEADERS`); max_items: sessions each

@@ -240,7 +240,10 @@ class SocketSession:
             event = orjson.loads(text)
         except orjson.JSONDecodeError:
             return await self.refuse(InvalidRequest("The message is not valid JSON.", code="invalid_json"), None)
-        kind = event.get("type") if isinstance(event, dict) else None
+        if not isinstance(event, dict) or "type" not in event:  # null, [], 5, {}: JSON, but no client event
+            return await self.refuse(InvalidRequest("A client event must be a JSON object with a 'type': send "
+                                                    "response.create.", param="type", code="unknown_event_type"), None)
+        kind = event.get("type")
         if kind == "response.steer":
             return await self.steer_failed(event)
         if kind != "response.create":

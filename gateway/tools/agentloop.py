@@ -212,9 +212,9 @@ def table(tiers: dict[str, Any], steps: int) -> str:
         return "-" if v is None else format(v, fmt)
 
     rows = [("tier", "runs", "failed", "run s p50", "run s mean", "step TTFT p50 ms", "first / later TTFT p50 ms",
-             "cached tokens later steps", "cache hit", "USD/run", "steps by tier")]
+             "mean cached tokens/later step", "cache hit", "USD/run", "steps by tier")]
     for name, t in tiers.items():
-        later = [c for c in t["cached_tokens_by_step"][1:] if c is not None]
+        later = [c for c in t["cached_tokens_by_step"][1:] if c is not None]  # each a mean per step index
         first_later = t["step_ttft_p50_by_step_s"]
         later_ttft = percentile(sorted(v for v in first_later[1:] if v is not None), 0.5)
         rows.append((name, str(t["runs"]), str(t["failed_runs"]), num(t["run_wall_p50_s"], ".2f"),

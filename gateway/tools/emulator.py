@@ -10,8 +10,10 @@ It answers in two ways:
   answers non-streaming requests after the same simulated generation time (OpenAI: with an ``openai-processing-ms``
   header); serves ``/v1/responses`` the same way (OpenAI only: the gateway bridges the others; a
   ``previous_response_id`` it did not make is a 400 ``previous_response_not_found``, as OpenAI's;
-  ``GET`` / ``DELETE /v1/responses/{id}`` read and remove the responses it made; ``GET /v1/responses`` upgraded to a
-  WebSocket serves its WebSocket mode: ``gateway.tools.emulator_ws``);
+  ``GET`` / ``DELETE /v1/responses/{id}`` read and remove the responses it made; a ``store: false`` response is not
+  kept, as OpenAI keeps none: it is a 404 there and a 400 as a ``previous_response_id``; ``GET /v1/responses``
+  upgraded to a WebSocket serves its WebSocket mode, where a socket also remembers its own responses, ``store: false``
+  included: ``gateway.tools.emulator_ws``);
   acts enough like a model for agents to run (tool calls, JSON answers, ``n``, token limits: :class:`Generation`);
   and replays a recorded transcript from ``tests/fixtures/upstream`` at the configured pace;
 * **by script**: a ``handler(Received) -> Plan | None`` given in Python (tests: :class:`EmulatorThread`) plays
@@ -265,20 +267,23 @@ class Emulator:
         self.requests: list[Received] = []
         self.opened = 0
         self.closed_at: list[float] = []
-        # the Responses API responses made, by id (newest last, bounded): a follow-up to any other is refused, as
-        # OpenAI refuses it, so that a gateway that starts a conversation afresh is caught; GET and DELETE
-        # /v1/responses/{id} read and remove them, as OpenAI's do
+        # the Responses API responses made and stored (not ``store: false``), by id (newest last, bounded): a
+        # follow-up to any other is refused, as OpenAI refuses it, so that a gateway that starts a conversation afresh
+        # (or continues a store: false one over HTTP) is caught; GET and DELETE /v1/responses/{id} read and remove
+        # them, as OpenAI's do
         self.responses_made: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.surface = Surface()  # files, batches, ... (the rest of the /v1 surface)
         self.window: tuple[float, int] = (0.0, 0)  # the token budget's window: (its start, loop time; tokens spent)
         self.cache: PromptCache | None = None  # made when config.cache_ttl is first set (it may come from the admin)
         self._log: TextIO | None = timing_log.open("a", buffering=1) if timing_log else None
 
-    def made(self, response: dict[str, Any]) -> None:
-        """Keep a Responses API ``response`` (its final form) by id, the oldest forgotten past 10,000."""
-        self.responses_made[response["id"]] = response
-        if len(self.responses_made) > 10_000:
-            self.responses_made.popitem(last=False)
+    def made(self, response: dict[str, Any], kept: OrderedDict[str, dict[str, Any]] | None = None) -> None:
+        """Keep a Responses API ``response`` (its final form) by id in ``kept`` (default :attr:`responses_made`; a
+        WebSocket's own memory: ``gateway.tools.emulator_ws``), the oldest forgotten past 10,000."""
+        kept = self.responses_made if kept is None else kept
+        kept[response["id"]] = response
+        if len(kept) > 10_000:
+            kept.popitem(last=False)
 
     def cached(self, body: dict[str, Any], prompt: bytes, now: float) -> int:
         """The tokens of a request's ``prompt`` (its messages' or input's JSON) its prompt cache holds (0 without
@@ -489,7 +494,7 @@ class EmulatorProtocol(asyncio.Protocol):
             self._fault(d["fault"], body, d)
             return
         gen = Generation(self, body, d, responses=path.endswith(b"/responses"))
-        if gen.responses:
+        if gen.responses and body.get("store") is not False:  # OpenAI keeps no store: false response
             self.emulator.made(gen.final_response())
         gen.start()
 
@@ -1137,6 +1142,24 @@ class Generation:
                  + event(f"response.{status}", response=done))
         items.append((items[-1][0], tail))
         return items
+
+    def warmed_up(self) -> dict[str, Any]:
+        """The Responses API ``response`` of a warm-up (``generate: false``, WebSocket mode only): ``completed``, an
+        empty ``output``, the input counted and no output tokens."""
+        out = self._response("completed")
+        out["output"] = []
+        if self.with_usage:
+            out["usage"] = {**out["usage"], "output_tokens": 0, "total_tokens": self.prompt_tokens}
+        return out
+
+    def warm_up_events(self, t0: float) -> list[tuple[float, bytes]]:
+        """A warm-up's stream (:meth:`warmed_up`): ``response.created``, then ``response.completed`` once the prompt
+        would be read (half the time to first token), numbered as :meth:`_response_events` numbers its events."""
+        created = orjson.dumps({"type": "response.created", "response": self._response("in_progress"),
+                                "sequence_number": 0})
+        done = orjson.dumps({"type": "response.completed", "response": self.warmed_up(), "sequence_number": 1})
+        return [(t0, b"event: response.created\ndata: " + created + b"\n\n"),
+                (t0 + self.ttft / 2, b"event: response.completed\ndata: " + done + b"\n\n")]
 
     def _whole(self) -> None:
         if self.responses:

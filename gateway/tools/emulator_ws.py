@@ -5,9 +5,14 @@ Frames go through ``websockets``' sans-I/O server protocol (handshake, framing, 
 here. Each ``response.create`` (the fields of a ``POST /v1/responses`` body, ``stream`` implicit) is answered as the
 emulator answers a streamed ``POST /v1/responses`` (:class:`gateway.tools.emulator.Generation`: the same events at
 the same pace, directives included), one event per text frame with the message's ``stream_id``; messages are served
-one at a time, in order. A ``previous_response_id`` the emulator did not make is an ``error`` event (400
-``previous_response_not_found``), ``[[emulate status=N]]`` an ``error`` event with that status, and any other client
-event an ``error`` event (400). The handshake is recorded as a :class:`Received` with method ``GET`` (a scripted
+one at a time, in order. Each socket remembers the responses made on it, ``store: false`` included, as OpenAI keeps
+the previous response in memory on the connection; the emulator's own store (``Emulator.responses_made``, what
+``GET /v1/responses/{id}`` reads) keeps only the others. A ``previous_response_id`` in neither is an ``error`` event
+(400 ``previous_response_not_found``): a ``store: false`` response is continued on its own socket only.
+``generate: false`` (a warm-up: the WebSocket mode guide) makes a response without generating: ``response.created``
+then ``response.completed`` with an empty ``output`` and no output tokens, its id continued as any other's.
+``[[emulate status=N]]`` is an ``error`` event with that status, and any other client event an ``error`` event
+(400). The handshake is recorded as a :class:`Received` with method ``GET`` (a scripted
 handler may answer it with a plan: an upstream without WebSocket mode), every message as one with method ``WS``
 (tests); the connection's close is recorded as for HTTP (``closed_at``). The token budget (``tokens_per_minute``)
 applies to HTTP only, and so do scripted answers to messages.
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -63,6 +68,8 @@ class EmulatorSocket:
         self.queue: deque[dict[str, Any]] = deque()
         self.lane: str | None = None  # the stream_id of the message being answered
         self.busy = False
+        # the responses made on this socket, store: false included (module docstring), by id, newest last
+        self.memory: OrderedDict[str, dict[str, Any]] = OrderedDict()
         head = [method + b" " + url + b" HTTP/1.1", *(k + b": " + v for k, v in headers.items())]
         self.conn.receive_data(b"\r\n".join(head) + b"\r\n\r\n")
         for event in self.conn.events_received():
@@ -109,9 +116,13 @@ class EmulatorSocket:
         except orjson.JSONDecodeError:
             self.send(error_event(400, "The message is not valid JSON.", "invalid_json"))
             return
-        if not isinstance(event, dict) or event.get("type") != "response.create":
-            kind = event.get("type") if isinstance(event, dict) else None
-            self.send(error_event(400, f"Unsupported client event {kind!r}.", "unknown_event_type", "type"))
+        if not isinstance(event, dict):
+            self.send(error_event(400, "A client event must be a JSON object with a 'type'.", "unknown_event_type",
+                                  "type"))
+            return
+        if event.get("type") != "response.create":
+            self.send(error_event(400, f"Unsupported client event {event.get('type')!r}.", "unknown_event_type",
+                                  "type"))
             return
         self.queue.append(event)
         if not self.busy:
@@ -143,15 +154,20 @@ class EmulatorSocket:
                 event["error"]["headers"] = {"retry-after-ms": d["retry_after_ms"]}
             self.send(event)
             return
-        if previous is not None and previous not in emu.responses_made:
+        if previous is not None and previous not in self.memory and previous not in emu.responses_made:
             self.send(error_event(400, f"Previous response with id '{previous}' not found.",
                                   "previous_response_not_found", "previous_response_id", self.lane))
             return
         gen = Generation(self, body, d, responses=True)  # type: ignore[arg-type]
-        emu.made(gen.final_response())
         gen.t0 = self.loop.time()
+        warm_up = body.get("generate") is False
+        events = gen.warm_up_events(gen.t0) if warm_up else gen._response_events(gen.t0)
+        final = gen.warmed_up() if warm_up else gen.final_response()
+        emu.made(final, self.memory)
+        if body.get("store") is not False:
+            emu.made(final)
         self.busy = True
-        Schedule(self, gen._response_events(gen.t0), d).start()  # type: ignore[arg-type]
+        Schedule(self, events, d).start()  # type: ignore[arg-type]
 
     # what Schedule writes through
 
