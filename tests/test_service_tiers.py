@@ -192,3 +192,17 @@ def test_a_service_tier_that_is_no_tier_is_refused(world: Any, tier: Any, code: 
     assert len(r.content) < 1000  # the refusal does not echo a huge value
     assert sum(len(e.requests) for e in ups.values()) == before
     assert _post(gw, {"service_tier": "on_demand"}).status_code == 200  # another provider's word passes
+
+
+def test_a_bridged_response_says_the_tier_it_is_billed_at_not_the_one_the_client_wrote() -> None:
+    """A fast tier asked of a standard-tier bridged upstream is not sent (and billed at its default prices), an
+    upstream that is a service tier sends its own: the Response object said the client's word in both cases."""
+    from types import SimpleNamespace
+
+    from gateway.pipeline.delivery import draft
+
+    up = SimpleNamespace(responses_mode="bridge")
+    facts = SimpleNamespace(body={"model": "m", "input": "hi", "service_tier": "fast"})
+    for sent, said in ((None, "default"), ("ultrafast", "ultrafast"), ("fast", "fast")):
+        made = draft(SimpleNamespace(kind="responses", asked_tier=sent), up, facts)  # type: ignore[arg-type]
+        assert made is not None and made.response("completed", [])["service_tier"] == said

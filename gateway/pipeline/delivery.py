@@ -27,10 +27,17 @@ from gateway.wire.body import chat_usage, dumps
 
 
 def draft(ex: Exchange, up: UpstreamConfig, facts: RequestFacts) -> Draft | None:
-    """The Response object a bridged Responses request answers with, or None (not bridged)."""
+    """The Response object a bridged Responses request answers with, or None (not bridged). Its ``service_tier``
+    until the upstream says which it served is the one the attempt was sent with (``ex.asked_tier``: the
+    upstream's own, or none for a fast one sent to the standard tier), the tier it is billed at."""
     if ex.kind != "responses" or up.responses_mode != "bridge":
         return None
-    return Draft(dict(facts.body), new_id(ID_PREFIX))
+    body = dict(facts.body)
+    if ex.asked_tier is None:
+        body.pop("service_tier", None)
+    else:
+        body["service_tier"] = ex.asked_tier
+    return Draft(body, new_id(ID_PREFIX))
 
 
 def series(ex: Exchange, up: UpstreamConfig, decision: Decision, stats: StreamStats) -> str:
