@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from gateway.config.upstreams import UpstreamConfig
-from gateway.errors import EmptyStream, UpstreamStatusError
+from gateway.errors import EmptyStream, InvalidRequest, UpstreamStatusError
 from gateway.stream.relay import Relay
 from gateway.stream.stats import StreamStats
 from gateway.tenancy.keys import digest, new_key
@@ -302,9 +302,17 @@ def test_the_emulators_profile_of_a_dialect_streams_as_its_upstreams_do(dialect:
 
 @pytest.mark.parametrize("tier", [["default"], {"x": 1}, 1, True, "Default", "ultra"])
 def test_groq_forwards_a_service_tier_it_does_not_know_as_sent(tier: Any) -> None:
-    """A list or an object once raised inside the dialect (500 and a traceback): Groq judges what is not OpenAI's."""
+    """A list or an object once raised inside the dialect (500 and a traceback). The request parser now refuses what
+    is no service tier word (400, ``gateway.wire.body.check_service_tier``); the dialect still never raises on one,
+    and forwards a word it does not know (Groq judges what is not OpenAI's)."""
     raw = orjson.dumps({"model": "llama", "service_tier": tier, "messages": [{"role": "user", "content": "hi"}]})
-    assert dialects.DIALECTS["groq"].body(raw, parse_chat_request(raw), "llama", False) == raw  # as the client sent it
+    assert dialects.DIALECTS["groq"].body(raw, orjson.loads(raw), "llama", False) == raw  # as the client sent it
+    if tier == "ultra":
+        assert parse_chat_request(raw)["service_tier"] == "ultra"
+    else:
+        with pytest.raises(InvalidRequest) as refused:
+            parse_chat_request(raw)
+        assert refused.value.param == "service_tier"
 
 
 def test_groq_flex_capacity_exceeded_is_the_upstreams_trouble() -> None:

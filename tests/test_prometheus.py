@@ -221,10 +221,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 
 
 def _buckets(values: list[float], buckets: tuple[float, ...]) -> tuple[float, float]:
-    """(the largest bucket bound under min(values), or 0; the smallest at or above max(values)): a
-    ``histogram_quantile`` over observations that each lie in [min, max] is in (first, second]."""
+    """(the largest bucket bound under min(values), or 0; the smallest at or above max(values), or infinity past the
+    last: a starved run's bounds may lie past it): a ``histogram_quantile`` over observations that each lie in
+    [min, max] is in (first, second]."""
     under = [b for b in buckets if b < min(values)]
-    return (under[-1] if under else 0.0), next(b for b in buckets if b >= max(values))
+    return (under[-1] if under else 0.0), next((b for b in buckets if b >= max(values)), math.inf)
 
 
 def _kth(values: list[float], q: float) -> float:

@@ -173,7 +173,7 @@ class ChatPipeline:
         body = parse_request(ex.kind, raw)
         ex.requested = body["model"]  # for the request log, also when the model is unknown
         if ex.key is not None:
-            await self.owns(ex.key, raw, body)
+            await self.owns(ex.key, body)
         facts = await self.conversations.facts(ex, body, len(raw))  # a Responses continuation: what the store knows
         try:
             decision = self.policy.decide(facts)
@@ -200,7 +200,7 @@ class ChatPipeline:
             ex.chose_by_deadline(chosen.tier, chosen.name, decision.deadline.verdict)
         return facts, decision
 
-    async def owns(self, key: Key, raw: bytes, body: Any) -> None:
+    async def owns(self, key: Key, body: Any) -> None:
         """Refuse a body that names an object ``key`` did not make (``gateway.tenancy.objects.named_objects``):
         every key's model call reaches the upstream with the gateway's one credential, which reads any file of the
         account.
@@ -208,7 +208,7 @@ class ChatPipeline:
         Raises:
             ObjectNotFound: 404, as OpenAI answers an id the project does not hold; nothing is sent upstream.
         """
-        named = named_objects(raw, body)
+        named = named_objects(body)
         if not named:
             return
         mine = await self.owners.owned(named, key.name)

