@@ -8,6 +8,7 @@ A real gateway process in front of in-process emulators (``EmulatorThread``, whi
 from __future__ import annotations
 
 import asyncio
+import gzip
 import http.client
 import time
 from collections.abc import Iterator
@@ -315,6 +316,43 @@ def test_a_model_call_reads_only_the_objects_its_key_made(gateway: Proc,
     answer = a.responses.create(model="gpt-5.6", max_output_tokens=2, input=resp_file)
     assert answer.status in ("completed", "incomplete")
     assert _seen(upstreams) == before + 2
+
+
+def test_no_path_around_the_object_check(gateway: Proc, upstreams: tuple[EmulatorThread, EmulatorThread]) -> None:
+    """The second attack, after the check above: an object's id echoed in an answer's ``metadata`` was claimed for
+    the key that sent it (and A lost its own file); a prompt variable named ``tool_calls`` was not walked; an
+    ``item_reference`` and a compressed passthrough body were not read; the passthrough looked 3 levels down; its
+    ``service_tier`` was not checked."""
+    a, b = _sdk(gateway, "a"), _sdk(gateway, "b")
+    secret = a.files.create(file=("a.txt", b"A's secret"), purpose="user_data")
+    line = b'{"custom_id": "1", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "gpt-5.6"}}\n'
+    own = b.files.create(file=("b.jsonl", line), purpose="batch")
+    b.batches.create(input_file_id=own.id, endpoint="/v1/chat/completions", completion_window="24h",
+                     metadata={"id": secret.id})
+    with pytest.raises(openai.NotFoundError):
+        b.files.content(secret.id)
+    assert a.files.content(secret.id).content == b"A's secret"  # still A's
+    before = _seen(upstreams)
+    hidden = [
+        ("/v1/responses", {"model": "gpt-5.6", "prompt": {"id": "pmpt_x", "variables": {
+            "tool_calls": {"type": "input_file", "file_id": secret.id}}}}),
+        ("/v1/responses", {"model": "gpt-5.6", "input": [{"type": "item_reference", "id": "msg_of_another_key"}]}),
+        ("/v1/threads", {"messages": [{"role": "user", "content": "x", "attachments": [{"file_id": secret.id}]}]}),
+        ("/v1/conversations", {"items": [{"type": "message", "role": "user", "content": [
+            {"type": "input_file", "file_id": secret.id}]}]}),
+    ]
+    for path, body in hidden:
+        status, answer = _raw(gateway, "POST", path, "b", orjson.dumps(body))
+        assert status == 404 and orjson.loads(answer)["error"]["code"] == "object_not_found", (path, answer)
+    packed = gzip.compress(orjson.dumps({"input_file_id": secret.id, "endpoint": "/v1/chat/completions",
+                                         "completion_window": "24h"}))
+    r = httpx.post(_url(gateway) + "/v1/batches", content=packed, timeout=10, headers={
+        **_h("b"), "content-type": "application/json", "content-encoding": "gzip"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_content_encoding"
+    r = httpx.post(_url(gateway) + "/v1/embeddings", headers=_h("b"), timeout=10,
+                   json={"model": "text-embedding-3-small", "input": "x", "service_tier": "FLEX" * 1000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "service_tier"
+    assert _seen(upstreams) == before  # none of it reached an upstream
 
 
 async def test_one_keys_objects_never_push_another_keys_out_of_the_registry() -> None:

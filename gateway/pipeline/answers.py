@@ -106,7 +106,8 @@ async def relay_owned(ex: PassExchange, attempt: Attempt, answer: Answer, header
     body = b"".join(parts)
     if method == "POST":
         for made in created_ids(body):
-            await owners.claim(made, ex.key.name)
+            if await owners.owner(made) in (None, ex.key.name):  # another key's id is never taken over
+                await owners.claim(made, ex.key.name)
     elif method == "GET":
         filtered = await filter_list(body, ex.key.name, owners)
         body = filtered if filtered is not None else body

@@ -29,7 +29,14 @@ import re
 from starlette.types import Receive, Scope, Send
 
 from gateway.config.schema import GatewayConfig
-from gateway.errors import GatewayError, MethodNotAllowed, ObjectNotFound, PayloadTooLarge, UnknownURL
+from gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    MethodNotAllowed,
+    ObjectNotFound,
+    PayloadTooLarge,
+    UnknownURL,
+)
 from gateway.observability.recorder import Observers
 from gateway.pipeline import answers
 from gateway.pipeline.attempts import attempting, give_up
@@ -216,6 +223,12 @@ class Passthrough:
             decision = self.policy.decide_passthrough(path, facts, owner=owner)
         except GatewayError as exc:
             await ex.error(exc, "client_error", closing(ex, raw))
+            return None
+        if ex.key is not None and raw and ex.headers.get("content-encoding", "identity").strip().lower() != "identity":
+            # a compressed body's object ids and tokens cannot be read: with keys, it is not sent on unread
+            await ex.error(InvalidRequest("With gateway keys, a JSON request body is sent uncompressed (no "
+                                          "content-encoding): the gateway reads the objects it names.",
+                                          code="unsupported_content_encoding"), "client_error", closing(ex, raw))
             return None
         if ex.key is not None and raw and not await self._owns(ex, references(parsed_json(raw, ex.headers)), raw):
             return None  # the body names an object of another key

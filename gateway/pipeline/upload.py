@@ -24,7 +24,7 @@ from gateway.observability.recorder import Observers
 from gateway.pipeline.exchange import CLOSE, ClientGone, Exchange, Headers
 from gateway.routing.facts import Candidate, RequestFacts
 from gateway.stream.stats import EventTally
-from gateway.wire.body import chat_usage, check_limits, replace_top_level
+from gateway.wire.body import chat_usage, check_limits, check_service_tier, replace_top_level
 
 # the endpoint label of the passthrough metrics (bounded): the first path here that the request's path is or is under,
 # else "other" (a path is under "audio/speech", never under "speech": the order only matters for nested entries)
@@ -183,6 +183,9 @@ def passthrough_facts(raw: bytes | None, headers: dict[str, str]) -> RequestFact
     if not isinstance(body, dict) or not isinstance(body.get("model"), str):
         return None
     check_limits(body)  # legacy completions have max_tokens too: routing and key limits read it
+    tier = body.get("service_tier")
+    if tier is not None:
+        check_service_tier(tier)  # billed and logged by it, as on the hot path
     return RequestFacts(body, headers, len(raw))
 
 
