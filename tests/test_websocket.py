@@ -483,3 +483,43 @@ async def test_one_keys_sockets_keep_at_most_its_share_of_the_processs_socket_me
     for h in hogs:
         h.close()
     assert memory.by_key.get("hog") is None and memory.bytes == quiet.local.bytes > 0
+
+
+def test_queued_messages_count_against_the_keys_bytes_in_flight(tmp_path: Path) -> None:
+    """The second attack: messages queued behind a slow one were held parsed and counted against nothing (two
+    sockets' 30 MB of queued messages took the gateway from 80 to 425 MB). A queued message now holds its bytes
+    against ``limits.max_bytes_in_flight`` and the key's share of it, and past that it is refused (429)."""
+    fast = EmulatorThread(config=EmulatorConfig.for_tier("fast"))
+    standard = EmulatorThread(config=EmulatorConfig.for_tier("standard", ttft=0.01, tps=2000))
+    limits = {"max_bytes_in_flight": 64 * 1024, "key_share": 0.25}  # 16 KiB a key
+    auth = {"metrics": SCRAPE, "keys": [{"name": "agent", "sha256": digest(KEY)}]}
+    gw, _ = start_gateway(ws_config(fast.base_url, standard.base_url, limits=limits, auth=auth), tmp_path)
+    try:
+        with connect(f"ws://127.0.0.1:{gw.port}/v1/responses",
+                     additional_headers={"authorization": f"Bearer {KEY}"}) as ws:
+            def message(text: str) -> str:
+                return json.dumps({"type": "response.create", "model": "gpt-5.6", "max_output_tokens": 4,
+                                   "input": text + " " + "x" * 6000})
+            ws.send(message("[[emulate ttft_ms=1500]]"))  # served: holds its ~6 KB while it waits upstream
+            ws.send(message("second"))  # queued: ~6 KB more
+            ws.send(message("third"))  # queued: past 16 KiB
+            refused = None
+            deadline = time.monotonic() + 10
+            while refused is None and time.monotonic() < deadline:
+                event = json.loads(ws.recv(timeout=10))
+                if event["type"] == "error":
+                    refused = event
+            assert refused is not None and refused["status"] == 429
+            assert refused["error"]["code"] == "request_bytes_in_flight"
+            done = 0
+            while done < 2:  # the first two are served whole, and their bytes given back
+                event = json.loads(ws.recv(timeout=10))
+                done += event["type"] in ("response.completed", "response.incomplete")  # 4 tokens: incomplete
+            ws.send(message("fourth"))
+            while (event := json.loads(ws.recv(timeout=10)))["type"] not in ("response.incomplete", "error"):
+                pass
+            assert event["type"] == "response.incomplete"
+    finally:
+        gw.stop()
+        fast.stop()
+        standard.stop()

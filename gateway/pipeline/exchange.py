@@ -221,10 +221,25 @@ class BodyBudget:
             RateLimited: its gateway key holds its share already (429, ``retry-after``); GatewayBusy: the process holds
                 ``total`` (503, ``retry-after``). Nothing is taken then.
         """
+        self.hold(ex.key.name if ex.key is not None else None, n)
+        ex.held += n
+        ex.bodies = self
+
+    def release(self, ex: Exchange) -> None:
+        """``ex`` ended: what it held is free again."""
+        n, ex.held = ex.held, 0
+        self.free(ex.key.name if ex.key is not None else None, n)
+
+    def hold(self, key: str | None, n: int) -> None:
+        """``n`` more bytes held for the gateway key ``key`` (None: no keys), by a request or by a WebSocket message
+        waiting in its socket's queue.
+
+        Raises:
+            RateLimited, GatewayBusy: as :meth:`take`; nothing is held then.
+        """
         if self.used + n > self.total:
             raise GatewayBusy("The gateway holds as many request bytes as it may; retry the request.",
                               headers={"retry-after": "1"})
-        key = ex.key.name if ex.key is not None else None
         if key is not None:
             mine = self.by_key.get(key, 0) + n
             if mine > self.per_key:
@@ -233,19 +248,16 @@ class BodyBudget:
                                   headers={"retry-after": "1"})
             self.by_key[key] = mine
         self.used += n
-        ex.held += n
-        ex.bodies = self
 
-    def release(self, ex: Exchange) -> None:
-        """``ex`` ended: what it held is free again."""
-        n, ex.held = ex.held, 0
+    def free(self, key: str | None, n: int) -> None:
+        """``n`` bytes :meth:`hold` held for ``key`` are free again."""
         self.used -= n
-        if ex.key is not None:
-            left = self.by_key.get(ex.key.name, 0) - n
+        if key is not None:
+            left = self.by_key.get(key, 0) - n
             if left > 0:
-                self.by_key[ex.key.name] = left
+                self.by_key[key] = left
             else:
-                self.by_key.pop(ex.key.name, None)
+                self.by_key.pop(key, None)
 
 
 async def read_body(headers: dict[str, str], receive: Receive, limit: int, *, json_only: bool = True,

@@ -30,13 +30,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.errors import GatewayDraining, GatewayError, InvalidRequest, RateLimited, Unauthorized
-from gateway.pipeline.exchange import KEY_SCOPE, Exchange, headers_of
+from gateway.pipeline.exchange import KEY_SCOPE, BodyBudget, Exchange, headers_of
 from gateway.pipeline.gateway import Gateway
 from gateway.responses.store import MemoryResponseStore, SocketStore
 from gateway.stream.sse import SSEScanner
@@ -140,6 +140,16 @@ def _data_line(event: bytes) -> bytes | None:
     return event[6:]
 
 
+class Queued(NamedTuple):
+    """A ``response.create`` waiting in its lane: its bytes as they came (a parsed message takes ~10x its bytes; it
+    is parsed again when served), held against the body budget (``limits.max_bytes_in_flight``, a key's share of it)
+    until it starts."""
+
+    text: str | bytes
+    held: int
+    bodies: BodyBudget
+
+
 class Lane:
     """The messages of one ``stream_id`` waiting to be served, and the task serving them in order."""
 
@@ -148,7 +158,7 @@ class Lane:
     def __init__(self, lane_id: str | None) -> None:
         self.id = lane_id
         self.wire = dumps(lane_id) if lane_id is not None else None
-        self.queue: deque[dict[str, Any]] = deque()
+        self.queue: deque[Queued] = deque()
         self.task: asyncio.Task[None] | None = None
 
 
@@ -175,6 +185,7 @@ class SocketSession:
         self.memory = SocketStore(MemoryResponseStore(MEMORY_ITEMS, limits.memory_bytes,
                                                       gateway.config.response_store.ttl), gateway.store,
                                   gateway.socket_memory, owner)
+        self.owner = owner
         self.via = UpstreamSockets(gateway.transport, gateway.config.limits.max_event_bytes)
         self.via_of: Gateway = gateway
         self.lanes: dict[str | None, Lane] = {}
@@ -264,10 +275,15 @@ class SocketSession:
         if event.get("background") is True:
             return await self.refuse(InvalidRequest("background is not supported in WebSocket mode.",
                                                     param="background", code="unsupported_parameter"), wire)
+        bodies, held = self.current().chat.bodies, len(text)
+        try:
+            bodies.hold(self.owner, held)  # queued messages count as the bodies in flight they will be
+        except GatewayError as exc:
+            return await self.refuse(exc, wire)
         lane = self.lanes.get(lane_id)
         if lane is None:
             lane = self.lanes[lane_id] = Lane(lane_id)
-        lane.queue.append(event)
+        lane.queue.append(Queued(text, held, bodies))
         self.pending += 1
         self._rearm()
         if lane.task is None:
@@ -292,7 +308,9 @@ class SocketSession:
         """Serve ``lane``'s messages in order until it is empty."""
         try:
             while lane.queue and not self.gone and self.closed is None:
-                event = lane.queue.popleft()
+                queued = lane.queue.popleft()
+                queued.bodies.free(self.owner, queued.held)  # serving it takes its bytes again (serve)
+                event = orjson.loads(queued.text)
                 try:
                     if self.draining:  # queued before the drain began, not started: the client sends it again
                         await self.refuse(GatewayDraining("The gateway is shutting down; reconnect and send it "
@@ -399,5 +417,9 @@ class SocketSession:
         for task in [lane.task for lane in self.lanes.values() if lane.task is not None] + list(self._tasks):
             with contextlib.suppress(BaseException):
                 await task
+        for lane in self.lanes.values():  # what was never started gives its bytes back
+            while lane.queue:
+                queued = lane.queue.popleft()
+                queued.bodies.free(self.owner, queued.held)
         self.memory.close()
         await self.via.stop()
