@@ -53,6 +53,9 @@ REFERENCES = frozenset({"input_file_id", "file_id", "file_ids", "training_file",
 # what a model call's body may name (named_objects): all of REFERENCES but previous_response_id, which the response
 # store owns
 MODEL_CALL_REFERENCES = REFERENCES - {"previous_response_id"}
+# a chat message's members that hold what the model made (its tool calls: names and argument strings), not walked:
+# half the nodes of an agent's history (only there: a prompt variable may be called anything)
+MADE_BY_THE_MODEL = frozenset({"tool_calls", "function_call"})
 
 
 def object_ids(path: str) -> list[str]:
@@ -99,10 +102,26 @@ def references(body: Any, names: frozenset[str] = REFERENCES, items: bool = Fals
 def named_objects(body: Any) -> list[str]:
     """The object ids a chat completion or Responses request body names (:func:`references` of
     :data:`MODEL_CALL_REFERENCES`, wherever they sit: a content part's ``file_id``, a prompt variable's, a tool's
-    ``vector_store_ids``), and each ``item_reference``'s id (no key made one through the gateway: refused).
-    Measured: 0.7 µs for a one-message body, 34 µs for a 101-message agent history with tool calls (60 KB; orjson
-    parses it in 40 µs), where substring searches of the body's bytes for the names took 145 µs."""
-    return references(body, MODEL_CALL_REFERENCES, items=True)
+    ``vector_store_ids``), and each ``item_reference``'s id (no key made one through the gateway: refused). A chat
+    message's tool calls are not walked (:data:`MADE_BY_THE_MODEL`). Measured on an idle machine: 0.8 µs for a
+    one-message body, 16 µs for a 101-message agent history with 50 tool calls (60 KB; orjson parses it in 37 µs),
+    where substring searches of the body's bytes for the names took 145 µs."""
+    messages = body.get("messages") if type(body) is dict else None
+    if type(messages) is not list:
+        return references(body, MODEL_CALL_REFERENCES, items=True)
+    out = references({k: v for k, v in body.items() if k != "messages"}, MODEL_CALL_REFERENCES, items=True)
+    for message in messages:
+        if type(message) is not dict:
+            out += references(message, MODEL_CALL_REFERENCES, items=True)
+            continue
+        for k, v in message.items():
+            t = type(v)
+            if t is str:
+                if k in MODEL_CALL_REFERENCES:
+                    out.append(v)
+            elif (t is list or t is dict) and k not in MADE_BY_THE_MODEL:
+                out += references({k: v}, MODEL_CALL_REFERENCES, items=True)
+    return out
 
 
 def created_ids(answer: bytes) -> list[str]:
