@@ -48,6 +48,7 @@ from gateway.pipeline.upload import (
     PassExchange,
     Upload,
     closing,
+    encoded,
     parsed_json,
     passthrough_facts,
     with_model,
@@ -224,7 +225,7 @@ class Passthrough:
         except GatewayError as exc:
             await ex.error(exc, "client_error", closing(ex, raw))
             return None
-        if ex.key is not None and raw and ex.headers.get("content-encoding", "identity").strip().lower() != "identity":
+        if ex.key is not None and raw and encoded(ex.headers):
             # a compressed body's object ids and tokens cannot be read: with keys, it is not sent on unread
             await ex.error(InvalidRequest("With gateway keys, a JSON request body is sent uncompressed (no "
                                           "content-encoding): the gateway reads the objects it names.",

@@ -161,9 +161,14 @@ class Upload:
                 self._on_end()  # the client's next message can only be its disconnect: watch for it
 
 
+def encoded(headers: dict[str, str]) -> bool:
+    """Whether the request's body is content-encoded (gzip, deflate, ...): the gateway cannot read it as it is."""
+    return headers.get("content-encoding", "identity").strip().lower() != "identity"
+
+
 def parsed_json(raw: bytes, headers: dict[str, str]) -> Any:
     """A JSON body, parsed (None: not JSON, or content-encoded: the upstream's to judge)."""
-    if headers.get("content-encoding", "identity").strip().lower() != "identity":
+    if encoded(headers):
         return None
     try:
         return orjson.loads(raw)
@@ -174,7 +179,7 @@ def parsed_json(raw: bytes, headers: dict[str, str]) -> Any:
 def passthrough_facts(raw: bytes | None, headers: dict[str, str]) -> RequestFacts | None:
     """Routing facts of a JSON body with a string ``model``, else None (it goes to the passthrough upstream; a body
     that is not JSON, or is content-encoded, is the upstream's to judge)."""
-    if not raw or headers.get("content-encoding", "identity").strip().lower() != "identity":
+    if not raw or encoded(headers):
         return None
     try:
         body = orjson.loads(raw)
@@ -183,9 +188,7 @@ def passthrough_facts(raw: bytes | None, headers: dict[str, str]) -> RequestFact
     if not isinstance(body, dict) or not isinstance(body.get("model"), str):
         return None
     check_limits(body)  # legacy completions have max_tokens too: routing and key limits read it
-    tier = body.get("service_tier")
-    if tier is not None:
-        check_service_tier(tier)  # billed and logged by it, as on the hot path
+    check_service_tier(body)  # billed and logged by it, as on the hot path
     return RequestFacts(body, headers, len(raw))
 
 

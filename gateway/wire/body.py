@@ -161,20 +161,22 @@ def _routable(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"Invalid type for 'stream': expected a boolean, got {_json_type(stream)}.",
                              param="stream", code="invalid_type")
     check_limits(body)
-    tier = body.get("service_tier")
-    if tier is not None:
-        check_service_tier(tier)
+    check_service_tier(body)
     return body
 
 
-def check_service_tier(tier: Any) -> None:
-    """A ``service_tier`` is a short lower-case word (OpenAI's ``auto``, ``default``, ``flex``, ``scale``,
-    ``priority``, ``fast``, ``ultrafast``; other providers' such as Groq's ``on_demand`` pass too): routing, billing
-    and the request log read it, so a 2 MB string or an object is refused, not logged twice or dropped in silence.
+def check_service_tier(body: Mapping[str, Any]) -> None:
+    """A body's ``service_tier``, when given, is a short lower-case word (OpenAI's ``auto``, ``default``, ``flex``,
+    ``scale``, ``priority``, ``fast``, ``ultrafast``; other providers' such as Groq's ``on_demand`` pass too):
+    routing, billing and the request log read it, so a 2 MB string or an object is refused, not logged twice or
+    dropped in silence.
 
     Raises:
         InvalidRequest: 400 ``invalid_type`` (not a string) or ``invalid_value`` naming ``service_tier``.
     """
+    tier = body.get("service_tier")
+    if tier is None:
+        return
     if not isinstance(tier, str):
         raise InvalidRequest(f"Invalid type for 'service_tier': expected a string, got {_json_type(tier)}.",
                              param="service_tier", code="invalid_type")
