@@ -461,7 +461,8 @@ def test_turns_of_one_socket_are_routed_each_and_are_steps_of_its_session(
 async def test_one_keys_sockets_keep_at_most_its_share_of_the_processs_socket_memory() -> None:
     """The attack read in the config: a key may hold 64 sockets of 8 MiB of responses each (512 MiB, the shipped
     container's whole limit). Every socket of a process now counts against ``memory_bytes_total``, a key's sockets
-    against ``limits.key_share`` of it: past it, the socket that keeps more drops its own oldest."""
+    against ``limits.key_share`` of it: past its share, the key's largest socket drops its oldest; past the total, the
+    largest socket of the key that keeps the most."""
     from gateway.responses.store import OVERHEAD, Bridged, MemoryResponseStore, SocketMemory, SocketStore, encode
 
     def turn(owner: str, i: int) -> Bridged:
@@ -483,6 +484,15 @@ async def test_one_keys_sockets_keep_at_most_its_share_of_the_processs_socket_me
     for h in hogs:
         h.close()
     assert memory.by_key.get("hog") is None and memory.bytes == quiet.local.bytes > 0
+    # five busy keys, each up to its share, fill the total: room is made from the key that keeps the most, not from
+    # the quiet one (before, whichever socket put a response past the total dropped its own)
+    busy = [socket(f"busy{k}") for k in range(5)]
+    for i in range(10):
+        for k, store in enumerate(busy):
+            await store.put(f"b{k}-{i}", turn(f"busy{k}", i))
+    assert await quiet.put("q-late", turn("quiet", 5))  # past the total: the quiet key (six) keeps the least
+    assert memory.bytes <= memory.max_bytes
+    assert all([await quiet.get(f"q{i}", "quiet") for i in range(5)]) and await quiet.get("q-late", "quiet")
 
 
 def test_queued_messages_count_against_the_keys_bytes_in_flight(tmp_path: Path) -> None:
@@ -500,7 +510,7 @@ def test_queued_messages_count_against_the_keys_bytes_in_flight(tmp_path: Path) 
             def message(text: str) -> str:
                 return json.dumps({"type": "response.create", "model": "gpt-5.6", "max_output_tokens": 4,
                                    "input": text + " " + "x" * 6000})
-            ws.send(message("[[emulate ttft_ms=1500]]"))  # served: holds its ~6 KB while it waits upstream
+            ws.send(message("[[emulate ttft_ms=3000]]"))  # served: holds its ~6 KB while it waits upstream
             ws.send(message("second"))  # queued: ~6 KB more
             ws.send(message("third"))  # queued: past 16 KiB
             refused = None

@@ -61,7 +61,8 @@ class WebSocketLimits(Strict):
     ``too_many_requests_in_flight``); memory_bytes: what one socket keeps of the responses it made so that
     ``previous_response_id`` continues them even with ``store: false`` (their JSON bytes; the oldest go first);
     memory_bytes_total: what all sockets of a process keep so, of which one gateway key's sockets hold at most
-    ``limits.key_share`` (past either, the socket that keeps more drops its own oldest responses)."""
+    ``limits.key_share`` (past its share, the key's largest socket drops its oldest responses; past the total, the
+    largest socket of the key that keeps the most does)."""
 
     max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     idle: float = Field(300.0, gt=0)

@@ -259,15 +259,36 @@ def items_of(chain: list[bytes]) -> list[dict[str, Any]] | None:
 class SocketMemory:
     """What every WebSocket-mode socket of a process keeps in its memory, counted in all and per gateway key, so that
     one key's sockets (up to ``sockets_per_key`` of them, each up to ``memory_bytes``) cannot take the process's memory
-    from the others: past ``max_bytes`` in all, or past ``key_share`` of it for one key, the socket that keeps more
-    drops its own oldest responses (``limits.websocket.memory_bytes_total``, ``limits.key_share``). Bytes as
-    :class:`MemoryResponseStore` counts them."""
+    from the others (``limits.websocket.memory_bytes_total``, ``limits.key_share``): past ``key_share`` of it for one
+    key, its largest socket drops its oldest responses; past ``max_bytes`` in all, the largest socket of
+    the key that holds the most does, as the other tables of the gateway make room (a key keeping less than another
+    never loses a response to it). Bytes as :class:`MemoryResponseStore` counts them."""
 
     def __init__(self, max_bytes: int, key_share: float) -> None:
         self.max_bytes = max_bytes
         self.key_bytes = max(1, int(max_bytes * key_share))
         self.bytes = 0
         self.by_key: dict[str | None, int] = {}
+        self.sockets: dict[str | None, set[SocketStore]] = {}  # each key's open sockets' stores
+
+    def largest(self, owner: str | None = None, *, of_key: bool = False) -> SocketStore | None:
+        """The socket keeping the most of ``owner``'s (``of_key``), else of the key whose sockets keep the most; None
+        when none keeps anything."""
+        if not of_key:
+            if not self.by_key:
+                return None
+            owner = max(self.by_key, key=self.by_key.__getitem__)
+        return max((s for s in self.sockets.get(owner, ()) if s.counted), key=lambda s: s.counted, default=None)
+
+    def make_room(self, owner: str | None) -> None:
+        """Drop oldest responses until ``owner``'s sockets keep at most the key's share (from its largest socket) and
+        all sockets at most ``max_bytes`` (from the largest socket of the key that keeps the most)."""
+        while owner is not None and self.by_key.get(owner, 0) > self.key_bytes:
+            if (store := self.largest(owner, of_key=True)) is None or not store.drop_oldest():
+                break
+        while self.bytes > self.max_bytes:
+            if (store := self.largest()) is None or not store.drop_oldest():
+                break
 
     def add(self, owner: str | None, delta: int) -> None:
         """``owner``'s sockets keep ``delta`` bytes more (less, when negative)."""
@@ -277,11 +298,6 @@ class SocketMemory:
             self.by_key[owner] = held
         else:
             self.by_key.pop(owner, None)
-
-    def over(self, owner: str | None) -> bool:
-        """Whether the sockets keep more than their bound, in all or (a gateway key's: ``owner`` not None) for
-        ``owner``."""
-        return self.bytes > self.max_bytes or (owner is not None and self.by_key.get(owner, 0) > self.key_bytes)
 
 
 class SocketStore:
@@ -299,6 +315,8 @@ class SocketStore:
         self.memory = memory
         self.owner = owner
         self.counted = 0  # local.bytes as memory last counted them
+        if memory is not None:
+            memory.sockets.setdefault(owner, set()).add(self)
 
     def _count(self) -> None:
         """Tell ``memory`` what ``local`` holds now (it also shrinks by itself: expired records, its own bounds)."""
@@ -310,6 +328,20 @@ class SocketStore:
         """The socket is over: its memory is freed."""
         self.local = MemoryResponseStore(1, 1, 0.0)
         self._count()
+        if self.memory is not None:
+            mine = self.memory.sockets.get(self.owner, set())
+            mine.discard(self)
+            if not mine:
+                self.memory.sockets.pop(self.owner, None)
+
+    def drop_oldest(self) -> bool:
+        """Forget this socket's oldest response; False when it keeps none."""
+        oldest = self.local.oldest()
+        if oldest is None:
+            return False
+        self.local.forget(oldest)
+        self._count()
+        return True
 
     async def get(self, response_id: str, owner: str | None) -> Record | None:
         found = await self.local.get(response_id, owner)
@@ -325,14 +357,12 @@ class SocketStore:
 
     async def put(self, response_id: str, record: Record) -> bool:
         """Keep ``record`` in the socket's memory (the caller keeps it in the shared store too unless ``store:
-        false``); over the process's bound (:class:`SocketMemory`) this socket's oldest go, ``record`` last (then
-        False: not kept)."""
+        false``); over the bounds of all sockets (:class:`SocketMemory`) the oldest responses go, ``record`` last
+        (then False: not kept)."""
         kept = await self.local.put(response_id, record)
         self._count()
-        memory = self.memory
-        while memory is not None and memory.over(self.owner) and (oldest := self.local.oldest()) is not None:
-            self.local.forget(oldest)
-            self._count()
+        if self.memory is not None:
+            self.memory.make_room(self.owner)
         return kept and self.local.holds(response_id)
 
     async def delete(self, response_id: str, owner: str | None) -> bool:

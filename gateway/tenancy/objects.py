@@ -181,7 +181,7 @@ class Owners(Protocol):
 class MemoryOwners:
     """An :class:`Owners` in this process: at most ``max_items`` ids, each forgotten ``ttl`` seconds after it was
     claimed (when full, the oldest of the key holding the most go first), and at most ``key_share`` of them one key's
-    (past it, its own oldest go: no key's objects push out those of a key within its share). ``clock``: seconds
+    (past it, its own oldest go: a key holding fewer ids than another never loses one to it). ``clock``: seconds
     (``time.monotonic``)."""
 
     def __init__(self, max_items: int, ttl: float, clock: Callable[[], float] = time.monotonic,
@@ -216,7 +216,7 @@ class MemoryOwners:
         while len(mine) > self.per_key:
             self._drop(next(iter(mine)))
         while len(self._owners) > self.max_items:
-            # full: the key holding the most ids gives up its oldest (never a key within its share, for another)
+            # full: the key holding the most ids gives up its oldest (not a quieter key)
             largest = max(self._by_key.values(), key=len)
             self._drop(next(iter(largest)))
 

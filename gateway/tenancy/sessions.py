@@ -155,7 +155,7 @@ class MemorySessions:
     """Sessions kept in this process: at most ``max_items`` (the least recently used go first), each forgotten
     ``idle`` seconds after its last step, and at most ``key_share`` of them of one gateway key (over it, that key's
     own least recently used go first; when the table is full, the key holding the most gives up its least recently
-    used: one tenant's runs never push out those of a key within its share); ``on_end`` is told each session that
+    used: a key holding fewer runs than another never loses one to it); ``on_end`` is told each session that
     leaves the table (for the steps-per-session and duration metrics), or None."""
 
     def __init__(self, max_items: int, idle: float, on_end: Callable[[SessionRecord], None] | None = None,
@@ -200,7 +200,7 @@ class MemorySessions:
             self._forget(next(iter(mine)))  # over its share: its own least recently used
         while len(self._records) > self.max_items:
             # full: the key holding the most sessions gives up its least recently used, so that a key new to a
-            # table full of others' runs takes room from the largest holder, never from a key within its share
+            # table full of others' runs takes room from the largest holder, not from a quieter key
             largest = max(self._owned.values(), key=len)
             self._forget(next(iter(largest)))
 
