@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -275,7 +276,8 @@ class SocketSession:
         if event.get("background") is True:
             return await self.refuse(InvalidRequest("background is not supported in WebSocket mode.",
                                                     param="background", code="unsupported_parameter"), wire)
-        bodies, held = self.current().chat.bodies, len(text)
+        # what the queued message takes in memory: a str's size is its characters times 1, 2 or 4 bytes
+        bodies, held = self.current().chat.bodies, sys.getsizeof(text) if isinstance(text, str) else len(text)
         try:
             bodies.hold(self.owner, held)  # queued messages count as the bodies in flight they will be
         except GatewayError as exc:
