@@ -150,7 +150,7 @@ class Sessions:
         run = Run(SessionId(cfg.id, "key"), scope(key.name, cfg.id), record, NO_AFFINITY, b, self.wall())
         spent = self._spent(run)
         if spent is None and b.max_usd is not None and record.usd >= b.max_usd:
-            spent = refusal(run, "max_usd", f"${record.usd:.6f} of its ${b.max_usd:g} spent")
+            spent = usd_refusal(run)
         return spent
 
     async def begin(self, ex: Exchange, session: SessionId, facts: RequestFacts, decision: Decision,
@@ -206,7 +206,7 @@ class Sessions:
         if b.max_usd is not None and record.usd >= b.max_usd:
             rest = tuple(c for c in decision.candidates if c.upstream.tier != "fast")
             if b.on_usd == "refuse" or not rest:
-                raise refusal(run, "max_usd", f"${record.usd:.6f} of its ${b.max_usd:g} spent")
+                raise usd_refusal(run)
             run.downgraded = True
             fallback = "session_budget" if rest[0] is not decision.candidates[0] else decision.fallback
             return dataclasses.replace(decision, candidates=rest, fallback=fallback)
@@ -287,6 +287,11 @@ def refusal(run: Run, budget: str, said: str) -> SessionBudgetExceeded:
     """The 429 of a run whose ``budget`` is spent (``said``: how)."""
     return SessionBudgetExceeded(f"The agent session '{run.session.id}' has spent its {budget} budget ({said}); "
                                  "start a new session to go on.", param=budget, headers={"x-should-retry": "false"})
+
+
+def usd_refusal(run: Run) -> SessionBudgetExceeded:
+    """The 429 of a run that has spent its ``max_usd``."""
+    return refusal(run, "max_usd", f"${run.record.usd:.6f} of its ${run.budgets.max_usd:g} spent")
 
 
 def _tokens(usage: Mapping[str, Any] | None) -> tuple[int, int, int]:
