@@ -421,12 +421,14 @@ def test_one_keys_runs_are_bounded_in_redis_as_in_a_process(tmp_path: Path) -> N
         step(quiet, "q-1")
         for i in range(30):
             step(flood, f"flood-{i}")
-        time.sleep(0.3)  # the last steps' records reach Redis in their loop turn
 
         def sessions() -> list[bytes]:
             out = subprocess.run(["redis-cli", "-p", str(redis.port), "--scan", "--pattern", "tiergate:session:*"],
                                  capture_output=True, check=True).stdout
             return [k for k in out.split() if not k.endswith(b":moves")]
+        deadline = time.monotonic() + 10  # the last steps' records reach Redis in a later loop turn of the gateway
+        while len(sessions()) != 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert len(sessions()) == 3  # the flood's two newest and the quiet key's one
         found = httpx.get(f"{url}/tiergate/sessions/q-1", headers={"authorization": f"Bearer {quiet}"}, timeout=5)
         assert found.status_code == 200 and found.json()["steps"] == 1
