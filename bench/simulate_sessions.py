@@ -1,6 +1,6 @@
 """Agent sessions at scale, by simulation: the gateway's own routing code (``gateway.routing.policy``, ``failover``,
 ``health``, ``deadline``, ``sessions`` and ``gateway.observability.estimates``; the run's record and step budget from
-``gateway.tenancy.sessions`` and ``gateway.pipeline.sessions``) drives simulated upstreams with provider prompt caches
+``gateway.tenancy.sessions`` and ``gateway.admission.sessions``) drives simulated upstreams with provider prompt caches
 in a SimPy discrete-event model, and three routing policies are compared on the same seeded load.
 
 The model (every figure is a flag; the defaults are below and in ``bench/RESULTS.md``):
@@ -55,7 +55,7 @@ import simpy
 from gateway.config.schema import GatewayConfig
 from gateway.errors import GatewayError, upstream_error
 from gateway.observability.estimates import Estimates
-from gateway.pipeline.sessions import Run, Sessions, budgets_of
+from gateway.admission.sessions import Run, Sessions, budgets_of
 from gateway.routing import deadline, failover
 from gateway.routing.facts import Candidate, RequestFacts
 from gateway.routing.health import Health

@@ -2,10 +2,10 @@
 hands them to the HTTP surface; nothing else constructs them. Nothing is built at import time; resources open and
 close in the lifespan.
 
-Data flows one way (``docs/architecture.md``): ``gateway.http`` (dispatch, auth, admin) -> ``gateway.pipeline`` (one
-function per endpoint kind, with its collaborators) -> ``gateway.routing`` (facts in, decision out, no I/O) ->
-``gateway.upstream`` -> ``gateway.stream``, with ``gateway.observability`` recording and ``gateway.state`` holding
-what replicas share.
+Data flows one way (``docs/architecture.md``): ``gateway.http`` (dispatch, auth, admin, one thin adapter per
+entrance) -> ``gateway.admission`` (the one admission sequence) -> ``gateway.pipeline`` (planning, attempts,
+delivery) -> ``gateway.routing`` (facts in, decision out, no I/O) -> ``gateway.upstream`` -> ``gateway.stream``, with
+``gateway.observability`` recording and ``gateway.state`` holding what replicas share.
 """
 
 from __future__ import annotations
@@ -21,6 +21,12 @@ from pathlib import Path
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, ProcessCollector, multiprocess
 
+from gateway.admission.authorize import Ownership
+from gateway.admission.body import BodyBudget
+from gateway.admission.classify import Classify
+from gateway.admission.reserve import KeyBudgets
+from gateway.admission.sequence import Admission
+from gateway.admission.sessions import Sessions
 from gateway.config.load import LoadedConfig, load_config
 from gateway.config.schema import GatewayConfig
 from gateway.config.settings import Settings, environ, multiprocess_dir
@@ -34,17 +40,14 @@ from gateway.observability.estimates import Estimates
 from gateway.observability.metrics import Metrics
 from gateway.observability.recorder import Observers
 from gateway.pipeline.attempts import Attempts
-from gateway.pipeline.budgets import KeyBudgets
 from gateway.pipeline.chat import ChatPipeline
 from gateway.pipeline.conversations import Conversations
 from gateway.pipeline.delivery import Delivery
-from gateway.pipeline.exchange import BodyBudget
 from gateway.pipeline.frame import Frame
 from gateway.pipeline.gateway import Gateway
 from gateway.pipeline.hedging import Hedging
 from gateway.pipeline.models import UpstreamModels
 from gateway.pipeline.passthrough import Passthrough
-from gateway.pipeline.sessions import Sessions
 from gateway.responses.store import MemoryResponseStore, ResponseStore, SocketMemory
 from gateway.routing import deadline
 from gateway.routing.health import Health
@@ -184,21 +187,23 @@ def assemble(loaded: LoadedConfig, metrics: Metrics, transport: Transport, *, po
     bodies = BodyBudget(config.limits.max_bytes_in_flight, config.limits.key_share)  # request bytes held
     observers = Observers(metrics, estimates, health.clock)  # what each request's recorder feeds
     budgets = KeyBudgets(ledger)
-    conversations = Conversations(store, keyed=config.auth is not None)
+    conversations = Conversations(store)
     delivery = Delivery(config, conversations)
     attempts = Attempts(config, transport, health, shared, budgets, delivery)
     hedging = Hedging(attempts, estimates, health)
     listed = UpstreamModels(config, transport, health.clock)
     sessions = Sessions(config, table, estimates, health.clock, time.time)
-    chat = ChatPipeline(config, policy, frame, bodies, budgets, conversations, attempts, hedging, estimates, explorer,
-                        health, shared, observers, listed, sessions, owners)
-    passthrough = (Passthrough(config, policy, frame, bodies, budgets, owners, transport, health, observers, sessions)
+    classify = Classify(policy, store, config.auth is not None, listed, estimates, explorer, health)
+    admission = Admission(config, classify, Ownership(owners), sessions, budgets)
+    chat = ChatPipeline(config, attempts, hedging, health, shared)
+    passthrough = (Passthrough(config, budgets, owners, transport, health)
                    if config.passthrough_upstream is not None else None)
     keys = Keys(config.auth) if config.auth is not None else None
     if isinstance(ledger, SharedLedger):  # it learns every key's shared spend, not only of those it serves
         ledger.keys = tuple(keys.by_hash.values()) if keys is not None else ()
-    return Gateway(config=config, policy=policy, keys=keys,
-                   chat=chat, passthrough=passthrough, frame=frame, transport=transport, metrics=metrics, health=health,
+    return Gateway(config=config, policy=policy, keys=keys, admission=admission,
+                   chat=chat, passthrough=passthrough, frame=frame, transport=transport, metrics=metrics,
+                   observers=observers, bodies=bodies, health=health,
                    conversations=conversations, store=store, owners=owners, ledger=ledger, budgets=budgets,
                    estimates=estimates, explorer=explorer, shared=shared, listed=listed, sessions=sessions,
                    socket_memory=previous.socket_memory if previous is not None else SocketMemory(

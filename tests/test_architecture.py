@@ -20,8 +20,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("the command line", ("cli",)),
     ("composition root", ("app",)),
     ("HTTP surface: dispatch, authentication, the gateway's own endpoints, the server protocol", ("http",)),
-    ("the request pipeline: frame, chat and Responses, hedging, key budgets, conversations, passthrough",
+    ("the request pipeline: frame, exchange, planning, attempts, hedging, delivery, conversations, passthrough",
      ("pipeline",)),
+    ("admission: the one sequence every entrance goes through (limits, parse, what it is, who may, reservations)",
+     ("admission",)),
     ("state shared by replicas (Redis) or kept on disk", ("state",)),
     ("the Responses API: translators and the store", ("responses",)),
     ("upstream attempts, the client, dialects", ("upstream",)),
@@ -204,3 +206,65 @@ def test_the_recorder_rule_catches_a_direct_call(tmp_path: Path) -> None:
     source.write_text("self.gateway.metrics.auth_failures.labels(reason).inc()\nlogs.request({})\n"
                       "tracing.end_attempt(span, None)\nlogs.event('x', request_id=rid)\nlogs.event('reloaded')\n")
     assert len(_records_itself(source)) == 4
+
+
+# What a request is, what routing decided and what was recorded are separate objects, each written by one package
+# (docs: architecture): a Request (gateway/admission/request.py) only by admission, a Recorder's fields only by its own
+# methods (gateway/observability/). Decisions are frozen dataclasses (gateway/routing/facts.py): nobody writes them.
+def _fields(path: Path, cls: str) -> set[str]:
+    """The attributes class ``cls`` of ``path`` declares: its annotated fields and its ``__slots__``."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            out = {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+            for s in node.body:
+                slots = isinstance(s, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__slots__"
+                                                          for t in s.targets)
+                if slots and isinstance(s.value, ast.Tuple):  # type: ignore[union-attr]
+                    out |= {e.value for e in s.value.elts if isinstance(e, ast.Constant)}  # type: ignore[union-attr]
+            return {f for f in out if not f.startswith("_")}
+    raise AssertionError(f"no class {cls} in {path}")
+
+
+REQUEST_FIELDS = _fields(GATEWAY / "admission/request.py", "Request")
+RECORD_FIELDS = (_fields(GATEWAY / "observability/recorder.py", "Recorder")
+                 | _fields(GATEWAY / "observability/passthrough.py", "PassRecorder"))
+
+
+def _writes(path: Path, holder: str, fields: set[str]) -> list[str]:
+    """Assignments in ``path`` to a field in ``fields`` of an object reached as ``<x>.<holder>``, or named ``holder``
+    (or its short name: ``req`` for ``request``)."""
+    names = {holder, {"request": "req"}.get(holder, holder)}
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AugAssign | ast.AnnAssign) else []
+        flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+        for t in flat:
+            if not isinstance(t, ast.Attribute) or t.attr not in fields:
+                continue
+            owner = t.value
+            if (isinstance(owner, ast.Attribute) and owner.attr in names) or (
+                    isinstance(owner, ast.Name) and owner.id in names):
+                out.append(f"line {t.lineno}: {ast.unparse(t)}")
+    return out
+
+
+@pytest.mark.parametrize("path", [p for p in RUNTIME if _unit(p) != "admission"], ids=_id)
+def test_only_admission_writes_what_a_request_is(path: Path) -> None:
+    found = _writes(path, "request", REQUEST_FIELDS)
+    assert not found, f"gateway/{_id(path)}.py writes the request (admission's to write): {found}"
+
+
+@pytest.mark.parametrize("path", [p for p in RUNTIME if _unit(p) != "observability"], ids=_id)
+def test_only_the_recorder_writes_what_was_recorded(path: Path) -> None:
+    found = _writes(path, "rec", RECORD_FIELDS)
+    assert not found, f"gateway/{_id(path)}.py writes the record; call one of its recorder's methods: {found}"
+
+
+def test_the_writer_rules_catch_a_write(tmp_path: Path) -> None:
+    """The checks themselves, on what the pipeline once did: the model label and the status written from outside."""
+    source = tmp_path / "attempts.py"
+    source.write_text("ex.rec.tier, ex.rec.upstream = 'fast', 'x'\nreq.stream = True\nex.request.raw += b''\n"
+                      "ex.rec.spilled('fast')\n")
+    assert len(_writes(source, "rec", RECORD_FIELDS)) == 2
+    assert len(_writes(source, "request", REQUEST_FIELDS)) == 2

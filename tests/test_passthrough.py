@@ -26,12 +26,13 @@ from gateway.app import create_app
 from gateway.config.load import LoadedConfig
 from gateway.config.schema import GatewayConfig
 from gateway.errors import ModelNotFound, UnknownURL
-from gateway.pipeline.upload import endpoint_label, tail_usage
+from gateway.observability.passthrough import tail_usage
 from gateway.routing.facts import RequestFacts
 from gateway.routing.policy import Policy
 from gateway.tools.emulator import EmulatorThread, Plan, Received
 from gateway.tools.scripted import ScriptedTransport
 from gateway.tools.surface import vector
+from gateway.wire.routes import match
 
 from conftest import Proc, Stack, round_trip, sample, start_gateway, timely
 
@@ -578,7 +579,7 @@ async def _call(app: Any, method: str, path: str) -> tuple[int, dict[str, Any]]:
 async def test_with_passthrough_off_the_rest_of_v1_is_404_and_chat_keeps_its_405() -> None:
     app = create_app(LoadedConfig(Path("x.yaml"), _cfg(passthrough={"enabled": False}), {}),
                      transport=ScriptedTransport(lambda got: Plan()))
-    assert app.passthrough is None
+    assert app.gateway.passthrough is None
     status, body = await _call(app, "GET", "/v1/chat/completions")
     assert status == 405 and body["error"]["code"] == "method_not_allowed"
     status, body = await _call(app, "POST", "/v1/embeddings")
@@ -590,8 +591,9 @@ def test_the_usage_of_a_tail() -> None:
                                                                                          "total_tokens": 3}
     assert tail_usage(b'data: {"usage":null}\n\ndata: [DONE]\n\n') is None
     assert tail_usage(b'"usage":{"prompt_tok') is None  # cut: nothing rather than a guess
-    assert endpoint_label("audio/speech") == "audio/speech" and endpoint_label("files/f/content") == "files"
-    assert endpoint_label("nope") == "other"
+    assert match("POST", "audio/speech").endpoint == "audio/speech"
+    assert match("GET", "files/f/content").endpoint == "files"
+    assert match("POST", "nope").endpoint == "other"
 
 
 def test_paths_are_sent_as_encoded_and_dot_segments_never(rec: Recorder, pgw: Proc) -> None:
@@ -787,8 +789,8 @@ def test_a_large_json_body_to_an_upstream_that_stops_reading_is_a_504(raw_gw: tu
 
 
 def test_a_limit_field_of_a_passthrough_body_is_checked_as_openai_checks_it() -> None:
+    from gateway.admission.body import passthrough_facts
     from gateway.errors import InvalidRequest
-    from gateway.pipeline.upload import passthrough_facts
 
     for body, param in ((b'{"model": "m", "prompt": "x", "max_tokens": -5}', "max_tokens"),
                         (b'{"model": "m", "prompt": "x", "max_tokens": 2.5}', "max_tokens")):

@@ -204,5 +204,6 @@ def test_a_bridged_response_says_the_tier_it_is_billed_at_not_the_one_the_client
     up = SimpleNamespace(responses_mode="bridge")
     facts = SimpleNamespace(body={"model": "m", "input": "hi", "service_tier": "fast"})
     for sent, said in ((None, "default"), ("ultrafast", "ultrafast"), ("fast", "fast")):
-        made = draft(SimpleNamespace(kind="responses", asked_tier=sent), up, facts)  # type: ignore[arg-type]
+        ex = SimpleNamespace(request=SimpleNamespace(kind="responses"), rec=SimpleNamespace(billed_tier=sent))
+        made = draft(ex, up, facts)  # type: ignore[arg-type]
         assert made is not None and made.response("completed", [])["service_tier"] == said

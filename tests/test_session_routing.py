@@ -188,8 +188,8 @@ def test_a_full_table_takes_room_from_the_largest_holder_not_from_a_key_within_i
 
 
 def test_a_header_tightens_a_keys_session_budget_but_never_raises_it() -> None:
+    from gateway.admission.sessions import budgets_of
     from gateway.config.sessions import SessionBudgets
-    from gateway.pipeline.sessions import budgets_of
 
     key = SessionBudgets(max_steps=10, max_usd=1.0)
     fixed = frozenset(key.model_fields_set)

@@ -1,6 +1,6 @@
 """Agent sessions in the config (``sessions:``, ``auth.keys[].session``): how the steps of one agent run are told
 apart, kept together on the upstream whose prompt cache holds their prefix, and bounded (steps, dollars, wall-clock
-time). The behaviour is ``gateway.routing.sessions`` (identity and affinity, pure) and ``gateway.pipeline.sessions``
+time). The behaviour is ``gateway.routing.sessions`` (identity and affinity, pure) and ``gateway.admission.sessions``
 (the table, budgets and the run's record)."""
 
 from __future__ import annotations

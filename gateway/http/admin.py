@@ -24,11 +24,10 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway import __version__
+from gateway.admission.request import KEY_SCOPE, Kind
 from gateway.errors import InvalidRequest, ModelNotFound, ResponseNotFound, SessionNotFound
-from gateway.http import explain
+from gateway.http import entrances, explain
 from gateway.http.errors import error_response, install_error_handlers
-from gateway.pipeline.chat import KINDS
-from gateway.pipeline.exchange import KEY_SCOPE
 from gateway.pipeline.gateway import Gateway
 from gateway.responses.store import Bridged, Native
 
@@ -42,8 +41,9 @@ def admin_app(gateway: Gateway, registry: CollectorRegistry, multiprocess_dir: s
     app = FastAPI(title="Tiergate", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None, redirect_slashes=False)
     app.state.gateway = gateway
-    for path, kind in KINDS.items():  # reached only through HotPath's fallback: wrong methods get a 405
-        app.router.routes.append(Route(path, endpoint=_current(app, kind), methods=["POST"]))
+    # reached only through HotPath's fallback: wrong methods get a 405
+    app.router.routes.append(Route("/v1/chat/completions", endpoint=_current(app, "chat"), methods=["POST"]))
+    app.router.routes.append(Route("/v1/responses", endpoint=_current(app, "responses"), methods=["POST"]))
 
     async def route(request: Request) -> Response:
         return await explain.route(app.state.gateway, request)
@@ -70,10 +70,10 @@ def admin_app(gateway: Gateway, registry: CollectorRegistry, multiprocess_dir: s
     return app
 
 
-def _current(app: FastAPI, kind: str) -> Any:
+def _current(app: FastAPI, kind: Kind) -> Any:
     """An endpoint that serves ``kind`` with the gateway current at the time of the request (reloads swap it)."""
     async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
-        await app.state.gateway.chat.handle(scope, receive, send, kind=kind)
+        await entrances.hot(app.state.gateway, scope, receive, send, kind)
     return endpoint
 
 

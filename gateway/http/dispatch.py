@@ -1,10 +1,11 @@
-"""The outer ASGI app: who may ask (gateway keys), and which part answers each request.
+"""The outer ASGI app: who may ask (gateway keys), and which part answers each request, by the route table
+(``gateway.wire.routes``).
 
-``POST`` to the two hot-path endpoints goes straight to :class:`gateway.pipeline.chat.ChatPipeline`, a WebSocket
-upgrade of ``/v1/responses`` (WebSocket mode) to :class:`gateway.http.websocket.Sockets`; the rest of
-``/v1`` to the passthrough (:mod:`gateway.pipeline.passthrough`) but for the gateway's own paths (``/v1/models``
-listings and the configured models, the responses its bridge made, ``/v1/tiergate/``); everything else (lifespan,
-/metrics, /healthz, errors) to the FastAPI app (:mod:`gateway.http.admin`).
+``POST`` to the two hot-path endpoints goes straight to their entrance (``gateway.http.entrances.hot``), a WebSocket
+upgrade of ``/v1/responses`` (WebSocket mode) to :class:`gateway.http.websocket.Sockets`; the rest of ``/v1`` to the
+passthrough's entrance but for the gateway's own paths (``/v1/models`` listings and the configured models, the
+responses its bridge made, ``/v1/tiergate/``); everything else (lifespan, /metrics, /healthz, errors) to the FastAPI
+app (:mod:`gateway.http.admin`).
 
 Measured with ``bench/``: FastAPI's middleware stack (ServerErrorMiddleware, ExceptionMiddleware, the AsyncExitStack,
 proxy headers) wraps every ``send`` of every relayed chunk and costs ~10 % of the per-request CPU; the endpoints
@@ -15,28 +16,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
+from gateway.admission.request import KEY_SCOPE
 from gateway.config.load import LoadedConfig, load_config
 from gateway.config.settings import environ
 from gateway.errors import ConfigError, Unauthorized
+from gateway.http import entrances
 from gateway.http.errors import error_response
 from gateway.http.websocket import Sockets
 from gateway.observability import logs
 from gateway.observability.recorder import unauthorized
-from gateway.pipeline.chat import KINDS
-from gateway.pipeline.exchange import KEY_SCOPE
 from gateway.pipeline.gateway import Gateway
 from gateway.responses.ids import ID_PREFIX
 from gateway.responses.store import Native
+from gateway.wire.routes import match
 
 log = logging.getLogger("tiergate")
-
-_RESPONSE_OBJECT = re.compile(r"/v1/responses/([^/]+)(/input_items|/cancel)?")
 
 Reassemble = Callable[[LoadedConfig, Gateway], Awaitable[Gateway]]
 
@@ -68,9 +67,7 @@ class HotPath:
         sees half of a swap); requests in flight keep the gateway they started on."""
         self.gateway = self.app.state.gateway = gateway
         self.keys = gateway.keys
-        self.passthrough = gateway.passthrough
-        self.routes = {path: gateway.chat.endpoint(kind) for path, kind in KINDS.items()}
-        self.own_models = frozenset(f"/v1/models/{m}" for m in gateway.config.model_names())
+        self.own_models = frozenset(f"models/{m}" for m in gateway.config.model_names())
 
     def begin_drain(self, timeout: float) -> None:
         """Shutdown began: see :meth:`gateway.pipeline.frame.Frame.begin_drain` (the gateways a reload replaced drain
@@ -124,32 +121,48 @@ class HotPath:
             await self.sockets(scope, receive, send)
             return
         if scope["type"] == "http":
-            if self.keys is not None and scope["path"] == "/metrics":  # every key's name and spend: not a tenant's
+            path = scope["path"]
+            if self.keys is not None and path == "/metrics":  # every key's name and spend: not a tenant's
                 try:
                     self.keys.may_scrape(scope["headers"])
                 except Unauthorized as exc:
                     await self._unauthorized(exc, scope, receive, send)
                     return
-            if self.keys is not None and scope["path"].startswith("/v1/"):
-                try:
-                    scope[KEY_SCOPE] = self.keys.authenticate(scope["headers"])
-                except Unauthorized as exc:
-                    await self._unauthorized(exc, scope, receive, send)
-                    return
-            if scope["method"] == "POST":
-                endpoint = self.routes.get(scope["path"])
-                if endpoint is not None:
-                    await endpoint(scope, receive, send)
-                    return
-            # a path with an empty segment is no OpenAI path: refused (the app's 404), never passed through, since
-            # the servers and proxies in front of an upstream merge slashes and would serve /v1//chat/completions as
-            # chat completions outside the routed path's key limits and accounting
-            if self.passthrough is not None and scope["path"].startswith("/v1/") and "//" not in scope["path"]:
-                owner = await self._passes(scope)
-                if owner is not False:
-                    await self.passthrough(scope, receive, send, owner if isinstance(owner, str) else None)
+            if path.startswith("/v1/"):
+                if self.keys is not None:
+                    try:
+                        scope[KEY_SCOPE] = self.keys.authenticate(scope["headers"])
+                    except Unauthorized as exc:
+                        await self._unauthorized(exc, scope, receive, send)
+                        return
+                if await self._v1(scope, receive, send):
                     return
         await self.app(scope, receive, send)
+
+    async def _v1(self, scope: Scope, receive: Receive, send: Send) -> bool:
+        """Serve a ``/v1`` request by its route (``gateway.wire.routes``) and return True, or return False: the
+        FastAPI app answers it (the gateway's own endpoints, and every 404 and 405)."""
+        method, under = scope["method"], scope["path"][len("/v1/"):]
+        found = match(method, under)
+        serves, gw = found.serves, self.gateway
+        if serves in ("chat", "responses") and method == "POST":
+            await entrances.hot(gw, scope, receive, send, "chat" if serves == "chat" else "responses")
+            return True
+        # a path with an empty segment is no OpenAI path: refused (the app's 404), never passed through, since
+        # the servers and proxies in front of an upstream merge slashes and would serve /v1//chat/completions as
+        # chat completions outside the routed path's key limits and accounting (and /v1/files/ as the list)
+        if gw.passthrough is None or "" in under.split("/") or serves in ("chat", "responses", "gateway"):
+            return False
+        if found.route is not None and found.route.path.startswith("models/") and under in self.own_models:
+            return False  # a configured model: the gateway's own
+        owner: str | None = None
+        if serves == "response":
+            passes = await self._response_owner(scope, found.ids[0])
+            if passes is False:
+                return False
+            owner = passes if isinstance(passes, str) else None
+        await entrances.passthrough(gw, scope, receive, send, owner)
+        return True
 
     async def _unauthorized(self, exc: Unauthorized, scope: Scope, receive: Receive, send: Send) -> None:
         """A ``/v1`` request without a known gateway key: OpenAI's 401, before its body is read (so the connection
@@ -160,21 +173,14 @@ class HotPath:
                                         "x-request-id": rid})
         await response(scope, receive, send)
 
-    async def _passes(self, scope: Scope) -> str | bool:
-        """Whether a ``/v1`` request is the passthrough's: False (the gateway's own path), True, or the name of the
-        upstream that made the response the path names (it alone holds it)."""
-        path, method = scope["path"], scope["method"]
-        if path.startswith("/v1/tiergate/") or path.rstrip("/") in self.routes and path != path.rstrip("/"):
-            return False  # the gateway's own, and its endpoints with a trailing slash (404, as the app answers)
-        if method in ("GET", "HEAD") and (path == "/v1/models" or path in self.own_models):
-            return False
-        found = _RESPONSE_OBJECT.fullmatch(path)
-        if found is None:
-            return True
+    async def _response_owner(self, scope: Scope, response_id: str) -> str | bool:
+        """Whether a request for the response ``response_id`` is the passthrough's: False (the gateway's own: its
+        bridge made it, or, with gateway keys, an id the gateway never held for this key), True, or the name of the
+        upstream that made it natively (it alone holds it)."""
         key = scope.get(KEY_SCOPE)
-        record = await self.gateway.store.get(found[1], key.name if key is not None else None)
+        record = await self.gateway.store.get(response_id, key.name if key is not None else None)
         if isinstance(record, Native):
             return record.upstream
         # an id the gateway never held for this key: with gateway keys it reaches no upstream (which would answer it
         # with the gateway's own credential, whoever made it), as another key's response does not; the app's 404
-        return record is None and not found[1].startswith(ID_PREFIX) and self.keys is None
+        return record is None and not response_id.startswith(ID_PREFIX) and self.keys is None

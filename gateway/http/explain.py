@@ -10,15 +10,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.admission.body import ClientGone, read_body
+from gateway.admission.request import KEY_SCOPE
 from gateway.errors import GatewayError
 from gateway.http.errors import error_response
 from gateway.observability.estimates import bucket
-from gateway.pipeline.budgets import key_tiers
-from gateway.pipeline.exchange import KEY_SCOPE, ClientGone, read_body
 from gateway.pipeline.gateway import Gateway
 from gateway.routing import deadline
 from gateway.routing.facts import Decision, RequestFacts
-from gateway.routing.sessions import explain as explain_session
 from gateway.tenancy.keys import Key
 from gateway.wire.body import dumps, loads, parse_chat_request, parse_responses_request
 
@@ -59,9 +58,8 @@ async def route(gateway: Gateway, request: Request) -> Response:
 
 async def _decide(gateway: Gateway, request: Request,
                   key: Key | None) -> tuple[RequestFacts, Decision, dict[str, Any] | None]:
-    """The facts, decision and agent session a request with this body and these headers would get, in serving's
-    order: the rules, the session (its budgets checked, its warm upstream first; nothing counted), deadline routing (a
-    preview: nothing counted, explored or probed), then the key's tiers (its limits are not reserved).
+    """The facts, decision and agent session a request with this body and these headers would get, as serving's
+    admission would decide them (``gateway.admission.sequence.Admission.preview``), nothing counted or reserved.
 
     Raises:
         GatewayError: what serving it would answer (400, 403, 404); ClientGone: the client left mid-body.
@@ -74,27 +72,7 @@ async def _decide(gateway: Gateway, request: Request,
         probe = None  # the parser below says what is wrong with it
     responses = not (isinstance(probe, dict) and "messages" in probe)  # which API's body it is
     body = parse_responses_request(raw) if responses else parse_chat_request(raw)
-    defaults = key.cfg.metadata if key is not None else None  # the key's metadata, as serving reads it
-    facts = (await gateway.conversations.responses_facts(body, headers, len(raw), refresh=False, key=key)
-             if responses else RequestFacts(body, headers, len(raw), defaults=defaults))
-    decision = gateway.policy.decide(facts, explain=True)
-    session = gateway.sessions.identify(facts, key.cfg.session if key is not None else None)
-    run = None
-    if session is not None:
-        run, decision = await gateway.sessions.look(key.name if key is not None else None, session, facts, decision,
-                                                    key.cfg.session.budgets if key is not None else None)
-    budget = deadline.budget(facts, decision.route)
-    if budget is None and run is not None:
-        budget = gateway.sessions.step_budget(run)
-    if budget is not None:
-        decision = gateway.chat.by_deadline(decision, facts, budget, preview=True,
-                                            warm=run.affinity.warm if run is not None else None)
-    if key is not None:
-        decision = key_tiers(key, decision)
-    shown = None if run is None else {**(explain_session(run.affinity, session) or {}), "step": run.step,
-                                      "budgets": run.budgets.model_dump(exclude_none=True),
-                                      "downgraded": run.downgraded}
-    return facts, decision, shown
+    return await gateway.admission.preview(body, raw, headers, key, responses)
 
 
 def _estimates_of(gateway: Gateway, decision: Decision, facts: RequestFacts) -> list[dict[str, Any]]:

@@ -305,7 +305,7 @@ class GuardedWebSocketsProtocol(WebSocketsSansIOProtocol):
 
     At shutdown uvicorn's protocol closed every open socket at once with 1012 (service restart), cutting the
     responses in flight. Here an accepted socket is left to the app, which drains it
-    (:meth:`gateway.pipeline.websocket.SocketSession.drain`: the response in flight finishes, then a 1001 close);
+    (:meth:`gateway.http.socket.SocketSession.drain`: the response in flight finishes, then a 1001 close);
     uvicorn still waits for the app up to its graceful-shutdown timeout, then cancels it. A message over
     ``ws_max_size`` (``limits.websocket.max_message_bytes``) fails the socket with 1009, as ``websockets`` does.
     """

@@ -1,5 +1,5 @@
 """The door of the Responses API's WebSocket mode: ``GET /v1/responses`` with a WebSocket upgrade (ASGI ``websocket``
-scope), checked before it is accepted, then served by :class:`gateway.pipeline.websocket.SocketSession`.
+scope), checked before it is accepted, then served by :class:`gateway.http.socket.SocketSession`.
 
 Before accept, with ``auth:`` configured, the gateway key of the handshake's ``Authorization`` (or ``api-key``)
 header must be known, and the key may hold at most ``limits.websocket.sockets_per_key`` sockets (without ``auth:``
@@ -19,9 +19,9 @@ from collections.abc import Callable
 from starlette.types import Receive, Scope, Send
 
 from gateway.errors import GatewayDraining, GatewayError, RateLimited, Unauthorized, UnknownURL
+from gateway.http.socket import POLICY, SERVER_ERROR, SocketSession
 from gateway.observability.recorder import request_id, unauthorized
 from gateway.pipeline.gateway import Gateway
-from gateway.pipeline.websocket import POLICY, SERVER_ERROR, SocketSession
 
 log = logging.getLogger("tiergate")
 

@@ -245,13 +245,14 @@ class Metrics:
 
     def record_passthrough(self, *, endpoint: str, tier: str, upstream: str, model: str, outcome: str,
                            duration: float, bytes_in: int, bytes_out: int,
-                           usage: dict[str, Any] | None, estimated: bool = False) -> float | None:
+                           usage: dict[str, Any] | None, estimated: bool = False,
+                           service_tier: str | None = None) -> float | None:
         """Record one finished passthrough request (exactly once): count, duration (seconds), body bytes each way,
         and the tokens and cost of its ``usage`` (embeddings, legacy completions) in the families chat uses
         (``tiergate_tokens``, ``tiergate_cost_usd``; labelled with ``model`` if it is a configured name, else
         ``other``; priced as :meth:`_cost` says). ``estimated``: ``usage`` is the gateway's estimate (an event
         stream's token-bearing events and the estimated prompt), labelled ``usage="estimated"`` and counted in
-        ``tiergate_usage_estimated_total``."""
+        ``tiergate_usage_estimated_total``; ``service_tier``: the tier it is billed at (as :meth:`record`)."""
         labels = (endpoint, tier, upstream)
         self.child(self.pt_requests, *labels, outcome).inc()
         if outcome == "client_error":
@@ -266,7 +267,7 @@ class Metrics:
             self._tokens(token_labels, usage, None, 0, source)
             if estimated:
                 self.child(self.usage_estimated, *token_labels).inc()
-            return self._cost(token_labels, usage, model, source)
+            return self._cost(token_labels, usage, model, source, service_tier)
         return None
 
     def _cost(self, labels: tuple[str, str, str], usage: dict[str, Any] | None, model: str,

@@ -31,13 +31,6 @@ from gateway.observability.metrics import BILLABLE, Metrics
 log = logging.getLogger("tiergate")
 
 
-class Named(Protocol):
-    """A gateway key as the recorder sees it (``gateway.tenancy.keys.Key``): its name labels its metrics."""
-
-    @property
-    def name(self) -> str: ...
-
-
 @dataclass(frozen=True, slots=True)
 class Observers:
     """What a request's facts feed, built once by the composition root (``gateway.app.assemble``).
@@ -52,62 +45,100 @@ class Observers:
     clock: Callable[[], float]
 
 
+class Subject(Protocol):
+    """What the recorder reads of the request it records (``gateway.admission.request.Request``), never writes."""
+
+    @property
+    def rid(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def method(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def headers(self) -> dict[str, str]: ...
+    @property
+    def requested(self) -> str | None: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def stream(self) -> bool: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def key(self) -> Any: ...
+    @property
+    def session(self) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """What a request's record settled on, handed back for its reservations to be settled: the outcome, the tokens
+    its usage reports (None: no usage), its cost (USD; None: unpriced), the usage (chat shape) and its duration (s)."""
+
+    outcome: str
+    tokens: int | None
+    cost: float | None
+    usage: Any
+    duration: float
+
+
 class Recorder:
-    """The record of one request (see the module docstring). Times are ``time.perf_counter()`` seconds.
+    """The record of one request (module docstring); only its own methods write it. Times are
+    ``time.perf_counter()`` seconds.
 
     Attributes:
-        t0: the request's arrival; rid: its id (:func:`request_id`); kind: ``chat``, ``responses`` or
-            ``passthrough``; headers: its headers (names lower-case); scope: its ASGI scope (method and path).
-        tier, upstream, model, stream: its metric labels (``none`` / ``other`` until known).
-        status: the status answered (0: none yet); rule, fallback: how it was routed; requested: the model as the
-            client named it; upstream_model: as the upstream was asked; attempts: attempts started.
-        outcome: as recorded; recorded: :meth:`record` ran. span: its trace span, or None. key: its gateway key, or
-            None. prompt_tokens: its estimated prompt (tokens), the floor of an estimated usage. session: the agent
-            session it is a step of (``gateway.routing.sessions.SessionId``: ``id``, ``source``), or None; step: its
-            number in that session (0: none). asked_tier: the ``service_tier`` its last attempt was sent with (None:
-            none), what it is billed at when the upstream says nothing of the tier it served.
+        t0: the request's arrival; request: what it is (read, never written here); tier, upstream, model: its metric
+        labels (``none`` / ``other`` until known); status: the status answered (0: none yet); rule, fallback: how it
+        was routed; upstream_model: as the upstream was asked; attempts: attempts started; outcome: as recorded;
+        recorded: :meth:`record` ran; span: its trace span, or None; billed_tier: the ``service_tier`` it is billed at
+        when the upstream names none (the one its last attempt was sent with, where the upstream honours the field).
     """
 
-    __slots__ = ("t0", "rid", "kind", "headers", "scope", "status", "rule", "fallback", "requested",
-                 "upstream_model", "attempts", "outcome", "span", "key", "prompt_tokens", "tier", "upstream", "model",
-                 "stream", "recorded", "session", "step", "asked_tier", "_obs", "_metrics", "_in_flight",
-                 "_pending")
+    __slots__ = ("t0", "request", "status", "rule", "fallback", "upstream_model", "attempts", "outcome", "span",
+                 "tier", "upstream", "model", "recorded", "billed_tier", "_obs", "_metrics", "_in_flight", "_pending")
 
-    def __init__(self, observers: Observers, headers: dict[str, str], kind: str, scope: Any, key: Named | None) -> None:
+    def __init__(self, observers: Observers, request: Subject) -> None:
         self.t0 = time.perf_counter()
-        self.rid = request_id(headers.get("x-request-id"))
-        self.kind = kind
-        self.headers = headers
-        self.scope = scope
-        self.key = key
+        self.request = request
         self.status = 0
         self.rule: str | None = None
         self.fallback: str | None = None
-        self.requested: str | None = None
         self.upstream_model: str | None = None
         self.attempts = 0
         self.outcome: str | None = None
         self.span: Any = None
-        self.prompt_tokens = 0
         self.tier = "none"
         self.upstream = "none"
         self.model = "other"
-        self.stream = False
         self.recorded = False
-        self.session: Any = None
-        self.step = 0
-        self.asked_tier: str | None = None
+        self.billed_tier: str | None = None
         self._obs = observers
         self._metrics = observers.metrics
         self._in_flight: Any = None
         self._pending: tuple[int, str, str | None] | None = None  # what an answer's start counts (attempting)
 
+    @property
+    def rid(self) -> str:
+        return self.request.rid
+
     # routing
 
-    def decided(self, rule: str, tier: str) -> None:
-        """The policy chose ``tier`` by ``rule`` (``tiergate_routing_decisions_total``)."""
+    def decided(self, rule: str, tier: str, model: str) -> None:
+        """The policy chose ``tier`` by ``rule`` for the configured ``model`` (its label;
+        ``tiergate_routing_decisions_total``)."""
+        self.model = model
         m = self._metrics
         m.child(m.decisions, rule, tier).inc()
+
+    def routed(self, rule: str, fallback: str | None) -> None:
+        """The answer says it was routed by ``rule`` with ``fallback`` (its ``x-tiergate-*`` headers)."""
+        self.rule, self.fallback = rule, fallback
+
+    def answered(self, status: int) -> None:
+        """``status`` is (or is about to be) the answer's status line."""
+        self.status = status
 
     def chose_by_deadline(self, tier: str, upstream: str, verdict: str) -> None:
         """Deadline routing chose ``upstream`` with ``verdict`` (``tiergate_deadline_decisions_total``)."""
@@ -137,6 +168,11 @@ class Recorder:
             m = self._metrics
             m.child(m.overhead, tier).observe(time.perf_counter() - self.t0)
         self._pending = (tried, decided_tier, reason)
+
+    def labelled(self, tier: str, upstream: str, upstream_model: str | None, tried: int) -> None:
+        """The request takes the labels of ``upstream``, whose attempt (``tried`` in all) failed last: no other
+        answered (a hedge race that both lost)."""
+        self.tier, self.upstream, self.upstream_model, self.attempts = tier, upstream, upstream_model, tried
 
     def answer_started(self) -> None:
         """The answer's status line left: the request can no longer fail over; count its attempts and fallback."""
@@ -223,13 +259,15 @@ class Recorder:
 
     def key_refused(self, limit: str) -> None:
         """The request's key was over ``limit`` (``tiergate_key_refusals_total``)."""
-        if self.key is not None:
-            self._metrics.key_refusals.labels(self.key.name, limit).inc()
+        key = self.request.key
+        if key is not None:
+            self._metrics.key_refusals.labels(key.name, limit).inc()
 
     def key_downgraded(self, why: str) -> None:
         """The request's key moved it off the fast tier (``key_tier``, ``key_allowance``)."""
-        if self.key is not None:
-            self._metrics.key_downgrades.labels(self.key.name, why).inc()
+        key = self.request.key
+        if key is not None:
+            self._metrics.key_downgrades.labels(key.name, why).inc()
 
     # agent sessions
 
@@ -256,10 +294,11 @@ class Recorder:
 
     # the trace
 
-    def trace(self, method: str, path: str, operation: str) -> None:
+    def trace(self, operation: str) -> None:
         """Start the request's span when tracing is on (``gateway.observability.tracing``)."""
         if tracing.TRACING.tracer is not None:
-            self.span = tracing.start_request(self.headers, method, path, operation)
+            req = self.request
+            self.span = tracing.start_request(req.headers, req.method, req.path, operation)
 
     def attempt_span(self, upstream: Any, model: str) -> tuple[Any, dict[str, str] | None]:
         """An attempt's span under the request's and the trace context to send ``upstream`` with it; (None, None)
@@ -275,76 +314,61 @@ class Recorder:
 
     # the record
 
+    def sent_with(self, service_tier: str | None, honoured: bool) -> None:
+        """The attempt went with ``service_tier``; ``honoured``: its upstream's dialect acts on the field, so that
+        without the upstream's word it is billed at it (else at the default tier: vLLM takes and ignores it)."""
+        self.billed_tier = service_tier if honoured else None
+
     def answering(self) -> None:
         """A stream's status line is leaving: it is in flight until recorded (``tiergate_in_flight_requests``)."""
         if not self.recorded:  # a stream that ends with nothing in it is recorded before its status line goes
             self._in_flight = self._metrics.child(self._metrics.in_flight, self.tier, self.upstream)
             self._in_flight.inc()
 
-    def record(self, outcome: str, *, ended: float | None = None, **kw: Any) -> None:
-        """Record the request once; later calls are ignored. ``ended``: when it ended for the client (default now);
-        ``kw`` as :meth:`Metrics.record`.
+    def record(self, outcome: str, *, ended: float | None = None, **kw: Any) -> Recorded | None:
+        """Record the request once (None on a later call). ``ended``: when it ended for the client (default now);
+        ``kw`` as :meth:`Metrics.record`. Returns what it settled on, for its reservations.
 
         A billable stream without usage (the client left before it, or the upstream sends none) is charged what was
         relayed, each token-bearing chunk a token or more, plus the estimated prompt: neither a key's limits nor the
         cost can be dodged by leaving before the usage chunk.
         """
         if self.recorded:
-            return
+            return None
         self.recorded = True
         self.outcome = outcome
-        self._released()
         if self._in_flight is not None:
             self._in_flight.dec()
         duration = (time.perf_counter() if ended is None else ended) - self.t0
         if kw.get("usage") is None and kw.get("token_chunks") and outcome in BILLABLE:
-            kw["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": kw["token_chunks"]}
+            kw["usage"] = {"prompt_tokens": self.request.prompt_tokens, "completion_tokens": kw["token_chunks"]}
             kw["estimated"] = True
         served = kw.pop("served_tier", None)
-        kw["service_tier"] = served or self.asked_tier  # billed as served; without the upstream's word, as asked
-        if served is not None and self.asked_tier is not None and slower(served, self.asked_tier):
+        kw["service_tier"] = served or self.billed_tier  # billed as served; without the upstream's word, as sent
+        if served is not None and self.billed_tier is not None and slower(served, self.billed_tier):
             self._downgraded(served)
+        tokens = cost = None
         try:
             cost = self._emit(outcome, duration, kw)  # may settle the outcome (self.outcome) and the usage (kw)
             outcome = self.outcome or outcome
             tokens = self._charge(outcome, kw.get("usage"), cost)
-            self._settle(outcome, tokens, cost)
-            self._stepped(outcome, duration, kw.get("usage"), cost)
             if logs.wanted(outcome):
                 self._log(outcome, duration, kw, cost, served)
         except Exception:  # bookkeeping never breaks an answer: what an upstream reported is logged instead
             log.exception("recording request %s failed (usage %r)", self.rid, kw.get("usage"))
+        return Recorded(outcome, tokens, cost, kw.get("usage"), duration)
 
     def _downgraded(self, served: str) -> None:
-        """The upstream served the request at a slower service tier than it was asked (counted and logged)."""
-        asked = self.asked_tier or "default"
+        """The upstream served the request at a slower service tier than it was sent with (counted and logged)."""
+        asked = self.billed_tier or "default"
         self._metrics.tier_downgrades.labels(tier_label(asked), tier_label(served)).inc()
         logs.event("service_tier_downgraded", request_id=self.rid, upstream=self.upstream, asked=asked,
                    served=served)
 
-    def _released(self) -> None:
-        """Hook: the request ended; what it held (request body bytes) is given back."""
-
-    def _settle(self, outcome: str, tokens: int | None, cost: float | None) -> None:
-        """Hook: settle what the request reserved against its key with the ``tokens`` it used (None: no usage) and
-        its ``cost`` (USD; None: unpriced)."""
-
-    def _stepped(self, outcome: str, duration: float, usage: Any, cost: float | None) -> None:
-        """Hook: the request was a step of an agent session; add it to the session (``duration`` in seconds, its
-        ``usage`` and ``cost``)."""
-
     def _emit(self, outcome: str, duration: float, kw: dict[str, Any]) -> float | None:
         """Write the record (:meth:`Metrics.record`); ``duration`` in seconds. Returns the cost added (USD)."""
         return self._metrics.record(tier=self.tier, upstream=self.upstream, model=self.model, outcome=outcome,
-                                    stream=self.stream, duration=duration, **kw)
-
-    def _emit_passthrough(self, endpoint: str, outcome: str, duration: float, bytes_in: int, bytes_out: int,
-                          usage: dict[str, Any] | None, estimated: bool = False) -> float | None:
-        """Write a passthrough request's record (:meth:`Metrics.record_passthrough`). Returns the cost added."""
-        return self._metrics.record_passthrough(endpoint=endpoint, tier=self.tier, upstream=self.upstream,
-                                                model=self.model, outcome=outcome, duration=duration,
-                                                bytes_in=bytes_in, bytes_out=bytes_out, usage=usage,
-                                                estimated=estimated)
+                                    stream=self.request.stream, duration=duration, **kw)
 
     def _charge(self, outcome: str, usage: Any, cost: float | None) -> int | None:
         """Count the request against its key's metrics; returns the tokens its usage reports (None: no usage)."""
@@ -354,7 +378,7 @@ class Recorder:
             if isinstance(prompt, int) and isinstance(completion, int):
                 prompt, completion = max(0, prompt), max(0, completion)  # an upstream's nonsense counts as nothing
                 tokens = prompt + completion
-        key = self.key
+        key = self.request.key
         if key is not None:
             m = self._metrics
             m.child(m.key_requests, key.name, outcome).inc()
@@ -371,19 +395,19 @@ class Recorder:
         usage = kw.get("usage")
         details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
         ttft = kw.get("ttft")
-        scope = self.scope or {}
+        req = self.request
         logs.request({
-            "request_id": self.rid, "method": scope.get("method"), "path": scope.get("path"), "status": self.status,
-            "key": self.key.name if self.key is not None else None,
-            "session": self.session.id if self.session is not None else None, "session_step": self.step or None,
+            "request_id": req.rid, "method": req.method, "path": req.path, "status": self.status,
+            "key": req.key.name if req.key is not None else None,
+            "session": req.session.id if req.session is not None else None, "session_step": req.step or None,
             "outcome": outcome, "tier": self.tier, "upstream": self.upstream, "rule": self.rule,
-            "fallback": self.fallback, "model": self.requested, "upstream_model": self.upstream_model,
-            "stream": self.stream, "attempts": self.attempts, "ttft_s": None if ttft is None else round(ttft, 6),
+            "fallback": self.fallback, "model": req.requested, "upstream_model": self.upstream_model,
+            "stream": req.stream, "attempts": self.attempts, "ttft_s": None if ttft is None else round(ttft, 6),
             "duration_s": round(duration, 6),
             "input_tokens": usage.get("prompt_tokens") if isinstance(usage, dict) else None,
             "output_tokens": usage.get("completion_tokens") if isinstance(usage, dict) else None,
             "cached_tokens": details.get("cached_tokens") if isinstance(details, dict) else None,
-            "service_tier": kw.get("service_tier"), "service_tier_asked": self.asked_tier,
+            "service_tier": kw.get("service_tier"), "service_tier_asked": self.billed_tier,
             "service_tier_echoed": served is not None,
             "usage_estimated": bool(kw.get("estimated")), "cost_usd": None if cost is None else round(cost, 9)})
 

@@ -99,8 +99,8 @@ def start_request(headers: dict[str, str], method: str, path: str, operation: st
 
 
 def end_request(span: Any, ex: Any) -> None:
-    """End the request's span with what the request did (``ex``: the ``gateway.pipeline.exchange.Exchange``)."""
-    model = ex.requested
+    """End the request's span with what the request did (``ex``: its ``gateway.observability.recorder.Recorder``)."""
+    model = ex.request.requested
     if model:
         span.update_name(f"{span.name} {model}")
         span.set_attribute("gen_ai.request.model", model)

@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 
 from gateway.errors import StreamInterrupted, UpstreamBadResponse, UpstreamTimeout, UpstreamUnavailable
-from gateway.pipeline.exchange import Headers
-from gateway.pipeline.upload import USAGE_TAIL, PassExchange, Upload, bills
+from gateway.observability.passthrough import PassRecorder
+from gateway.pipeline.exchange import Exchange, Headers
+from gateway.pipeline.upload import Upload
 from gateway.routing.facts import Decision
 from gateway.stream.stats import EventTally
-from gateway.tenancy.objects import OBJECT_ENDPOINTS, Owners, created_ids, filter_list
+from gateway.tenancy.objects import Owners, created_ids, filter_list
 from gateway.upstream.attempt import Answer, Attempt, Body
 from gateway.upstream.headers import field_value
 
@@ -40,39 +41,37 @@ async def send(attempt: Attempt, body: Body | None, upload: Upload | None) -> An
                               code="upstream_timeout") from exc
 
 
-async def relay(ex: PassExchange, attempt: Attempt, answer: Answer, decision: Decision, reason: str | None,
-                method: str, owners: Owners) -> None:
-    """Relay a 2xx answer as it arrives, bytes untouched; for a ``POST`` that makes something billed by usage
-    (:func:`bills`), keep the tail of its JSON or SSE body to read the usage from (a stored object fetched again is
-    not billed again), and count an event stream's token-bearing events as they arrive (``ex.tally``: what it is
-    charged when no usage comes, whether the client stays or not).
+async def relay(ex: Exchange, attempt: Attempt, answer: Answer, decision: Decision, reason: str | None,
+                owners: Owners) -> None:
+    """Relay a 2xx answer as it arrives, bytes untouched; for a ``POST`` that makes something billed by usage (its
+    route ``bills``: ``gateway.wire.routes``), keep the tail of its JSON or SSE body to read the usage from (a stored
+    object fetched again is not billed again), and count an event stream's token-bearing events as they arrive (what
+    it is charged when no usage comes, whether the client stays or not).
 
     Raises:
         GatewayError: the answer broke off. Before its first byte reached the client, it can fail over; after,
             the client's connection is cut without its end (a truncated body must never look complete).
     """
+    rec, req = ex.rec, ex.request
+    assert isinstance(rec, PassRecorder)
     bodiless = answer.status in (204, 205)  # no content, whatever the upstream sent (RFC 9110 §15.3.5-6)
-    headers: Headers = [*ex.route_headers(ex.tier, ex.upstream, decision.rule, reason),
+    headers: Headers = [*ex.route_headers(rec.tier, rec.upstream, decision.rule, reason),
                         *((k.encode("latin-1"), b) for k, v in answer.headers.items()
                           if (b := field_value(v)) is not None),
                         *(h for h in answer.entity_headers() if not (bodiless and h[0] == b"content-length"))]
-    if ex.key is not None and not bodiless and owned_answer(ex, method, answer.content_type):
-        return await relay_owned(ex, attempt, answer, headers, method, owners)
+    if req.key is not None and not bodiless and owned_answer(ex, answer.content_type):
+        return await relay_owned(ex, rec, attempt, answer, headers, owners)
     ex.open_answer(answer.status, headers)
     if bodiless:
         attempt.ok()  # its connection is closed on exit: what it sent is never read
         ex.record("success")
         return await ex.end_stream()
     ctype = answer.content_type
-    keep = method == "POST" and bills(ex.endpoint, ex.path) and ("json" in ctype or "event-stream" in ctype)
-    tally = ex.tally = EventTally() if keep and "event-stream" in ctype else None
+    keep = req.method == "POST" and req.route.bills and ("json" in ctype or "event-stream" in ctype)
+    rec.relaying(keep, EventTally() if keep and "event-stream" in ctype else None)
     try:
         async for data in answer.chunks():
-            ex.bytes_out += len(data)
-            if keep:
-                ex.tail = (ex.tail + data)[-USAGE_TAIL:]
-                if tally is not None:  # before the write: what arrived counts, even if the client is gone
-                    tally.feed(data)
+            rec.relayed(data)  # before the write: what arrived counts, even if the client is gone
             await ex.write(data)
     except StreamInterrupted as exc:
         raise UpstreamUnavailable(exc.message, code=exc.code) from exc
@@ -82,7 +81,7 @@ async def relay(ex: PassExchange, attempt: Attempt, answer: Answer, decision: De
     await ex.end_stream()
 
 
-async def relay_owned(ex: PassExchange, attempt: Attempt, answer: Answer, headers: Headers, method: str,
+async def relay_owned(ex: Exchange, rec: PassRecorder, attempt: Attempt, answer: Answer, headers: Headers,
                       owners: Owners) -> None:
     """A JSON answer about a key's objects (``gateway.tenancy.objects``), read whole (at most :data:`OBJECT_ANSWER`
     bytes): the object a ``POST`` made is claimed for the key before the client can name it; a list shows the key's
@@ -91,7 +90,8 @@ async def relay_owned(ex: PassExchange, attempt: Attempt, answer: Answer, header
     Raises:
         GatewayError: the answer broke off, or is too large (before anything reached the client: it can fail over).
     """
-    assert ex.key is not None
+    key, method = ex.request.key, ex.request.method
+    assert key is not None
     parts, size = [], 0
     try:
         async for data in answer.chunks():
@@ -106,24 +106,24 @@ async def relay_owned(ex: PassExchange, attempt: Attempt, answer: Answer, header
     body = b"".join(parts)
     if method == "POST":
         for made in created_ids(body):
-            if await owners.owner(made) in (None, ex.key.name):  # another key's id is never taken over
-                await owners.claim(made, ex.key.name)
+            if await owners.owner(made) in (None, key.name):  # another key's id is never taken over
+                await owners.claim(made, key.name)
     elif method == "GET":
-        filtered = await filter_list(body, ex.key.name, owners)
+        filtered = await filter_list(body, key.name, owners)
         body = filtered if filtered is not None else body
     headers = [h for h in headers if h[0] != b"content-length"]
     headers.append((b"content-length", b"%d" % len(body)))
     attempt.ok()
     ex.open_answer(answer.status, headers)
-    ex.bytes_out = len(body)
-    if method == "POST" and bills(ex.endpoint, ex.path):
-        ex.tail = body[-USAGE_TAIL:]
+    rec.relaying(method == "POST" and ex.request.route.bills, None)
+    rec.relayed(body)
     await ex.write(body)
     ex.record("success")
     await ex.end_stream()
 
 
-def owned_answer(ex: PassExchange, method: str, content_type: str) -> bool:
+def owned_answer(ex: Exchange, content_type: str) -> bool:
     """Whether an answer is about a key's objects and must be read whole (:func:`relay_owned`): a JSON answer to a
-    ``POST`` or ``GET`` of an object endpoint (``gateway.tenancy.objects.OBJECT_ENDPOINTS``)."""
-    return method in ("GET", "POST") and ex.endpoint in OBJECT_ENDPOINTS and "json" in content_type
+    ``POST`` or ``GET`` of a route about objects (``gateway.wire.routes``)."""
+    req = ex.request
+    return req.method in ("GET", "POST") and req.route.objects and "json" in content_type

@@ -16,13 +16,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gateway.admission.reserve import KeyBudgets
+from gateway.admission.sessions import BUDGET_HEADER, Run
 from gateway.config.schema import GatewayConfig
 from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import GatewayError, RateLimited, UpstreamsResting, UpstreamUnavailable
-from gateway.pipeline.budgets import KeyBudgets
 from gateway.pipeline.delivery import Delivery
 from gateway.pipeline.exchange import Exchange, Headers
-from gateway.pipeline.sessions import BUDGET_HEADER, Run
 from gateway.responses.request import as_input, chat_request, input_items, native_input
 from gateway.routing import deadline, failover
 from gateway.routing.facts import Candidate, Decision, RequestFacts
@@ -43,7 +43,8 @@ class Turn:
     Attributes:
         ex: its exchange; raw: the client's body; facts, decision, plan: what routing read and chose;
         need: its estimated prompt plus ``max_tokens`` (tokens); strip_usage: the client did not ask for the usage
-        chunk the gateway asks for; admitted: the shared quota admissions made while planning (upstream name -> the
+        chunk the gateway asks for; run: the agent session's step it is, or None; admitted: the shared quota
+        admissions made while planning (upstream name -> the
         admission, or None: Redis asked nothing); tried: attempts started; last: the last failure, or None.
     """
 
@@ -54,6 +55,7 @@ class Turn:
     plan: Plan
     need: int
     strip_usage: bool
+    run: Run | None = None
     admitted: dict[str, Admission | None] = field(default_factory=dict)
     tried: int = 0
     last: GatewayError | None = None
@@ -102,13 +104,13 @@ class Attempts:
                 # stale connection counted, the rule and fallback logged); a racer's, once it claimed the request
                 headers = None if race is not None else self.answer_headers(ex, turn.decision, up,
                                                                             turn.plan.reason, answer)
-                if headers is not None and not ex.stream:
+                if headers is not None and not ex.request.stream:
                     return await self.delivery.whole(ex, attempt, answer, headers, turn.decision, turn.facts)
                 relay = self.delivery.relay(ex, attempt, turn.strip_usage, turn.facts)
                 await relay.first(answer, attempt.first_token_by)
             except GatewayError as exc:
                 failed = attempt.failed(exc)  # judged: an upstream's 401/403 to the gateway's key is its own
-                ex.upstream_failed(up.tier, up.name, failover.reason(failed))
+                ex.rec.upstream_failed(up.tier, up.name, failover.reason(failed))
                 raise failed from None
             except asyncio.CancelledError:
                 if race is not None:  # lost the race (or the client left): not the upstream's fault
@@ -141,8 +143,9 @@ class Attempts:
         health = self.health[up.name]
         if up.name in plan.queued and not await health.wait_for_slot():
             raise self.stayed_busy(ex, plan, up)
-        if ex.hold is not None and up.tier == "fast" and not ex.hold.charges("fast"):
-            await self.budgets.fast_allowance(ex, ex.hold, plan)
+        hold = ex.reserved.hold
+        if hold is not None and up.tier == "fast" and not hold.charges("fast"):
+            await self.budgets.fast_allowance(ex.rec, hold, plan)
         if self.shared is None:
             return health
         if up.name in turn.admitted:
@@ -152,14 +155,14 @@ class Attempts:
         if admission is None or admission.ok or cand is plan.candidates[-1]:
             return SharedVerdicts(health, self.shared, admission if admission is not None and admission.ok else None)
         why = f"quota_{admission.refused}"
-        ex.spilled(up.tier, up.name, why, shared=True)
+        ex.rec.spilled(up.tier, up.name, why, shared=True)
         plan.reason = plan.reason or f"spillover_{why}"
         raise RateLimited(f"The shared quota estimate of every upstream for this model is short ({why}).",
                           headers={"retry-after": "1"})
 
     def stayed_busy(self, ex: Exchange, plan: Plan, up: UpstreamConfig) -> GatewayError:
         """A candidate waited on for a concurrency slot got none in ``health.queue_seconds``: it is spilled over."""
-        ex.spilled(up.tier, up.name, "concurrency", logged=False)
+        ex.rec.spilled(up.tier, up.name, "concurrency", logged=False)
         plan.reason = plan.reason or "spillover_concurrency"
         return UpstreamsResting("Every upstream for this model stayed at its concurrency limit.",
                                 headers={"retry-after": "1"})
@@ -171,12 +174,12 @@ class Attempts:
         ex, raw = turn.ex, turn.raw
         up, body = cand.upstream, turn.facts.body  # read, never changed: the next candidate gets the same
         dialect = dialects.of(up)
-        cache_key = self.cache_key(ex, body) if dialect.prompt_cache_key else None
+        cache_key = self.cache_key(ex, turn.run, body) if dialect.prompt_cache_key else None
         asked = up.asks(body.get("service_tier"))
         if asked != body.get("service_tier"):  # the upstream is a service tier, or a fast one goes to the standard
             raw, body = with_service_tier(raw, body, asked)
-        ex.asked_tier = asked
-        if ex.kind == "chat":
+        ex.rec.sent_with(asked, True)
+        if ex.request.kind == "chat":
             return with_cache_key(dialect.body(raw, body, cand.upstream_model, turn.strip_usage),
                                   cache_key), "/chat/completions"
         cont = turn.facts.continuation
@@ -185,7 +188,7 @@ class Attempts:
             chat = chat_request(body, history)
             if cache_key is not None:
                 chat["prompt_cache_key"] = cache_key
-            return dialect.body(dumps(chat), chat, cand.upstream_model, ex.stream), "/chat/completions"
+            return dialect.body(dumps(chat), chat, cand.upstream_model, ex.request.stream), "/chat/completions"
         if history:
             body = {**{k: v for k, v in body.items() if k != "previous_response_id"},
                     "input": as_input([*history, *input_items(body)])}
@@ -195,36 +198,40 @@ class Attempts:
             raw = dumps(body)
         return with_cache_key(dialect.body(raw, body, cand.upstream_model, False), cache_key), "/responses"
 
-    def cache_key(self, ex: Exchange, body: Mapping[str, Any]) -> str | None:
+    def cache_key(self, ex: Exchange, run: Run | None, body: Mapping[str, Any]) -> str | None:
         """The ``prompt_cache_key`` an agent session's step is sent with when the client sent none
         (``sessions.prompt_cache_key: derive``): ``tgs-`` and 32 hex digits of the session's table key (its gateway
         key and id), HMAC-SHA-256'd with the key's own digest when it has one: one per run, the same on every replica,
         and one no other tenant can compute from a key name and a session id it guessed (to send as its own
         ``prompt_cache_key`` and land on this run's cache routing); else None."""
-        if ex.run is None or "prompt_cache_key" in body or self.config.sessions.prompt_cache_key != "derive":
+        if run is None or "prompt_cache_key" in body or self.config.sessions.prompt_cache_key != "derive":
             return None
-        if ex.key is None:  # no gateway keys: one tenant
-            return "tgs-" + str(ex.run.key)
-        return "tgs-" + hmac.new(ex.key.cfg.sha256.encode(), str(ex.run.key).encode(), hashlib.sha256).hexdigest()[:32]
+        key = ex.request.key
+        if key is None:  # no gateway keys: one tenant
+            return "tgs-" + str(run.key)
+        return "tgs-" + hmac.new(key.cfg.sha256.encode(), str(run.key).encode(), hashlib.sha256).hexdigest()[:32]
 
     def open(self, ex: Exchange, up: UpstreamConfig, need: int, path: str, verdicts: Verdicts) -> Attempt:
         """An attempt on ``up`` (``async with`` it), with its trace span when the request is traced; over the
         request's own transport when it has one (a WebSocket-mode message: its socket's upstream sockets)."""
-        span, trace = ex.attempt_span(up, up.models.get(ex.model, ex.model))
-        return Attempt(ex.via or self.transport, up, verdicts, self.health.clock, need_tokens=need, stream=ex.stream,
-                       request_id=ex.rid, path=path, client_key=ex.headers.get("authorization"), span=span,
-                       trace=trace, blame=ex.blame, recorder=ex)
+        model = ex.rec.model
+        span, trace = ex.rec.attempt_span(up, up.models.get(model, model))
+        return Attempt(ex.via or self.transport, up, verdicts, self.health.clock, need_tokens=need,
+                       stream=ex.request.stream, request_id=ex.rid, path=path,
+                       client_key=ex.request.headers.get("authorization"), span=span, trace=trace, blame=ex.blame,
+                       recorder=ex.rec)
 
     def answer_headers(self, ex: Exchange, decision: Decision, up: UpstreamConfig, reason: str | None,
                        answer: Answer) -> Headers:
         """The headers of a 200 from ``up``: what served it, and the upstream headers a client may see."""
         if answer.stale_retried:
-            ex.upstream_failed(up.tier, up.name, "stale_connection")
+            ex.rec.upstream_failed(up.tier, up.name, "stale_connection")
         out = ex.route_headers(up.tier, up.name, decision.rule, reason)
         if decision.deadline is not None:
             out += deadline.headers(decision.deadline, up.name)
-        if ex.run is not None:
-            out += session_headers(ex.run, up.name)
+        run = ex.reserved.run
+        if run is not None:
+            out += session_headers(run, up.name)
         return [*out, *((k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items())]
 
 
@@ -266,7 +273,7 @@ def attempting(ex: Exchange, decision: Decision, up: UpstreamConfig, tried: int,
     """An attempt on ``up`` starts (or, without ``overhead``, a hedge that started later won): the request takes its
     labels (:meth:`~gateway.observability.recorder.Recorder.attempting`)."""
     model = up.models.get(decision.model) or (None if decision.model == "other" else decision.model)
-    ex.attempting(up.tier, up.name, model, tried, decision.tier, reason, overhead)
+    ex.rec.attempting(up.tier, up.name, model, tried, decision.tier, reason, overhead)
 
 
 async def give_up(ex: Exchange, decision: Decision, reason: str | None, last: GatewayError | None,
@@ -278,10 +285,11 @@ async def give_up(ex: Exchange, decision: Decision, reason: str | None, last: Ga
         last = UpstreamUnavailable("No upstream is configured for this model.")
     outcome = failover.outcome(last, ex.blame, tried)
     everywhere = outcome == "client_error" and ex.blame is not None  # it failed alike everywhere: the request's fault
-    ex.gave_up(tried, everywhere, last.status)
+    ex.rec.gave_up(tried, everywhere, last.status)
     if everywhere and ex.blame is not None:
         ex.blame.retract()
-    headers = (ex.route_headers(ex.tier, ex.upstream, decision.rule, reason) if ex.upstream != "none"
+    rec = ex.rec
+    headers = (ex.route_headers(rec.tier, rec.upstream, decision.rule, reason) if rec.upstream != "none"
                else [(b"x-request-id", ex.rid.encode())])
     if failover.final_retry_hint(last, tried):
         headers.append((b"x-should-retry", b"false"))

@@ -14,6 +14,7 @@ from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import UpstreamBadResponse, UpstreamUnavailable
 from gateway.observability.estimates import bucket
 from gateway.observability.metrics import decode_speed
+from gateway.observability.usage import chat_usage
 from gateway.pipeline.conversations import Conversations
 from gateway.pipeline.exchange import Exchange, Headers
 from gateway.responses.ids import ID_PREFIX, new_id
@@ -23,27 +24,28 @@ from gateway.routing.facts import Decision, RequestFacts
 from gateway.stream.relay import Relay
 from gateway.stream.stats import StreamStats, served_tier
 from gateway.upstream.attempt import Answer, Attempt
-from gateway.wire.body import chat_usage, dumps
+from gateway.wire.body import dumps
 
 
 def draft(ex: Exchange, up: UpstreamConfig, facts: RequestFacts) -> Draft | None:
     """The Response object a bridged Responses request answers with, or None (not bridged). Its ``service_tier``
-    until the upstream says which it served is the one the attempt was sent with (``ex.asked_tier``: the
-    upstream's own, or none for a fast one sent to the standard tier), the tier it is billed at."""
-    if ex.kind != "responses" or up.responses_mode != "bridge":
+    until the upstream says which it served is the one it is billed at (``Recorder.billed_tier``: the one the
+    attempt was sent with, where the upstream honours it)."""
+    if ex.request.kind != "responses" or up.responses_mode != "bridge":
         return None
     body = dict(facts.body)
-    if ex.asked_tier is None:
+    billed = ex.rec.billed_tier
+    if billed is None:
         body.pop("service_tier", None)
     else:
-        body["service_tier"] = ex.asked_tier
+        body["service_tier"] = billed
     return Draft(body, new_id(ID_PREFIX))
 
 
 def series(ex: Exchange, up: UpstreamConfig, decision: Decision, stats: StreamStats) -> str:
     """The live estimates' series a stream of ``up`` feeds: its model at the service tier the upstream said it served
     (else the one it was asked: ``gateway.observability.estimates.bucket``)."""
-    return bucket(up.models.get(decision.model, decision.model), stats.service_tier or ex.asked_tier)
+    return bucket(up.models.get(decision.model, decision.model), stats.service_tier or ex.rec.billed_tier)
 
 
 class Delivery:
@@ -64,7 +66,7 @@ class Delivery:
         if made:
             return BridgeRelay(made, max_event_bytes=limit, finish_grace=up.timeouts.finish_grace, hold_seconds=hold,
                                extra=attempt.dialect)
-        return Relay(strip_usage_chunk=strip_usage, max_event_bytes=limit, responses=ex.kind == "responses",
+        return Relay(strip_usage_chunk=strip_usage, max_event_bytes=limit, responses=ex.request.kind == "responses",
                      choices=facts.n, finish_grace=up.timeouts.finish_grace, hold_seconds=hold, extra=attempt.dialect)
 
     async def deliver(self, ex: Exchange, attempt: Attempt, answer: Answer, headers: Headers, relay: Relay,
@@ -76,12 +78,13 @@ class Delivery:
         first, sent = relay.stats.t_first_token, attempt.sent_at
         # an agent session's warm upstream prefilled only what its cache did not hold: its TTFT line learns the
         # uncached prompt, the size deadline routing reads it at (gateway.routing.deadline.predict)
-        prompt = facts.prompt_tokens - (ex.run.affinity.warm.get(up.name, 0) if ex.run is not None else 0)
-        ex.first_token(attempt.span, up.name, series(ex, up, decision, relay.stats), prompt,
+        run = ex.reserved.run
+        prompt = facts.prompt_tokens - (run.affinity.warm.get(up.name, 0) if run is not None else 0)
+        ex.rec.first_token(attempt.span, up.name, series(ex, up, decision, relay.stats), prompt,
                        first - sent if first is not None and sent is not None else None)
         bridged = isinstance(relay, BridgeRelay)
         ex.open_stream(headers, "text/event-stream; charset=utf-8" if bridged else answer.content_type)
-        write = ex.write if ex.kind == "chat" else self.conversations.keeping_write(ex, facts, up, relay)
+        write = ex.write if ex.request.kind == "chat" else self.conversations.keeping_write(ex, facts, up, relay)
         try:
             await relay.release(write)  # the first token leaves here, before a task is made: no loop turn in TTFT
             # the rest in a task of its own: each chunk's resumption then crosses three coroutine frames instead of
@@ -102,7 +105,7 @@ class Delivery:
               stats: StreamStats) -> None:
         """A relayed stream ended (its last byte is about to leave): tell its upstream's health, feed the estimates,
         record the request."""
-        ex.usage(attempt.span, stats.usage)
+        ex.rec.usage(attempt.span, stats.usage)
         if stats.error:
             self.broke(ex, attempt, stats)
         else:
@@ -124,16 +127,16 @@ class Delivery:
         speed = (decode_speed(last - first, stats.token_chunks, completion) if first is not None and last is not None
                  else None)
         up = attempt.upstream
-        ex.decoded(up.name, series(ex, up, decision, stats), speed)
+        ex.rec.decoded(up.name, series(ex, up, decision, stats), speed)
         if facts.max_tokens is None:  # the lengths predict only requests without a limit: sampled from those
-            ex.completed(decision.rule, decision.model, completion)
+            ex.rec.completed(decision.rule, decision.model, completion)
 
     def broke(self, ex: Exchange, attempt: Attempt, stats: StreamStats) -> None:
         """The stream failed after its first token: count it, and tell the upstream's health (its own error event's
         status says whose fault it is: Groq's tool_use_failed carries status_code 400, the request's; an overloaded
         server_error counts against the upstream)."""
         assert stats.error is not None
-        ex.stream_broke(stats.error)
+        ex.rec.stream_broke(stats.error)
         if stats.error_event is not None:
             attempt.failed(attempt.dialect.event_error(stats.error_event))
         else:
@@ -162,13 +165,13 @@ class Delivery:
         usage, dialect = parsed.get("usage"), attempt.dialect
         usage = chat_usage(usage) if isinstance(usage, dict) else None
         _, timings = dialect.member_facts(parsed.get(dialect.member)) if dialect.member else (None, None)
-        ex.usage(attempt.span, usage, parsed.get("model"))
+        ex.rec.usage(attempt.span, usage, parsed.get("model"))
         if facts.max_tokens is None and usage is not None and isinstance(completion := usage.get("completion_tokens"),
                                                                           int):
-            ex.completed(decision.rule, decision.model, completion)
-        ex.status = 200  # before the record: the log line names the status answered
+            ex.rec.completed(decision.rule, decision.model, completion)
+        ex.rec.answered(200)  # before the record: the log line names the status answered
         ex.record("success", usage=usage, timings=timings or dialect.answer_timings(answer.headers),
                   served_tier=served_tier(parsed))
-        if ex.kind == "responses":  # kept before the answer leaves: the client's next turn may follow at once
+        if ex.request.kind == "responses":  # kept before the answer leaves: the client's next turn may follow at once
             await self.conversations.keep_whole(ex, facts, up, parsed, response)
         await ex.whole(200, data if response is None else dumps(response), headers)

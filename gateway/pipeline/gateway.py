@@ -6,16 +6,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.admission.body import BodyBudget
+from gateway.admission.reserve import KeyBudgets
+from gateway.admission.sequence import Admission
+from gateway.admission.sessions import Sessions
 from gateway.config.schema import GatewayConfig
 from gateway.observability.estimates import Estimates
 from gateway.observability.metrics import Metrics
-from gateway.pipeline.budgets import KeyBudgets
+from gateway.observability.recorder import Observers
 from gateway.pipeline.chat import ChatPipeline
 from gateway.pipeline.conversations import Conversations
 from gateway.pipeline.frame import Frame
 from gateway.pipeline.models import UpstreamModels
 from gateway.pipeline.passthrough import Passthrough
-from gateway.pipeline.sessions import Sessions
 from gateway.responses.store import ResponseStore, SocketMemory
 from gateway.routing import deadline
 from gateway.routing.health import Health
@@ -32,8 +35,10 @@ class Gateway:
     """The request path of one config.
 
     Attributes:
-        config, policy: what it routes by; keys: its gateway keys (``auth:``), or None; chat: the hot path;
-        passthrough: the rest of /v1 (None: passthrough is off); frame: its requests in flight and its drain;
+        config, policy: what it routes by; keys: its gateway keys (``auth:``), or None; admission: the one way in;
+        chat: the hot path past admission; passthrough: the rest of /v1 past admission (None: passthrough is off);
+        frame: its requests in flight and its drain; observers: what each request's recorder feeds; bodies: the
+        request bytes held in memory;
         transport: its upstream connections; conversations, store, owners, ledger, estimates, explorer, health,
         shared: the state it reads and changes (carried over by a reload); listed: what the passthrough upstream lists;
         sessions: its agent sessions (their table carried over by a reload); socket_memory: what its WebSocket-mode
@@ -43,11 +48,14 @@ class Gateway:
     config: GatewayConfig
     policy: Policy
     keys: Keys | None
+    admission: Admission
     chat: ChatPipeline
     passthrough: Passthrough | None
     frame: Frame
     transport: Transport
     metrics: Metrics
+    observers: Observers
+    bodies: BodyBudget
     health: Health
     conversations: Conversations
     store: ResponseStore

@@ -77,7 +77,7 @@ class Race:
     def won(self, cand: Candidate, hedge: bool) -> None:
         """``cand`` claimed the request: counted (won and lost are counted before the answer leaves)."""
         if self.hedged:
-            self.turn.ex.hedged("won" if hedge else "lost")
+            self.turn.ex.rec.hedged("won" if hedge else "lost")
 
     def lost(self, cand: Candidate, attempt: Attempt, relay: Relay | None) -> None:
         """``cand``'s racer ended without the request: when the other won, what it may have cost is counted."""
@@ -131,13 +131,13 @@ class Hedging:
                     await race.settled.wait()  # the second would refuse: no hedge; the first's token or failure
             failed = race.failures.get(first.upstream.name)
             if race.winner is None and len(race.tasks) == 1 and failed is not None and plan.go_on(first, failed):
-                ex.failed_over(first.upstream.tier, first.upstream.name, plan.reason)
+                ex.rec.failed_over(first.upstream.tier, first.upstream.name, plan.reason)
                 race.start(second)
             await race.finish()
         except asyncio.CancelledError:
             await race.stop()
             if hedged and race.winner is None:
-                ex.hedged("cancelled")
+                ex.rec.hedged("cancelled")
             raise
         return self._after(turn, race, hedged)
 
@@ -146,16 +146,15 @@ class Hedging:
         if race.winner is not None:
             return []
         if hedged:  # won and lost are counted at the claim, before the answer leaves
-            turn.ex.hedged("cancelled")
+            turn.ex.rec.hedged("cancelled")
         turn.tried = len(race.tasks)
         if not race.failures:
             return []
         first, second = turn.plan.candidates[0], turn.plan.candidates[1]
         name, turn.last = [*race.failures.items()][-1]  # the one that failed last
         up = first.upstream if name == first.upstream.name else second.upstream
-        ex, model = turn.ex, turn.decision.model
-        ex.tier, ex.upstream = up.tier, up.name
-        ex.upstream_model, ex.attempts = up.models.get(model, model), turn.tried
+        model = turn.decision.model
+        turn.ex.rec.labelled(up.tier, up.name, up.models.get(model, model), turn.tried)
         go_on = turn.tried == 2 and turn.plan.go_on(second, turn.last)
         return turn.plan.candidates[2:] if go_on else []
 
@@ -165,7 +164,7 @@ class Hedging:
         seconds per prompt token): a hedge moves the session, and it is started only once the first is late by more
         than the move would cost (docs/sessions.md#cache-warmth-is-priced)."""
         base = self.delay(turn.decision, first, turn.facts)
-        run = turn.ex.run
+        run = turn.run
         if base is None or run is None:
             return base
         warm = run.affinity.warm
@@ -200,11 +199,11 @@ class Hedging:
             cost = (prompt if isinstance(prompt, int) else facts.prompt_tokens) * p_in + \
                 (completion if isinstance(completion, int) else 0) * p_out
             if cost > 0:
-                ex.hedge_cost(up.tier, up.name, cost)
+                ex.rec.hedge_cost(up.tier, up.name, cost)
         if attempt.sent_at is None:
             return
         waited, now = time.perf_counter() - attempt.sent_at, self.health.clock()
         model = bucket(up.models.get(decision.model, decision.model), up.asks(facts.service_tier))
         est = self.estimates.latency(up.name, model, now)
         if est is not None and waited > est.ttft(facts.prompt_tokens, tail=False):
-            ex.waited(up.name, model, facts.prompt_tokens, waited)
+            ex.rec.waited(up.name, model, facts.prompt_tokens, waited)

@@ -50,10 +50,10 @@ from gateway.errors import (
     error_body,
     event_error,
 )
+from gateway.observability.usage import chat_usage
 from gateway.stream.sse import EventTooLarge, SSEEvent, SSEScanner
 from gateway.stream.stats import Extra, StreamBody, StreamStats, Write, delta_has_token, served_tier
 from gateway.stream.template import Template
-from gateway.wire.body import chat_usage
 
 DONE = b"data: [DONE]\n\n"
 DONE_GRACE = 0.02  # seconds to wait for the end of the upstream's body after its [DONE]

@@ -8,8 +8,8 @@ or attach A's file to its own vector store. OpenAI scopes objects to the project
 another project's id is "No such File object"); the gateway scopes them to the key:
 
 * a ``POST`` that answers a JSON object with an ``id`` makes that id the requesting key's (:meth:`Owners.claim`);
-* a path that names an object (:func:`object_ids`: each segment that is no word of the API's paths) is served only
-  when every object it names is the requesting key's, else answered 404 as an unknown id is (never sent upstream);
+* a path that names an object (an ``{id}`` segment of its route: ``gateway.wire.routes``) is served only when every
+  object it names is the requesting key's, else answered 404 as an unknown id is (never sent upstream);
 * a body that names objects (:data:`REFERENCES`: ``input_file_id``, ``file_ids``, ``training_file``, ...) likewise,
   on the passthrough and on the hot path (a chat message's ``file.file_id``, a Responses ``input_file``, a
   ``file_search`` tool's ``vector_store_ids``, a ``conversation``, a ``code_interpreter`` ``container``:
@@ -29,21 +29,6 @@ from typing import Any, Protocol
 
 import orjson
 
-# the fixed words of the OpenAI API's paths (API reference, 2026-11); any other segment names an object
-WORDS = frozenset({
-    "embeddings", "completions", "chat", "responses", "input_items", "input_tokens", "compact", "cancel", "audio",
-    "speech", "transcriptions", "translations", "voices", "images", "generations", "edits", "variations",
-    "moderations", "files", "content", "uploads", "parts", "complete", "batches", "vector_stores", "file_batches",
-    "search", "fine_tuning", "jobs", "checkpoints", "events", "pause", "resume", "permissions", "alpha", "graders",
-    "run", "validate", "models", "assistants", "threads", "runs", "steps", "messages", "submit_tool_outputs",
-    "conversations", "items", "containers", "evals", "videos", "remix", "realtime", "sessions",
-    "transcription_sessions", "client_secrets", "calls", "accept", "reject", "refer", "hangup", "chatkit",
-    "workflows", "skills", "versions", "output_items", "results",
-})
-# the passthrough's endpoint labels (gateway.pipeline.passthrough.ENDPOINTS) whose JSON answers are about a key's
-# objects: what a POST there makes is claimed, what a GET there lists is filtered
-OBJECT_ENDPOINTS = frozenset({"files", "uploads", "batches", "vector_stores", "fine_tuning", "assistants", "threads",
-                              "conversations", "containers", "evals", "videos", "chat/completions"})
 # body fields that name objects (OpenAI API reference: batches, fine-tuning, vector stores, assistants, threads,
 # responses, conversations, containers, evals)
 REFERENCES = frozenset({"input_file_id", "file_id", "file_ids", "training_file", "validation_file", "vector_store_id",
@@ -56,15 +41,6 @@ MODEL_CALL_REFERENCES = REFERENCES - {"previous_response_id"}
 # a chat message's members that hold what the model made (its tool calls: names and argument strings), not walked:
 # half the nodes of an agent's history (only there: a prompt variable may be called anything)
 MADE_BY_THE_MODEL = frozenset({"tool_calls", "function_call"})
-
-
-def object_ids(path: str) -> list[str]:
-    """The objects ``path`` (under /v1, no leading slash) names: each segment after the first that is not a word of
-    the API's paths (:data:`WORDS`); none under ``models`` (model ids are the catalogue, not a key's)."""
-    segments = path.split("/")
-    if segments[0] == "models":
-        return []
-    return [s for s in segments[1:] if s and s not in WORDS]
 
 
 def references(body: Any, names: frozenset[str] = REFERENCES, items: bool = False) -> list[str]:

@@ -205,21 +205,6 @@ def check_limits(body: Mapping[str, Any]) -> None:
                                  f"{value} instead.", param=name, code="integer_below_min_value")
 
 
-def chat_usage(usage: dict[str, Any]) -> dict[str, Any]:
-    """Usage in chat-completions terms: a Responses API ``ResponseUsage`` (``input_tokens``, ``output_tokens``,
-    ``*_details``) is mapped to ``prompt_tokens``/``completion_tokens``/``*_tokens_details``; chat usage is
-    returned as is (OpenAPI ``CompletionUsage`` vs ``ResponseUsage``)."""
-    if "input_tokens" not in usage and "output_tokens" not in usage:
-        return usage
-    inp = usage.get("input_tokens_details")
-    out = usage.get("output_tokens_details")
-    inp = inp if isinstance(inp, dict) else {}
-    out = out if isinstance(out, dict) else {}
-    return {"prompt_tokens": usage.get("input_tokens", 0), "completion_tokens": usage.get("output_tokens", 0),
-            "prompt_tokens_details": {"cached_tokens": inp.get("cached_tokens", 0)},
-            "completion_tokens_details": {"reasoning_tokens": out.get("reasoning_tokens", 0)}}
-
-
 def client_wants_usage(body: Mapping[str, Any]) -> bool:
     """True when the client itself asked for the usage chunk (``stream_options.include_usage: true``)."""
     options = body.get("stream_options")

@@ -3,10 +3,11 @@ events"; the WebSocket mode guide): the client sends ``response.create`` events,
 ``POST /v1/responses`` body (no ``stream``: it is implicit; an optional ``stream_id`` names its lane), and gets each
 event of the response's stream as one JSON text frame, echoing its ``stream_id``.
 
-Each ``response.create`` is served as the streamed ``POST /v1/responses`` it stands for: one request of the
-pipeline (:meth:`gateway.pipeline.chat.ChatPipeline.serve`: routed by the same policy, per message, so that turns of
-one socket may move tiers and agent-session affinity applies; metered, logged and traced as any request), through
-an :class:`~gateway.pipeline.exchange.Exchange` whose ASGI ``send`` is :class:`Frames`: a 200's SSE events become
+Each ``response.create`` is served as the streamed ``POST /v1/responses`` it stands for, the third entrance onto the
+one admission sequence (``gateway.admission.sequence``: the same limits, parse, ownership and reservations as over
+HTTP) and the pipeline behind it (routed by the same policy, per message, so that turns of one socket may move tiers
+and agent-session affinity applies; metered, logged and traced as any request), through an
+:class:`~gateway.pipeline.exchange.Exchange` whose ASGI ``send`` is :class:`Frames`: a 200's SSE events become
 frames, any other status an ``error`` event with that ``status``. Its attempts go through the socket's
 :class:`~gateway.upstream.websocket.UpstreamSockets` (one upstream socket per upstream with ``websocket: true``;
 HTTP otherwise), and what it makes is kept in the socket's memory
@@ -36,8 +37,11 @@ from typing import Any, NamedTuple
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
+from gateway.admission.body import BodyBudget, too_large
+from gateway.admission.request import KEY_SCOPE, arrive, headers_of
+from gateway.admission.sequence import Refused
 from gateway.errors import GatewayDraining, GatewayError, InvalidRequest, RateLimited, Unauthorized
-from gateway.pipeline.exchange import KEY_SCOPE, BodyBudget, Exchange, headers_of
+from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.gateway import Gateway
 from gateway.responses.store import MemoryResponseStore, SocketStore
 from gateway.stream.sse import SSEScanner
@@ -179,7 +183,7 @@ class SocketSession:
         self.receive = receive
         self._send = send
         # each message is a request of its own: its own request id, never the handshake's
-        self.headers = {k: v for k, v in headers_of(scope).items() if k != "x-request-id"}
+        self.headers = {k: v for k, v in headers_of(scope["headers"]).items() if k != "x-request-id"}
         gateway = current()
         limits = gateway.config.limits.websocket
         self.limits = limits
@@ -277,7 +281,7 @@ class SocketSession:
             return await self.refuse(InvalidRequest("background is not supported in WebSocket mode.",
                                                     param="background", code="unsupported_parameter"), wire)
         # what the queued message takes in memory: a str's size is its characters times 1, 2 or 4 bytes
-        bodies, held = self.current().chat.bodies, sys.getsizeof(text) if isinstance(text, str) else len(text)
+        bodies, held = self.current().bodies, sys.getsizeof(text) if isinstance(text, str) else len(text)
         try:
             bodies.hold(self.owner, held)  # queued messages count as the bodies in flight they will be
         except GatewayError as exc:
@@ -328,42 +332,38 @@ class SocketSession:
                 del self.lanes[lane.id]
 
     async def serve(self, event: dict[str, Any], lane: bytes | None) -> None:
-        """One ``response.create`` as a streamed ``POST /v1/responses`` of the current gateway (module docstring;
-        the frame's steps as in :meth:`gateway.pipeline.chat.ChatPipeline.handle`)."""
-        gateway = self.current()
-        chat, frame = gateway.chat, gateway.frame
+        """One ``response.create`` as a streamed ``POST /v1/responses`` of the current gateway (module docstring):
+        its body held to the same limits as over HTTP, then admitted and served as the HTTP entrance does
+        (``gateway.http.entrances.hot``)."""
+        gw = self.current()
         raw = dumps({**{k: v for k, v in event.items() if k not in ("type", "stream_id")}, "stream": True})
         scope = {"type": "http", "method": "WS", "path": "/v1/responses", "headers": self.scope["headers"]}
-        if gateway.keys is not None:
+        if gw.keys is not None:
             try:
-                scope[KEY_SCOPE] = gateway.keys.authenticate(self.scope["headers"])
+                scope[KEY_SCOPE] = gw.keys.authenticate(self.scope["headers"])
             except Unauthorized as exc:  # a reload removed its key: nothing more is served on this socket
                 await self.refuse(exc, lane)
                 return await self.close(POLICY, "the gateway key is no longer valid")
-        ex = Exchange(chat.observers, Frames(self, lane, gateway.config.limits.max_event_bytes), self.headers,
-                      "responses", scope)
-        ex.via, ex.memory = self.transport_of(gateway), self.memory
+        ex = Exchange.of(gw.observers, arrive(scope, "responses", self.headers, "WS"),
+                         Frames(self, lane, gw.config.limits.max_event_bytes), gw.bodies)
+        ex.via, ex.memory = self.transport_of(gw), self.memory
+        limit = gw.config.limits.max_request_bytes
         try:
-            chat.bodies.take(ex, len(raw))
+            if len(raw) > limit:  # the same bound as the body over HTTP
+                raise too_large(limit)
+            ex.reserved.body.take(len(raw))
         except GatewayError as exc:
             return await ex.error(exc, "client_error")
+        frame = gw.frame
         if frame.draining and await frame.too_late(ex):
             return
-        ex.trace("WS", "/v1/responses", "chat")
-        ex.task = asyncio.current_task()
-        frame.active.add(ex)
-        self.active.add(ex)
-        try:
-            await chat.serve(ex, raw)
-        except asyncio.CancelledError:
-            if not await frame.interrupted(ex):
-                raise
-        except Exception:
-            await frame.crashed(ex, scope)
-        finally:
-            frame.active.discard(ex)
-            self.active.discard(ex)
-            ex.end_trace()
+        ex.rec.trace("chat")
+        async with frame.serving(ex, scope, also=self.active):
+            try:
+                admitted = await gw.admission.admit(ex, raw)
+            except Refused as refused:
+                return await ex.error(refused.error, refused.outcome)
+            await gw.chat.serve(ex, admitted)
 
     def transport_of(self, gateway: Gateway) -> UpstreamSockets:
         """The upstream sockets of ``gateway`` (a reload made a new one: the old one's sockets are closed)."""
@@ -393,7 +393,7 @@ class SocketSession:
         self.gone = True
         now = time.perf_counter()
         for ex in list(self.active):
-            if ex.task is not None and not ex.recorded:
+            if ex.task is not None and not ex.rec.recorded:
                 ex.gone_at = now
                 ex.task.cancel()
 

@@ -27,7 +27,7 @@ from gateway.config.schema import GatewayConfig
 from gateway.config.sessions import KeySession, SessionBudgets
 from gateway.errors import InvalidRequest, SessionBudgetExceeded
 from gateway.observability.estimates import Estimates, bucket
-from gateway.pipeline.exchange import Exchange
+from gateway.observability.recorder import Recorded, Recorder
 from gateway.routing import deadline
 from gateway.routing.facts import Candidate, Decision, RequestFacts
 from gateway.routing.sessions import NO_AFFINITY, Affinity, SessionId, affinity, keep_first, moved_because, session_of
@@ -153,8 +153,8 @@ class Sessions:
             spent = usd_refusal(run)
         return spent
 
-    async def begin(self, ex: Exchange, session: SessionId, facts: RequestFacts, decision: Decision,
-                    key_budgets: SessionBudgets | None) -> tuple[Run, Decision]:
+    async def begin(self, rec: Recorder, owner: str | None, session: SessionId, facts: RequestFacts,
+                    decision: Decision, key_budgets: SessionBudgets | None) -> tuple[Run, Decision]:
         """Start a step of ``session`` (module docstring, 1): the run, and ``decision`` with the session's warm upstream
         first (or, past a USD budget that moves runs, without its fast-tier candidates).
 
@@ -162,11 +162,10 @@ class Sessions:
             SessionBudgetExceeded: a budget of the run is spent (429; counted); InvalidRequest: a bad budget header.
         """
         try:
-            run, decision = await self.look(ex.key.name if ex.key is not None else None, session, facts, decision,
-                                            key_budgets)
+            run, decision = await self.look(owner, session, facts, decision, key_budgets)
         except SessionBudgetExceeded as exc:
             assert exc.param is not None
-            ex.session_refused(exc.param)
+            rec.session_refused(exc.param)
             raise
         self.in_flight[run.key] = self.in_flight.get(run.key, 0) + 1
         return run, decision
@@ -242,8 +241,7 @@ class Sessions:
         steps_left = max(1, expected - run.record.steps) if expected is not None else 1
         return deadline.Budget(max(0.001, left / steps_left), None, "session")
 
-    def finished(self, ex: Exchange, run: Run, duration: float, usage: Mapping[str, Any] | None, cost: float | None,
-                 answered: bool) -> None:
+    def finished(self, rec: Recorder, run: Run, done: Recorded, answered: bool) -> None:
         """The step's request was recorded (module docstring, 3): add it to the run, unless no upstream answered it
         (then it took no step: nothing is counted but its slot in flight)."""
         if run.done:
@@ -254,26 +252,26 @@ class Sessions:
             self.in_flight[run.key] = left
         else:
             self.in_flight.pop(run.key, None)
-        if not answered or ex.upstream == "none":
+        if not answered or rec.upstream == "none":
             return
-        prompt, cached, output = _tokens(usage)
-        record, now = run.record, self.wall()
+        prompt, cached, output = _tokens(done.usage)
+        record, now, duration = run.record, self.wall(), done.duration
         moved = None
-        if record.last_upstream is not None and ex.upstream != record.last_upstream:
-            moved = moved_because(ex.fallback, run.affinity.broken, ex.upstream, run.affinity.target)
-        standard = self._standard_estimate(ex, run, prompt or ex.prompt_tokens, output)
-        step = Step(ex.upstream, ex.tier, duration, cost or 0.0, prompt, cached, output,
+        if record.last_upstream is not None and rec.upstream != record.last_upstream:
+            moved = moved_because(rec.fallback, run.affinity.broken, rec.upstream, run.affinity.target)
+        standard = self._standard_estimate(rec, run, prompt or rec.request.prompt_tokens, output)
+        step = Step(rec.upstream, rec.tier, duration, done.cost or 0.0, prompt, cached, output,
                     None if standard is None else standard - duration, moved)
         record.add(step, now, self.cfg.max_moves)
         self.table.store(run.key, record, step, now)
-        ex.session_stepped(ex.tier, ex.upstream, prompt, cached, moved,
-                           None if standard is None else (duration, standard))
+        rec.session_stepped(rec.tier, rec.upstream, prompt, cached, moved,
+                            None if standard is None else (duration, standard))
 
-    def _standard_estimate(self, ex: Exchange, run: Run, prompt: int, output: int) -> float | None:
+    def _standard_estimate(self, rec: Recorder, run: Run, prompt: int, output: int) -> float | None:
         """Seconds the standard tier's live estimate (central) gives a fast-tier step's prompt and output tokens (what
         the step would have taken there), or None (not on the fast tier, no standard candidate, or unmeasured)."""
         std = run.standard
-        if ex.tier != "fast" or std is None or output <= 0:
+        if rec.tier != "fast" or std is None or output <= 0:
             return None
         est = self.estimates.latency(std.upstream.name, bucket(std.upstream_model, std.upstream.asks(None)),
                                      self.clock())

@@ -1,15 +1,17 @@
-"""What a request's gateway key allows it (``auth:``; ``gateway.tenancy``): the tiers it may use, and a reservation
-against its limits before anything is sent, on every path that reaches an upstream (chat completions, the Responses
-API and the passthrough alike). Refusals are raised; a reservation made is the request's ``ex.hold``, settled when
-the request is recorded (``gateway.pipeline.exchange``).
+"""Reservations: what a request's gateway key allows it (``auth:``; ``gateway.tenancy``), the tiers it may use and a
+reservation against its limits before anything is sent, on every entrance (:class:`KeyBudgets`); and what a request
+holds while it is in flight, settled once when it is recorded (:class:`Reserved`). Refusals are raised.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Protocol
 
+from gateway.admission.body import BodyBudget, Held
 from gateway.errors import GatewayError, KeyNotAllowed
-from gateway.pipeline.exchange import Exchange
+from gateway.observability.metrics import BILLABLE
+from gateway.observability.recorder import Recorded, Recorder
 from gateway.routing import deadline
 from gateway.routing.facts import Candidate, Decision, RequestFacts
 from gateway.routing.failover import Plan
@@ -68,29 +70,29 @@ class KeyBudgets:
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
 
-    async def keyed(self, ex: Exchange, key: Key, decision: Decision, facts: RequestFacts | None) -> Decision:
+    async def keyed(self, rec: Recorder, key: Key, decision: Decision,
+                    facts: RequestFacts | None) -> tuple[Decision, Hold]:
         """The candidates on ``key``'s tiers (:meth:`on_key_tiers`), and a reservation against its limits of one
         request, the request's need (:func:`need_of`) and its estimated cost (:func:`estimated_cost`), at the fast
         level too when the first candidate is on the fast tier; a fast allowance short sends the request to the other
-        tier (:meth:`off_fast`). The reservation becomes ``ex.hold``.
+        tier (:meth:`off_fast`). Returns the decision and the reservation.
 
         Raises:
             KeyNotAllowed: no tier it may use serves the model (403); RateLimited, KeyOverBudget: a limit (429).
         """
-        decision = self.on_key_tiers(ex, key, decision)
+        decision = self.on_key_tiers(rec, key, decision)
         spend = Spend(1.0, float(need_of(facts)), estimated_cost(decision.candidates[0], decision, facts))
         held = await self.ledger.reserve(key, spend, decision.candidates[0].upstream.tier == "fast")
         if isinstance(held, Refusal) and held.level == "fast":
-            decision = self.off_fast(ex, key, decision, held)
+            decision = self.off_fast(rec, key, decision, held)
             spend.usd = estimated_cost(decision.candidates[0], decision, facts)
             held = await self.ledger.reserve(key, spend, False)
         if isinstance(held, Refusal):
-            ex.key_refused(held.limit)
+            rec.key_refused(held.limit)
             raise held.error(key)
-        ex.hold = held
-        return decision
+        return decision, held
 
-    def on_key_tiers(self, ex: Exchange, key: Key, decision: Decision) -> Decision:
+    def on_key_tiers(self, rec: Recorder, key: Key, decision: Decision) -> Decision:
         """``decision`` with only the candidates on the tiers ``key`` may use (:func:`key_tiers`), a first candidate
         that moved counted as a ``key_tier`` downgrade.
 
@@ -99,10 +101,10 @@ class KeyBudgets:
         """
         narrowed = key_tiers(key, decision)
         if narrowed.candidates[0] is not decision.candidates[0]:
-            ex.key_downgraded("key_tier")
+            rec.key_downgraded("key_tier")
         return narrowed
 
-    def off_fast(self, ex: Exchange, key: Key, decision: Decision, refused: Refusal) -> Decision:
+    def off_fast(self, rec: Recorder, key: Key, decision: Decision, refused: Refusal) -> Decision:
         """``decision`` without its fast-tier candidates: ``key``'s fast allowance is spent (``key_allowance``;
         counted).
 
@@ -111,12 +113,12 @@ class KeyBudgets:
         """
         rest = tuple(c for c in decision.candidates if c.upstream.tier != "fast")
         if not rest:
-            ex.key_refused(refused.limit)
+            rec.key_refused(refused.limit)
             raise refused.fast_error(key)
-        ex.key_downgraded("key_allowance")
+        rec.key_downgraded("key_allowance")
         return dataclasses.replace(decision, candidates=rest, fallback="key_allowance")
 
-    async def fast_allowance(self, ex: Exchange, hold: Hold, plan: Plan) -> None:
+    async def fast_allowance(self, rec: Recorder, hold: Hold, plan: Plan) -> None:
         """An attempt on the fast tier that the request's key reservation did not cover (a failover, a spillover, a
         hedge): its fast-tier allowance is reserved now.
 
@@ -128,7 +130,7 @@ class KeyBudgets:
         refused = await self.ledger.extend(hold, "fast")
         if refused is None:
             return
-        ex.key_downgraded("key_allowance")
+        rec.key_downgraded("key_allowance")
         plan.reason = plan.reason or "key_allowance"
         raise refused.fast_error(hold.key)
 
@@ -136,3 +138,37 @@ class KeyBudgets:
 def refusal_outcome(exc: GatewayError) -> str:
     """The outcome label of a refusal by a request's key: ``key_limit`` (429), else ``client_error`` (403)."""
     return "key_limit" if exc.status == 429 else "client_error"
+
+
+class Settles(Protocol):
+    """What settles an agent session's step once its request is recorded (``gateway.admission.sessions.Sessions``)."""
+
+    def finished(self, rec: Recorder, run: Any, done: Recorded, answered: bool) -> None: ...
+
+
+class Reserved:
+    """What one request holds while it is in flight, settled once when it is recorded (``settle``): the body bytes
+    it holds (:class:`Held`), its key's reservation (``hold``), and the agent session step it takes (``run``, settled
+    by ``sessions``)."""
+
+    __slots__ = ("body", "hold", "run", "sessions")
+
+    def __init__(self, budget: BodyBudget, key: Key | None) -> None:
+        self.body = Held(budget, key.name if key is not None else None)
+        self.hold: Hold | None = None
+        self.run: Any = None
+        self.sessions: Settles | None = None
+
+    def settle(self, rec: Recorder, done: Recorded) -> None:
+        """The request was recorded: its bytes are free; its key is charged what it used (without usage, a billable
+        outcome keeps what it reserved, any other gives it back) on the tier that served it; its step is added to its
+        session (an answer an upstream made counts)."""
+        self.body.release()
+        billable = done.outcome in BILLABLE
+        hold = self.hold
+        if hold is not None:
+            tokens = done.tokens if done.tokens is not None else (int(hold.spend.tokens) if billable else 0)
+            cost = done.cost if done.cost is not None else (hold.spend.usd if billable else 0.0)
+            hold.settle(tokens, cost, rec.tier)
+        if self.run is not None and self.sessions is not None:
+            self.sessions.finished(rec, self.run, done, billable)

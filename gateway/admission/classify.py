@@ -1,0 +1,118 @@
+"""What a request is, for routing: its facts (for a Responses request, what the store knows of the response it
+continues: ``previous_response_id``), the rules' decision (a model no upstream is configured for may be one the
+passthrough upstream lists), and the order deadline routing gives its candidates. Serving and the route endpoint's
+preview read a request the same way, through here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from gateway.errors import InvalidRequest, ModelNotFound
+from gateway.observability.estimates import Estimates
+from gateway.responses.ids import ID_PREFIX
+from gateway.responses.request import unbridgeable
+from gateway.responses.store import Bridged, Native, ResponseStore
+from gateway.routing import deadline
+from gateway.routing.facts import Continuation, Decision, RequestFacts
+from gateway.routing.health import Health
+from gateway.routing.policy import Policy
+from gateway.tenancy.keys import Key
+from gateway.wire.body import dumps
+
+
+class Listing(Protocol):
+    """What the passthrough upstream's ``/v1/models`` lists (``gateway.pipeline.models.UpstreamModels``)."""
+
+    async def lists(self, model: str) -> bool: ...
+
+
+class Classify:
+    """The reading of requests of one gateway (module docstring). ``keyed``: gateway keys are on (an id the gateway
+    never held for the key then reaches no upstream)."""
+
+    def __init__(self, policy: Policy, store: ResponseStore, keyed: bool, listed: Listing | None,
+                 estimates: Estimates, explorer: deadline.Explorer, health: Health) -> None:
+        self.policy = policy
+        self.store = store
+        self.keyed = keyed
+        self.listed = listed
+        self.estimates = estimates
+        self.explorer = explorer
+        self.health = health
+
+    async def facts(self, kind: str, body: dict[str, Any], headers: dict[str, str], size: int, key: Key | None,
+                    refresh: bool = True, store: ResponseStore | None = None) -> RequestFacts:
+        """The request's facts; for a Responses request, with what ``store`` (a WebSocket-mode socket's own, else
+        the gateway's) knows of the response it continues (``refresh``: continuing it makes its conversation live
+        another ttl; the route endpoint's look does not).
+
+        Raises:
+            InvalidRequest: 400 ``previous_response_not_found`` (:meth:`continuation`).
+        """
+        defaults = key.cfg.metadata if key is not None else None
+        if kind != "responses":
+            return RequestFacts(body, headers, size, defaults=defaults)
+        cont = await self.continuation(body, refresh, key, store)
+        if cont is not None and cont.history:
+            size += len(dumps(list(cont.history)))  # the conversation goes upstream too: routing counts it
+        return RequestFacts(body, headers, size, responses=True, continuation=cont, bridgeable=unbridgeable,
+                            defaults=defaults)
+
+    async def continuation(self, body: dict[str, Any], refresh: bool, key: Key | None,
+                           store: ResponseStore | None = None) -> Continuation | None:
+        """What the store knows of the response a Responses request continues, for the caller's gateway ``key``: only
+        its own responses are found.
+
+        Raises:
+            InvalidRequest: 400 ``previous_response_not_found``: the response is another key's, or the gateway made it
+                and it expired or was deleted, or, with gateway keys, the gateway never held it (an id it cannot
+                tie to the key goes to no upstream: the upstream answers every key's request with the gateway's
+                own credential).
+        """
+        previous = body.get("previous_response_id")
+        if not isinstance(previous, str):
+            return None
+        who = key.name if key is not None else None
+        store = store if store is not None else self.store
+        record = await store.get(previous, who)
+        if isinstance(record, Native):
+            return Continuation(previous, upstream=record.upstream, session=record.session)
+        history = await store.history(previous, who, refresh) if isinstance(record, Bridged) else None
+        if history is not None:
+            assert isinstance(record, Bridged)
+            return Continuation(previous, held=True, history=tuple(history), session=record.session)
+        if record is not None:
+            raise InvalidRequest(f"Previous response with id '{previous}' not found: the earlier turns of its "
+                                 "conversation are no longer held (response_store bounds).",
+                                 param="previous_response_id", code="previous_response_not_found")
+        if previous.startswith(ID_PREFIX) or self.keyed:
+            raise InvalidRequest(f"Previous response with id '{previous}' not found.", param="previous_response_id",
+                                 code="previous_response_not_found")
+        return Continuation(previous)  # made elsewhere: a native upstream may know it
+
+    async def decide(self, facts: RequestFacts, explain: bool = False) -> Decision:
+        """The rules' decision; a model no upstream is configured for goes to the passthrough upstream when its
+        ``/v1/models`` lists it (every id the gateway's ``/v1/models`` shows can be sent), unchanged.
+
+        Raises:
+            ModelNotFound: nobody serves the model (404); what the policy raises.
+        """
+        try:
+            return self.policy.decide(facts, explain=explain)
+        except ModelNotFound:
+            if self.listed is not None and await self.listed.lists(facts.model):
+                return self.policy.decide_listed(facts)
+            raise ModelNotFound(f"The model `{facts.model}` does not exist or you do not have access to it.",
+                                param="model") from None
+
+    def by_deadline(self, decision: Decision, facts: RequestFacts, budget: deadline.Budget,
+                    preview: bool = False, warm: Mapping[str, int] | None = None) -> Decision:
+        """The decision with its candidates ordered by deadline routing (``gateway.routing.deadline``); with
+        ``preview`` (the route endpoint), what a request would get now: nothing explored or probed; ``warm``: an
+        agent session's warm upstreams and the prompt tokens each holds (priced by the choice)."""
+        choice = deadline.choose(decision, facts, budget, self.estimates, self.health.clock(),
+                                 self.explorer.preview() if preview else self.explorer, warm)
+        return dataclasses.replace(decision, candidates=choice.candidates, deadline=choice, fallback=choice.fallback)

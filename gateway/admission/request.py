@@ -1,0 +1,83 @@
+"""What one request is (:class:`Request`), as admission reads it: made at its arrival (:func:`arrive`), filled in by
+the admission sequence (``gateway.admission.sequence``), read by everything after it. Only ``gateway.admission``
+writes it (``tests/test_architecture.py``); what routing decided is its ``Decision``, what was recorded its
+``Recorder``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from starlette.types import Scope
+
+from gateway.observability.recorder import request_id
+from gateway.routing.facts import RequestFacts
+from gateway.routing.sessions import SessionId
+from gateway.tenancy.keys import Key
+from gateway.wire.routes import Match, match
+
+KEY_SCOPE = "tiergate.key"  # the ASGI scope entry that holds a request's authenticated gateway key
+Kind = Literal["chat", "responses", "passthrough"]
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One request (module docstring).
+
+    kind: what it asks (``chat``: a chat completion, ``responses``: a model response, ``passthrough``: the rest of
+    ``/v1``); method: its HTTP method, ``WS`` for a WebSocket-mode message; path: as the client sent it (decoded);
+    route: the route table's reading of it (``gateway.wire.routes``); target: the path and query as the client
+    encoded them, under ``/v1`` (what the passthrough sends; "" for a raw path not under ``/v1/``); headers: names
+    lower-case, the last value of each; key: its gateway key (None without ``auth:``); rid: its id (:func:`request_id`).
+
+    Known once parsed: raw, the body as it goes upstream (with keys, re-serialised from what was checked); body, the
+    parsed JSON body; facts, what routing reads of it; stream: it asks for a stream; requested: the model as the client
+    named it; prompt_tokens: its estimated prompt (tokens); session, step: the agent session it is a step of and its
+    number there (0: none).
+    """
+
+    kind: Kind
+    method: str
+    path: str
+    route: Match
+    target: str
+    headers: dict[str, str]
+    key: Key | None
+    rid: str
+    raw: bytes | None = None
+    body: Any = None
+    facts: RequestFacts | None = None
+    stream: bool = False
+    requested: str | None = None
+    prompt_tokens: int = 0
+    session: SessionId | None = None
+    step: int = 0
+
+    @property
+    def owner(self) -> str | None:
+        """Whose objects and responses it reaches: its gateway key's name (None without ``auth:``)."""
+        return self.key.name if self.key is not None else None
+
+
+def headers_of(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """ASGI request headers (names already lower-case) as a dict; the last value wins."""
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
+
+
+def arrive(scope: Scope, kind: Kind, headers: dict[str, str] | None = None, method: str | None = None) -> Request:
+    """The request of an ASGI ``http`` scope (or, with ``method`` ``WS`` and the socket's ``headers``, of one
+    WebSocket-mode message), its key as dispatch authenticated it (``KEY_SCOPE``)."""
+    path = scope["path"]
+    under = path[len("/v1/"):] if path.startswith("/v1/") else path
+    raw_path = scope.get("raw_path") or path.encode()
+    query = scope.get("query_string", b"")
+    # the path as the client encoded it (an id with %2F stays one segment), with its query; "" when the raw path is
+    # not under /v1 (a /v1 that was itself percent-encoded: never cut off where the decoded path says)
+    target = ("/" + raw_path[len(b"/v1/"):].decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
+              if raw_path.startswith(b"/v1/") else "")
+    headers = headers if headers is not None else headers_of(scope["headers"])
+    method = method or scope["method"]
+    return Request(kind, method, path, match("POST" if method == "WS" else method, under), target, headers,
+                   scope.get(KEY_SCOPE), request_id(headers.get("x-request-id")))
+
