@@ -13,6 +13,7 @@ import os
 import select
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,13 +22,15 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import uvicorn
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
+from gateway.http.server import GuardedWebSocketsProtocol
 from gateway.tenancy.keys import digest
 from gateway.tools.emulator import EmulatorConfig, EmulatorThread, Plan
 
-from conftest import SCRAPE, Proc, default_config, emulator, sample, scraped, start_gateway
+from conftest import SCRAPE, Proc, default_config, emulator, free_port, sample, scraped, start_gateway
 
 TOOLS: list[Any] = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -630,3 +633,43 @@ def test_a_ping_flood_that_never_reads_is_not_read_either(flooded: Proc) -> None
         assert time.monotonic() < deadline, "the flooding socket is still open in the gateway"
         time.sleep(0.1)
 
+
+def test_a_socket_that_never_reads_is_aborted_when_its_close_cannot_flush() -> None:
+    """uvicorn's keep-alive closes a socket that answers no ping (1011), but uvloop's ``close()`` waits for the write
+    buffer to flush: for a client that reads nothing, forever (measured on the gateway: the flooding socket was still
+    open 70 s on, its keep-alive close at 40 s). One still unflushed ``close_timeout`` into its close is aborted. Here
+    uvicorn serves the gateway's protocol in-process with the keep-alive and ``close_timeout`` shortened."""
+    gone = threading.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()  # websocket.connect
+        await send({"type": "websocket.accept"})
+        while (await receive())["type"] != "websocket.disconnect":
+            pass
+        gone.set()
+
+    class Quick(GuardedWebSocketsProtocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.close_timeout = 0.5
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, loop="uvloop", ws=Quick, lifespan="off",
+                                           log_level="warning", ws_ping_interval=3.0, ws_ping_timeout=0.5))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        flood, sent, blocked = _ping_flood(port, "unused", seconds=10, rcvbuf=4096)
+        try:
+            assert blocked, sent  # the server's buffer is past its mark: the keep-alive's close cannot flush
+            # the keep-alive closes 3.5 s after the handshake, the abort comes within two checks of 0.5 s
+            assert gone.wait(10), "the socket is still open"
+        finally:
+            flood.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)

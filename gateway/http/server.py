@@ -319,6 +319,22 @@ class GuardedWebSocketsProtocol(WebSocketsSansIOProtocol):
             return  # the app's drain closes it once what is in flight has finished
         super().shutdown()
 
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._stuck = self.loop.call_later(self.close_timeout, self._check_stuck, False)
+
+    def _check_stuck(self, closing: bool) -> None:
+        """Abort a socket closing since the last check, ``close_timeout`` (10 s) ago, and still not flushed: uvloop's
+        ``close()`` waits for the flush, forever for a client that never reads (one uvicorn's keep-alive closes)."""
+        if closing and self.transport.get_write_buffer_size():
+            self.transport.abort()
+        else:
+            self._stuck = self.loop.call_later(self.close_timeout, self._check_stuck, self.transport.is_closing())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stuck.cancel()
+        super().connection_lost(exc)
+
     def pause_writing(self) -> None:
         super().pause_writing()
         self.transport.pause_reading()
