@@ -7,8 +7,13 @@ idle)."""
 
 from __future__ import annotations
 
+import base64
 import json
+import os
+import select
 import signal
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,13 +22,15 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import uvicorn
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
+from gateway.http.server import GuardedWebSocketsProtocol
 from gateway.tenancy.keys import digest
 from gateway.tools.emulator import EmulatorConfig, EmulatorThread, Plan
 
-from conftest import SCRAPE, Proc, default_config, emulator, sample, scraped, start_gateway
+from conftest import SCRAPE, Proc, default_config, emulator, free_port, sample, scraped, start_gateway
 
 TOOLS: list[Any] = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -533,3 +540,136 @@ def test_queued_messages_count_against_the_keys_bytes_in_flight(tmp_path: Path) 
         gw.stop()
         fast.stop()
         standard.stop()
+
+
+def _rss(pid: int) -> int:
+    """Bytes: the resident set of process ``pid`` (``VmRSS`` of ``/proc/<pid>/status``)."""
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def _ping_flood(port: int, key: str, pings: int = 1_000_000, seconds: float = 15.0, stall: float = 1.0,
+                rcvbuf: int | None = None) -> tuple[socket.socket, int, bool]:
+    """A raw WebSocket (the handshake by hand, on loopback) that sends masked 125-byte pings without ever reading:
+    at most ``pings`` of them and ``seconds`` long, ending early once its sends stayed blocked ``stall`` seconds.
+    Returns the socket (still open, unread), the bytes the kernel took from it, and whether it ended blocked."""
+    sock = socket.socket()
+    if rcvbuf is not None:  # a small receive window: the pongs back up into the server's buffer sooner
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(5)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(f"GET /v1/responses HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+                 f"Connection: Upgrade\r\nSec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+                 f"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer {key}\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head and len(head) < 65536:
+        got = sock.recv(4096)
+        assert got, head
+        head += got
+    assert head.startswith(b"HTTP/1.1 101"), head
+    mask = os.urandom(4)
+    frame = bytes([0x89, 0x80 | 125]) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(os.urandom(125)))
+    batch = memoryview(frame * 64)
+    sock.setblocking(False)
+    sent = offset = 0
+    start = time.monotonic()
+    blocked_since: float | None = None
+    while sent < pings * len(frame) and time.monotonic() - start < seconds:
+        try:
+            n = sock.send(batch[offset:])
+        except BlockingIOError:
+            now = time.monotonic()
+            blocked_since = blocked_since or now
+            if now - blocked_since >= stall:
+                return sock, sent, True
+            select.select([], [sock], [], stall / 10)
+            continue
+        blocked_since = None
+        sent += n
+        offset = (offset + n) % len(batch)
+    return sock, sent, False
+
+
+@pytest.fixture(scope="module")
+def flooded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """A gateway with gateway keys and the default WebSocket limits (idle 300 s: no close during a flood)."""
+    fast = EmulatorThread(config=EmulatorConfig.for_tier("fast"))
+    standard = EmulatorThread(config=EmulatorConfig.for_tier("standard", ttft=0.02, tps=500))
+    auth = {"metrics": SCRAPE, "keys": [{"name": "agent", "sha256": digest(KEY)}]}
+    gw, _ = start_gateway(ws_config(fast.base_url, standard.base_url, auth=auth), tmp_path_factory.mktemp("flood"))
+    yield gw
+    gw.stop()
+    fast.stop()
+    standard.stop()
+
+
+def test_a_ping_flood_that_never_reads_is_not_read_either(flooded: Proc) -> None:
+    """The attack: one socket sent 1,000,000 pings of 125 bytes and read nothing; uvicorn wrote every pong to the
+    transport, which never stopped reading, and the gateway's RSS grew without bound (89 to 204 MB in 18 s). Past the
+    transport's high-water mark the gateway now stops reading that client: its sends block (TCP back-pressure) once
+    the kernel's buffers are full, and what the gateway holds for it stays bounded."""
+    gw = flooded
+    with client(gw.port, KEY).responses.connect() as conn:  # warm: the first socket's imports are not the flood's
+        conn.response.create(model="gpt-5.6-sol-fast", input="hi [[emulate tokens=2]]")
+        assert until_done(conn)[-1].type == "response.completed"
+    before = _rss(gw.popen.pid)
+    flood, sent, blocked = _ping_flood(gw.port, KEY)
+    try:
+        time.sleep(0.5)  # what the gateway read last is answered
+        grown = _rss(gw.popen.pid) - before
+        print(f"ping flood: {sent} bytes ({sent // 131} pings) sent, blocked={blocked}, RSS +{grown / 2**20:.1f} MiB")
+        assert blocked, f"the client's sends never blocked: {sent} bytes taken"
+        # what the kernel's buffers on loopback hold (the client's send and receive buffers, the gateway's): 9-10 MB
+        # measured, RSS +1.7 MiB; the unfixed gateway took all 1,000,000 pings (131 MB) in 8 s, RSS +119 MiB
+        assert sent < 32 * 2**20, sent
+        assert grown < 16 * 2**20, f"the gateway grew {grown} bytes"
+        with client(gw.port, KEY).responses.connect() as conn:  # another socket of the same key is served meanwhile
+            conn.response.create(model="gpt-5.6-sol-fast", input="hi [[emulate tokens=2]]")
+            assert until_done(conn)[-1].type == "response.completed"
+    finally:
+        flood.close()  # unread bytes in its receive buffer: the kernel resets the connection
+    deadline = time.monotonic() + 10
+    while sample(scraped(gw.port), "tiergate_websocket_sockets") > 0:  # the gateway let the flooding socket go
+        assert time.monotonic() < deadline, "the flooding socket is still open in the gateway"
+        time.sleep(0.1)
+
+
+def test_a_socket_that_never_reads_is_aborted_when_its_close_cannot_flush() -> None:
+    """uvicorn's keep-alive closes a socket that answers no ping (1011), but uvloop's ``close()`` waits for the write
+    buffer to flush: for a client that reads nothing, forever (measured on the gateway: the flooding socket was still
+    open 70 s on, its keep-alive close at 40 s). One still unflushed ``close_timeout`` into its close is aborted. Here
+    uvicorn serves the gateway's protocol in-process with the keep-alive and ``close_timeout`` shortened."""
+    gone = threading.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()  # websocket.connect
+        await send({"type": "websocket.accept"})
+        while (await receive())["type"] != "websocket.disconnect":
+            pass
+        gone.set()
+
+    class Quick(GuardedWebSocketsProtocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.close_timeout = 0.5
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, loop="uvloop", ws=Quick, lifespan="off",
+                                           log_level="warning", ws_ping_interval=3.0, ws_ping_timeout=0.5))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        flood, sent, blocked = _ping_flood(port, "unused", seconds=10, rcvbuf=4096)
+        try:
+            assert blocked, sent  # the server's buffer is past its mark: the keep-alive's close cannot flush
+            # the keep-alive closes 3.5 s after the handshake, the abort comes within two checks of 0.5 s
+            assert gone.wait(10), "the socket is still open"
+        finally:
+            flood.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -308,12 +308,52 @@ class GuardedWebSocketsProtocol(WebSocketsSansIOProtocol):
     (:meth:`gateway.http.socket.SocketSession.drain`: the response in flight finishes, then a 1001 close);
     uvicorn still waits for the app up to its graceful-shutdown timeout, then cancels it. A message over
     ``ws_max_size`` (``limits.websocket.max_message_bytes``) fails the socket with 1009, as ``websockets`` does.
+
+    A client that leaves the write buffer past its high-water mark (uvloop's 64 KiB) is not read until it drains, so
+    its pongs, which uvicorn writes straight to the transport, are bounded too (an attack: one socket pinging, never
+    reading, grew the process 115 MB in 18 s): a socket holds the mark and one read's pongs (a read: under 256,000 B).
     """
 
     def shutdown(self) -> None:
         if self.handshake_complete and self.initial_response is None and not self.close_sent:
             return  # the app's drain closes it once what is in flight has finished
         super().shutdown()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._stuck = self.loop.call_later(self.close_timeout, self._check_stuck, False)
+
+    def _check_stuck(self, closing: bool) -> None:
+        """Abort a socket closing since the last check, ``close_timeout`` (10 s) ago, and still not flushed: uvloop's
+        ``close()`` waits for the flush, forever for a client that never reads (one uvicorn's keep-alive closes)."""
+        if closing and self.transport.get_write_buffer_size():
+            self.transport.abort()
+        else:
+            self._stuck = self.loop.call_later(self.close_timeout, self._check_stuck, self.transport.is_closing())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stuck.cancel()
+        super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if not self.read_paused:  # uvicorn's own pause (the app's queue is not empty) holds
+            self.transport.resume_reading()
+
+    async def receive(self) -> Any:
+        message = await super().receive()  # it resumes reading once the app's queue is empty: not while ours is full
+        if not self.writable.is_set():
+            self.transport.pause_reading()
+        return message
+
+    def handle_ping(self) -> None:  # reading resumed for the close handshake (uvicorn's send()) stops again here
+        super().handle_ping()
+        if not self.writable.is_set():
+            self.transport.pause_reading()
 
 
 def _hangup(cycle: Any) -> None:
