@@ -4,6 +4,8 @@ Every child is started in its own session (a terminal's Ctrl-C reaches only the 
 the children itself), with ``PR_SET_PDEATHSIG`` = SIGTERM (if the harness dies, even by SIGKILL, the kernel
 signals the children), and a raised ``RLIMIT_NOFILE``. :class:`Children` stops every child it started,
 SIGTERM then SIGKILL, on every exit path: ``with Children() as kids: ...`` plus an ``atexit`` hook.
+
+It also reads what a run records of where it ran: the CPU model, the load, the git revision (:func:`git_rev`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 NGINX = Path("/usr/sbin/nginx")
+ROOT = Path(__file__).resolve().parent.parent  # the checkout (git_rev)
 _PR_SET_PDEATHSIG = 1
 try:
     _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
@@ -303,6 +306,18 @@ def cpu_model() -> str:
     except OSError:
         pass
     return "?"
+
+
+def git_rev() -> str:
+    """The checkout's short revision, noting uncommitted changes under ``gateway/`` (what a run measured), or ``?``."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "gateway"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=5).stdout.strip()
+        return rev + (" (gateway/ has uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "?"
 
 
 def python_exe() -> str:

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 import math
+import os
 import re
 import statistics
+import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from bench import procs
 
 MIB = 1024 * 1024
 BUSY = 0.30  # "other CPU" share above which a phase's figures are flagged unreliable
@@ -308,15 +315,6 @@ def repeated(name: str, repeat: int, one_run: Callable[[Path, bool], dict[str, A
     """The frame of ``bench.bridge`` and ``bench.passthrough``: this process pinned to CPU 0 (beside the bench
     upstream) when there are two, ``one_run(tmp_dir, pinned)`` ``repeat`` times, then ``results.json`` and
     ``results.md`` (``markdown(meta, runs)``) under ``out``, the Markdown printed. Returns the exit code (0)."""
-    import datetime as dt
-    import json
-    import os
-    import sys
-    import tempfile
-
-    from bench import procs
-    from bench.run import git_rev  # here: bench.run imports this module
-
     pin = (os.cpu_count() or 1) >= 2 and hasattr(os, "sched_setaffinity")
     if pin:
         os.sched_setaffinity(0, {0})
@@ -325,7 +323,7 @@ def repeated(name: str, repeat: int, one_run: Callable[[Path, bool], dict[str, A
         with tempfile.TemporaryDirectory(prefix=f"tiergate-bench-{name}-") as tmp:
             runs.append(one_run(Path(tmp), pin))
         print(f"run {i + 1}/{repeat}: {json.dumps(runs[-1])}", file=sys.stderr)
-    meta = {"git": git_rev(), "when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    meta = {"git": procs.git_rev(), "when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "cpu": procs.cpu_model(), "pinned": pin, **meta}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))

@@ -22,7 +22,6 @@ import math
 import os
 import platform
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -377,17 +376,6 @@ def versions() -> dict[str, str]:
     return out
 
 
-def git_rev() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "gateway"], cwd=ROOT, capture_output=True,
-                               text=True, timeout=5).stdout.strip()
-        return rev + (" (gateway/ has uncommitted changes)" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-
-
 def idle_load(seconds: float = 1.0) -> float:
     """CPU cores busy on this machine while the bench runs nothing (other users' load)."""
     b0, t0 = procs.system_busy_seconds(), time.monotonic()
@@ -613,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, {0})
     meta: dict[str, Any] = {
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "quick": args.quick,
-        "nproc": ncpu, "cpu_model": procs.cpu_model(), "versions": versions(), "git": git_rev(),
+        "nproc": ncpu, "cpu_model": procs.cpu_model(), "versions": versions(), "git": procs.git_rev(),
         "pinning": "upstream + load generator on CPU 0, proxy on CPU 1" if pin else "no",
         "gateway_workers": args.workers, "nofile_limit": nofile, "sizes": asdict(sizes),
         "loadavg_before": procs.loadavg(),

@@ -4,7 +4,7 @@
 
 Starts two emulated upstreams (fast: Cerebras dialect, standard: OpenAI dialect) and a gateway in front of them,
 then keeps ``--streams`` requests in flight for ``--minutes``. Each request is a normal answer or, at random, one
-of the emulator's faults (``gateway.tools.emulator.FAULTS``, each one that other gateways' and SDKs' bug reports
+of the emulator's faults (``gateway.tools.emulator.faults.FAULTS``, each one that other gateways' and SDKs' bug reports
 describe an upstream doing: error events before the first token, silence after the finish, an error then a cut body,
 mislabelled streams, late usage, exhausted quotas, context overflows, reset headers, stale keep-alive connections,
 ...), a cut or stalled stream, or a client that leaves (right after the finish chunk, or mid-stream). Every answer is

@@ -1,20 +1,26 @@
 """The package layering, read from the code's own imports: every import between packages points down, never up or
-across a layer; and the size of the rooms.
+across a layer, and no modules import each other round in a circle; and the size of the rooms.
 
 The layers, top to bottom (docs: architecture). A module may import modules of the packages below its own and of its
 own package, none of a package beside or above; a new package or top-level module must be given a layer here.
 ``gateway.tools`` (the emulator, ``tiergate bench``, the scripted transport) stands beside the runtime: no runtime
 module imports it but the command line.
+
+The imports are read with ``ast``: at the top of a module, inside a function, and under ``if TYPE_CHECKING:`` alike
+(a circle that only a type closes is still two modules that each need the other).
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-GATEWAY = Path(__file__).resolve().parents[1] / "gateway"
+ROOT = Path(__file__).resolve().parents[1]
+GATEWAY = ROOT / "gateway"
+BENCH = ROOT / "bench"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("python -m gateway", ("__main__",)),
     ("the command line", ("cli",)),
@@ -43,7 +49,14 @@ IO_MODULES = {"asyncio", "aiohttp", "socket", "subprocess", "httpx", "uvicorn", 
 RANK = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
 LAYER = {name: layer for layer, names in LAYERS for name in names}
 MAX_MODULE_LINES = 450  # a room of one idea
-MAX_FUNCTION_LINES = 60  # a declaration table (a dict or list literal, a metrics family table) may be longer
+MAX_FUNCTION_LINES = 60  # from `def` to its end, docstring included; a table (a dict or list literal) may be longer
+# Runtime functions still over MAX_FUNCTION_LINES now that a function is counted whole, docstring included (issue 32:
+# "the upstream pool's send is 85"): theirs to split who is refactoring the runtime, who then empties this list (its
+# own test fails once an entry fits, so that the list only shrinks). gateway/ path -> qualified function names.
+PENDING_SPLIT: dict[str, set[str]] = {
+    "upstream/client.py": {"UpstreamPool.send"},  # 85 lines
+    "app.py": {"create_app"},  # 63 lines
+}
 
 
 def _unit(path: Path) -> str:
@@ -53,10 +66,11 @@ def _unit(path: Path) -> str:
 
 
 def _imports(path: Path) -> set[str]:
-    """Every module ``path`` imports (at the top or inside a function), as dotted names."""
+    """Every module ``path`` imports (at the top, inside a function or for type checking), as dotted names: for
+    ``from a.b import c``, ``a.b`` and, when ``c`` is a module of this checkout, ``a.b.c``."""
     tree = ast.parse(path.read_text(), str(path))
-    inside = path.is_relative_to(GATEWAY)
-    package = ".".join(("gateway", *path.relative_to(GATEWAY).parent.parts)) if inside else "gateway"
+    inside = path.is_relative_to(ROOT)
+    package = ".".join(path.relative_to(ROOT).parent.parts) if inside else "gateway"
     out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -67,10 +81,18 @@ def _imports(path: Path) -> set[str]:
                 parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
                 base = f"{parent}.{base}" if base else parent
             out.add(base)
-            if base == "gateway":  # `from gateway import errors` (not `__version__`: a name, not a module)
-                out.update(f"gateway.{alias.name}" for alias in node.names
-                           if (GATEWAY / f"{alias.name}.py").exists() or (GATEWAY / alias.name).is_dir())
+            # `from gateway import errors`, `from bench import procs` (not `__version__`: a name, not a module)
+            out.update(f"{base}.{alias.name}" for alias in node.names if _module_file(f"{base}.{alias.name}"))
     return out
+
+
+def _module_file(dotted: str) -> Path | None:
+    """The file of the checkout's module (or package face) ``dotted``, or None (a name inside a module, a library)."""
+    where = ROOT.joinpath(*dotted.split("."))
+    for candidate in (where.with_suffix(".py"), where / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
 
 
 def _internal(imported: str) -> str | None:
@@ -81,7 +103,11 @@ def _internal(imported: str) -> str | None:
 
 
 RUNTIME = sorted(p for p in GATEWAY.rglob("*.py") if p.name != "__init__.py" and "tools" not in p.parts)
-TOOLS = sorted((GATEWAY / "tools").glob("*.py"))
+TOOLS = sorted((GATEWAY / "tools").rglob("*.py"))
+# the rooms whose sizes are held to MAX_MODULE_LINES and MAX_FUNCTION_LINES: the runtime and the tools. bench/ is
+# exempt, as it is from ruff's complexity ceiling (pyproject.toml): its report builders are flat tables of figures,
+# and its load generator keeps its per-stream loop in one frame (its own CPU is part of what a run measures)
+SIZED = RUNTIME + TOOLS
 
 
 def _id(p: Path) -> str:
@@ -119,13 +145,13 @@ def test_the_decisions_do_no_io(name: str) -> None:
     assert not used & IO_MODULES, f"gateway/{name} is pure (no I/O) but imports {sorted(used & IO_MODULES)}"
 
 
-@pytest.mark.parametrize("path", TOOLS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", TOOLS, ids=_id)
 def test_tools_do_not_reach_into_the_request_path(path: Path) -> None:
     """The tools may use the runtime's lower layers (a scripted transport speaks the upstream client's contract), never
     the HTTP surface, the pipeline or the composition root."""
     top = {name for name, rank in RANK.items() if rank <= RANK["pipeline"]}
     reached = {t for i in _imports(path) if (t := _internal(i)) in top}
-    assert not reached, f"gateway/tools/{path.name} imports {sorted(reached)}"
+    assert not reached, f"gateway/{_id(path)}.py imports {sorted(reached)}"
 
 
 def test_the_rule_catches_an_upward_import(tmp_path: Path) -> None:
@@ -137,24 +163,120 @@ def test_the_rule_catches_an_upward_import(tmp_path: Path) -> None:
     assert bad == ["upstream"]
 
 
-@pytest.mark.parametrize("path", RUNTIME, ids=_id)
+def _module_graph() -> dict[str, set[str]]:
+    """The modules of gateway/ (the tools included) and bench/, package faces too, each with the ones it imports:
+    paths from the checkout's root. ``import a.b.c`` is an edge to ``a/b/c.py`` alone, not also to the faces of
+    ``a`` and ``a.b`` that Python runs first (a face that re-exports its modules would otherwise close a circle
+    with each of them)."""
+    files = sorted([*GATEWAY.rglob("*.py"), *BENCH.rglob("*.py")])
+    graph: dict[str, set[str]] = {}
+    for path in files:
+        found = (_module_file(name) for name in _imports(path))
+        graph[str(path.relative_to(ROOT))] = {str(f.relative_to(ROOT)) for f in found if f and f != path}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph``: its strongly connected components of more than one module (Tarjan), each
+    sorted, in sorted order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while (top := stack.pop()) != node:
+                component.append(top)
+            if component:
+                out.append(sorted([node, *component]))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(out)
+
+
+def _ring(graph: dict[str, set[str]], members: list[str]) -> list[str]:
+    """The shortest way round a circle from its first module, along imports inside it, back to that module."""
+    start = members[0]
+    came: dict[str, str] = {}
+    todo = [start]
+    for here in todo:  # breadth first: the list grows as it is read
+        for nxt in sorted(graph[here] & set(members)):
+            if nxt == start:
+                ring = [here]
+                while ring[-1] != start:
+                    ring.append(came[ring[-1]])
+                return [*reversed(ring), start]
+            if nxt not in came:
+                came[nxt] = here
+                todo.append(nxt)
+    return members  # pragma: no cover - a circle always leads back
+
+
+def test_no_modules_import_each_other_round_a_circle() -> None:
+    """Imports point one way: what two modules share lives in a lower module both import (the emulator's directives
+    and schedule, bench's git revision), not in one of them, imported back lazily."""
+    graph = _module_graph()
+    assert sum(map(len, graph.values())) > 300 and "bench/report.py" in graph["bench/run.py"]  # the scan reads them
+    circles = _cycles(graph)
+    assert not circles, "import circles:\n  " + "\n  ".join(
+        f"{', '.join(c)} ({' -> '.join(_ring(graph, c))})" for c in circles)
+
+
+def test_the_circle_rule_catches_a_circle() -> None:
+    """The check itself, on the circle the emulator once had: it imported its WebSocket and surface modules, which
+    took its generation and schedule back; the prompt cache and the command line were tied to it one way only."""
+    graph = {"emulator.py": {"emulator_ws.py", "surface.py", "prompt_cache.py"}, "emulator_ws.py": {"emulator.py"},
+             "surface.py": {"emulator.py"}, "prompt_cache.py": set(), "cli.py": {"emulator.py"}}
+    assert _cycles(graph) == [["emulator.py", "emulator_ws.py", "surface.py"]]
+    assert _ring(graph, ["emulator.py", "emulator_ws.py", "surface.py"]) == ["emulator.py", "emulator_ws.py",
+                                                                            "emulator.py"]
+    assert _cycles({"a.py": {"b.py"}, "b.py": {"c.py"}, "c.py": set()}) == []
+
+
+@pytest.mark.parametrize("path", SIZED, ids=_id)
 def test_modules_are_rooms_of_one_idea(path: Path) -> None:
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_MODULE_LINES, f"gateway/{_id(path)}.py has {lines} lines: split it by idea"
 
 
-def _long_functions(path: Path) -> list[str]:
-    tree = ast.parse(path.read_text(), str(path))
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno is not None:
-            body = node.body[1:] if ast.get_docstring(node) else node.body  # the docstring is not code
-            if not body:
-                continue
-            lines = (node.end_lineno or 0) - body[0].lineno + 1
-            tables = sum((s.end_lineno or 0) - s.lineno + 1 for s in body if _is_table(s))
-            if lines - tables > MAX_FUNCTION_LINES:
-                out.append(f"{node.name}: {lines - tables} lines")
+def _functions(tree: ast.AST, prefix: str = "") -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """Every function of ``tree`` with its qualified name (``UpstreamPool.send``, ``run.main``)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            name = f"{prefix}{node.name}"
+            if not isinstance(node, ast.ClassDef):
+                yield name, node
+            yield from _functions(node, f"{name}.")
+        else:
+            yield from _functions(node, prefix)
+
+
+def _long_functions(path: Path) -> dict[str, int]:
+    """The functions of ``path`` over :data:`MAX_FUNCTION_LINES`, with their lines (:func:`_long_in`)."""
+    return _long_in(ast.parse(path.read_text(), str(path)))
+
+
+def _long_in(tree: ast.AST) -> dict[str, int]:
+    """The functions of ``tree`` over :data:`MAX_FUNCTION_LINES`, with their lines: from ``def`` to the end, the
+    docstring included, tables (:func:`_is_table`) left out."""
+    out = {}
+    for name, node in _functions(tree):
+        lines = (node.end_lineno or node.lineno) - node.lineno + 1
+        tables = sum((s.end_lineno or 0) - s.lineno + 1 for s in node.body if _is_table(s))
+        if lines - tables > MAX_FUNCTION_LINES:
+            out[name] = lines - tables
     return out
 
 
@@ -164,10 +286,28 @@ def _is_table(stmt: ast.stmt) -> bool:
     return isinstance(value, ast.Dict | ast.List | ast.Tuple)
 
 
-@pytest.mark.parametrize("path", RUNTIME, ids=_id)
+@pytest.mark.parametrize("path", SIZED, ids=_id)
 def test_functions_fit_on_a_screen(path: Path) -> None:
-    long = _long_functions(path)
-    assert not long, f"gateway/{_id(path)}.py: split these (at most {MAX_FUNCTION_LINES} lines of code): {long}"
+    pending = PENDING_SPLIT.get(f"{_id(path)}.py", set())
+    long = {name: lines for name, lines in _long_functions(path).items() if name not in pending}
+    assert not long, f"gateway/{_id(path)}.py: split these (at most {MAX_FUNCTION_LINES} lines): {long}"
+
+
+@pytest.mark.parametrize("name", sorted(PENDING_SPLIT))
+def test_what_waits_to_be_split_is_still_long(name: str) -> None:
+    """PENDING_SPLIT only shrinks: an entry that now fits (or is gone) is taken off it."""
+    fits = PENDING_SPLIT[name] - _long_functions(GATEWAY / name).keys()
+    assert not fits, f"gateway/{name}: {sorted(fits)} now fit in {MAX_FUNCTION_LINES} lines; remove from PENDING_SPLIT"
+
+
+def test_a_function_is_counted_whole() -> None:
+    """From ``def`` to its end, its docstring included (issue 32 counts whole functions), a method by its qualified
+    name; a table is not counted."""
+    doc = "".join(f"        line {i}\n" for i in range(MAX_FUNCTION_LINES - 3))
+    table = "".join(f"            'k{i}': {i},\n" for i in range(80))
+    source = (f'class Pool:\n    def send(self) -> None:\n        """Send.\n{doc}        """\n        return None\n\n'
+              f"    def table(self) -> dict[str, int]:\n        x = 1\n        return {{\n{table}        }}\n")
+    assert _long_in(ast.parse(source)) == {"Pool.send": MAX_FUNCTION_LINES + 1}
 
 
 # The packages that serve a request hand what they learn of it to its recorder (gateway.observability.recorder), the

@@ -83,8 +83,9 @@ def test_every_dialect_has_an_emulator_profile_and_an_emulate_flag() -> None:
 
 
 GATEWAY = Path(dialects.__file__).parents[2]  # gateway/
-# where a dialect's name may appear in code: its module, its name and surface in config, its emulator profile
-OWN_PLACES = {"upstream/dialects", "config/upstreams.py", "tools/emulator.py"}
+# where a dialect's name may appear in code: its module, its name and surface in config, its emulator profile (and the
+# emulated tiers' default dialects)
+OWN_PLACES = {"upstream/dialects", "config/upstreams.py", "tools/emulator/profiles.py", "tools/emulator/config.py"}
 
 
 def _named_in_code(path: Path, names: set[str]) -> list[tuple[int, str]]:

@@ -30,8 +30,8 @@ from gateway.observability.passthrough import tail_usage
 from gateway.routing.facts import RequestFacts
 from gateway.routing.policy import Policy
 from gateway.tools.emulator import EmulatorThread, Plan, Received
+from gateway.tools.emulator.surface import vector
 from gateway.tools.scripted import ScriptedTransport
-from gateway.tools.surface import vector
 from gateway.wire.routes import match
 
 from conftest import Proc, Stack, round_trip, sample, start_gateway, timely

@@ -30,7 +30,9 @@ import aiohttp
 import orjson
 
 from gateway.routing.sessions import SESSION_HEADER
-from gateway.tools.loadtest import Result, parse_mix, percentile, send
+from gateway.tools.loadtest.client import Result, send
+from gateway.tools.loadtest.figures import percentile
+from gateway.tools.loadtest.mix import parse_mix
 
 AGENT_SYSTEM = (
     "You are a coding agent working in a Python repository. Work in small steps: call one tool, read its result, "

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 
 from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import StreamInterrupted, UpstreamTimeout, UpstreamUnavailable
-from gateway.tools.emulator import Plan, Received
+from gateway.tools.emulator.plans import Plan, Received
 from gateway.upstream.attempt import ERROR_BODY_LIMIT, Body
 from gateway.upstream.headers import ENTITY_HEADERS, pass_headers
 

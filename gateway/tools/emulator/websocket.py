@@ -3,8 +3,8 @@ dialect only, as OpenAI serves it; the others answer the upgrade 404, as they an
 
 Frames go through ``websockets``' sans-I/O server protocol (handshake, framing, ping, close): no frame is parsed
 here. Each ``response.create`` (the fields of a ``POST /v1/responses`` body, ``stream`` implicit) is answered as the
-emulator answers a streamed ``POST /v1/responses`` (:class:`gateway.tools.emulator.Generation`: the same events at
-the same pace, directives included), one event per text frame with the message's ``stream_id``; messages are served
+emulator answers a streamed ``POST /v1/responses`` (``gateway.tools.emulator.responses``: the same events at the
+same pace, directives included), one event per text frame with the message's ``stream_id``; messages are served
 one at a time, in order. Each socket remembers the responses made on it, ``store: false`` included, as OpenAI keeps
 the previous response in memory on the connection; the emulator's own store (``Emulator.responses_made``, what
 ``GET /v1/responses/{id}`` reads) keeps only the others. A ``previous_response_id`` in neither is an ``error`` event
@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 from websockets.frames import Frame, Opcode
@@ -31,8 +31,20 @@ from websockets.http11 import Request
 from websockets.protocol import State
 from websockets.server import ServerProtocol
 
-if TYPE_CHECKING:
-    from gateway.tools.emulator import EmulatorProtocol
+from gateway.tools.emulator.directives import directives
+from gateway.tools.emulator.generation import Generation
+from gateway.tools.emulator.plans import Received
+from gateway.tools.emulator.responses import final_response, response_events, warm_up_events, warmed_up
+from gateway.tools.emulator.schedule import Line, Schedule
+from gateway.tools.emulator.shared import Emulator
+
+
+class Upgraded(Line, Protocol):
+    """The HTTP connection a socket is upgraded from (``gateway.tools.emulator.connection``): its emulator and its
+    number (1, 2, ... in the order the emulator's connections opened)."""
+
+    emulator: Emulator
+    number: int
 
 
 def wants_socket(method: bytes, url: bytes, headers: dict[bytes, bytes]) -> bool:
@@ -53,11 +65,11 @@ def error_event(status: int, message: str, code: str | None, param: str | None =
 
 
 class EmulatorSocket:
-    """One upgraded emulator connection (module docstring). It stands in for the connection's protocol where a
-    :class:`~gateway.tools.emulator.Generation` and a :class:`~gateway.tools.emulator.Schedule` write: ``cfg``,
-    ``emulator``, ``loop``, ``timer``, ``transport``, :meth:`write`, :meth:`end_chunked`, :meth:`reset`."""
+    """One upgraded emulator connection (module docstring). It stands in for the connection where a
+    :class:`~gateway.tools.emulator.schedule.Schedule` writes (a :class:`~gateway.tools.emulator.schedule.Line`):
+    ``loop``, ``timer``, ``transport``, :meth:`write`, :meth:`end_chunked`, :meth:`reset`, :meth:`close`."""
 
-    def __init__(self, proto: EmulatorProtocol, method: bytes, url: bytes, headers: dict[bytes, bytes]) -> None:
+    def __init__(self, proto: Upgraded, method: bytes, url: bytes, headers: dict[bytes, bytes]) -> None:
         self.proto = proto
         self.emulator = proto.emulator
         self.loop = proto.loop
@@ -76,10 +88,6 @@ class EmulatorSocket:
             if isinstance(event, Request):
                 self.conn.send_response(self.conn.accept(event))
         self.flush()
-
-    @property
-    def cfg(self) -> Any:
-        return self.emulator.config
 
     def flush(self) -> None:
         """Write what the protocol has to send; close the connection once the closing handshake is over."""
@@ -134,8 +142,6 @@ class EmulatorSocket:
             self.answer(self.queue.popleft())
 
     def answer(self, event: dict[str, Any]) -> None:
-        from gateway.tools.emulator import Generation, Received, Schedule, _directives
-
         lane = event.get("stream_id")
         self.lane = lane if isinstance(lane, str) else None
         body = {k: v for k, v in event.items() if k not in ("type", "stream_id")}
@@ -145,7 +151,7 @@ class EmulatorSocket:
         if emu.record:
             emu.requests.append(Received("WS", "/v1/responses", dict(self.headers), raw, time.monotonic(),
                                          self.proto.number))
-        d = _directives(raw)
+        d = directives(raw)
         previous = body.get("previous_response_id")
         if "status" in d:
             status = int(d["status"])
@@ -158,16 +164,15 @@ class EmulatorSocket:
             self.send(error_event(400, f"Previous response with id '{previous}' not found.",
                                   "previous_response_not_found", "previous_response_id", self.lane))
             return
-        gen = Generation(self, body, d, responses=True)  # type: ignore[arg-type]
-        gen.t0 = self.loop.time()
+        gen = Generation(emu, body, d, self.loop.time(), responses=True)
         warm_up = body.get("generate") is False
-        events = gen.warm_up_events(gen.t0) if warm_up else gen._response_events(gen.t0)
-        final = gen.warmed_up() if warm_up else gen.final_response()
+        events = warm_up_events(gen) if warm_up else response_events(gen)
+        final = warmed_up(gen) if warm_up else final_response(gen)
         emu.made(final, self.memory)
         if body.get("store") is not False:
             emu.made(final)
         self.busy = True
-        Schedule(self, events, d).start()  # type: ignore[arg-type]
+        Schedule(self, events, d).start()
 
     # what Schedule writes through
 
@@ -189,5 +194,5 @@ class EmulatorSocket:
     def reset(self) -> None:
         self.proto.reset()
 
-    def _close(self) -> None:
-        self.proto._close()
+    def close(self) -> None:
+        self.proto.close()

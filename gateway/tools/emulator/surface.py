@@ -1,4 +1,5 @@
-"""The emulator's rest of the OpenAI ``/v1`` surface (``gateway.tools.emulator`` answers chat and Responses): enough
+"""The emulator's rest of the OpenAI ``/v1`` surface (``gateway.tools.emulator.connection`` answers chat and
+Responses): enough
 of embeddings, legacy completions, moderations, audio, files, batches and models for the demo and the tests of the
 gateway's passthrough, with deterministic answers a test can check.
 
@@ -30,12 +31,13 @@ import math
 import re
 import struct
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 
-if TYPE_CHECKING:
-    from gateway.tools.emulator import EmulatorProtocol
+from gateway.tools.emulator.config import EmulatorConfig
+from gateway.tools.emulator.directives import directives
+from gateway.tools.emulator.schedule import Line, Schedule
 
 MODELS = ("gpt-5.6-2026-10-01", "text-embedding-3-small", "text-embedding-3-large",
           "omni-moderation-latest", "whisper-1", "gpt-4o-mini-tts", "tts-1", "gpt-3.5-turbo-instruct")
@@ -88,6 +90,21 @@ def multipart(body: bytes, content_type: str) -> dict[str, tuple[str | None, byt
     return out
 
 
+class Replying(Line, Protocol):
+    """What the surface answers through: the HTTP connection (``gateway.tools.emulator.connection``)."""
+
+    @property
+    def cfg(self) -> EmulatorConfig:
+        """The emulator's defaults as they are now."""
+
+    def reply(self, status: int, body: bytes, *, ctype: bytes = b"application/json",
+              extra: list[tuple[bytes, bytes]] | None = None) -> None:
+        """Answer with one whole body."""
+
+    def start_chunked(self, status: int, ctype: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+        """Write the head of a chunked answer (its parts: :class:`Schedule`)."""
+
+
 class Surface:
     """The state of one emulator's objects (files, batches) and its answers (module docstring)."""
 
@@ -101,7 +118,7 @@ class Surface:
         self.counter += 1
         return f"{prefix}-emu{self.counter:06d}"
 
-    def handle(self, proto: EmulatorProtocol, method: str, path: str, headers: dict[bytes, bytes],
+    def handle(self, proto: Replying, method: str, path: str, headers: dict[bytes, bytes],
                body: bytes) -> bool:
         """Answer ``method path`` (``path`` under /v1, no query) if it is this module's; False if it is not."""
         if path == "completions" and method == "POST":
@@ -114,7 +131,7 @@ class Surface:
         if answer is None:
             return False
         status, data, *more = answer
-        proto._reply(status, data, ctype=more[0] if more else b"application/json", extra=more[1] if more[1:] else None)
+        proto.reply(status, data, ctype=more[0] if more else b"application/json", extra=more[1] if more[1:] else None)
         return True
 
     def _answer(self, method: str, path: str, ctype: str, body: bytes) -> tuple[Any, ...] | None:
@@ -243,11 +260,10 @@ class Surface:
             batch["status"] = "cancelling"
         return 200, orjson.dumps(batch)
 
-    def _completions(self, proto: EmulatorProtocol, body: bytes) -> None:
+    def _completions(self, proto: Replying, body: bytes) -> None:
         """Legacy completions (OpenAPI ``CreateCompletionResponse``), at the emulator's pace."""
-        from gateway.tools.emulator import Schedule, _directives
         request = orjson.loads(body)
-        d = _directives(body)
+        d = directives(body)
         n = int(d.get("tokens", request.get("max_tokens") or 16))
         model = request.get("model", "gpt-3.5-turbo-instruct")
         prompt = request.get("prompt", "")
@@ -262,7 +278,7 @@ class Surface:
                     "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": reason}], **more}
 
         if request.get("stream") is not True:
-            proto._reply(200, orjson.dumps(obj("".join(words), finish, usage=usage)))
+            proto.reply(200, orjson.dumps(obj("".join(words), finish, usage=usage)))
             return
         tps = float(d.get("tps", proto.cfg.tps))
         t0 = proto.loop.time() + float(d.get("ttft_ms", proto.cfg.ttft * 1000)) / 1000
@@ -274,18 +290,17 @@ class Surface:
             tail["choices"] = []
             events.append(b"data: " + orjson.dumps(tail) + b"\n\n")
         events.append(b"data: [DONE]\n\n")
-        proto._start_chunked(200, b"text/event-stream; charset=utf-8")
+        proto.start_chunked(200, b"text/event-stream; charset=utf-8")
         Schedule(proto, [(t0 + i / tps, e) for i, e in enumerate(events)], d).start()
 
-    def _speech(self, proto: EmulatorProtocol, body: bytes) -> None:
+    def _speech(self, proto: Replying, body: bytes) -> None:
         """Speech as a binary answer in several chunked writes (``audio/mpeg``; bytes from the input's hash)."""
-        from gateway.tools.emulator import Schedule, _directives
         request = orjson.loads(body)
-        size = int(_directives(body).get("bytes", 64 * 1024))
+        size = int(directives(body).get("bytes", 64 * 1024))
         seed = hashlib.sha256(str(request.get("input", "")).encode()).digest()
         audio = (b"ID3" + seed * (size // len(seed) + 1))[:size]
         step = 16 * 1024
         t0 = proto.loop.time()
-        proto._start_chunked(200, _AUDIO_TYPES.get(str(request.get("response_format", "mp3")), b"audio/mpeg"))
+        proto.start_chunked(200, _AUDIO_TYPES.get(str(request.get("response_format", "mp3")), b"audio/mpeg"))
         Schedule(proto, [(t0 + 0.005 * i, audio[at:at + step]) for i, at in enumerate(range(0, size, step))], {},
                  coalesce=False).start()

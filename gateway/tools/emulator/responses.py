@@ -1,0 +1,132 @@
+"""The Responses API form of a :class:`~gateway.tools.emulator.generation.Generation`: its ``response`` object as it
+starts and as it ends, its stream of named, numbered events, and a warm-up's (``generate: false``, WebSocket mode)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.responses.whole import Draft
+from gateway.tools.emulator.generation import Generation
+
+
+def output_item(gen: Generation, status: str, sent: int | None = None) -> dict[str, Any]:
+    """The Responses output item: a message with its text (the first ``sent`` tokens' when given: an item the
+    answer's failure cut), or a function call."""
+    text = gen.text(0, gen.tokens if sent is None else sent) if status != "in_progress" else ""
+    if gen.tool is not None:
+        name, call_id = gen.tool
+        return {"id": "fc_emu", "type": "function_call", "status": status, "call_id": call_id, "name": name,
+                "arguments": text}
+    content = [{"type": "output_text", "text": text, "annotations": []}] if status != "in_progress" else []
+    return {"id": "msg_emu", "type": "message", "status": status, "role": "assistant", "content": content}
+
+
+def fails_at(gen: Generation) -> int | None:
+    """After how many output tokens a streamed answer fails (the ``fail_after`` directive: Responses API streams
+    only, at least one token, so that the failure comes after the first: a relay can no longer fail over)."""
+    if not gen.responses or gen.body.get("stream") is not True or "fail_after" not in gen.d:
+        return None
+    return max(1, min(gen.tokens, int(gen.d["fail_after"])))
+
+
+def final_response(gen: Generation) -> dict[str, Any]:
+    """The Responses API ``response`` as it ends: ``completed``, ``incomplete`` at the token limit, or
+    ``failed`` (``fail_after``)."""
+    if fails_at(gen) is not None:
+        return response(gen, "failed")
+    return response(gen, "incomplete" if gen.finish == "length" else "completed")
+
+
+def response(gen: Generation, status: str) -> dict[str, Any]:
+    """A Responses API ``response`` object with every field OpenAI's has (the bridge's :class:`Draft` builds it:
+    one definition of a complete Response). A failed one carries its ``error`` as OpenAI's does (OpenAPI
+    ``ResponseError``: ``server_error`` and a message) and the output it had made, ``incomplete``."""
+    draft = Draft({**gen.body, "model": gen.model.decode(), "service_tier": gen.served}, gen.response_id)
+    draft.created_at = gen.created
+    error = {"code": "server_error", "message": "The emulated model failed mid-response."}
+    out = draft.response(status, [], None, "max_output_tokens" if status == "incomplete" else None,
+                         error if status == "failed" else None)
+    if status == "failed":
+        out["output"] = [output_item(gen, "incomplete", fails_at(gen))]
+    if status in ("completed", "incomplete"):
+        out["output"] = [output_item(gen, "completed")]
+        if gen.with_usage:
+            out["usage"] = {"input_tokens": gen.prompt_tokens,
+                            "input_tokens_details": {"cached_tokens": gen.cached, "cache_write_tokens": 0},
+                            "output_tokens": gen.tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                            "total_tokens": gen.prompt_tokens + gen.tokens}
+    return out
+
+
+def response_events(gen: Generation) -> list[tuple[float, bytes]]:
+    """Responses API stream (docs/reference/wire.md#responses-api-streams): created, in_progress, one delta per
+    chunk (output text or function call arguments), the ``.done`` events, then completed (incomplete at the token
+    limit) with usage; with ``fail_after``, the deltas it got to and then ``response.failed``; every event named by
+    an ``event:`` line and numbered; no ``[DONE]``."""
+    seq = iter(range(1 << 30))
+
+    def event(kind: str, **fields: Any) -> bytes:
+        data = orjson.dumps({"type": kind, **fields, "sequence_number": next(seq)})
+        return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+    item = output_item(gen, "in_progress")
+    part = {"type": "output_text", "text": "", "annotations": []}
+    head = (event("response.created", response=response(gen, "in_progress"))
+            + event("response.in_progress", response=response(gen, "in_progress"))
+            + event("response.output_item.added", output_index=0, item=item))
+    if gen.tool is None:
+        head += event("response.content_part.added", item_id="msg_emu", output_index=0, content_index=0, part=part)
+    items = [(gen.t0, head)]
+    sent = 0
+    failing = fails_at(gen)
+    until = gen.tokens if failing is None else failing
+    while sent < until:
+        n = min(gen.per_chunk, until - sent)
+        delta = gen.text(sent, n)
+        at = gen.t0 + gen.ttft + sent / gen.tps
+        if gen.tool is None:
+            items.append((at, event("response.output_text.delta", item_id="msg_emu", output_index=0,
+                                    content_index=0, delta=delta, logprobs=[])))
+        else:
+            items.append((at, event("response.function_call_arguments.delta", item_id="fc_emu", output_index=0,
+                                    delta=delta)))
+        sent += n
+    if failing is not None:  # the deltas it got to, then the failure: no .done events for the cut item
+        items.append((items[-1][0], event("response.failed", response=response(gen, "failed"))))
+        return items
+    text = gen.text(0, gen.tokens)
+    status = "incomplete" if gen.finish == "length" else "completed"
+    done = response(gen, status)
+    if gen.tool is None:
+        tail = (event("response.output_text.done", item_id="msg_emu", output_index=0, content_index=0, text=text,
+                      logprobs=[])
+                + event("response.content_part.done", item_id="msg_emu", output_index=0, content_index=0,
+                        part={**part, "text": text}))
+    else:
+        tail = event("response.function_call_arguments.done", item_id="fc_emu", output_index=0, arguments=text)
+    tail += (event("response.output_item.done", output_index=0, item=done["output"][0])
+             + event(f"response.{status}", response=done))
+    items.append((items[-1][0], tail))
+    return items
+
+
+def warmed_up(gen: Generation) -> dict[str, Any]:
+    """The Responses API ``response`` of a warm-up (``generate: false``, WebSocket mode only): ``completed``, an
+    empty ``output``, the input counted and no output tokens."""
+    out = response(gen, "completed")
+    out["output"] = []
+    if gen.with_usage:
+        out["usage"] = {**out["usage"], "output_tokens": 0, "total_tokens": gen.prompt_tokens}
+    return out
+
+
+def warm_up_events(gen: Generation) -> list[tuple[float, bytes]]:
+    """A warm-up's stream (:func:`warmed_up`): ``response.created``, then ``response.completed`` once the prompt
+    would be read (half the time to first token), numbered as :func:`response_events` numbers its events."""
+    created = orjson.dumps({"type": "response.created", "response": response(gen, "in_progress"),
+                            "sequence_number": 0})
+    done = orjson.dumps({"type": "response.completed", "response": warmed_up(gen), "sequence_number": 1})
+    return [(gen.t0, b"event: response.created\ndata: " + created + b"\n\n"),
+            (gen.t0 + gen.ttft / 2, b"event: response.completed\ndata: " + done + b"\n\n")]
