@@ -368,11 +368,12 @@ def fast_directive(**kw: Any) -> str:
 class RedisServer:
     """A real ``redis-server`` (Debian's package, installed by ``.ci/run``) on a loopback port, without persistence;
     :meth:`kill`, :meth:`pause` / :meth:`resume` (SIGSTOP / SIGCONT: a Redis that answers nothing) and :meth:`start`
-    again on the same port for the fault tests."""
+    again on the same port for the fault tests. ``args``: more of its options (``--maxmemory``, ...)."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, args: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.tmp = tmp
+        self.args = args
         self.popen: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -384,7 +385,7 @@ class RedisServer:
         """Start it (again) and wait until it answers PING."""
         log = (self.tmp / f"redis-{self.port}.log").open("ab")
         self.popen = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                       "--appendonly", "no", "--dir", str(self.tmp)], stdout=log,
+                                       "--appendonly", "no", "--dir", str(self.tmp), *self.args], stdout=log,
                                       stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

@@ -9,18 +9,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.exceptions
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
+from redis.crc import key_slot
 
 from gateway.config.auth import AuthConfig, KeyConfig
 from gateway.config.schema import StateConfig
 from gateway.config.upstreams import UpstreamConfig
 from gateway.observability.metrics import Metrics
-from gateway.responses.store import Bridged, MemoryResponseStore, Native
+from gateway.responses.store import OVERHEAD, Bridged, MemoryResponseStore, Native, encode
 from gateway.routing.health import Health, UpstreamHealth
 from gateway.state.quota import SharedVerdicts
 from gateway.state.redis import Admission, SharedState
@@ -333,3 +335,139 @@ async def until_async(get: Callable[[], Awaitable[Any]], want: Any, timeout: flo
     while (got := await get()) != want:
         assert time.monotonic() < deadline, f"timed out: {got!r} != {want!r}"
         await asyncio.sleep(0.02)
+
+
+# --- the Responses store's records in Redis: each key holds its share, and none evicts a counter ---------------------
+
+def _turn(owner: str | None, size: int, previous: str | None = None) -> Bridged:
+    """A bridged record of ``owner`` whose input is ``size`` bytes of text."""
+    return Bridged({"id": "r", "output": [{"type": "message", "id": "m"}]},
+                   [{"type": "message", "content": "x" * size}], previous, owner)
+
+
+async def _held(store: SharedResponseStore, ids: list[str], owner: str | None) -> list[str]:
+    """The ids of ``ids`` the store finds for ``owner`` (a store whose own copy holds none of them: Redis answers)."""
+    return [i for i in ids if await store.get(i, owner) is not None]
+
+
+async def test_one_keys_records_never_push_another_keys_out_of_redis_and_its_own_oldest_go(
+        replicas: Callable[..., Awaitable[Replica]]) -> None:
+    """The attack: one key's Responses records filled the shared Redis (a 1 MiB request is a 3.1 MB record) and pushed
+    the other keys' out of it. In Redis too each key holds at most ``key_share`` of the store's records and bytes (its
+    own oldest go), and records without a key at most the whole store."""
+    a, b = await replicas(), await replicas()
+    bounds: dict[str, Any] = {"max_items": 100, "max_bytes": 1_000_000, "ttl": 60, "key_share": 0.25}
+    sa = SharedResponseStore(MemoryResponseStore(**bounds), a.shared)  # a key: 25 records, 250,000 bytes
+    sb = SharedResponseStore(MemoryResponseStore(**bounds), b.shared)  # b's own copy holds none: Redis answers
+    alice = _turn("alice", 100)
+    assert await sa.put("resp_alice", alice)
+    bob = [f"resp_bob_{i}" for i in range(40)]
+    for rid in bob:  # 1.6 MB: six times bob's share of the bytes
+        assert await sa.put(rid, _turn("bob", 40_000))
+    assert await sb.get("resp_alice", "alice") == alice
+    held = await _held(sb, bob, "bob")
+    assert held == bob[-len(held):] and 4 <= len(held) <= 250_000 // 40_000  # his newest, within his share
+    carol = [f"resp_carol_{i}" for i in range(40)]
+    for rid in carol:  # small ones: the count bounds them
+        assert await sa.put(rid, _turn("carol", 10))
+    assert await _held(sb, carol, "carol") == carol[-25:]
+    assert await sb.get("resp_alice", "alice") == alice and await _held(sb, bob, "bob") == held
+    # a delete leaves the key's share: the next record pushes out none of its others
+    assert await sb.delete(held[-1], "bob")
+    assert await sa.put("resp_bob_more", _turn("bob", 40_000))
+    assert await _held(sb, [*held[:-1], "resp_bob_more"], "bob") == [*held[:-1], "resp_bob_more"]
+    # a conversation read (and continued) through Redis is still the key's, and its links stay counted
+    assert await sa.put("resp_bob_next", _turn("bob", 10, previous="resp_bob_more"))
+    assert [i.get("content", "")[:1] for i in await sb.history("resp_bob_next", "bob") or []] == ["x", "", "x", ""]
+    # without keys (auth off; a gateway of its own on this Redis) the records are bounded by the whole store
+    c, d = await replicas(key_prefix="open"), await replicas(key_prefix="open")
+    sc = SharedResponseStore(MemoryResponseStore(**bounds), c.shared)
+    sd = SharedResponseStore(MemoryResponseStore(**bounds), d.shared)
+    nobody = [f"resp_anon_{i}" for i in range(120)]
+    for rid in nobody:
+        assert await sc.put(rid, _turn(None, 10))
+    assert await _held(sd, nobody, None) == nobody[-100:]
+
+
+async def test_the_store_s_accounting_in_redis_follows_puts_continuations_expiry_and_deletes(
+        replicas: Callable[..., Awaitable[Replica]]) -> None:
+    """The index of each key's records (``gateway.state.store``) counts what Redis holds: a continued record is counted
+    while it lives, an expired one leaves the count, a deleted one too; garbage in its keys is repaired."""
+    a = await replicas()
+    store = SharedResponseStore(MemoryResponseStore(100, 1_000_000, 2.0, key_share=0.5), a.shared)
+    r = a.shared.redis
+
+    async def counted() -> dict[bytes, bytes]:
+        return await r.hgetall(store.held)
+    assert await store.put("resp_0", _turn("k", 100)) and await store.put("resp_1", _turn("k", 100))
+    size = len(encode(_turn("k", 100))) + OVERHEAD
+    assert await counted() == {b"n": b"2", b"b": str(2 * size).encode(), b"n:k": b"2", b"b:k": str(2 * size).encode()}
+    await asyncio.sleep(1.0)
+    assert await store.history("resp_1", "k") is not None  # continued: lives (and is counted) another 2 s
+    await asyncio.sleep(1.3)
+    assert await store.put("resp_2", _turn("k", 100))  # resp_0 expired meanwhile: it leaves the count
+    assert await r.exists(store._key("resp_0")) == 0 and await r.exists(store._key("resp_1")) == 1
+    assert (await counted())[b"n:k"] == b"2"
+    assert await r.zrange(store._index("k"), 0, -1) == [b"resp_1", b"resp_2"]
+    assert len({key_slot(k) for k in await r.keys("tiergate:*")}) == 1  # one Cluster slot: one script counts them
+    assert await store.delete("resp_1", "k") and await store.delete("resp_2", "k")
+    assert await counted() == {} and await r.exists(store._index("k"), store._sizes("k"), store.owners) == 0
+    await r.set(store.held, "garbage")
+    await r.set(store._index("k"), "garbage")
+    assert await store.put("resp_3", _turn("k", 100)) and a.shared.up
+    assert await store.get("resp_3", "k") is not None and (await counted())[b"n:k"] == b"1"
+
+
+async def test_a_flood_of_records_under_maxmemory_evicts_no_counter_and_no_other_keys_record(
+        tmp_path: Path) -> None:
+    """The attack, under the replicas overlay's eviction (``volatile-ttl``, which evicts the keys nearest their expiry
+    first): 90 of one key's requests evicted 26 keys, another key's response among them. Ordering the TTLs would not
+    be enough (Redis samples the keys it evicts; measured: with counters living 2 h and records 1 h a flood evicted
+    half the counters), so Redis never reaches its maxmemory for records: it holds at most the store's bounds of them
+    in all, each key its share (here four keys flood, past the whole store), and the accounting has no TTL."""
+    from gateway.state.ledger import SharedLedger
+    from gateway.tenancy.keys import Keys, digest
+    from gateway.tenancy.ledger import MemoryLedger, Spend, windows
+
+    server = RedisServer(tmp_path, args=("--maxmemory", "10mb", "--maxmemory-policy", "volatile-ttl"))
+    a, b = Replica(server.url), Replica(server.url)
+    try:
+        await a.shared.start()
+        await b.shared.start()
+        await until(lambda: a.shared.up and b.shared.up)
+        names = ("alice", "bob", "carol", "dave", "erin")
+        limits = {"requests_per_minute": 1000, "tokens_per_minute": 10**6, "usd_per_day": 10.0, "usd_per_month": 99.0}
+        keys = Keys(AuthConfig(keys=[KeyConfig(name=n, sha256=digest(n), limits=limits) for n in names]))
+        ledger = SharedLedger(a.shared, MemoryLedger(time.time))
+        counters = []
+        for n in names:
+            key = keys.by_hash[digest(n)]
+            hold = await ledger.reserve(key, Spend(1, 100, 0.01), False)
+            assert not isinstance(hold, Refusal) and not hold.local
+            at = windows(time.time())
+            counters += [ledger._counter(key, "all", dim, w, at[w][0]) for dim, w, _ in
+                         (("requests", "minute", 0), ("tokens", "minute", 0), ("usd", "day", 0), ("usd", "month", 0))]
+        before = await a.shared.redis.mget(counters)
+        assert all(v is not None for v in before)
+        bounds: dict[str, Any] = {"max_items": 1000, "max_bytes": 4_000_000, "ttl": 3600, "key_share": 0.5}
+        sa = SharedResponseStore(MemoryResponseStore(**bounds), a.shared)
+        sb = SharedResponseStore(MemoryResponseStore(**bounds), b.shared)
+        alice = _turn("alice", 1000)
+        assert await sa.put("resp_alice", alice)
+        floods = {n: [f"resp_{n}_{i}" for i in range(24)] for n in names[1:]}
+        for i in range(24):  # 4 keys x 24 x 300 KB: 29 MB, three times the maxmemory
+            for n in names[1:]:
+                assert await sa.put(floods[n][i], _turn(n, 300_000))
+        info, after = await a.shared.redis.info(), await a.shared.redis.mget(counters)
+        found = await sb.get("resp_alice", "alice")  # through Redis: b's own copy never held it
+        print(f"used_memory {info['used_memory'] / 1e6:.1f} MB, evicted {info['evicted_keys']} keys, "
+              f"{sum(v is None for v in after)} of {len(counters)} counters lost, alice's kept: {found == alice}")
+        assert info["evicted_keys"] == 0
+        assert after == before and found == alice  # every key's counters as they were, and alice's record
+        for n, ids in floods.items():  # each flooding key kept its newest in Redis, at most the store in all
+            assert (await _held(sb, ids, n))[-1:] == ids[-1:]
+        assert int((await a.shared.redis.hgetall(sa.held))[b"b"]) <= 4_000_000
+    finally:
+        for r in (a, b):
+            await r.shared.stop()
+        server.kill()

@@ -682,6 +682,58 @@ def test_small_responses_take_about_the_memory_the_store_counts_for_them(
         gw.stop()
 
 
+@needs_redis
+def test_one_keys_records_in_redis_never_evict_another_keys_response_or_counters(
+        upstreams: tuple[EmulatorThread, EmulatorThread], tmp_path: Path) -> None:
+    """With shared state, a 1 MiB request became a 3.1 MB record in Redis; under the replicas overlay's ``maxmemory``
+    and ``volatile-ttl``, 90 of one key's requests evicted 26 keys, another key's response among them. Redis holds
+    each key's share of the store as a process does (here 2 MiB), so the flood evicts nothing."""
+    import redis
+
+    server = RedisServer(tmp_path, args=("--maxmemory", "16mb", "--maxmemory-policy", "volatile-ttl"))
+    cfg = _config(*upstreams, state={"redis_url": server.url, "timeout": 0.5},
+                  response_store={"max_bytes": 8 * 2**20, "key_share": 0.25})
+    gateways = [start_gateway(cfg, tmp_path)[0] for _ in range(2)]
+    client = redis.Redis(port=server.port)
+    try:
+        for gw in gateways:
+            deadline = time.monotonic() + 10
+            while sample(_metrics(gw), "tiergate_shared_state_up") != 1:
+                assert time.monotonic() < deadline, "a replica never reached Redis"
+                time.sleep(0.05)
+        kept = _sdk(gateways[0], "tpm").responses.create(model="gpt-5.6-sol-fast", input="mine")  # with a limit
+        deadline = time.monotonic() + 5
+        while list(client.scan_iter(match="tiergate:{key:tpm}:hold:*")):  # settled (not awaited by the request)
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        counters = sorted(client.scan_iter(match="tiergate:{key:tpm}:all:*"))
+        before = client.mget(counters)
+        assert counters and all(v is not None for v in before)
+        body = orjson.dumps({"model": "gpt-5.6-sol-fast", "max_output_tokens": 4, "input": "x" * 2**20})
+        ids: list[str] = []
+
+        async def flood(n: int) -> None:
+            async with httpx.AsyncClient(timeout=30, headers={**_h("flood"), "content-type": "application/json"}) as c:
+                for _ in range(n):
+                    answer = await c.post(_url(gateways[0]) + "/v1/responses", content=body)
+                    assert answer.status_code == 200
+                    ids.append(answer.json()["id"])
+        asyncio.run(flood(24))  # 24 MiB of records: past the maxmemory
+        info = client.info()
+        print(f"used_memory {info['used_memory'] / 2**20:.1f} MiB, evicted {info['evicted_keys']} keys")
+        assert info["evicted_keys"] == 0 and client.mget(counters) == before
+        other = gateways[1]  # its own copy holds none of them: it reads Redis
+        assert _sdk(other, "tpm").responses.retrieve(kept.id).id == kept.id
+        assert _sdk(other, "flood").responses.retrieve(ids[-1]).id == ids[-1]  # the flood's newest, in its share
+        with pytest.raises(openai.NotFoundError):
+            _sdk(other, "flood").responses.retrieve(ids[0])  # its oldest went
+    finally:
+        for gw in gateways:
+            gw.stop()
+        client.close()
+        server.kill()
+
+
 def test_one_keys_bodies_in_flight_are_bounded_and_the_others_are_served(
         upstreams: tuple[EmulatorThread, EmulatorThread], tmp_path: Path) -> None:
     """Request bodies are read whole to route on them: a key with many large ones in flight at once (16 MiB each by

@@ -36,11 +36,12 @@ from gateway.config.upstreams import UpstreamConfig
 class ResponseStore(Strict):
     """Bounds of the gateway's store of bridged Responses API responses (``store: true``, the API's default), kept so
     that ``previous_response_id`` can continue them and ``GET``/``DELETE /v1/responses/{id}`` reach them. In memory,
-    per process (``gateway.responses.store``). max_items: responses kept; max_bytes: the memory they may take (their
-    JSON bytes, which is how they are held, plus 256 bytes each); ttl: seconds a response is kept after it was made or
-    last continued; key_share: the share of both bounds one gateway key may hold (``auth:``). The oldest go first (a
-    key over its share: its own oldest). The default 64 MiB fits the shipped container limit (512 MiB) beside the
-    process (~85 MiB) and hundreds of streams."""
+    per process (``gateway.responses.store``); with shared state Redis holds as much of every replica's records
+    together, one key its share (``gateway.state.store``). max_items: responses kept; max_bytes: the memory they may
+    take (their JSON bytes, which is how they are held, plus 256 bytes each); ttl: seconds a response is kept after it
+    was made or last continued; key_share: the share of both bounds one gateway key may hold (``auth:``). The oldest go
+    first (a key over its share: its own oldest). The default 64 MiB fits the shipped container limit (512 MiB) beside
+    the process (~85 MiB) and hundreds of streams."""
 
     max_items: int = Field(10_000, ge=1)
     max_bytes: int = Field(64 * 1024 * 1024, ge=1024)

@@ -93,7 +93,9 @@ class RedisLink:
         self._observe = self.redis.register_script(scripts.OBSERVE)
         self._landed = self.redis.register_script(scripts.LANDED)
         self._rest = self.redis.register_script(scripts.REST)
-        self._history = self.redis.register_script(scripts.HISTORY)
+        self.history = self.redis.register_script(scripts.HISTORY)
+        self.store_put = self.redis.register_script(scripts.STORE_PUT)
+        self.store_drop = self.redis.register_script(scripts.STORE_DROP)
         self.key_reserve = self.redis.register_script(scripts.KEY_RESERVE)
         self.key_settle = self.redis.register_script(scripts.KEY_SETTLE)
         self.session_step = self.redis.register_script(scripts.SESSION_STEP)
@@ -132,10 +134,6 @@ class RedisLink:
         except _Failed:
             return False, []  # counted where the pipeline failed
         return True, replies
-
-    def history_command(self, pipe: Pipeline, response_id: str, refresh_ms: int, most: int) -> Any:
-        """Queue the chain walk of a conversation (see ``_HISTORY``) in ``pipe``."""
-        return pipe.evalsha(self._history.sha, 0, self.prefix, response_id, refresh_ms, most)
 
     def forget(self, response_id: str) -> None:
         """Tell the other replicas to drop their local copy of a deleted response (queued, not awaited)."""

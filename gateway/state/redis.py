@@ -31,8 +31,8 @@ and none waits for it longer than ``state.timeout``; the per-chunk path never to
 
 Times cross processes as wall-clock seconds (``time.time()``: replicas need synchronised clocks, as Kubernetes nodes
 have); each replica turns them into its own health clock. Keys carry the upstream in a hash tag, so each script's keys
-share a Redis Cluster slot (the Responses store's chain walk reads keys it finds on the way: one Redis, or a cluster
-with the store on one node).
+share a Redis Cluster slot (the Responses store's keys all share one: its scripts read and count records they find
+on the way).
 """
 
 from __future__ import annotations
@@ -258,8 +258,8 @@ class SharedState(RedisLink):
         health = self.health
         names = list(health.by_name) if health is not None else []
         pipe = self.redis.pipeline(transaction=False)
-        scripts = (self._admit, self._observe, self._landed, self._rest, self._history, self.key_reserve,
-                   self.key_settle, self.session_step, self.session_index)
+        scripts = (self._admit, self._observe, self._landed, self._rest, self.history, self.store_put, self.store_drop,
+                   self.key_reserve, self.key_settle, self.session_step, self.session_index)
         for script in scripts:
             pipe.script_load(script.script)
         for name in names:

@@ -1,34 +1,56 @@
 """The Responses store every replica shares (:class:`SharedResponseStore`): each record in Redis and in this process's
-memory, found only by its owner, a conversation's chain read in one script (``lua/history.lua``)."""
+memory, found only by its owner, each gateway key holding at most its share of the records in Redis as in a process
+(``lua/store_put.lua``), a conversation's chain read in one script (``lua/history.lua``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from redis.asyncio.client import Pipeline
-
-from gateway.responses.store import MemoryResponseStore, Record, decode, encode, items_of, previous_of
+from gateway.responses.store import OVERHEAD, MemoryResponseStore, Record, decode, encode, items_of, previous_of
 from gateway.state.link import RedisLink
 
 
 class SharedResponseStore:
-    """A :class:`gateway.responses.store.ResponseStore` that keeps every record in Redis (``{prefix}:response:{id}``, a
-    hash of its encoded record and the id it continues, living ``response_store.ttl`` after it was put or last
-    continued) and in this process's :class:`MemoryResponseStore` too, which answers while Redis is away. Redis holds
-    the records of every replica; its own ``maxmemory`` bounds them (``response_store.max_*`` bound the local copy).
-    A record is found only by its owner, here as in the local copy (``gateway.responses.store``)."""
+    """A :class:`gateway.responses.store.ResponseStore` that keeps every record in Redis and in this process's
+    :class:`MemoryResponseStore` too, which answers while Redis is away. A record is found only by its owner, here as
+    in the local copy (``gateway.responses.store``).
+
+    In Redis (every key under one hash tag, ``{prefix}:{responses}``, one Redis Cluster slot: ``lua/store.lua``) a
+    record is the hash ``...:record:{id}`` (its encoded record, the id it continues, its owner), living
+    ``response_store.ttl`` after it was put or last continued. Each owner's records are indexed by that time, with
+    their sizes (the record's JSON plus :data:`gateway.responses.store.OVERHEAD`, as the local store counts them), so
+    that Redis holds, as a process does, at most ``key_share`` of ``max_items`` and ``max_bytes`` of one gateway key
+    (past it, its own oldest go) and at most ``max_items`` and ``max_bytes`` in all (past it, the oldest of the key
+    holding the largest share go; without keys, the oldest). The index and the counts have no TTL: under the replicas
+    overlay's ``volatile-ttl`` Redis never evicts them; and since the records never take more than the store's bounds,
+    they never bring a Redis sized for them (docs/operations.md) to its ``maxmemory``, where it would evict the keys'
+    counters or another key's record (records expiring before the counters would not be enough: Redis evicts from a
+    sample of its keys)."""
 
     def __init__(self, local: MemoryResponseStore, shared: RedisLink) -> None:
         self.local = local
         self.shared = shared
         self.ttl_ms = max(1, int(local.ttl * 1000))
+        self.base = f"{shared.prefix}:{{responses}}"
+        self.held = f"{self.base}:held"  # the counts, in all and per owner
+        self.owners = f"{self.base}:owners"  # each owner's share of the store
         shared.on_deleted = [local.forget]
 
     def __len__(self) -> int:
         return len(self.local)
 
     def _key(self, response_id: str) -> str:
-        return f"{self.shared.prefix}:response:{response_id}"
+        return f"{self.base}:record:{response_id}"
+
+    def _index(self, owner: str | None) -> str:
+        return f"{self.base}:index:{owner or ''}"
+
+    def _sizes(self, owner: str | None) -> str:
+        return f"{self.base}:sizes:{owner or ''}"
+
+    def _bounds(self) -> list[int | str]:
+        """The first arguments of the store's scripts (``lua/store.lua``)."""
+        return [self.base, self.local.max_items, self.local.max_bytes]
 
     async def get(self, response_id: str, owner: str | None) -> Record | None:
         ok, replies = await self.shared.ask("store", lambda pipe: pipe.hget(self._key(response_id), "data"))
@@ -41,8 +63,10 @@ class SharedResponseStore:
         # a look at the first link before the walk: a conversation of another owner is never refreshed by this one
         if await self.get(response_id, owner) is None:
             return None
-        ok, replies = await self.shared.ask("store", lambda pipe: self.shared.history_command(
-            pipe, response_id, self.ttl_ms if refresh else 0, self.local.max_items))
+        script, key = self.shared.history, self._key(response_id)
+        args: list[str | int] = [self.base, owner or "", response_id, self.ttl_ms if refresh else 0,
+                                 self.local.max_items]
+        ok, replies = await self.shared.ask("store", lambda pipe: pipe.evalsha(script.sha, 1, key, *args))
         chain = replies[0] if ok else None
         if not chain:
             return await self.local.history(response_id, owner, refresh)
@@ -55,20 +79,23 @@ class SharedResponseStore:
         if not await self.local.put(response_id, record):
             return False
         data = encode(record)
-        previous = previous_of(record)
-        key = self._key(response_id)
-
-        def write(pipe: Pipeline) -> None:  # awaited: a follow-up may reach another replica as soon as it answers
-            pipe.hset(key, mapping={"data": data, "previous": previous or ""})
-            pipe.pexpire(key, self.ttl_ms)
-        await self.shared.ask("store", write)
+        owner = record.owner
+        local = self.local
+        most = (local.key_items, local.key_bytes) if owner is not None else (local.max_items, local.max_bytes)
+        args = [*self._bounds(), owner or "", response_id, data, previous_of(record) or "", len(data) + OVERHEAD,
+                self.ttl_ms, *most]
+        script, key = self.shared.store_put, self._key(response_id)
+        # awaited: a follow-up may reach another replica as soon as it answers
+        await self.shared.ask("store", lambda pipe: pipe.evalsha(script.sha, 1, key, *args))
         return True
 
     async def delete(self, response_id: str, owner: str | None) -> bool:
         if await self.get(response_id, owner) is None:
             return False  # another owner's stays, here and in Redis
         here = await self.local.delete(response_id, owner)
-        ok, replies = await self.shared.ask("store", lambda pipe: pipe.delete(self._key(response_id)))
+        args = [*self._bounds(), owner or "", response_id]
+        script, key = self.shared.store_drop, self._key(response_id)
+        ok, replies = await self.shared.ask("store", lambda pipe: pipe.evalsha(script.sha, 1, key, *args))
         if ok:
             self.shared.forget(response_id)
         return here or bool(ok and replies[0])

@@ -1,12 +1,23 @@
--- ARGV: key prefix, response id, ms to live again (0: a look, no refresh), most links. Returns the records' data from
--- the newest back to the first turn, or nil when a link is missing (expired or deleted).
-local out, id = {}, ARGV[2]
+-- A conversation's chain in the Responses store (gateway.state.store; its keys: store.lua). KEYS[1]: the newest link's
+-- record. ARGV: 1 B, the store's keys' start, 2 the caller (a gateway key's name, '' without keys), 3 the newest link's
+-- id, 4 ms to live again (0: a look, no refresh), 5 most links. Returns the records' data from the newest back to the
+-- first turn, or false when a link is missing (expired or deleted) or another owner's (then none is refreshed). A
+-- refresh makes every link live another ttl and the most recently used of its owner's index (store.lua).
+local out, ids, id = {}, {}, ARGV[3]
 while id and id ~= '' do
-  local key = ARGV[1] .. ':response:' .. id
-  local rec = redis.call('HMGET', key, 'data', 'previous')
-  if not rec[1] or #out >= tonumber(ARGV[4]) then return false end
+  local rec = redis.pcall('HMGET', ARGV[1] .. ':record:' .. id, 'data', 'previous', 'o')
+  if rec.err or not rec[1] or rec[3] ~= ARGV[2] or #out >= tonumber(ARGV[5]) then return false end
   out[#out + 1] = rec[1]
-  if tonumber(ARGV[3]) > 0 then redis.call('PEXPIRE', key, ARGV[3]) end
+  ids[#ids + 1] = id
   id = rec[2]
+end
+if tonumber(ARGV[4]) > 0 then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local idx = ARGV[1] .. ':index:' .. ARGV[2]
+  for _, link in ipairs(ids) do
+    redis.call('PEXPIRE', ARGV[1] .. ':record:' .. link, ARGV[4])
+    redis.pcall('ZADD', idx, 'XX', now, link)
+  end
 end
 return out
