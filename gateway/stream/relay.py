@@ -51,15 +51,21 @@ from gateway.errors import (
     event_error,
 )
 from gateway.stream.sse import EventTooLarge, SSEEvent, SSEScanner
-from gateway.stream.stats import Extra, StreamBody, StreamStats, Write, delta_has_token, served_tier
+from gateway.stream.stats import (
+    Extra,
+    StreamBody,
+    StreamStats,
+    Write,
+    delta_has_token,
+    observe_response_event,
+    served_tier,
+)
 from gateway.stream.template import Template
-from gateway.wire.body import chat_usage
 
 DONE = b"data: [DONE]\n\n"
 DONE_GRACE = 0.02  # seconds to wait for the end of the upstream's body after its [DONE]
 HOLD_BYTES = 256 * 1024  # bytes of output held before the first token at most; past it the stream commits
 ALIVE_WITHIN = 0.75  # at the hold's time bound, a stream heard from within this share of it is alive
-_RESPONSE_TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 _NO_MEMBER = "\x00"  # the member looked for when the dialect adds none: no chunk has it (a lookup, not a branch)
 
 
@@ -357,7 +363,7 @@ class Relay:
                 out.append(raw)
                 continue
             if self._responses:
-                self._observe_response_event(chunk, now)
+                self._error_event = observe_response_event(stats, chunk, now) or self._error_event
             elif event is not None or chunk.get("usage") is not None or "error" in chunk or member in chunk:
                 if not self._observe(chunk, event, now):
                     continue
@@ -393,37 +399,6 @@ class Relay:
             if stats.t_first_token is None:
                 stats.t_first_token = now
             stats.t_last_token = now
-
-    def _observe_response_event(self, chunk: dict[str, Any], now: float) -> None:
-        """Responses API events (docs/reference/wire.md#responses-api-streams): a ``*.delta`` event carries output;
-        the terminal event carries ``response.usage``; ``error`` and ``response.failed`` end the stream as an
-        upstream error."""
-        stats = self.stats
-        etype = chunk.get("type")
-        if not isinstance(etype, str):
-            return
-        if etype.endswith(".delta"):
-            stats.token_chunks += 1
-            if stats.t_first_token is None:
-                stats.t_first_token = now
-            stats.t_last_token = now
-        elif etype == "response.created":
-            response = chunk.get("response")
-            rid = response.get("id") if isinstance(response, dict) else None
-            stats.response_id = rid if isinstance(rid, str) else None
-        elif etype in _RESPONSE_TERMINAL:
-            response = chunk.get("response")
-            usage = response.get("usage") if isinstance(response, dict) else None
-            if isinstance(usage, dict):
-                stats.usage = chat_usage(usage)
-            if isinstance(response, dict):
-                stats.service_tier = served_tier(response) or stats.service_tier
-            stats.done = True  # the Responses API's end of stream (no [DONE]): end here, as after [DONE]
-        if etype in ("error", "response.failed"):
-            stats.error = "upstream_error_event"
-            stats.error_event = chunk
-            if stats.t_first_token is None:
-                self._error_event = chunk  # before any token: it can still be answered with its status
 
     def _observe(self, chunk: dict[str, Any], event: bytes | None, now: float) -> bool:
         """The complete look at a chat chunk; return False when the chunk must not be forwarded."""

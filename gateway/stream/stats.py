@@ -1,7 +1,8 @@
 """What a relayed stream is made of and what is measured of it: the body the relay reads (:class:`StreamBody`), the
 write it answers with (:data:`Write`), when a chunk carries a token (:func:`has_token`: content, refusal, reasoning or
 a tool-call delta, never a role-only chunk), the figures of one stream (:class:`StreamStats`: first and last token
-times, token-bearing chunks, usage, the upstream's own timing, how it ended), the token-bearing events of a stream
+times, token-bearing chunks, usage, the upstream's own timing, how it ended; what a Responses API event adds to them:
+:func:`observe_response_event`), the token-bearing events of a stream
 relayed untouched (:class:`EventTally`: the passthrough's), and what an upstream kind adds to OpenAI's chunks
 (:class:`Extra`: its dialect's)."""
 
@@ -13,8 +14,10 @@ from typing import Any, Protocol
 from orjson import JSONDecodeError, loads
 
 from gateway.stream.sse import EventTooLarge, SSEScanner
+from gateway.wire.body import chat_usage
 
 _TOKEN_KEYS = frozenset({"content", "refusal", "reasoning", "reasoning_content", "tool_calls", "function_call"})
+_RESPONSE_TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
 
 Write = Callable[[bytes], Awaitable[None]]
@@ -112,6 +115,39 @@ class StreamStats:
         self.error_event: dict[str, Any] | None = None
         self.service_tier: str | None = None
         self.left_early = False
+
+
+def observe_response_event(stats: StreamStats, chunk: dict[str, Any], now: float) -> dict[str, Any] | None:
+    """What one Responses API event (docs/reference/wire.md#responses-api-streams) adds to its stream's ``stats``
+    (``now``: its arrival): a ``*.delta`` event carries output; the terminal event carries ``response.usage``;
+    ``error`` and ``response.failed`` end the stream as an upstream error. Returns ``chunk`` when it is an error
+    event that came before any token (it can still be answered with its status), else None."""
+    etype = chunk.get("type")
+    if not isinstance(etype, str):
+        return None
+    if etype.endswith(".delta"):
+        stats.token_chunks += 1
+        if stats.t_first_token is None:
+            stats.t_first_token = now
+        stats.t_last_token = now
+    elif etype == "response.created":
+        response = chunk.get("response")
+        rid = response.get("id") if isinstance(response, dict) else None
+        stats.response_id = rid if isinstance(rid, str) else None
+    elif etype in _RESPONSE_TERMINAL:
+        response = chunk.get("response")
+        usage = response.get("usage") if isinstance(response, dict) else None
+        if isinstance(usage, dict):
+            stats.usage = chat_usage(usage)
+        if isinstance(response, dict):
+            stats.service_tier = served_tier(response) or stats.service_tier
+        stats.done = True  # the Responses API's end of stream (no [DONE]): end here, as after [DONE]
+    if etype in ("error", "response.failed"):
+        stats.error = "upstream_error_event"
+        stats.error_event = chunk
+        if stats.t_first_token is None:
+            return chunk
+    return None
 
 
 def event_has_token(chunk: Any) -> bool:
