@@ -24,7 +24,7 @@ first byte is a failover, not a 200 ending in an in-band error.
 choice has its ``finish_reason``, after ``finish_grace`` seconds of waiting for the usage tail (the client's stream
 then ends with ``[DONE]``; the upstream connection is closed). An EOF before every choice finished (or before a
 Responses terminal event) is an interrupted stream, never a silent truncation. A client that leaves early gets at most
-``finish_grace`` more seconds of reading, unsent (:meth:`Relay.tail`).
+``finish_grace`` more seconds of reading, unsent, if every choice had finished, else :data:`LEAVE_GRACE` (``tail``).
 
 **The common chunk without a parse** (``gateway.stream.template``): a read of events that fit the stream's template
 is observed by comparing bytes; anything else goes through the scanner and a JSON parse, with the same result. The
@@ -64,6 +64,10 @@ from gateway.stream.template import Template
 
 DONE = b"data: [DONE]\n\n"
 DONE_GRACE = 0.02  # seconds to wait for the end of the upstream's body after its [DONE]
+# seconds the upstream connection stays open after a client left before every choice finished: read, unsent, for the
+# usage of the generation it cancelled (which runs, and is billed, until the close). The gateway's own bound
+# (docs/routing.md#stream-end); design/wire-contract.md sets no figure. finish_grace is for finished streams.
+LEAVE_GRACE = 1.0
 HOLD_BYTES = 256 * 1024  # bytes of output held before the first token at most; past it the stream commits
 ALIVE_WITHIN = 0.75  # at the hold's time bound, a stream heard from within this share of it is alive
 _NO_MEMBER = "\x00"  # the member looked for when the dialect adds none: no chunk has it (a lookup, not a branch)
@@ -182,18 +186,23 @@ class Relay:
         return stats
 
     async def tail(self, body: StreamBody) -> None:
-        """The client left before the end: read on for at most ``finish_grace`` seconds, writing nothing, counting
+        """The client left before the end: read on for at most ``finish_grace`` seconds if every choice had finished,
+        else :data:`LEAVE_GRACE` (and ``finish_grace`` after a finish that comes meanwhile), writing nothing, counting
         token chunks and taking the usage if it comes (SDKs often ``break`` on ``finish_reason``; a long stream cut
         short is charged what the upstream sent meanwhile). Never raises for the upstream's trouble."""
         stats = self.stats
         if stats.usage is not None or stats.done or stats.complete:
             return
+        finished = stats.finished
         try:
-            async with asyncio.timeout(self._finish_grace):
+            async with asyncio.timeout(self._finish_grace if finished else LEAVE_GRACE) as bound:
                 async for chunk in body.chunks():
                     self._take(chunk)
                     if stats.usage is not None or stats.done:
                         return
+                    if stats.finished and not finished:  # finished after the leave: both bounds hold
+                        finished, limit = True, asyncio.get_running_loop().time() + self._finish_grace
+                        bound.reschedule(min(bound.when() or limit, limit))
                 stats.complete = True
         except (TimeoutError, StreamInterrupted, EventTooLarge):
             pass
