@@ -96,6 +96,7 @@ class Relay:
         member = extra.member if extra is not None else None
         self._extra = extra if member is not None else None  # what reads the member's value, when there is one
         self._member = member if member is not None else _NO_MEMBER
+        self._vendors = extra  # reads any kind's member for usage, on a finishing chunk that brought none
         self._strip = strip_usage_chunk
         self._responses = responses
         self._scanner = SSEScanner(max_event_bytes)
@@ -378,7 +379,7 @@ class Relay:
                     continue
             elif choices := chunk.get("choices"):
                 stats.service_tier = stats.service_tier or served_tier(chunk)  # every chunk says it: read until known
-                self._choices_seen(choices, now)
+                self._choices_seen(chunk, choices, now)
                 # this read had a token, and not the first (learning costs ~4 us: never on the way to the first token)
                 if self._learn and stats.t_last_token == now and stats.t_first_token != now:
                     self._learn -= 1  # bounded: a stream whose chunks keep changing shape stops trying
@@ -386,9 +387,9 @@ class Relay:
             out.append(raw)
         return b"".join(out)
 
-    def _choices_seen(self, choices: Any, now: float) -> None:
+    def _choices_seen(self, chunk: dict[str, Any], choices: Any, now: float) -> None:
         """Time a token-bearing chunk (:func:`delta_has_token` for some choice) and note each choice's
-        ``finish_reason``."""
+        ``finish_reason`` (``choices``: the chunk's)."""
         if type(choices) is not list:
             return
         token = False
@@ -401,7 +402,10 @@ class Relay:
                 index = choice.get("index", 0)
                 self._unfinished.discard(index if type(index) is int else 0)
                 if not self._unfinished:
-                    self.stats.finished = True
+                    stats = self.stats
+                    stats.finished = True
+                    if stats.usage is None and self._vendors is not None:  # any kind's member, on this chunk only
+                        stats.usage = self._vendors.vendor_usage(chunk)  # (docs/architecture.md#general-readers)
         if token:
             stats = self.stats
             stats.token_chunks += 1
@@ -430,5 +434,5 @@ class Relay:
         choices = chunk.get("choices")
         if not choices:
             return not (self._strip and isinstance(usage, dict) and choices == [])
-        self._choices_seen(choices, now)
+        self._choices_seen(chunk, choices, now)
         return True

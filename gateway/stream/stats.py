@@ -48,8 +48,9 @@ def has_token(choices: Any) -> bool:
 
 class Extra(Protocol):
     """What an upstream kind adds to OpenAI's chunks: the one top-level member in which its streams (and whole answers)
-    report usage or timings of their own, and what that member's value says. The relay is given the upstream's
-    dialect (``gateway.upstream.dialects.base.Dialect``) as one; without it, a stream is read as OpenAI's."""
+    report usage or timings of their own, and what that member's value says; and the usage that any kind's member
+    reports, whatever the upstream's own kind (:meth:`vendor_usage`). The relay is given the upstream's dialect
+    (``gateway.upstream.dialects.base.Dialect``) as one; without it, a stream is read as OpenAI's."""
 
     @property
     def member(self) -> str | None:
@@ -59,6 +60,13 @@ class Extra(Protocol):
     def member_facts(self, value: Any) -> tuple[dict[str, Any] | None, dict[str, float] | None]:
         """What the member's ``value`` says: (usage in the chat shape, or None; the upstream's own seconds by phase
         (``queue``, ``prompt``, ``completion``, ``total``), or None). Never raises for an odd value."""
+        ...
+
+    def vendor_usage(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        """The usage, in the chat shape, that the member of any upstream kind reports in ``chunk`` (Groq's
+        ``x_groq.usage`` in an upstream labelled ``openai``), or None. The relay asks only on the chunk that
+        finishes the stream, when the stream has no usage yet: never on an ordinary token chunk. Never raises for an
+        odd value."""
         ...
 
 
@@ -82,7 +90,8 @@ class StreamStats:
         t_first_token / t_last_token: arrival of the first / last token-bearing chunk, or None.
         token_chunks: token-bearing chunks received.
         usage: the last ``usage`` object seen (OpenAI's usage chunk, or a finish chunk that carries one), else the
-            usage its dialect's member reports (:class:`Extra`), or None.
+            usage its dialect's member reports, else the usage another kind's member reports on the finishing chunk
+            (:class:`Extra`), or None.
         timings: the upstream's own seconds by phase, as its dialect's member reports them (:class:`Extra`), or
             None.
         done: the stream's end was sent to the client: ``[DONE]``, or a Responses API terminal event
