@@ -20,7 +20,7 @@ import pytest
 
 from gateway.tools.emulator import EmulatorThread, Plan, Received
 
-from conftest import Proc, chunk, round_trip, sample, sse, start_gateway, timely
+from conftest import Proc, chunk, on_time, round_trip, sample, sse, start_gateway, timely
 
 CASES: dict[str, Plan] = {}
 SECRET = "sk-SECRET-4f1c9"
@@ -292,16 +292,18 @@ def test_no_client_credential_reaches_an_upstream_and_no_upstream_secret_reaches
         assert "set-cookie" not in resp.headers and "content-encoding" not in resp.headers
 
 
-FINISH_GRACE = 2.0  # timeouts.finish_grace's default: how long the gateway reads on after a client left mid-stream
+FINISH_GRACE = 2.0  # timeouts.finish_grace's default: how long a finished stream (left or not) waits for its usage
+LEAVE_GRACE = 1.0  # how long the upstream may stay open after a client left before the finish (docs/routing.md)
 
 
 @pytest.mark.parametrize("phase", ["headers", "first_token", "mid_stream", "nonstream", "nonstream_large_body"])
 def test_client_disconnect_closes_the_upstream_quickly(fake: EmulatorThread, gw: Proc, phase: str) -> None:
     """Before the first token (three of the four disconnect phases) the upstream sees its connection closed within
-    100 ms; mid-stream, once the gateway has read on for the usage for ``finish_grace`` (nothing more reaches the
-    client; what it reads is charged): within 100 ms of that. Also after a request body large enough (300 KB, an
-    agent's long context) that the server paused reading the client while it arrived: nothing reads the client once
-    the body is in, so the server must have resumed reading to see it go."""
+    100 ms; mid-stream, before any finish_reason, once the gateway has read on for the usage for the 1 s a leave
+    before the finish allows (nothing more reaches the client; what it reads is charged), not ``finish_grace``
+    (2 s): within 100 ms of that. Also after a request body large enough (300 KB, an agent's long context) that the
+    server paused reading the client while it arrived: nothing reads the client once the body is in, so the server
+    must have resumed reading to see it go."""
     ticks = [(0.05, sse(chunk("b"), done=False)) for _ in range(60)]
     CASES["cancel"] = {
         "headers": Plan(head_delay=0.45, parts=[(0, sse(chunk("a")))]),  # under the 0.5 s idle timeout
@@ -322,7 +324,7 @@ def test_client_disconnect_closes_the_upstream_quickly(fake: EmulatorThread, gw:
         while len(fake.closed_at) == closed and time.monotonic() < deadline:
             time.sleep(0.002)
         assert len(fake.closed_at) > closed, "the upstream connection was never closed"
-        grace = FINISH_GRACE if phase == "mid_stream" else 0.0
+        grace = LEAVE_GRACE if phase == "mid_stream" else 0.0
         assert fake.closed_at[-1] - t_close >= grace  # mid-stream: it read on for the usage first
         time.sleep(0.05)
         after = httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text
@@ -333,10 +335,56 @@ def test_client_disconnect_closes_the_upstream_quickly(fake: EmulatorThread, gw:
         ttft_grew = sample(after, "tiergate_time_to_first_token_seconds_count", tier="standard") - sample(
             before, "tiergate_time_to_first_token_seconds_count", tier="standard")
         assert ttft_grew == (1 if phase == "mid_stream" else 0)
-        # within 100 ms over the loopback floor (mid-stream: of the grace); a gateway that noticed only when the
-        # upstream next spoke would take 0.25-0.35 s (the first token or the head at 0.45 s)
+        # within 100 ms over the loopback floor (mid-stream: of the 1 s; a gateway that read on for finish_grace
+        # would take 2 s); a gateway that noticed only when the upstream next spoke would take 0.25-0.35 s (the first
+        # token or the head at 0.45 s)
         return fake.closed_at[-1] - t_close - grace, 0.1 + floor
     timely(attempt)
+
+
+def test_a_client_that_leaves_after_the_finish_is_read_on_for_the_whole_finish_grace(
+        fake: EmulatorThread, gw: Proc) -> None:
+    """The 1 s bound is for a leave before the finish: once every choice has its finish_reason (SDK loops ``break``
+    there), the usage is waited for the whole ``finish_grace`` (2 s here): usage that comes 1.5 s after the leave is
+    counted as the upstream reported it, and the request is a success. Keep-alive comments meanwhile keep the 0.5 s
+    idle timeout from ending the read first."""
+    pings = [(0.05, b": ping\n\n") for _ in range(30)]
+    parts = [(0.0, sse(chunk(role=True), chunk("a"), chunk(finish="stop"), done=False)), *pings,
+             (0.0, sse(chunk(usage=True)))]
+    usage_at = sum(delay for delay, _ in parts)  # 1.5 s after the finish: past LEAVE_GRACE, within FINISH_GRACE
+    CASES["late_usage"] = Plan(parts=parts)
+    body = orjson.dumps({"model": "m", "stream": True, "x_case": "late_usage",
+                         "messages": [{"role": "user", "content": "x"}]})
+
+    def attempt() -> list[str]:
+        before = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=5).text
+        n = len(fake.requests)
+        with socket.create_connection(("127.0.0.1", gw.port), timeout=5) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            got = b""
+            while b'"finish_reason":"stop"' not in got:
+                got += sock.recv(65536)
+            t_close = time.monotonic()
+        lead = fake.requests[n].at + usage_at - t_close  # how long after the leave the usage left the upstream
+        deadline = time.monotonic() + 2 + FINISH_GRACE
+        while True:
+            after = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=5).text
+            done = sample(after, "tiergate_requests_total", tier="standard") - sample(
+                before, "tiergate_requests_total", tier="standard")
+            if done or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+
+        def grew(name: str, **labels: str) -> float:
+            return sample(after, name, **labels) - sample(before, name, **labels)
+        assert grew("tiergate_requests_total", tier="standard", outcome="success") == 1
+        if lead <= LEAVE_GRACE + 0.1:  # this machine was too slow for the case to say anything: again
+            return [f"the usage left the upstream only {lead:.3f} s after the leave"]
+        assert grew("tiergate_tokens_total", tier="standard", token_type="output", usage="reported") == 3
+        assert grew("tiergate_usage_estimated_total", tier="standard") == 0
+        return []
+    on_time(attempt)
 
 
 def _disconnect(fake: EmulatorThread, gw: Proc, body: bytes, phase: str) -> float:

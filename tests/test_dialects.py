@@ -156,9 +156,11 @@ def test_groq_keeps_its_own_service_tiers_and_drops_openais(tier: str, kept: boo
     assert doc["temperature"] == 0.2 and doc["model"] == "up-model"
 
 
-def test_groq_recorded_usage_in_x_groq_is_read() -> None:
+@pytest.mark.parametrize("label", ["groq", "openai"])
+def test_groq_recorded_usage_in_x_groq_is_read(label: str) -> None:
+    """Labelled ``groq``, or ``openai`` as an OpenAI-compatible API often is: its finish chunk's ``x_groq.usage``."""
     data = _fixture("groq_chat_stream_text")
-    out, stats = _relayed(data, "groq")
+    out, stats = _relayed(data, label)
     assert out == data
     usage = stats.usage
     assert usage is not None and usage["prompt_tokens"] == 18 and usage["completion_tokens"] == 73
@@ -249,11 +251,12 @@ def test_a_groq_fast_tier_and_a_vllm_standard_tier_serve_through_the_gateway(tmp
     ("groq_chat_stream_text", "groq", 73),              # x_groq.usage on the last chunk
     ("llamacpp_chat_stream_reasoning", "vllm", 82),     # llama-server's timings.predicted_n
 ])
-def test_usage_in_the_member_a_dialect_adds_is_counted_for_that_dialect_only(
+def test_usage_in_the_member_a_dialect_adds_is_counted_whatever_the_upstreams_label(
         transcript: str, dialect: str, output_tokens: int, tmp_path: Path) -> None:
     """Over loopback: the recorded stream's usage, which only its dialect's member holds, is counted as reported
-    when the upstream is labelled with that dialect; labelled ``openai``, the same bytes are read for OpenAI's members
-    alone (docs/architecture.md#general-readers), so the stream counts as one without usage."""
+    both when the upstream is labelled with that dialect and when it is labelled ``openai`` (a Groq upstream declared
+    OpenAI-compatible, a llama.cpp server left at the default): every dialect's member is read for usage on the
+    finishing chunk (docs/architecture.md#general-readers), so neither stream is counted as one without usage."""
     upstreams = {label: _replaying(transcript) for label in (dialect, "openai")}
     cfg = {"upstreams": [
         {"name": label, "tier": tier, "dialect": label, "models": {"m": "m"}, "base_url": up.base_url}
@@ -266,10 +269,11 @@ def test_usage_in_the_member_a_dialect_adds_is_counted_for_that_dialect_only(
             r = httpx.post(url, json=body, headers={"x-tiergate-tier": tier}, timeout=10)
             assert r.status_code == 200 and r.content == _fixture(transcript), r.text
         metrics = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=5).text
-        assert sample(metrics, "tiergate_tokens_total", tier="fast", token_type="output", usage="reported",
-                      missing_ok=False) == output_tokens
-        assert sample(metrics, "tiergate_tokens_total", tier="standard", token_type="output", usage="reported") == 0
-        assert sample(metrics, "tiergate_usage_missing_total", tier="standard", missing_ok=False) == 1
+        for tier in ("fast", "standard"):  # labelled with its own dialect, then labelled openai
+            assert sample(metrics, "tiergate_tokens_total", tier=tier, token_type="output", usage="reported",
+                          missing_ok=False) == output_tokens, tier
+            assert sample(metrics, "tiergate_tokens_total", tier=tier, usage="estimated") == 0, tier
+            assert sample(metrics, "tiergate_usage_missing_total", tier=tier) == 0, tier
     finally:
         gw.stop()
         for up in upstreams.values():

@@ -29,7 +29,7 @@ import pytest
 
 from gateway.tools.emulator import EmulatorThread, Plan, Received
 
-from conftest import ROOT, Proc, chunk, emulator, free_port, sample, sse, start_gateway, timely
+from conftest import ROOT, Proc, chunk, emulator, free_port, on_time, round_trip, sample, sse, start_gateway, timely
 
 CASES: dict[str, Plan | list[Plan]] = {}
 SEEN: dict[str, int] = {}
@@ -301,6 +301,74 @@ def test_client_leaving_after_the_finish_chunk_still_counts_the_usage(fake: Emul
     assert _grew(before, after, "tiergate_cost_usd_total", tier="standard") > 0
     assert _grew(before, after, "tiergate_requests_total", tier="standard", outcome="success") == 1
     assert _grew(before, after, "tiergate_requests_total", outcome="client_disconnect") == 0
+
+
+def test_client_leaving_before_the_finish_still_counts_the_usage_that_follows_within_a_second(
+        fake: EmulatorThread, gw: Proc) -> None:
+    """Case 7b: the client leaves after its first token, before any finish_reason; the upstream goes on generating
+    and sends its finish and usage 0.4 s or more after the leave: counted as reported, not estimated. A leave before
+    the finish is read on for up to 1 s (LEAVE_GRACE), not for ``finish_grace`` (0.3 s on this gateway), which is
+    a finished stream's wait for its usage tail."""
+    ticks = [(0.05, sse(chunk("b"), done=False)) for _ in range(10)]  # the upstream generating meanwhile
+    parts = [(0.0, sse(chunk(role=True), chunk("a"), done=False)), *ticks,
+             (0.05, sse(chunk(finish="stop"), chunk(usage=True)))]
+    usage_at = sum(delay for delay, _ in parts)  # 0.55 s after the first token
+    CASES["leave_before_finish"] = Plan(parts=parts)
+    body = orjson.dumps({"model": "m", "stream": True, "x_case": "leave_before_finish", "messages": MESSAGES})
+
+    def attempt() -> list[str]:
+        before = _metrics(gw)
+        n = len(fake.requests)
+        with socket.create_connection(("127.0.0.1", gw.port), timeout=5) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            got = b""
+            while b'"a"' not in got:
+                got += sock.recv(65536)
+            t_close = time.monotonic()
+        lead = fake.requests[n].at + usage_at - t_close  # how long after the leave the usage left the upstream
+        deadline = time.monotonic() + 3
+        while not _grew(before, after := _metrics(gw), "tiergate_requests_total", tier="standard"):
+            assert time.monotonic() < deadline, "the request the client left was never recorded"
+            time.sleep(0.02)
+        assert _grew(before, after, "tiergate_requests_total", tier="standard", outcome="client_disconnect") == 1
+        if lead < 0.4:  # the leave came late on a busy machine: the case says nothing, run it again
+            return [f"the usage left the upstream only {lead:.3f} s after the leave"]
+        assert _grew(before, after, "tiergate_tokens_total", tier="standard", token_type="output",
+                     usage="reported") == 3
+        assert _grew(before, after, "tiergate_usage_estimated_total", tier="standard") == 0
+        return []
+    on_time(attempt)
+
+
+def test_a_stream_that_finishes_after_the_client_left_waits_finish_grace_for_its_usage(
+        fake: EmulatorThread, gw: Proc) -> None:
+    """Case 7c: the client leaves after its first token; the finish comes 0.1 s later and then no usage, only
+    keep-alives: the upstream is closed ``finish_grace`` (0.3 s) after the finish, not at the 1 s a leave before the
+    finish may take at most (both bounds hold)."""
+    pings = [(0.05, b": ping\n\n") for _ in range(60)]  # 3 s of keep-alives: the 0.5 s idle timeout stays quiet
+    finish_at = 0.1
+    CASES["finish_after_leave"] = Plan(parts=[(0.0, sse(chunk(role=True), chunk("a"), done=False)),
+                                              (finish_at, sse(chunk(finish="stop"), done=False)), *pings])
+    body = orjson.dumps({"model": "m", "stream": True, "x_case": "finish_after_leave", "messages": MESSAGES})
+
+    def attempt() -> tuple[float, float]:
+        floor = round_trip(gw.port)
+        closed = len(fake.closed_at)
+        with socket.create_connection(("127.0.0.1", gw.port), timeout=5) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            got = b""
+            while b'"a"' not in got:
+                got += sock.recv(65536)
+            t_close = time.monotonic()
+        deadline = time.monotonic() + 3
+        while len(fake.closed_at) == closed:
+            assert time.monotonic() < deadline, "the upstream connection was never closed"
+            time.sleep(0.002)
+        # the finish left the upstream at most finish_at after the leave; a relay that kept the 1 s takes 1 s
+        return fake.closed_at[-1] - t_close, finish_at + GRACE + 0.1 + floor
+    timely(attempt)
 
 
 def test_usage_on_an_error_chunk_is_counted(fake: EmulatorThread, gw: Proc) -> None:

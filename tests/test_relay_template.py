@@ -160,13 +160,15 @@ def test_recorded_refusal_and_tool_call_streams_take_the_fast_path() -> None:
 ])
 def test_the_member_a_dialect_adds_is_read_on_both_paths(name: str, dialect: str, read: str) -> None:
     """The member an upstream's dialect adds to OpenAI's chunks is read whether its chunk came after template chunks
-    or not; an upstream of another dialect is read for OpenAI's members alone."""
+    or not; an upstream labelled with another dialect still has the usage the member holds read (on the finishing
+    chunk, on both paths alike), but not its timings."""
     events = per_event((FIXTURES / f"{name}.body").read_bytes())
     both(events, extra=dialects.DIALECTS[dialect])
     _, figures, _ = relay(events, extra=dialects.DIALECTS[dialect])
     assert figures[read] is not None
+    both(events, extra=dialects.DIALECTS["openai"])
     _, as_openai, _ = relay(events, extra=dialects.DIALECTS["openai"])
-    assert as_openai["timings"] is None and (read == "timings" or as_openai["usage"] is None)
+    assert as_openai["timings"] is None and as_openai["usage"] == figures["usage"]
 
 
 def test_plain_text_streams_past_the_first_token_chunk_are_not_parsed() -> None:

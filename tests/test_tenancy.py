@@ -406,7 +406,7 @@ def _recorded(gw: Proc, name: str, before: float) -> None:
 def test_a_client_that_leaves_before_the_usage_is_charged_what_was_relayed(gateway: Proc) -> None:
     _fresh_minute(20)
     statuses = []
-    for _ in range(8):  # 6,000 tokens a minute; each stream relays ~1,500 (and ~4,000 more are read) before it ends
+    for _ in range(8):  # 6,000 tokens a minute; each stream relays ~1,500 (and ~2,000 more are read) before it ends
         before = sample(_metrics(gateway), "tiergate_key_requests_total", key="leaver")
         statuses.append(_cut_stream(gateway, "leaver", 20_000, 1500, tps=2000))
         _recorded(gateway, "leaver", before)

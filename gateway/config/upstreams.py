@@ -28,7 +28,8 @@ class Timeouts(Strict):
     finish_grace: once every choice has its ``finish_reason``, how long to wait for the rest of the stream (the
         usage chunk, ``[DONE]``) before ending the client's stream with ``[DONE]`` and closing the upstream;
         also how long the gateway reads on (counting tokens, sending nothing) for the usage when the client leaves
-        before the stream's end.
+        after that; a client that leaves before the finish is read on for at most 1 s
+        (``gateway.stream.relay.LEAVE_GRACE``).
     total: whole non-streaming request; streams have no total timeout.
     """
 

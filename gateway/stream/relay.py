@@ -24,7 +24,7 @@ first byte is a failover, not a 200 ending in an in-band error.
 choice has its ``finish_reason``, after ``finish_grace`` seconds of waiting for the usage tail (the client's stream
 then ends with ``[DONE]``; the upstream connection is closed). An EOF before every choice finished (or before a
 Responses terminal event) is an interrupted stream, never a silent truncation. A client that leaves early gets at most
-``finish_grace`` more seconds of reading, unsent (:meth:`Relay.tail`).
+``finish_grace`` more seconds of reading, unsent, if every choice had finished, else :data:`LEAVE_GRACE` (``tail``).
 
 **The common chunk without a parse** (``gateway.stream.template``): a read of events that fit the stream's template
 is observed by comparing bytes; anything else goes through the scanner and a JSON parse, with the same result. The
@@ -52,14 +52,25 @@ from gateway.errors import (
 )
 from gateway.observability.usage import chat_usage
 from gateway.stream.sse import EventTooLarge, SSEEvent, SSEScanner
-from gateway.stream.stats import Extra, StreamBody, StreamStats, Write, delta_has_token, served_tier
+from gateway.stream.stats import (
+    Extra,
+    StreamBody,
+    StreamStats,
+    Write,
+    delta_has_token,
+    observe_response_event,
+    served_tier,
+)
 from gateway.stream.template import Template
 
 DONE = b"data: [DONE]\n\n"
 DONE_GRACE = 0.02  # seconds to wait for the end of the upstream's body after its [DONE]
+# seconds the upstream connection stays open after a client left before every choice finished: read, unsent, for the
+# usage of the generation it cancelled (which runs, and is billed, until the close). The gateway's own bound
+# (docs/routing.md#stream-end); design/wire-contract.md sets no figure. finish_grace is for finished streams.
+LEAVE_GRACE = 1.0
 HOLD_BYTES = 256 * 1024  # bytes of output held before the first token at most; past it the stream commits
 ALIVE_WITHIN = 0.75  # at the hold's time bound, a stream heard from within this share of it is alive
-_RESPONSE_TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 _NO_MEMBER = "\x00"  # the member looked for when the dialect adds none: no chunk has it (a lookup, not a branch)
 
 
@@ -86,6 +97,7 @@ class Relay:
         member = extra.member if extra is not None else None
         self._extra = extra if member is not None else None  # what reads the member's value, when there is one
         self._member = member if member is not None else _NO_MEMBER
+        self._vendors = extra  # reads any kind's member for usage, on a finishing chunk that brought none
         self._strip = strip_usage_chunk
         self._responses = responses
         self._scanner = SSEScanner(max_event_bytes)
@@ -176,18 +188,23 @@ class Relay:
         return stats
 
     async def tail(self, body: StreamBody) -> None:
-        """The client left before the end: read on for at most ``finish_grace`` seconds, writing nothing, counting
+        """The client left before the end: read on for at most ``finish_grace`` seconds if every choice had finished,
+        else :data:`LEAVE_GRACE` (and ``finish_grace`` after a finish that comes meanwhile), writing nothing, counting
         token chunks and taking the usage if it comes (SDKs often ``break`` on ``finish_reason``; a long stream cut
         short is charged what the upstream sent meanwhile). Never raises for the upstream's trouble."""
         stats = self.stats
         if stats.usage is not None or stats.done or stats.complete:
             return
+        finished = stats.finished
         try:
-            async with asyncio.timeout(self._finish_grace):
+            async with asyncio.timeout(self._finish_grace if finished else LEAVE_GRACE) as bound:
                 async for chunk in body.chunks():
                     self._take(chunk)
                     if stats.usage is not None or stats.done:
                         return
+                    if stats.finished and not finished:  # finished after the leave: both bounds hold
+                        finished, limit = True, asyncio.get_running_loop().time() + self._finish_grace
+                        bound.reschedule(min(bound.when() or limit, limit))
                 stats.complete = True
         except (TimeoutError, StreamInterrupted, EventTooLarge):
             pass
@@ -357,13 +374,13 @@ class Relay:
                 out.append(raw)
                 continue
             if self._responses:
-                self._observe_response_event(chunk, now)
+                self._error_event = observe_response_event(stats, chunk, now) or self._error_event
             elif event is not None or chunk.get("usage") is not None or "error" in chunk or member in chunk:
                 if not self._observe(chunk, event, now):
                     continue
             elif choices := chunk.get("choices"):
                 stats.service_tier = stats.service_tier or served_tier(chunk)  # every chunk says it: read until known
-                self._choices_seen(choices, now)
+                self._choices_seen(chunk, choices, now)
                 # this read had a token, and not the first (learning costs ~4 us: never on the way to the first token)
                 if self._learn and stats.t_last_token == now and stats.t_first_token != now:
                     self._learn -= 1  # bounded: a stream whose chunks keep changing shape stops trying
@@ -371,9 +388,9 @@ class Relay:
             out.append(raw)
         return b"".join(out)
 
-    def _choices_seen(self, choices: Any, now: float) -> None:
+    def _choices_seen(self, chunk: dict[str, Any], choices: Any, now: float) -> None:
         """Time a token-bearing chunk (:func:`delta_has_token` for some choice) and note each choice's
-        ``finish_reason``."""
+        ``finish_reason`` (``choices``: the chunk's)."""
         if type(choices) is not list:
             return
         token = False
@@ -386,44 +403,16 @@ class Relay:
                 index = choice.get("index", 0)
                 self._unfinished.discard(index if type(index) is int else 0)
                 if not self._unfinished:
-                    self.stats.finished = True
+                    stats = self.stats
+                    stats.finished = True
+                    if stats.usage is None and self._vendors is not None:  # any kind's member, on this chunk only
+                        stats.usage = self._vendors.vendor_usage(chunk)  # (docs/architecture.md#general-readers)
         if token:
             stats = self.stats
             stats.token_chunks += 1
             if stats.t_first_token is None:
                 stats.t_first_token = now
             stats.t_last_token = now
-
-    def _observe_response_event(self, chunk: dict[str, Any], now: float) -> None:
-        """Responses API events (docs/reference/wire.md#responses-api-streams): a ``*.delta`` event carries output;
-        the terminal event carries ``response.usage``; ``error`` and ``response.failed`` end the stream as an
-        upstream error."""
-        stats = self.stats
-        etype = chunk.get("type")
-        if not isinstance(etype, str):
-            return
-        if etype.endswith(".delta"):
-            stats.token_chunks += 1
-            if stats.t_first_token is None:
-                stats.t_first_token = now
-            stats.t_last_token = now
-        elif etype == "response.created":
-            response = chunk.get("response")
-            rid = response.get("id") if isinstance(response, dict) else None
-            stats.response_id = rid if isinstance(rid, str) else None
-        elif etype in _RESPONSE_TERMINAL:
-            response = chunk.get("response")
-            usage = response.get("usage") if isinstance(response, dict) else None
-            if isinstance(usage, dict):
-                stats.usage = chat_usage(usage)
-            if isinstance(response, dict):
-                stats.service_tier = served_tier(response) or stats.service_tier
-            stats.done = True  # the Responses API's end of stream (no [DONE]): end here, as after [DONE]
-        if etype in ("error", "response.failed"):
-            stats.error = "upstream_error_event"
-            stats.error_event = chunk
-            if stats.t_first_token is None:
-                self._error_event = chunk  # before any token: it can still be answered with its status
 
     def _observe(self, chunk: dict[str, Any], event: bytes | None, now: float) -> bool:
         """The complete look at a chat chunk; return False when the chunk must not be forwarded."""
@@ -446,5 +435,5 @@ class Relay:
         choices = chunk.get("choices")
         if not choices:
             return not (self._strip and isinstance(usage, dict) and choices == [])
-        self._choices_seen(choices, now)
+        self._choices_seen(chunk, choices, now)
         return True

@@ -1,7 +1,8 @@
 """What a relayed stream is made of and what is measured of it: the body the relay reads (:class:`StreamBody`), the
 write it answers with (:data:`Write`), when a chunk carries a token (:func:`has_token`: content, refusal, reasoning or
 a tool-call delta, never a role-only chunk), the figures of one stream (:class:`StreamStats`: first and last token
-times, token-bearing chunks, usage, the upstream's own timing, how it ended), the token-bearing events of a stream
+times, token-bearing chunks, usage, the upstream's own timing, how it ended; what a Responses API event adds to them:
+:func:`observe_response_event`), the token-bearing events of a stream
 relayed untouched (:class:`EventTally`: the passthrough's), and what an upstream kind adds to OpenAI's chunks
 (:class:`Extra`: its dialect's)."""
 
@@ -13,8 +14,10 @@ from typing import Any, Protocol
 from orjson import JSONDecodeError, loads
 
 from gateway.stream.sse import EventTooLarge, SSEScanner
+from gateway.wire.body import chat_usage
 
 _TOKEN_KEYS = frozenset({"content", "refusal", "reasoning", "reasoning_content", "tool_calls", "function_call"})
+_RESPONSE_TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
 
 Write = Callable[[bytes], Awaitable[None]]
@@ -45,8 +48,9 @@ def has_token(choices: Any) -> bool:
 
 class Extra(Protocol):
     """What an upstream kind adds to OpenAI's chunks: the one top-level member in which its streams (and whole answers)
-    report usage or timings of their own, and what that member's value says. The relay is given the upstream's
-    dialect (``gateway.upstream.dialects.base.Dialect``) as one; without it, a stream is read as OpenAI's."""
+    report usage or timings of their own, and what that member's value says; and the usage that any kind's member
+    reports, whatever the upstream's own kind (:meth:`vendor_usage`). The relay is given the upstream's dialect
+    (``gateway.upstream.dialects.base.Dialect``) as one; without it, a stream is read as OpenAI's."""
 
     @property
     def member(self) -> str | None:
@@ -56,6 +60,13 @@ class Extra(Protocol):
     def member_facts(self, value: Any) -> tuple[dict[str, Any] | None, dict[str, float] | None]:
         """What the member's ``value`` says: (usage in the chat shape, or None; the upstream's own seconds by phase
         (``queue``, ``prompt``, ``completion``, ``total``), or None). Never raises for an odd value."""
+        ...
+
+    def vendor_usage(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        """The usage, in the chat shape, that the member of any upstream kind reports in ``chunk`` (Groq's
+        ``x_groq.usage`` in an upstream labelled ``openai``), or None. The relay asks only on the chunk that
+        finishes the stream, when the stream has no usage yet: never on an ordinary token chunk. Never raises for an
+        odd value."""
         ...
 
 
@@ -79,7 +90,8 @@ class StreamStats:
         t_first_token / t_last_token: arrival of the first / last token-bearing chunk, or None.
         token_chunks: token-bearing chunks received.
         usage: the last ``usage`` object seen (OpenAI's usage chunk, or a finish chunk that carries one), else the
-            usage its dialect's member reports (:class:`Extra`), or None.
+            usage its dialect's member reports, else the usage another kind's member reports on the finishing chunk
+            (:class:`Extra`), or None.
         timings: the upstream's own seconds by phase, as its dialect's member reports them (:class:`Extra`), or
             None.
         done: the stream's end was sent to the client: ``[DONE]``, or a Responses API terminal event
@@ -112,6 +124,39 @@ class StreamStats:
         self.error_event: dict[str, Any] | None = None
         self.service_tier: str | None = None
         self.left_early = False
+
+
+def observe_response_event(stats: StreamStats, chunk: dict[str, Any], now: float) -> dict[str, Any] | None:
+    """What one Responses API event (docs/reference/wire.md#responses-api-streams) adds to its stream's ``stats``
+    (``now``: its arrival): a ``*.delta`` event carries output; the terminal event carries ``response.usage``;
+    ``error`` and ``response.failed`` end the stream as an upstream error. Returns ``chunk`` when it is an error
+    event that came before any token (it can still be answered with its status), else None."""
+    etype = chunk.get("type")
+    if not isinstance(etype, str):
+        return None
+    if etype.endswith(".delta"):
+        stats.token_chunks += 1
+        if stats.t_first_token is None:
+            stats.t_first_token = now
+        stats.t_last_token = now
+    elif etype == "response.created":
+        response = chunk.get("response")
+        rid = response.get("id") if isinstance(response, dict) else None
+        stats.response_id = rid if isinstance(rid, str) else None
+    elif etype in _RESPONSE_TERMINAL:
+        response = chunk.get("response")
+        usage = response.get("usage") if isinstance(response, dict) else None
+        if isinstance(usage, dict):
+            stats.usage = chat_usage(usage)
+        if isinstance(response, dict):
+            stats.service_tier = served_tier(response) or stats.service_tier
+        stats.done = True  # the Responses API's end of stream (no [DONE]): end here, as after [DONE]
+    if etype in ("error", "response.failed"):
+        stats.error = "upstream_error_event"
+        stats.error_event = chunk
+        if stats.t_first_token is None:
+            return chunk
+    return None
 
 
 def event_has_token(chunk: Any) -> bool:

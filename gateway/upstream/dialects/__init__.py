@@ -25,6 +25,8 @@ def _found() -> dict[str, Dialect]:
 
 
 DIALECTS: dict[str, Dialect] = _found()
+# the dialects whose chunks add a member: each one's usage is read for every upstream (Dialect.vendor_usage)
+Dialect.vendors = tuple(d for d in DIALECTS.values() if d.member is not None)
 
 
 def of(upstream: UpstreamConfig) -> Dialect:

@@ -3,7 +3,8 @@ behaviour as its default, and one module per dialect beside this one that overri
 
 A dialect answers, for one attempt: the request bytes to send (:meth:`Dialect.body`: fields it rejects dropped or
 rewritten); the member its chunks and whole answers add to OpenAI's, and the usage or timings it holds
-(:attr:`Dialect.member`, :meth:`Dialect.member_facts`: the relay is handed the dialect for that), and the timings a
+(:attr:`Dialect.member`, :meth:`Dialect.member_facts`: the relay is handed the dialect for that; the usage any
+dialect's member holds is read whatever the upstream's dialect, :meth:`Dialect.vendor_usage`), and the timings a
 whole answer's headers report (:meth:`Dialect.answer_timings`); what an error answer or an error event means
 (:meth:`Dialect.status_error`, :meth:`Dialect.event_error`) and what a failure means for it (:meth:`Dialect.cause`);
 what its rate-limit headers report (:meth:`Dialect.quota_report`) and how long a 429 asks to wait
@@ -37,11 +38,14 @@ class Dialect:
         name: as ``dialect:`` names it, and the trace's ``gen_ai.provider.name``; prompt_cache_key: it takes one.
         member: the top-level member its chunks (and whole answers) add to OpenAI's to report usage or timings of
             their own (read by :meth:`member_facts`), or None: OpenAI's members only. The relay looks for it in every
-            chunk it parses, so a dialect names one member at most.
+            chunk it parses, so a dialect names one member at most; for usage, every dialect's member is read on a
+            stream's finishing chunk whatever the upstream's own dialect (:meth:`vendor_usage`).
+        vendors: every dialect that names a member, as the package found them (``gateway.upstream.dialects``).
     """
 
     name: ClassVar[str] = "openai"
     member: ClassVar[str | None] = None
+    vendors: ClassVar[tuple[Dialect, ...]] = ()  # set once by the package, when it has found the dialects
     # whether it takes ``prompt_cache_key`` (OpenAI API reference, "Create chat completion" and "Create a model
     # response": a key that routes requests sharing a prefix to the same cache); an agent session's steps are sent
     # one made from the session where the client sent none (``sessions.prompt_cache_key``)
@@ -58,6 +62,20 @@ class Dialect:
         phase, ``queue``, ``prompt``, ``completion`` or ``total``, or None). OpenAI adds no member: (None, None).
         Never raises for an odd value."""
         return None, None
+
+    def vendor_usage(self, chunk: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The usage that the member of any dialect (:attr:`vendors`) reports in ``chunk``, the first found, or None:
+        an upstream labelled with another dialect than its own (Groq's OpenAI-compatible API declared ``openai``, a
+        llama.cpp server left at the default) is still counted by what its server reports. Costs a dictionary lookup a
+        dialect, and the relay asks on a stream's finishing chunk only (docs/architecture.md#general-readers). Never
+        raises."""
+        for vendor in self.vendors:
+            value = chunk.get(vendor.member) if vendor.member is not None else None
+            if value is not None:
+                usage, _ = vendor.member_facts(value)
+                if usage is not None:
+                    return usage
+        return None
 
     def answer_timings(self, headers: Mapping[str, str]) -> dict[str, float] | None:
         """The upstream's own seconds for a whole (non-streaming) answer, from its headers: OpenAI's
