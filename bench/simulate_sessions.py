@@ -52,10 +52,10 @@ from typing import Any
 
 import simpy
 
+from gateway.admission.sessions import Run, Sessions, budgets_of
 from gateway.config.schema import GatewayConfig
 from gateway.errors import GatewayError, upstream_error
 from gateway.observability.estimates import Estimates
-from gateway.admission.sessions import Run, Sessions, budgets_of
 from gateway.routing import deadline, failover
 from gateway.routing.facts import Candidate, RequestFacts
 from gateway.routing.health import Health

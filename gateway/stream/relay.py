@@ -50,7 +50,6 @@ from gateway.errors import (
     error_body,
     event_error,
 )
-from gateway.observability.usage import chat_usage
 from gateway.stream.sse import EventTooLarge, SSEEvent, SSEScanner
 from gateway.stream.stats import (
     Extra,

@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 from orjson import JSONDecodeError, loads
 
+from gateway.observability.usage import chat_usage
 from gateway.stream.sse import EventTooLarge, SSEScanner
-from gateway.wire.body import chat_usage
 
 _TOKEN_KEYS = frozenset({"content", "refusal", "reasoning", "reasoning_content", "tool_calls", "function_call"})
 _RESPONSE_TERMINAL = ("response.completed", "response.incomplete", "response.failed")
