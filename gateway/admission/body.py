@@ -9,6 +9,7 @@ a one-message body, ~1.7 us per KB of an agent history (orjson).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -147,8 +148,16 @@ def check_depth(raw: bytes, body: Any) -> None:
     Raises:
         InvalidRequest: 400 ``invalid_json``.
     """
-    if raw.count(b"{") + raw.count(b"[") < MAX_DEPTH:
-        return
+    if raw.count(b"{") + raw.count(b"[") >= MAX_DEPTH:
+        check_nesting(body)
+
+
+def check_nesting(body: Any) -> None:
+    """Refuse a parsed body nested deeper than :data:`MAX_DEPTH` (walked without recursion).
+
+    Raises:
+        InvalidRequest: 400 ``invalid_json``.
+    """
     stack: list[tuple[Any, int]] = [(body, 1)]
     while stack:
         node, depth = stack.pop()
@@ -177,6 +186,11 @@ def parse_json(raw: bytes) -> Any:
 def canonical(body: Any) -> bytes:
     """The bytes of ``body`` as it was read (module docstring: what goes upstream with gateway keys)."""
     return dumps(body)
+
+
+def has_body(headers: dict[str, str]) -> bool:
+    """Whether a request has a body: what its framing says, whatever the method (RFC 9112 §6.3)."""
+    return headers.get("content-length") not in (None, "0") or "transfer-encoding" in headers
 
 
 def content_type(headers: dict[str, str]) -> str:
@@ -217,3 +231,93 @@ def passthrough_facts(raw: bytes | None, headers: dict[str, str]) -> RequestFact
     check_limits(body)  # legacy completions have max_tokens too: routing and key limits read it
     check_service_tier(body)  # billed and logged by it, as on the hot path
     return RequestFacts(body, headers, len(raw))
+
+
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+def keyed_body(method: str, headers: dict[str, str], uploads: bool) -> str:
+    """How a passthrough body is read with gateway keys, whose ownership check must see what the upstream will read:
+    ``json`` (read whole and parsed: every other body the gateway cannot read is refused, since an upstream, and the
+    FastAPI servers it may run, read a body of any declared type as JSON), ``multipart`` (a file upload, streamed, where
+    the route takes one: its field names are checked as it streams, :class:`MultipartGuard`).
+
+    Raises:
+        UnsupportedMediaType: 415, any other body; InvalidRequest: 400, a body on a method that has none.
+    """
+    ctype = content_type(headers)
+    if method not in _BODY_METHODS:
+        raise InvalidRequest(f"A {method} request takes no body; with gateway keys one is refused.",
+                             code="unexpected_body")
+    if is_json_type(ctype):
+        return "json"
+    if ctype == "multipart/form-data" and uploads:
+        if boundary(headers.get("content-type", "")) is None:
+            raise InvalidRequest("A multipart/form-data body needs a boundary in its content type.",
+                                 code="invalid_multipart")
+        return "multipart"
+    where = "application/json" + (", or multipart/form-data for the file" if uploads else "")
+    raise UnsupportedMediaType(f"Unsupported content type {ctype or 'none'!r} with gateway keys: send {where}.")
+
+
+def boundary(ctype_header: str) -> bytes | None:
+    """The delimiter of a ``multipart/form-data`` body (RFC 2046 §5.1.1: ``--`` and the boundary parameter)."""
+    found = re.search(r'(?i)boundary="?([^";]+)"?', ctype_header)
+    return b"--" + found[1].strip().encode("latin-1") if found is not None and found[1].strip() else None
+
+
+_NAME = re.compile(rb'(?i)\bname\*?=\s*(?:"([^"\r\n]*)"|([^;\s]+))')
+_HEADERS_MAX = 16 * 1024  # bytes of one part's headers (a longer one is no form field any client sends)
+
+
+class MultipartGuard:
+    """Reads a ``multipart/form-data`` body as it streams upstream, at its part boundaries only (RFC 7578: the
+    boundary from the content type, each part's ``Content-Disposition`` name), and refuses a field named as an object
+    reference (``gateway.tenancy.objects.REFERENCES``: ``file_id``, ...): with gateway keys a field the ownership check
+    cannot see must not reach an upstream, which would read it with the gateway's credential. The API takes object
+    ids in JSON bodies. A part's data is never searched but for the boundary.
+
+    Raises (from :meth:`feed`):
+        InvalidRequest: 400 ``object_reference_in_upload``, or a malformed part header.
+    """
+
+    __slots__ = ("delimiter", "names", "buf", "in_headers")
+
+    def __init__(self, delimiter: bytes, names: frozenset[str]) -> None:
+        self.delimiter = delimiter
+        self.names = names
+        self.buf = b"\r\n"  # the first delimiter may open the body: read it as if a line ended before it
+        self.in_headers = False
+
+    def feed(self, part: bytes) -> None:
+        buf = self.buf + part
+        while True:
+            if self.in_headers:
+                if buf.startswith(b"--"):  # the closing delimiter: what follows is the epilogue, no part
+                    self.in_headers = False
+                    buf = buf[2:]
+                    continue
+                end = buf.find(b"\r\n\r\n")
+                if end < 0:
+                    if len(buf) > _HEADERS_MAX:
+                        raise InvalidRequest("A multipart part's headers are too long.", code="invalid_multipart")
+                    break
+                self._check(buf[:end])
+                buf, self.in_headers = buf[end + 4:], False
+                continue
+            at = buf.find(b"\r\n" + self.delimiter)
+            if at < 0:
+                buf = buf[-(len(self.delimiter) + 2):]  # a delimiter cut between two parts
+                break
+            buf, self.in_headers = buf[at + 2 + len(self.delimiter):], True
+        self.buf = buf
+
+    def _check(self, headers: bytes) -> None:
+        for line in headers.split(b"\r\n"):
+            if line.lower().startswith(b"content-disposition:"):
+                found = _NAME.search(line)
+                name = (found[1] or found[2] or b"").decode("latin-1") if found else ""
+                field = name.split("[", 1)[0]
+                if field in self.names:
+                    raise InvalidRequest(f"The upload has a field '{name}' naming an object; with gateway keys send "
+                                         "object ids in a JSON body.", param=name, code="object_reference_in_upload")

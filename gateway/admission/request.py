@@ -34,7 +34,8 @@ class Request:
     Known once parsed: raw, the body as it goes upstream (with keys, re-serialised from what was checked); body, the
     parsed JSON body; facts, what routing reads of it; stream: it asks for a stream; requested: the model as the client
     named it; prompt_tokens: its estimated prompt (tokens); session, step: the agent session it is a step of and its
-    number there (0: none).
+    number there (0: none); speed_dropped: why the fast ``service_tier`` it asked is not sent (``key_tier``,
+    ``key_allowance``: its gateway key may not use the fast tier), or None.
     """
 
     kind: Kind
@@ -53,6 +54,7 @@ class Request:
     prompt_tokens: int = 0
     session: SessionId | None = None
     step: int = 0
+    speed_dropped: str | None = None
 
     @property
     def owner(self) -> str | None:

@@ -9,6 +9,7 @@ import dataclasses
 from typing import Any, Protocol
 
 from gateway.admission.body import BodyBudget, Held
+from gateway.config.upstreams import FAST_SERVICE_TIERS
 from gateway.errors import GatewayError, KeyNotAllowed
 from gateway.observability.metrics import BILLABLE
 from gateway.observability.recorder import Recorded, Recorder
@@ -45,14 +46,14 @@ def need_of(facts: RequestFacts | None) -> int:
     return min(facts.prompt_tokens + (facts.max_tokens or 0), MAX_NEED) if facts is not None else 0
 
 
-def estimated_cost(cand: Candidate, decision: Decision, facts: RequestFacts | None) -> float:
+def estimated_cost(cand: Candidate, decision: Decision, facts: RequestFacts | None, speed: bool = True) -> float:
     """USD a request is expected to cost on ``cand``: its estimated prompt, and its ``max_tokens`` (else
     ``deadline.DEFAULT_COMPLETION``), at the prices ``gateway.observability.metrics`` will bill it at (a model the
     config does not name: only the upstream's ``model_prices``); 0 when unpriced or without ``facts``."""
     if facts is None:
         return 0.0
     up = cand.upstream
-    tier = up.asks(facts.service_tier)  # what the request is sent with: what it is billed at, without an echo
+    tier = up.asks(facts.service_tier, speed)  # what the request is sent with: what it is billed at, without an echo
     if decision.rule == "passthrough":  # not a configured model: priced by model_prices alone, as metrics does
         listed = up.model_prices.get(decision.model)
         priced = listed.per_token(tier, facts.prompt_tokens) if listed is not None else None
@@ -71,26 +72,34 @@ class KeyBudgets:
         self.ledger = ledger
 
     async def keyed(self, rec: Recorder, key: Key, decision: Decision,
-                    facts: RequestFacts | None) -> tuple[Decision, Hold]:
+                    facts: RequestFacts | None) -> tuple[Decision, Hold, str | None]:
         """The candidates on ``key``'s tiers (:meth:`on_key_tiers`), and a reservation against its limits of one
         request, the request's need (:func:`need_of`) and its estimated cost (:func:`estimated_cost`), at the fast
-        level too when the first candidate is on the fast tier; a fast allowance short sends the request to the other
-        tier (:meth:`off_fast`). Returns the decision and the reservation.
+        level too when the first candidate is on the fast tier or the request asks a fast ``service_tier`` of any
+        upstream (speed is the fast tier, whoever sells it); a fast allowance short sends the request to the other
+        tier (:meth:`off_fast`). Returns the decision, the reservation, and why the request may not have the fast
+        ``service_tier`` it asked (``key_tier``, ``key_allowance``; None: it may, or asked none).
 
         Raises:
             KeyNotAllowed: no tier it may use serves the model (403); RateLimited, KeyOverBudget: a limit (429).
         """
         decision = self.on_key_tiers(rec, key, decision)
-        spend = Spend(1.0, float(need_of(facts)), estimated_cost(decision.candidates[0], decision, facts))
-        held = await self.ledger.reserve(key, spend, decision.candidates[0].upstream.tier == "fast")
+        asked = facts is not None and facts.service_tier in FAST_SERVICE_TIERS
+        dropped = "key_tier" if asked and "fast" not in key.cfg.tiers else None
+        on_fast = decision.candidates[0].upstream.tier == "fast"
+        spend = Spend(1.0, float(need_of(facts)), estimated_cost(decision.candidates[0], decision, facts,
+                                                                 dropped is None))
+        held = await self.ledger.reserve(key, spend, on_fast or (asked and dropped is None))
         if isinstance(held, Refusal) and held.level == "fast":
-            decision = self.off_fast(rec, key, decision, held)
-            spend.usd = estimated_cost(decision.candidates[0], decision, facts)
+            if on_fast:
+                decision = self.off_fast(rec, key, decision, held)
+            dropped = "key_allowance" if asked else dropped
+            spend.usd = estimated_cost(decision.candidates[0], decision, facts, False)
             held = await self.ledger.reserve(key, spend, False)
         if isinstance(held, Refusal):
             rec.key_refused(held.limit)
             raise held.error(key)
-        return decision, held
+        return decision, held, dropped
 
     def on_key_tiers(self, rec: Recorder, key: Key, decision: Decision) -> Decision:
         """``decision`` with only the candidates on the tiers ``key`` may use (:func:`key_tiers`), a first candidate
@@ -169,6 +178,7 @@ class Reserved:
         if hold is not None:
             tokens = done.tokens if done.tokens is not None else (int(hold.spend.tokens) if billable else 0)
             cost = done.cost if done.cost is not None else (hold.spend.usd if billable else 0.0)
-            hold.settle(tokens, cost, rec.tier)
+            speed = done.service_tier in FAST_SERVICE_TIERS  # a fast service tier of a standard upstream counts
+            hold.settle(tokens, cost, "fast" if speed else rec.tier)
         if self.run is not None and self.sessions is not None:
             self.sessions.finished(rec, self.run, done, billable)

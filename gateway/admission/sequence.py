@@ -20,7 +20,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.admission.authorize import Ownership
-from gateway.admission.body import check_depth, encoded, parsed_json, passthrough_facts
+from gateway.admission.body import (
+    canonical,
+    check_depth,
+    encoded,
+    has_body,
+    keyed_body,
+    parse_json,
+    passthrough_facts,
+)
 from gateway.admission.classify import Classify
 from gateway.admission.request import Request
 from gateway.admission.reserve import KeyBudgets, Reserved, key_tiers, refusal_outcome
@@ -33,7 +41,7 @@ from gateway.routing.facts import Decision, RequestFacts
 from gateway.routing.sessions import explain as explain_session
 from gateway.tenancy.keys import Key
 from gateway.tenancy.objects import named_objects, references
-from gateway.wire.body import parse_request
+from gateway.wire.body import loads_exact, needs_exact, parse_request
 
 # a "." or ".." segment, also with ";" parameters (servlet containers read "..;" as "..") or "\\" as a separator (IIS)
 _DOT_SEGMENT = re.compile(r"[/\\]\.\.?(;[^/\\]*)?(?=[/\\])")
@@ -91,6 +99,8 @@ class Admission:
         try:
             body = parse_request(req.kind, raw)
             check_depth(raw, body)
+            if req.key is not None:  # what goes upstream is what the ownership check reads (admission.body)
+                raw = canonical(loads_exact(raw) if needs_exact(raw) else body)
             req.raw, req.body, req.requested, req.stream = raw, body, body["model"], body.get("stream") is True
             if req.key is not None:
                 await self.ownership.check(req.key, named_objects(body))
@@ -141,7 +151,8 @@ class Admission:
         if key is None:
             return decision
         try:
-            decision, ex.reserved.hold = await self.budgets.keyed(ex.rec, key, decision, facts)
+            decision, ex.reserved.hold, ex.request.speed_dropped = await self.budgets.keyed(ex.rec, key, decision,
+                                                                                            facts)
         except GatewayError as exc:
             raise Refused(exc, refusal_outcome(exc)) from None
         return decision
@@ -171,6 +182,11 @@ class Admission:
         declared = req.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:  # before any 100 Continue
             raise Refused(PayloadTooLarge(f"The request body is over the {limit}-byte limit."))
+        if req.key is not None and has_body(req.headers):
+            try:
+                keyed_body(req.method, req.headers, req.route.route is not None and req.route.route.uploads)
+            except GatewayError as exc:
+                raise Refused(exc) from None
 
     async def admit_passthrough(self, ex: Admittee, raw: bytes | None, owner: str | None) -> Admitted:
         """Steps 2-5 of a passthrough request (``raw``: its body when read whole, a JSON one; None: none, or streamed
@@ -184,15 +200,10 @@ class Admission:
         req, rec = ex.request, ex.rec
         path = req.path[len("/v1/"):]
         try:
+            if req.key is not None and raw:
+                raw = await self.checked_body(req.key, raw, req.headers)
             facts = passthrough_facts(raw, req.headers)
             decision = self.classify.policy.decide_passthrough(path, facts, owner=owner)
-            if req.key is not None and raw and encoded(req.headers):
-                # a compressed body's object ids and tokens cannot be read: with keys, it is not sent on unread
-                raise InvalidRequest("With gateway keys, a JSON request body is sent uncompressed (no "
-                                     "content-encoding): the gateway reads the objects it names.",
-                                     code="unsupported_content_encoding")
-            if req.key is not None and raw:
-                await self.ownership.check(req.key, references(parsed_json(raw, req.headers)))
             req.raw = raw
             req.requested = facts.model if facts is not None else None
             req.prompt_tokens = facts.prompt_tokens if facts is not None else 0  # the floor of an estimated usage
@@ -207,6 +218,20 @@ class Admission:
         except GatewayError as exc:
             raise Refused(exc) from None
         return Admitted(facts, await self.reserve(ex, decision, facts))
+
+    async def checked_body(self, key: Key, raw: bytes, headers: dict[str, str]) -> bytes:
+        """A passthrough JSON body with gateway keys (steps 2 and 4): read strictly, the objects it names its key's,
+        and the bytes that go upstream those of what was checked (``gateway.admission.body``).
+
+        Raises:
+            InvalidRequest: 400: content-encoded, not JSON the gateway reads, or too deep; ObjectNotFound: 404.
+        """
+        if encoded(headers):  # a compressed body's object ids and tokens cannot be read: it is not sent on unread
+            raise InvalidRequest("With gateway keys, a JSON request body is sent uncompressed (no content-encoding): "
+                                 "the gateway reads the objects it names.", code="unsupported_content_encoding")
+        body = parse_json(raw)
+        await self.ownership.check(key, references(body))
+        return canonical(body)
 
     # the route endpoint
 

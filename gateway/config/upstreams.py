@@ -126,6 +126,13 @@ DIALECT_SURFACES: dict[str, tuple[Literal["native", "bridge", "none"], tuple[str
     "vllm": ("bridge", ("completions", "embeddings")),  # vLLM, SGLang, llama.cpp: Responses partial or missing
     "groq": ("bridge", ("audio", "files", "batches")),  # its Responses API is a beta without previous_response_id
 }
+# The service tiers each dialect's upstreams act on (a request sent with another is served, and billed, at the
+# default tier unless the answer names one): OpenAI's own (API reference, "service_tier"); Groq's (its flex
+# processing docs: on_demand, flex, performance, auto); none for Cerebras (its dialect drops the field: its tiers are
+# a private preview, docs/reference/wire.md) and vLLM, which takes the field and ignores it
+DIALECT_SERVICE_TIERS: dict[str, frozenset[str]] = {
+    "openai": frozenset(SERVICE_TIERS), "groq": frozenset({"on_demand", "flex", "performance", "auto"}),
+    "cerebras": frozenset(), "vllm": frozenset()}
 # Seconds a prompt cache is believed warm after a request, by dialect, from each provider's documentation (the lower
 # bound where it gives a range): OpenAI "typically clears caches within 5 to 10 minutes of inactivity"; Cerebras
 # "guarantee[s] a Time-To-Live of 5 minutes"; Groq's cache "expires after 2 hours without use"; vLLM's prefix cache is
@@ -165,8 +172,8 @@ class UpstreamConfig(Strict):
     # the Responses API are governed by models and responses.
     endpoints: list[str] | None = None
     # the OpenAI service tier this upstream *is* (``ultrafast``: the same model's fast tier on OpenAI's API): set on
-    # every request on the way up, replacing the client's; None: the client's is forwarded, except a fast one
-    # (priority, fast, ultrafast) to a standard-tier upstream, which is dropped (routing sent it to the slower tier)
+    # every request on the way up, replacing the client's; None: the client's is forwarded (a fast one, priority, fast
+    # or ultrafast, only where the request's gateway key may use the fast tier: gateway.admission)
     service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"] | None = None
     # send the client's own Authorization header to this upstream instead of the upstream's key (a sidecar in
     # front of applications that each hold their own OpenAI key); otherwise the client's key never leaves
@@ -213,14 +220,24 @@ class UpstreamConfig(Strict):
         """Whether it serves ``path`` (under /v1, no leading slash: ``embeddings``, ``files/file-abc/content``)."""
         return any(mine == "*" or path == mine or path.startswith(mine + "/") for mine in self.endpoint_paths)
 
-    def asks(self, client_tier: object) -> str | None:
+    def asks(self, client_tier: object, speed: bool = True) -> str | None:
         """The ``service_tier`` a request is sent with (the client's ``client_tier``, as parsed): this upstream's own,
-        else the client's, unless that is a fast one and this upstream is on the standard tier; None: none sent."""
+        else the client's, but a fast one only where the request may have it (``speed``: its gateway key may use the
+        fast tier) and, on a standard-tier upstream, where the upstream sells it (:meth:`honours`: OpenAI's priority
+        processing, never a vLLM that would take the field and ignore it); None: none sent."""
         if self.service_tier is not None:
             return self.service_tier
-        if not isinstance(client_tier, str) or (self.tier == "standard" and client_tier in FAST_SERVICE_TIERS):
+        if not isinstance(client_tier, str):
+            return None
+        if client_tier in FAST_SERVICE_TIERS and (not speed or (self.tier == "standard" and
+                                                               not self.honours(client_tier))):
             return None
         return client_tier
+
+    def honours(self, service_tier: str | None) -> bool:
+        """Whether this upstream acts on ``service_tier`` (its dialect's :data:`DIALECT_SERVICE_TIERS`): a request
+        sent with one it does not is billed at the default tier unless its answer names another."""
+        return service_tier is not None and service_tier in DIALECT_SERVICE_TIERS[self.dialect]
 
     @property
     def prompt_cache_ttl(self) -> float:

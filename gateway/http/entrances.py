@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from starlette.types import Receive, Scope, Send
 
-from gateway.admission.body import ClientGone, json_typed, read_body
+from gateway.admission.body import ClientGone, has_body, json_typed, read_body
 from gateway.admission.request import Kind, arrive
 from gateway.admission.sequence import Refused
 from gateway.errors import GatewayError
@@ -54,15 +54,16 @@ async def passthrough(gw: Gateway, scope: Scope, receive: Receive, send: Send, o
     rec = PassRecorder(gw.observers, request, request.route.endpoint)
     ex = Exchange(rec, send, gw.bodies)
     limits = gw.config.limits
-    whole = _has_body(ex) and json_typed(request.headers)  # a JSON body is read whole: routed on
+    body = has_body(request.headers)
+    whole = body and json_typed(request.headers)  # a JSON body is read whole: routed on
     try:
         await gw.admission.head(ex, owner, limits.max_request_bytes if whole else limits.max_passthrough_bytes)
     except Refused as refused:  # before any of its body was read: then the connection closes
-        return await ex.error(refused.error, refused.outcome, closing(ex, None if _has_body(ex) else b""))
+        return await ex.error(refused.error, refused.outcome, closing(ex, None if body else b""))
     if await gw.frame.too_late(ex):
         return
     raw: bytes | None = None
-    if whole or not _has_body(ex):
+    if whole or not body:
         try:
             raw = await read_body(request.headers, receive, limits.max_request_bytes, json_only=False,
                                   held=ex.reserved.body)
@@ -80,9 +81,3 @@ async def passthrough(gw: Gateway, scope: Scope, receive: Receive, send: Send, o
             return await ex.error(refused.error, refused.outcome, closing(ex, raw))
         assert gw.passthrough is not None
         await gw.passthrough.serve(ex, admitted, receive if streamed else None, watch)
-
-
-def _has_body(ex: Exchange) -> bool:
-    """Whether the request has a body: what its framing says, whatever the method (RFC 9112 §6.3)."""
-    headers = ex.request.headers
-    return headers.get("content-length") not in (None, "0") or "transfer-encoding" in headers

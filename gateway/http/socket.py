@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
-from gateway.admission.body import BodyBudget, too_large
+from gateway.admission.body import BodyBudget, check_nesting, too_large
 from gateway.admission.request import KEY_SCOPE, arrive, headers_of
 from gateway.admission.sequence import Refused
 from gateway.errors import GatewayDraining, GatewayError, InvalidRequest, RateLimited, Unauthorized
@@ -336,7 +336,6 @@ class SocketSession:
         its body held to the same limits as over HTTP, then admitted and served as the HTTP entrance does
         (``gateway.http.entrances.hot``)."""
         gw = self.current()
-        raw = dumps({**{k: v for k, v in event.items() if k not in ("type", "stream_id")}, "stream": True})
         scope = {"type": "http", "method": "WS", "path": "/v1/responses", "headers": self.scope["headers"]}
         if gw.keys is not None:
             try:
@@ -349,7 +348,9 @@ class SocketSession:
         ex.via, ex.memory = self.transport_of(gw), self.memory
         limit = gw.config.limits.max_request_bytes
         try:
-            if len(raw) > limit:  # the same bound as the body over HTTP
+            check_nesting(event)  # before it is written again: the same depth as a body over HTTP
+            raw = dumps({**{k: v for k, v in event.items() if k not in ("type", "stream_id")}, "stream": True})
+            if len(raw) > limit:  # and the same size
                 raise too_large(limit)
             ex.reserved.body.take(len(raw))
         except GatewayError as exc:

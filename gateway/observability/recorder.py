@@ -75,13 +75,15 @@ class Subject(Protocol):
 @dataclass(frozen=True, slots=True)
 class Recorded:
     """What a request's record settled on, handed back for its reservations to be settled: the outcome, the tokens
-    its usage reports (None: no usage), its cost (USD; None: unpriced), the usage (chat shape) and its duration (s)."""
+    its usage reports (None: no usage), its cost (USD; None: unpriced), the usage (chat shape), its duration (s) and
+    the service tier it was billed at (None: the default)."""
 
     outcome: str
     tokens: int | None
     cost: float | None
     usage: Any
     duration: float
+    service_tier: str | None = None
 
 
 class Recorder:
@@ -356,7 +358,7 @@ class Recorder:
                 self._log(outcome, duration, kw, cost, served)
         except Exception:  # bookkeeping never breaks an answer: what an upstream reported is logged instead
             log.exception("recording request %s failed (usage %r)", self.rid, kw.get("usage"))
-        return Recorded(outcome, tokens, cost, kw.get("usage"), duration)
+        return Recorded(outcome, tokens, cost, kw.get("usage"), duration, kw.get("service_tier"))
 
     def _downgraded(self, served: str) -> None:
         """The upstream served the request at a slower service tier than it was sent with (counted and logged)."""

@@ -33,7 +33,7 @@ from gateway.state.redis import Admission, SharedState
 from gateway.stream.relay import Relay
 from gateway.upstream import dialects
 from gateway.upstream.attempt import Answer, Attempt, Transport, Verdicts
-from gateway.wire.body import dumps, remove_top_level, replace_top_level
+from gateway.wire.body import dumps, with_service_tier
 
 
 @dataclass(slots=True)
@@ -175,10 +175,10 @@ class Attempts:
         up, body = cand.upstream, turn.facts.body  # read, never changed: the next candidate gets the same
         dialect = dialects.of(up)
         cache_key = self.cache_key(ex, turn.run, body) if dialect.prompt_cache_key else None
-        asked = up.asks(body.get("service_tier"))
-        if asked != body.get("service_tier"):  # the upstream is a service tier, or a fast one goes to the standard
+        asked = up.asks(body.get("service_tier"), ex.request.speed_dropped is None)
+        if asked != body.get("service_tier"):  # the upstream is a service tier, or the key may not have a fast one
             raw, body = with_service_tier(raw, body, asked)
-        ex.rec.sent_with(asked, True)
+        ex.rec.sent_with(asked, up.honours(asked))
         if ex.request.kind == "chat":
             return with_cache_key(dialect.body(raw, body, cand.upstream_model, turn.strip_usage),
                                   cache_key), "/chat/completions"
@@ -241,19 +241,6 @@ def with_cache_key(raw: bytes, cache_key: str | None) -> bytes:
         return raw
     start = raw.index(b"{") + 1
     return raw[:start] + b'"prompt_cache_key":' + dumps(cache_key) + b"," + raw[start:]
-
-
-def with_service_tier(raw: bytes, body: Mapping[str, Any], tier: str | None) -> tuple[bytes, dict[str, Any]]:
-    """``raw`` and ``body`` (the same JSON object, as bytes and parsed) with ``service_tier`` set to ``tier``, or
-    removed (None); the client's other bytes as they came."""
-    out = {k: v for k, v in body.items() if k != "service_tier"}
-    if tier is None:
-        return remove_top_level(raw, b"service_tier") if "service_tier" in body else raw, out
-    out["service_tier"] = tier
-    if "service_tier" in body:
-        return replace_top_level(raw, b"service_tier", dumps(tier)), out
-    start = raw.index(b"{") + 1
-    return raw[:start] + b'"service_tier":' + dumps(tier) + b"," + raw[start:], out
 
 
 def session_headers(run: Run, upstream: str) -> list[tuple[bytes, bytes]]:

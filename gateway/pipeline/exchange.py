@@ -162,4 +162,6 @@ class Exchange:
                (b"x-tiergate-upstream", upstream.encode()), (b"x-tiergate-rule", rule.encode())]
         if fallback:
             out.append((b"x-tiergate-fallback", fallback.encode()))
+        if self.request.speed_dropped is not None:  # the fast service_tier asked was not sent: the key may not
+            out.append((b"x-tiergate-service-tier-dropped", self.request.speed_dropped.encode()))
         return out

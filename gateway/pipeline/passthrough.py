@@ -25,7 +25,8 @@ import logging
 
 from starlette.types import Receive
 
-from gateway.admission.body import ClientGone
+from gateway.admission.body import ClientGone, MultipartGuard, boundary, content_type
+from gateway.admission.request import Request
 from gateway.admission.reserve import KeyBudgets
 from gateway.admission.sequence import Admitted
 from gateway.config.schema import GatewayConfig
@@ -37,7 +38,7 @@ from gateway.pipeline.frame import Watch
 from gateway.pipeline.upload import Upload, closing, with_model
 from gateway.routing import failover
 from gateway.routing.health import UNTRACKED, Health
-from gateway.tenancy.objects import Owners
+from gateway.tenancy.objects import REFERENCES, Owners
 from gateway.upstream.attempt import Attempt, Transport
 
 log = logging.getLogger("tiergate")
@@ -78,8 +79,8 @@ class Passthrough:
             attempting(ex, decision, up, tried, plan.reason)
             if body_from is not None:
                 upload = Upload(body_from, self.config.limits.max_passthrough_bytes, up.timeouts.idle, ex,
-                                watch.start)
-            body = upload if upload is not None else with_model(raw, admitted.facts, cand)
+                                watch.start, guard(req))
+            body = upload if upload is not None else with_model(ex, raw, admitted.facts, cand)
             async with Attempt(self.transport, up, UNTRACKED, self.health.clock, need_tokens=0, stream=False,
                                request_id=ex.rid, path=req.target, method=req.method, forward=req.headers,
                                client_key=req.headers.get("authorization"), recorder=ex.rec) as attempt:
@@ -101,3 +102,11 @@ class Passthrough:
             if not plan.go_on(cand, last):
                 break
         await give_up(ex, decision, plan.reason, last, tried, closing(ex, raw, [], upload))
+
+
+def guard(req: Request) -> MultipartGuard | None:
+    """With gateway keys, what reads a streamed multipart body's field names (admission let it through as one)."""
+    delimiter = boundary(req.headers.get("content-type", ""))
+    if req.key is None or content_type(req.headers) != "multipart/form-data" or delimiter is None:
+        return None
+    return MultipartGuard(delimiter, REFERENCES)

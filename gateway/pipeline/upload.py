@@ -10,12 +10,12 @@ from collections.abc import AsyncIterator, Callable
 import orjson
 from starlette.types import Receive
 
-from gateway.admission.body import ClientGone
+from gateway.admission.body import ClientGone, MultipartGuard
 from gateway.errors import GatewayError, PayloadTooLarge
 from gateway.observability.passthrough import PassRecorder
 from gateway.pipeline.exchange import CLOSE, Exchange, Headers
 from gateway.routing.facts import Candidate, RequestFacts
-from gateway.wire.body import replace_top_level
+from gateway.wire.body import replace_top_level, with_service_tier
 
 
 class Upload:
@@ -33,7 +33,7 @@ class Upload:
     """
 
     def __init__(self, receive: Receive, limit: int, idle: float, ex: Exchange,
-                 on_end: Callable[[], None]) -> None:
+                 on_end: Callable[[], None], guard: MultipartGuard | None = None) -> None:
         self.done = False
         self.error: ClientGone | GatewayError | None = None
         self.window: asyncio.Timeout | None = None
@@ -45,6 +45,7 @@ class Upload:
         assert isinstance(rec, PassRecorder)
         self._rec = rec
         self._on_end = on_end
+        self._guard = guard  # with gateway keys, a multipart body's field names are checked as it streams
 
     def _due(self, when: float | None) -> None:
         if self.window is not None and not self.window.expired():
@@ -68,6 +69,12 @@ class Upload:
                 if self._rec.bytes_in > self._limit:
                     self.error = PayloadTooLarge(f"The request body is over the {self._limit}-byte limit.")
                     raise self.error
+                if self._guard is not None:
+                    try:
+                        self._guard.feed(part)
+                    except GatewayError as exc:
+                        self.error = exc
+                        raise
                 self._due(loop.time() + self._idle)  # the upstream's turn: it must take the part
                 yield part
             if not message.get("more_body", False):
@@ -76,12 +83,21 @@ class Upload:
                 self._on_end()  # the client's next message can only be its disconnect: watch for it
 
 
-def with_model(raw: bytes | None, facts: RequestFacts | None, cand: Candidate) -> bytes | None:
-    """The client's bytes (None: no body), with the model id of ``cand`` when it differs (only the value's bytes
-    change)."""
+def with_model(ex: Exchange, raw: bytes | None, facts: RequestFacts | None, cand: Candidate) -> bytes | None:
+    """The client's bytes (None: no body), with the model id of ``cand`` when it differs and the ``service_tier`` the
+    attempt is sent with (``UpstreamConfig.asks``: a fast one only where the key may use it) in place of the
+    client's (only those values' bytes change). The tier sent is told to the recorder (what it bills without an
+    echo)."""
     if not raw:
         return None
-    if facts is None or not cand.upstream_model or cand.upstream_model == facts.model:
+    if facts is None:
+        return raw
+    up = cand.upstream
+    asked = up.asks(facts.service_tier, ex.request.speed_dropped is None)
+    ex.rec.sent_with(asked, up.honours(asked))
+    if asked != facts.service_tier:
+        raw, _ = with_service_tier(raw, facts.body, asked)
+    if not cand.upstream_model or cand.upstream_model == facts.model:
         return raw
     return replace_top_level(raw, b"model", orjson.dumps(cand.upstream_model))
 

@@ -209,7 +209,9 @@ def config_warnings(config: GatewayConfig) -> list[str]:
     * a model served on one tier only while ``fallback`` is on: failover, spillover and deadline routing can never
       move its requests to the other tier;
     * an alias pinned to a tier that no rule of a ``rules:`` table matches (the pin lives in the default policy's
-      ``model_alias`` rule, which ``rules:`` replaces).
+      ``model_alias`` rule, which ``rules:`` replaces);
+    * prices for a service tier its upstream's dialect does not act on (``DIALECT_SERVICE_TIERS``): without the
+      answer's word such requests are billed at the default prices, so those prices apply only if it names the tier.
     """
     out: list[str] = []
     names = config.model_names()
@@ -239,6 +241,7 @@ def config_warnings(config: GatewayConfig) -> list[str]:
             out.append(f"aliases.{name}: pinned to the {alias.tier} tier, but no rule of rules: matches it, so the pin "
                        f"does not apply (rules: replaces the default policy); add {{name: model_alias, match: "
                        f"{{model: [{name}]}}, route: {{tier: {alias.tier}}}}} to your rules")
+    out += _unheard_tier_prices(config)
     if config.fallback:
         for model in sorted(tiers_of):
             if len(tiers_of[model]) == 1:
@@ -246,6 +249,19 @@ def config_warnings(config: GatewayConfig) -> list[str]:
                 other = "standard" if tier == "fast" else "fast"
                 out.append(f"model {model}: served on the {tier} tier only: fallback, spillover and deadlines can "
                            f"never move its requests to the {other} tier (add a {other} upstream serving it)")
+    return out
+
+
+def _unheard_tier_prices(config: GatewayConfig) -> list[str]:
+    """Prices for a service tier an upstream's dialect does not act on (see :func:`config_warnings`)."""
+    out = []
+    for up in config.upstreams:
+        priced = [t for p in (up.prices, *up.model_prices.values()) if p is not None for t in p.service_tiers]
+        unheard = sorted({t for t in priced if not up.honours(t)})
+        if unheard:
+            out.append(f"upstream {up.name}: prices for service tier(s) {', '.join(unheard)}, which its dialect "
+                       f"({up.dialect}) does not act on: its requests are billed at the default prices unless its "
+                       "answers name the tier they were served at")
     return out
 
 

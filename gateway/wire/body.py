@@ -230,6 +230,19 @@ def openai_body(raw: bytes, body: Mapping[str, Any], upstream_model: str, ask_us
     return raw
 
 
+def with_service_tier(raw: bytes, body: Mapping[str, Any], tier: str | None) -> tuple[bytes, dict[str, Any]]:
+    """``raw`` and ``body`` (the same JSON object, as bytes and parsed) with ``service_tier`` set to ``tier``, or
+    removed (None); the client's other bytes as they came."""
+    out = {k: v for k, v in body.items() if k != "service_tier"}
+    if tier is None:
+        return remove_top_level(raw, b"service_tier") if "service_tier" in body else raw, out
+    out["service_tier"] = tier
+    if "service_tier" in body:
+        return replace_top_level(raw, b"service_tier", dumps(tier)), out
+    start = raw.index(b"{") + 1
+    return raw[:start] + b'"service_tier":' + dumps(tier) + b"," + raw[start:], out
+
+
 def needs_exact(raw: bytes) -> bool:
     """Whether ``raw`` may hold an integer past 64 bits (19 digits in a row): re-serialising it then needs
     :func:`loads_exact`."""
