@@ -14,8 +14,8 @@ import asyncio
 import gc
 import os
 import time
-from collections.abc import AsyncIterator, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -108,13 +108,29 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
     shared = SharedState(loaded.redis_url, config.state, metrics) if loaded.redis_url is not None else None
     gateway = assemble(loaded, metrics, pool, policy=policy, shared=shared)
     kept = _ledger_file(gateway, state_dir)
-    hot: HotPath | None = None
+    hot: list[HotPath] = []  # the app the lifespan stops: made below, after the lifespan it is given
 
+    async def reassemble(new: LoadedConfig, previous: Gateway) -> Gateway:
+        upstreams = UpstreamPool(new.config.upstreams, new.keys)
+        await upstreams.start()
+        return assemble(new, previous.metrics, upstreams, previous=previous)
+
+    app = admin_app(gateway, registry, multiprocess_dir, _lifespan(pool, shared, kept, multiprocess_dir, hot))
+    reloadable = transport is None and policy is None
+    hot.append(HotPath(app, gateway, loaded if reloadable else None, reassemble if reloadable else None))
+    return hot[0]
+
+
+def _lifespan(pool: Transport, shared: SharedState | None, kept: LedgerFile | None, multiprocess_dir: str | None,
+              hot: list[HotPath]) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """What opens and closes the process's resources around serving: the upstream connections, the link to Redis
+    (connected in the background: start-up never waits for it), the keys' spend on disk (loaded before the first
+    request), the garbage collector's frozen start-up objects; at the end the traces and request lines still batched."""
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await pool.start()
         if shared is not None:
-            await shared.start()  # connects in the background: start-up never waits for Redis
+            await shared.start()
         writer = None
         if kept is not None:
             kept.load()  # before the first request: a restart counts on from what the keys had spent
@@ -123,27 +139,17 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
         try:
             yield
         finally:
-            assert hot is not None
             if writer is not None:
                 writer.cancel()  # it writes once more as it ends
                 await asyncio.gather(writer, return_exceptions=True)
-            await hot.stop()
+            await hot[0].stop()
             if shared is not None:
                 await shared.stop()
             tracing.shutdown()  # flush the spans still batched
             logs.flush()  # and the request lines of this last loop turn
             if multiprocess_dir:
                 multiprocess.mark_process_dead(os.getpid(), multiprocess_dir)  # type: ignore[no-untyped-call]
-
-    async def reassemble(new: LoadedConfig, previous: Gateway) -> Gateway:
-        upstreams = UpstreamPool(new.config.upstreams, new.keys)
-        await upstreams.start()
-        return assemble(new, previous.metrics, upstreams, previous=previous)
-
-    app = admin_app(gateway, registry, multiprocess_dir, lifespan)
-    reloadable = transport is None and policy is None
-    hot = HotPath(app, gateway, loaded if reloadable else None, reassemble if reloadable else None)
-    return hot
+    return lifespan
 
 
 def _label_sets(config: GatewayConfig) -> tuple[list[tuple[str, str, Iterable[str]]], dict[str, Prices],

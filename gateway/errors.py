@@ -298,7 +298,7 @@ class UpstreamStatusError(GatewayError):
     Attributes beyond :class:`GatewayError`: ``quota_exhausted`` (a 429 that waiting does not fix: billing or
     credit exhausted, OpenAI's ``insufficient_quota``), ``context_overflow`` (the prompt does not fit the
     model's window, whatever status the upstream chose for it) and ``credential_refused`` (a 401 or 403: the key
-    the upstream got was refused; ``gateway.upstream.client.Attempt`` makes it an :class:`UpstreamAuthFailed` unless
+    the upstream got was refused; ``gateway.upstream.attempt.Attempt`` makes it an :class:`UpstreamAuthFailed` unless
     that key was the client's own).
     """
 

@@ -50,13 +50,6 @@ RANK = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
 LAYER = {name: layer for layer, names in LAYERS for name in names}
 MAX_MODULE_LINES = 450  # a room of one idea
 MAX_FUNCTION_LINES = 60  # from `def` to its end, docstring included; a table (a dict or list literal) may be longer
-# Runtime functions still over MAX_FUNCTION_LINES now that a function is counted whole, docstring included (issue 32:
-# "the upstream pool's send is 85"): theirs to split who is refactoring the runtime, who then empties this list (its
-# own test fails once an entry fits, so that the list only shrinks). gateway/ path -> qualified function names.
-PENDING_SPLIT: dict[str, set[str]] = {
-    "upstream/client.py": {"UpstreamPool.send"},  # 85 lines
-    "app.py": {"create_app"},  # 63 lines
-}
 
 
 def _unit(path: Path) -> str:
@@ -288,16 +281,8 @@ def _is_table(stmt: ast.stmt) -> bool:
 
 @pytest.mark.parametrize("path", SIZED, ids=_id)
 def test_functions_fit_on_a_screen(path: Path) -> None:
-    pending = PENDING_SPLIT.get(f"{_id(path)}.py", set())
-    long = {name: lines for name, lines in _long_functions(path).items() if name not in pending}
+    long = _long_functions(path)
     assert not long, f"gateway/{_id(path)}.py: split these (at most {MAX_FUNCTION_LINES} lines): {long}"
-
-
-@pytest.mark.parametrize("name", sorted(PENDING_SPLIT))
-def test_what_waits_to_be_split_is_still_long(name: str) -> None:
-    """PENDING_SPLIT only shrinks: an entry that now fits (or is gone) is taken off it."""
-    fits = PENDING_SPLIT[name] - _long_functions(GATEWAY / name).keys()
-    assert not fits, f"gateway/{name}: {sorted(fits)} now fit in {MAX_FUNCTION_LINES} lines; remove from PENDING_SPLIT"
 
 
 def test_a_function_is_counted_whole() -> None:

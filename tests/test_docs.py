@@ -316,3 +316,130 @@ def test_an_unknown_generated_table_stops_the_build(hooks: Any) -> None:
 def test_the_markers_are_filled(hooks: Any) -> None:
     filled = hooks.on_page_markdown("<!-- generated: settings -->\n", page=_Page())
     assert "generated" not in filled and "`GATEWAY_PORT`" in filled
+
+
+# --- every name the docs and docstrings point at exists -----------------------------------------------------------
+# A reference is a dotted name in backticks (``gateway.pipeline.exchange.Exchange``), a package path and a name
+# (`pipeline/exchange.Exchange`) in the docs, or a Sphinx role in a docstring (:meth:`Recorder.record`, resolved in
+# its module, else anywhere in the gateway). A rename that leaves one pointing at nothing fails here.
+_DOTTED = re.compile(r"`{1,2}(gateway(?:\.[A-Za-z_][A-Za-z0-9_]*)+)`{1,2}")
+_PATH_NAME = re.compile(r"`((?:[a-z_]+/)+[a-z_]+)(?:\.([A-Za-z_][A-Za-z0-9_.]*))?`")
+_ROLE = re.compile(r":(?:class|meth|func|data|attr|mod|exc):`~?([A-Za-z_][A-Za-z0-9_.]*)`")
+_FILES = frozenset({"yaml", "yml", "json", "md", "py", "lua", "log", "prof", "toml", "txt", "mjs", "sh", "png", "svg"})
+_GATEWAY = ROOT / "gateway"
+
+
+def _has(obj: Any, attr: str) -> Any:
+    """``obj.attr``, or True for a field a class only declares (annotations, slots, pydantic fields), or None."""
+    if hasattr(obj, attr):
+        return getattr(obj, attr)
+    if isinstance(obj, type) and any(attr in getattr(k, "__annotations__", {}) or attr in getattr(k, "__slots__", ())
+                                     or attr in getattr(k, "model_fields", {}) for k in obj.__mro__):
+        return True
+    return None
+
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    if parts[-1] in _FILES:
+        return True  # a file's name (gateway.log), not a reference
+    for i in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = _has(obj, attr)
+            if obj is None:
+                return False
+            if obj is True:
+                return True
+        return True
+    return False
+
+
+def _defined_anywhere() -> set[str]:
+    """Every name a gateway module defines at its top or in a class (``Name`` and ``Class.name``)."""
+    out: set[str] = set()
+    for path in _GATEWAY.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            names = [t.id for t in node.targets if isinstance(t, ast.Name)] if isinstance(node, ast.Assign) else (
+                [node.target.id] if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) else [])
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.append(node.name)
+            out.update(names)
+            if isinstance(node, ast.ClassDef):
+                for member in ast.walk(node):  # :meth:`name` in its own class; self.name set in a method
+                    if isinstance(member, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and member is not node:
+                        out.update((f"{node.name}.{member.name}", member.name))
+                    elif isinstance(member, ast.AnnAssign | ast.Attribute):
+                        target = member.target if isinstance(member, ast.AnnAssign) else member
+                        name = target.id if isinstance(target, ast.Name) else (
+                            target.attr if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                            and target.value.id == "self" else None)
+                        if name:
+                            out.update((f"{node.name}.{name}", name))
+    return out
+
+
+def _module_of(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _stale_in_code() -> list[str]:
+    anywhere, bad = _defined_anywhere(), []
+    for path in sorted(_GATEWAY.rglob("*.py")):
+        module = importlib.import_module(_module_of(path))
+        source = path.read_text()
+        texts = [ast.get_docstring(n) or "" for n in ast.walk(ast.parse(source))
+                 if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)]
+        texts += [line for line in source.splitlines() if "#" in line]
+        for text in texts:
+            bad += [f"{path.relative_to(ROOT)}: {m[1]}" for m in _DOTTED.finditer(text) if not _resolves(m[1])]
+            for m in _ROLE.finditer(text):
+                name = m[1]
+                if name.startswith("gateway."):
+                    ok = _resolves(name)
+                else:
+                    first, *rest = name.split(".")
+                    found = getattr(module, first, None)
+                    ok = (found is not None and all((found := _has(found, a)) is not None for a in rest)) or (
+                        name in anywhere or ".".join(name.split(".")[-2:]) in anywhere)
+                if not ok:
+                    bad.append(f"{path.relative_to(ROOT)}: :{name}:")
+    return bad
+
+
+def _stale_in_docs() -> list[str]:
+    bad = []
+    for md in [*sorted((ROOT / "docs").rglob("*.md")), README, ROOT / "bench" / "README.md"]:
+        text, where = md.read_text(), md.relative_to(ROOT)
+        bad += [f"{where}: {m[1]}" for m in _DOTTED.finditer(text) if not _resolves(m[1])]
+        for m in _PATH_NAME.finditer(text):
+            path, name = m[1], m[2]
+            if path.split("/")[0] not in {p.name for p in _GATEWAY.iterdir() if p.is_dir()} or (
+                    name and name.split(".")[0] in _FILES):
+                continue  # not a module path of the gateway (config/gateway.yaml, tests/..., a file)
+            module = _GATEWAY / (path + ".py")
+            if not module.exists() and not (_GATEWAY / path).is_dir():
+                bad.append(f"{where}: `{m[0].strip('`')}`: no module gateway/{path}")
+            elif name and module.exists() and not _resolves(f"gateway.{path.replace('/', '.')}.{name}"):
+                bad.append(f"{where}: `{m[0].strip('`')}`")
+    return bad
+
+
+def test_every_name_the_docstrings_point_at_exists() -> None:
+    stale = _stale_in_code()
+    assert not stale, "docstrings and comments name what no longer exists:\n  " + "\n  ".join(stale)
+
+
+def test_every_name_the_docs_point_at_exists() -> None:
+    stale = _stale_in_docs()
+    assert not stale, "the docs name what no longer exists:\n  " + "\n  ".join(stale)
+
+
+def test_a_stale_reference_is_caught() -> None:
+    """The check itself, on names that moved: the exchange's old read_body, and a class that never existed."""
+    assert not _resolves("gateway.pipeline.exchange.read_body") and _resolves("gateway.admission.body.read_body")
+    assert _resolves("gateway.admission.request.Request.route")  # a declared field counts

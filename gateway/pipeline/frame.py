@@ -29,7 +29,7 @@ DRAINING = "The gateway is shutting down; retry the request."
 
 class Watch:
     """What tells a request that its client left: it then cancels the request's task (``ex.task``) wherever it is,
-    noting when the client left (``ex.gone_at``); see :meth:`Frame.begin`. Under the gateway's own server protocol
+    noting when the client left (``ex.gone_at``); see :meth:`Frame.serving`. Under the gateway's own server protocol
     the ``tiergate.hangup`` ASGI extension in ``scope`` calls :meth:`left` (``gateway.http.server.Hangup``); under any
     other server (and hand-written ASGI calls) a task awaits ``http.disconnect``, one per request."""
 

@@ -36,7 +36,7 @@ class Blame:
 
     Attributes:
         charged: (upstream name, its verdicts, source) of each request-shaped failure charged so far, in order (the
-            verdicts: ``gateway.upstream.client.Verdicts``, which can take one back).
+            verdicts: ``gateway.upstream.attempt.Verdicts``, which can take one back).
     """
 
     __slots__ = ("_source", "_known", "charged")

@@ -1,6 +1,6 @@
 """Per-upstream health: 429 cooldown, circuit breaker, quota estimate from rate-limit headers, concurrency.
 
-In-memory state per worker process, updated from every upstream answer; no I/O. :meth:`Health.unavailable`
+In-memory state per worker process, updated from every upstream answer; no I/O. :meth:`UpstreamHealth.unavailable`
 says why an upstream should not get a request *now*, so the request spills over to the next candidate before
 the upstream can refuse it:
 

@@ -88,7 +88,7 @@ class Policy:
 
     def decide_listed(self, facts: RequestFacts, explain: bool = False) -> Decision:
         """The route of a chat-completions or Responses request for a model no upstream is configured for but the
-        passthrough upstream lists (``gateway.pipeline.passthrough.UpstreamModels``): to that upstream, the model
+        passthrough upstream lists (``gateway.pipeline.models.UpstreamModels``): to that upstream, the model
         unchanged (rule ``passthrough``).
 
         Raises:

@@ -22,7 +22,7 @@ SYNC_KEYS = 500  # keys whose shared counters one sync reads (one MGET each); mo
 
 
 class SharedLedger:
-    """A ``gateway.tenancy.keys.Ledger`` whose counts every replica shares
+    """A ``gateway.tenancy.ledger.Ledger`` whose counts every replica shares
     (``{prefix}:{key:NAME}:{level}:{dimension}:{window}: {id}`` counters, one hash slot per key): a reservation is one
     atomic script in the request's pipeline, which keeps what it added in a hold; its settlement replaces that by what
     the request used.
@@ -101,13 +101,13 @@ class SharedLedger:
             self.shared.queue("keys", read, learned)
 
     async def reserve(self, key: Key, spend: Spend, fast: bool) -> Hold | Refusal:
-        """See ``gateway.tenancy.keys.MemoryLedger.reserve``."""
+        """See ``gateway.tenancy.ledger.MemoryLedger.reserve``."""
         now = windows(self.local.wall())
         return await self._reserve(key, spend, ("all", "fast") if fast else ("all",), {w: v[0] for w, v in now.items()},
                                    now)
 
     async def extend(self, hold: Hold, level: str) -> Refusal | None:
-        """See ``gateway.tenancy.keys.MemoryLedger.extend``: the extension is a part of ``hold``, settled with it."""
+        """See ``gateway.tenancy.ledger.MemoryLedger.extend``: the extension is a part of ``hold``, settled with it."""
         got = await self._reserve(hold.key, hold.spend, (level,), hold.at, windows(self.local.wall()))
         if isinstance(got, Refusal):
             return got
@@ -145,7 +145,7 @@ class SharedLedger:
         return Hold(key, levels, spend, dict(at), self, local=False, remote=(counters, hold_id))
 
     def settle(self, hold: Hold, used: Spend, fast: bool) -> None:
-        """See ``gateway.tenancy.keys.MemoryLedger.settle``: each part of the hold (it and its extensions) takes what
+        """See ``gateway.tenancy.ledger.MemoryLedger.settle``: each part of the hold (it and its extensions) takes what
         the request used, here (a part counted here) and in Redis (queued, not awaited; kept for later while Redis is
         away): a part counted here adds what was used there too, once."""
         for part in [hold, *hold.parts]:

@@ -13,7 +13,7 @@ from gateway.state.redis import Admission, SharedState
 
 
 class SharedVerdicts:
-    """An attempt's verdicts (``gateway.upstream.client.Verdicts``) told to its upstream's local health, and its
+    """An attempt's verdicts (``gateway.upstream.attempt.Verdicts``) told to its upstream's local health, and its
     answer's rate-limit report also to the shared estimate (with the attempt's admission mark)."""
 
     __slots__ = ("local", "shared", "admission", "reported")

@@ -115,7 +115,7 @@ class Hold:
         key: the key; levels: those charged (``all``, and ``fast`` when it was reserved for the fast tier);
         spend: what was reserved; at: the window ids it was reserved in; ledger: where it is settled.
         local: counted in this process's :class:`MemoryLedger`; remote: (counters, hold id) in Redis
-            (``gateway.state.redis.SharedLedger``), or None; parts: the holds it was extended by
+            (``gateway.state.ledger.SharedLedger``), or None; parts: the holds it was extended by
             (:meth:`Ledger.extend`).
     """
 
@@ -143,7 +143,7 @@ class Hold:
 
 
 class Ledger(Protocol):
-    """Where keys' spending is counted: :class:`MemoryLedger`, or ``gateway.state.redis.SharedLedger`` across
+    """Where keys' spending is counted: :class:`MemoryLedger`, or ``gateway.state.ledger.SharedLedger`` across
     replicas."""
 
     async def reserve(self, key: Key, spend: Spend, fast: bool) -> Hold | Refusal: ...

@@ -1,8 +1,8 @@
-"""A :class:`gateway.upstream.client.Transport` that plays the emulator's scripted :class:`Plan` objects in-process,
+"""A :class:`gateway.upstream.attempt.Transport` that plays the emulator's scripted :class:`Plan` objects in-process,
 without sockets: for tests that drive the gateway's ASGI app by hand (Starlette's own tests do the same) and for
 ``bench.layers``, which measures the gateway's own CPU with the I/O taken away.
 
-It keeps the upstream client's contract (``gateway.upstream.client.UpstreamResponse``): the headers a client may see,
+It keeps the upstream client's contract (``gateway.upstream.response.UpstreamResponse``): the headers a client may see,
 the status line bounded by ``timeouts.idle`` (streams with a ``ttft``: by the caller's deadline), body reads that raise
 ``StreamInterrupted`` when the plan ends in a cut (``eof``, ``reset``) or in a silence longer than ``idle`` once
 :meth:`ScriptedAnswer.watch_idle` was called, and a ``drop`` that fails as an unreachable upstream does. The socket
@@ -23,7 +23,7 @@ from gateway.upstream.headers import ENTITY_HEADERS, pass_headers
 
 
 class ScriptedAnswer:
-    """One upstream answer played from a :class:`Plan` (``gateway.upstream.client.Answer``'s interface)."""
+    """One upstream answer played from a :class:`Plan` (``gateway.upstream.attempt.Answer``'s interface)."""
 
     stale_retried = False
 
@@ -56,7 +56,7 @@ class ScriptedAnswer:
 
         Raises:
             StreamInterrupted: the plan ends in ``eof`` or ``reset``, or is silent past ``idle`` since the last part
-                (when watched), as :class:`gateway.upstream.client.IdleWatch` would end it.
+                (when watched), as :class:`gateway.upstream.response.IdleWatch` would end it.
         """
         parts = self.plan.parts
         while self._next < len(parts):

@@ -161,8 +161,8 @@ class Attempt:
         Raises:
             UpstreamTimeout (``upstream_ttft_timeout``), UpstreamUnavailable: no status line; UpstreamStatusError:
                 the upstream answered another status (its error body read and normalised); UpstreamAuthFailed: that
-                status was a 401 or 403 to the gateway's own key (:meth:`failed`); the stream checks of
-                :meth:`stream_answer` do not apply yet.
+                status was a 401 or 403 to the gateway's own key (:meth:`failed`); a stream's own checks (its first
+                token) come later, in the relay.
         """
         self.sent_at = time.perf_counter()
         try:

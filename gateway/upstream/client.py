@@ -163,57 +163,24 @@ class UpstreamPool:
                    path: str = "/chat/completions", method: str = "POST",
                    forward: Mapping[str, str] | None = None, client_key: str | None = None,
                    trace: Mapping[str, str] | None = None) -> UpstreamResponse:
-        """Send ``body`` to the upstream's ``path`` (under its base URL, query string included) and wait for the
-        status line.
-
-        ``client_key``: the client's ``Authorization`` value, sent instead of the upstream's key (the caller gives it
-        only for a ``pass_client_key`` upstream). ``forward``: a passthrough request's client headers; those in
-        :data:`FORWARD_HEADERS` are sent, and the timeouts are
-        connect and silence (``timeouts.idle`` between reads once the body is sent), never a total: an upload of
-        hundreds of MB or a long audio answer is bounded by its progress. An iterable ``body`` is streamed as it
-        comes (with the client's ``content-length`` when it gave one, else chunked) and is never sent twice.
-
-        A request that went out on a pooled connection the upstream had already closed (it fails with a
-        disconnect or reset before any response byte, within :data:`STALE_RACE` of being sent) is sent once more, on
-        a connection opened for it (another pooled one may be just as stale), as HTTP clients do for this race (RFC
-        9112 §9.3.1); ``stale_retried`` on the response says so.
-
-        Returns:
-            The open response (any status).
+        """Send ``body`` to the upstream's ``path`` (under its base URL, query string included) and return the open
+        response (any status) at its status line. ``client_key``: sent instead of the upstream's key (given only for a
+        ``pass_client_key`` upstream); ``forward``: a passthrough request's client headers (:meth:`_headers`). An
+        iterable ``body`` is streamed as it comes and never sent twice; a request that met a pooled connection the
+        upstream had closed is sent once more on a new one (:meth:`_again`).
 
         Raises:
             UpstreamUnavailable: connect refused/reset or closed before the status line.
             UpstreamTimeout: no status line within the idle timeout (or connect timeout passed).
         """
         assert self._session is not None, "UpstreamPool.start() was not called"
-        if forward is None:
-            timeout = self._timeouts[upstream.name, stream]
-            headers = {
-                "Content-Type": "application/json",
-                "Accept": "text/event-stream" if stream else "application/json",
-                "Accept-Encoding": "identity",
-                "User-Agent": USER_AGENT,
-                "X-Client-Request-Id": request_id,
-            }
-        else:
-            timeout = self._forward_timeouts[upstream.name]
-            headers = forward_headers(forward, request_id)
-            if isinstance(body, bytes):  # a body held whole may have changed (its model): aiohttp counts it
-                headers.pop("content-length", None)
-        auth = client_key if upstream.pass_client_key else self._auth.get(upstream.name)
-        if auth:
-            headers["Authorization"] = auth
-        if trace:
-            headers.update(trace)  # W3C Trace Context: the attempt's span (gateway.observability.tracing)
+        headers, timeout = self._headers(upstream, body, stream, request_id, forward, client_key, trace)
         # a passthrough path is sent as the client encoded it (yarl would otherwise re-quote and normalise it)
         url: str | URL = upstream.base_url + path if forward is None else URL(upstream.base_url + path, encoded=True)
         skip = SKIP_FORWARDED if forward is not None else None  # no content type or accept of aiohttp's own making
         large = isinstance(body, bytes) and len(body) > LARGE_BODY
-        if large and isinstance(body, bytes):
-            headers["Content-Length"] = str(len(body))  # sent in pieces, never chunked
         retried = False
-        loop = asyncio.get_running_loop()
-        sent = loop.time()
+        sent = asyncio.get_running_loop().time()
         decode = None if forward is None else False  # a passthrough answer's bytes go to the client as they came
         with map_errors():
             try:
@@ -230,13 +197,11 @@ class UpstreamPool:
                         _abort()
                         raise
             except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
-                if not (isinstance(body, bytes) and _REUSED.get() and _stale(exc) and loop.time() - sent < STALE_RACE):
+                if not (isinstance(body, bytes) and _REUSED.get() and _stale(exc)
+                        and asyncio.get_running_loop().time() - sent < STALE_RACE):
                     raise
                 retried = True
-                assert self._fresh is not None
-                _TRANSPORT.set(None)
-                resp = await self._fresh.request(method, url, data=body, headers=headers, timeout=timeout,
-                                                 allow_redirects=False, auto_decompress=decode, skip_auto_headers=skip)
+                resp = await self._again(method, url, body, headers, timeout, decode, skip)
         if not stream:
             return UpstreamResponse(resp, stale_retried=retried, encoded=decode is False)
         conn = resp.connection
@@ -244,6 +209,43 @@ class UpstreamPool:
             conn.protocol.read_timeout = None  # aiohttp's ResponseHandler: no sock_read for the body...
             conn.protocol.start_timeout()  # ...and the timer armed by the status line's read is cancelled
         return UpstreamResponse(resp, upstream.timeouts.idle, stale_retried=retried, encoded=decode is False)
+
+    def _headers(self, upstream: UpstreamConfig, body: Body, stream: bool, request_id: str,
+                 forward: Mapping[str, str] | None, client_key: str | None,
+                 trace: Mapping[str, str] | None) -> tuple[dict[str, str], aiohttp.ClientTimeout]:
+        """The headers and timeout of one request: the gateway's own for a model call; for a passthrough request
+        (``forward``) the client's that :data:`FORWARD_HEADERS` lets through, and timeouts of connect and silence
+        (``timeouts.idle`` between reads once the body is sent), never a total: an upload of hundreds of MB or a long
+        audio answer is bounded by its progress."""
+        if forward is None:
+            timeout = self._timeouts[upstream.name, stream]
+            headers = {"Content-Type": "application/json", "Accept": "text/event-stream" if stream else
+                       "application/json", "Accept-Encoding": "identity", "User-Agent": USER_AGENT,
+                       "X-Client-Request-Id": request_id}
+        else:
+            timeout = self._forward_timeouts[upstream.name]
+            headers = forward_headers(forward, request_id)
+            if isinstance(body, bytes):  # a body held whole may have changed (its model): aiohttp counts it
+                headers.pop("content-length", None)
+        auth = client_key if upstream.pass_client_key else self._auth.get(upstream.name)
+        if auth:
+            headers["Authorization"] = auth
+        if trace:
+            headers.update(trace)  # W3C Trace Context: the attempt's span (gateway.observability.tracing)
+        if isinstance(body, bytes) and len(body) > LARGE_BODY:
+            headers["Content-Length"] = str(len(body))  # sent in pieces, never chunked
+        return headers, timeout
+
+    async def _again(self, method: str, url: str | URL, body: Body, headers: dict[str, str],
+                     timeout: aiohttp.ClientTimeout, decode: bool | None,
+                     skip: tuple[str, ...] | None) -> aiohttp.ClientResponse:
+        """Send a request again on a connection opened for it: it went out on a pooled connection the upstream had
+        already closed (a disconnect or reset before any response byte, within :data:`STALE_RACE` of being sent),
+        as HTTP clients do for this race (RFC 9112 §9.3.1); another pooled one may be just as stale."""
+        assert self._fresh is not None
+        _TRANSPORT.set(None)
+        return await self._fresh.request(method, url, data=body, headers=headers, timeout=timeout,
+                                         allow_redirects=False, auto_decompress=decode, skip_auto_headers=skip)
 
     async def open_socket(self, upstream: UpstreamConfig, *, request_id: str, client_key: str | None = None,
                           trace: Mapping[str, str] | None = None,
