@@ -260,3 +260,42 @@ async def test_while_redis_is_away_a_replica_counts_a_runs_steps_in_its_own_copy
     assert seen is not None and seen.steps == 1 and seen.in_flight(time.time()) == (0, 0.0)
     assert (await a.begin(key, fresh, Hold("h4", 0.0), Bounds(2, None), time.time())).number == 2
 
+
+async def test_a_step_cancelled_while_its_run_admits_it_leaves_no_hold() -> None:
+    """The client leaves (or the drain cuts it) while Redis admits the step: its task is cancelled before admission
+    hands the step to the request, so nothing would ever settle it; its hold is released there and then."""
+    from gateway.admission.sessions import Sessions
+    from gateway.config.schema import GatewayConfig
+    from gateway.observability.estimates import Estimates
+    from gateway.routing.facts import RequestFacts
+    from gateway.routing.policy import Policy
+    from gateway.routing.sessions import SessionId
+    from gateway.tenancy.sessions import Bounds, Hold, Tally
+
+    class Stalled(MemorySessions):
+        """A table whose admissions take the hold and then never answer (a Redis slower than the client)."""
+
+        async def begin(self, key: str, fresh: SessionRecord, hold: Hold, bounds: Bounds, now: float) -> Tally:
+            self.take(key, fresh, hold, bounds, now)
+            await asyncio.Event().wait()
+            raise AssertionError("never")
+
+    cfg = GatewayConfig.model_validate({"upstreams": [{"name": "std", "tier": "standard", "models": {"m": "m-s"},
+                                                       "base_url": "http://127.0.0.1:1/v1", "prices": PRICE}]})
+    table = Stalled(16, 60.0)
+    sessions = Sessions(cfg, table, Estimates(60.0, 16), time.monotonic, time.time)
+    facts = RequestFacts(orjson.loads(BURST_USD), {}, len(BURST_USD))
+    task = asyncio.ensure_future(sessions.begin(None, None, SessionId("run", "header"), facts,  # type: ignore[arg-type]
+                                                Policy(cfg).decide(facts), None))
+    key = scope(None, "run")
+    deadline = time.monotonic() + 3
+    while table.get(key, time.time()) is None:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    record = table.get(key, time.time())
+    assert record is not None and record.in_flight(time.time())[0] == 1
+    assert record.in_flight(time.time())[1] == pytest.approx(ESTIMATE)  # the step's estimated cost, reserved
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert record.in_flight(time.time()) == (0, 0.0)

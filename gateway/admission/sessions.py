@@ -21,6 +21,7 @@ and nothing else. For a step of a session:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import secrets
@@ -189,12 +190,18 @@ class Sessions:
         """
         b = run.budgets
         hold = Hold(secrets.token_hex(8), estimated_cost(decision.candidates[0], decision, facts))
-        got = await self.table.begin(run.key, run.record, hold, Bounds(b.max_steps, None if run.downgraded else
-                                                                        b.max_usd), self.wall())
-        if got.refused == "max_usd":
-            decision = self._place(run, self._off_fast(run, decision, got), facts)
-            hold = Hold(hold.id, estimated_cost(decision.candidates[0], decision, facts))
-            got = await self.table.begin(run.key, run.record, hold, Bounds(b.max_steps, None), self.wall())
+        try:
+            got = await self.table.begin(run.key, run.record, hold, Bounds(b.max_steps, None if run.downgraded else
+                                                                            b.max_usd), self.wall())
+            if got.refused == "max_usd":
+                decision = self._place(run, self._off_fast(run, decision, got), facts)
+                hold = Hold(hold.id, estimated_cost(decision.candidates[0], decision, facts))
+                got = await self.table.begin(run.key, run.record, hold, Bounds(b.max_steps, None), self.wall())
+        except asyncio.CancelledError:
+            # cancelled while Redis admitted it (the client left; the drain): nothing will settle the step, so its
+            # hold, if the script added it, goes now
+            self.table.settle(run.key, run.record, hold, None, self.wall(), self.cfg.max_moves)
+            raise
         if got.refused is not None:
             raise refusal(run, "max_steps", f"{got.steps} of its {b.max_steps} steps taken, {got.held} in flight")
         run.record, run.hold, run.number = got.record, hold, got.number
