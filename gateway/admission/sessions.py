@@ -7,22 +7,29 @@ and nothing else. For a step of a session:
 1. **begin** (:meth:`Sessions.begin`, after the policy decided): the run's record is read (this process's table, or
    Redis shared by the replicas); its budgets are checked (steps, USD, the run's deadline: past one, 429
    ``session_budget_exceeded`` and nothing reaches an upstream; a spent USD budget may instead move the rest of the
-   run to the standard tier); its affinity puts the warm upstream first among its tier's candidates.
+   run to the standard tier); its affinity puts the warm upstream first among its tier's candidates. Then the step
+   is reserved against the run, atomically with the check of its steps and USD in the table (a ``Hold``: one step,
+   and its estimated cost at its first candidate, ``gateway.admission.reserve.estimated_cost``): a run takes a step
+   while its steps finished and in flight are fewer than ``max_steps``, and while what it spent plus what its steps
+   in flight reserved is below ``max_usd``. The run's record is made there once, by its first step.
 2. **the step's budget** (:meth:`Sessions.step_budget`): a run's deadline, shared among its remaining steps, is the
    step's latency budget for deadline routing when the request states none of its own.
-3. **finished** (called by the request's record, exactly once): the step's upstream, time, tokens, cost and the
-   seconds the fast tier saved are added to the run; a step served elsewhere than the run's last upstream is counted
-   as a move, with its reason.
+3. **finished** (called by the request's record, exactly once): the step's hold is released and, if an upstream
+   answered it, its upstream, time, tokens, real cost and the seconds the fast tier saved are added to the run; a
+   step served elsewhere than the run's last upstream is counted as a move, with its reason.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.admission.reserve import estimated_cost
 from gateway.config.schema import GatewayConfig
 from gateway.config.sessions import KeySession, SessionBudgets
 from gateway.errors import InvalidRequest, SessionBudgetExceeded
@@ -32,7 +39,7 @@ from gateway.routing import deadline
 from gateway.routing.facts import Candidate, Decision, RequestFacts
 from gateway.routing.sessions import NO_AFFINITY, Affinity, SessionId, affinity, keep_first, moved_because, session_of
 from gateway.tenancy.keys import Key
-from gateway.tenancy.sessions import SessionRecord, SessionTable, Step, scope
+from gateway.tenancy.sessions import Bounds, Hold, SessionRecord, SessionTable, Step, Tally, scope
 
 BUDGET_HEADERS = {  # request header -> (budget field, scale: the header's unit in the field's)
     "x-tiergate-session-max-steps": ("max_steps", 1.0),
@@ -51,7 +58,8 @@ class Run:
     session: its id; key: its table key; record: the run so far (a new one on its first step); affinity: what
     routing was asked; budgets: the run's, as this step states them; arrived: the step's arrival (wall seconds);
     downgraded: a spent USD budget sent it to the standard tier; standard: the standard tier's first candidate, to
-    tell what the fast tier saved; done: :meth:`Sessions.finished` ran.
+    tell what the fast tier saved; done: :meth:`Sessions.finished` ran; hold: what it reserved against the run
+    (None: nothing, a look); number: its number in the run, as its admission counted it (0: not admitted).
     """
 
     session: SessionId
@@ -63,11 +71,13 @@ class Run:
     downgraded: bool = False
     standard: Candidate | None = None
     done: bool = False
+    hold: Hold | None = None
+    number: int = 0
 
     @property
     def step(self) -> int:
-        """This step's number in the run (1-based)."""
-        return self.record.steps + 1
+        """This step's number in the run (1-based): its steps finished and in flight, itself included."""
+        return self.number or self.record.steps + self.record.in_flight(self.arrived)[0] + 1
 
 
 def budgets_of(headers: Mapping[str, str], base: SessionBudgets, fixed: frozenset[str] = frozenset()) -> SessionBudgets:
@@ -125,7 +135,6 @@ class Sessions:
         self.headers = tuple(self.cfg.headers) if self.cfg.enabled else ()
         self.ttl = {u.name: u.prompt_cache_ttl for u in config.upstreams}
         self.tier_of = {u.name: u.tier for u in config.upstreams}
-        self.in_flight: dict[str, int] = {}  # steps of each run in flight in this process (max_steps counts them)
 
     def identify(self, facts: RequestFacts, key: KeySession | None) -> SessionId | None:
         """The session ``facts``' request is a step of, or None (``sessions.enabled: false``: always None). ``key``:
@@ -150,7 +159,7 @@ class Sessions:
         run = Run(SessionId(cfg.id, "key"), scope(key.name, cfg.id), record, NO_AFFINITY, b, self.wall())
         spent = self._spent(run)
         if spent is None and b.max_usd is not None and record.usd >= b.max_usd:
-            spent = usd_refusal(run)
+            spent = usd_refusal(run, record.usd, 0.0)
         return spent
 
     async def begin(self, rec: Recorder, owner: str | None, session: SessionId, facts: RequestFacts,
@@ -163,12 +172,40 @@ class Sessions:
         """
         try:
             run, decision = await self.look(owner, session, facts, decision, key_budgets)
+            decision = await self._take(run, facts, decision)
         except SessionBudgetExceeded as exc:
             assert exc.param is not None
             rec.session_refused(exc.param)
             raise
-        self.in_flight[run.key] = self.in_flight.get(run.key, 0) + 1
         return run, decision
+
+    async def _take(self, run: Run, facts: RequestFacts, decision: Decision) -> Decision:
+        """Reserve the step against its run (module docstring, 1), in the table, atomically with the check of the
+        run's steps and USD there: the look saw the run as it was read, and steps admitted since (here or on another
+        replica) may have taken what was left. A USD budget so taken moves the step to the standard tier
+        (``on_usd: standard``, and the check is made again without the USD budget) or refuses it, as at the look.
+
+        Raises:
+            SessionBudgetExceeded: no step or no USD left (429).
+        """
+        b = run.budgets
+        hold = Hold(secrets.token_hex(8), estimated_cost(decision.candidates[0], decision, facts))
+        try:
+            got = await self.table.begin(run.key, run.record, hold, Bounds(b.max_steps, None if run.downgraded else
+                                                                            b.max_usd), self.wall())
+            if got.refused == "max_usd":
+                decision = self._place(run, self._off_fast(run, decision, got), facts)
+                hold = Hold(hold.id, estimated_cost(decision.candidates[0], decision, facts))
+                got = await self.table.begin(run.key, run.record, hold, Bounds(b.max_steps, None), self.wall())
+        except asyncio.CancelledError:
+            # cancelled while Redis admitted it (the client left; the drain): nothing will settle the step, so its
+            # hold, if the script added it, goes now
+            self.table.settle(run.key, run.record, hold, None, self.wall(), self.cfg.max_moves)
+            raise
+        if got.refused is not None:
+            raise refusal(run, "max_steps", f"{got.steps} of its {b.max_steps} steps taken, {got.held} in flight")
+        run.record, run.hold, run.number = got.record, hold, got.number
+        return decision
 
     async def look(self, owner: str | None, session: SessionId, facts: RequestFacts, decision: Decision,
                    key_budgets: SessionBudgets | None) -> tuple[Run, Decision]:
@@ -184,16 +221,19 @@ class Sessions:
         if record is None:
             record = SessionRecord(owner, session.id, session.source, started=now)
         run = Run(session, key, record, NO_AFFINITY, budgets, now)
-        decision = self._within(run, decision)
-        run.affinity = affinity(decision, record, self.ttl, now, facts.prompt_tokens)
+        return run, self._place(run, self._within(run, decision), facts)
+
+    def _place(self, run: Run, decision: Decision, facts: RequestFacts) -> Decision:
+        """``decision`` with the run's warm upstream first (its affinity, kept in ``run``)."""
+        run.affinity = affinity(decision, run.record, self.ttl, run.arrived, facts.prompt_tokens)
         if run.affinity.target is not None:
             decision = dataclasses.replace(decision, candidates=keep_first(decision.candidates, run.affinity.target))
         run.standard = next((c for c in decision.candidates if c.upstream.tier == "standard"), None)
-        return run, decision
+        return decision
 
     def _within(self, run: Run, decision: Decision) -> Decision:
         """``decision`` if the run may take another step, else (a spent USD budget that moves runs) without its fast
-        candidates.
+        candidates. Its steps in flight count: their steps, and the USD they reserved.
 
         Raises:
             SessionBudgetExceeded: a budget is spent (``param`` names it).
@@ -202,21 +242,31 @@ class Sessions:
         if spent is not None:
             raise spent
         b, record = run.budgets, run.record
-        if b.max_usd is not None and record.usd >= b.max_usd:
-            rest = tuple(c for c in decision.candidates if c.upstream.tier != "fast")
-            if b.on_usd == "refuse" or not rest:
-                raise usd_refusal(run)
-            run.downgraded = True
-            fallback = "session_budget" if rest[0] is not decision.candidates[0] else decision.fallback
-            return dataclasses.replace(decision, candidates=rest, fallback=fallback)
+        held, reserved = record.in_flight(run.arrived)
+        if b.max_usd is not None and record.usd + reserved >= b.max_usd:
+            return self._off_fast(run, decision, Tally(record, "max_usd", record.steps, held, record.usd, reserved))
         return decision
 
+    def _off_fast(self, run: Run, decision: Decision, got: Tally) -> Decision:
+        """``decision`` without its fast candidates: the run's USD budget is spent, or reserved by its steps in flight
+        (``got``: what it counted), and it moves runs to the standard tier.
+
+        Raises:
+            SessionBudgetExceeded: it refuses instead (``on_usd: refuse``), or only the fast tier serves the request.
+        """
+        rest = tuple(c for c in decision.candidates if c.upstream.tier != "fast")
+        if run.budgets.on_usd == "refuse" or not rest:
+            raise usd_refusal(run, got.usd, got.reserved)
+        run.downgraded = True
+        fallback = "session_budget" if rest[0] is not decision.candidates[0] else decision.fallback
+        return dataclasses.replace(decision, candidates=rest, fallback=fallback)
+
     def _spent(self, run: Run) -> SessionBudgetExceeded | None:
-        """The refusal of a run that has taken its steps (those in flight in this process counted) or used its
-        deadline, or None."""
+        """The refusal of a run that has taken its steps (those in flight counted) or used its deadline, or None."""
         b, record = run.budgets, run.record
-        if b.max_steps is not None and record.steps + self.in_flight.get(run.key, 0) >= b.max_steps:
-            return refusal(run, "max_steps", f"{record.steps} of its {b.max_steps} steps taken")
+        held = record.in_flight(run.arrived)[0]
+        if b.max_steps is not None and record.steps + held >= b.max_steps:
+            return refusal(run, "max_steps", f"{record.steps} of its {b.max_steps} steps taken, {held} in flight")
         if b.deadline is not None and record.steps and run.arrived - record.started >= b.deadline:
             return refusal(run, "deadline", f"{(run.arrived - record.started) * 1000:.0f} ms of its "
                                             f"{b.deadline * 1000:.0f} ms used")
@@ -242,17 +292,13 @@ class Sessions:
         return deadline.Budget(max(0.001, left / steps_left), None, "session")
 
     def finished(self, rec: Recorder, run: Run, done: Recorded, answered: bool) -> None:
-        """The step's request was recorded (module docstring, 3): add it to the run, unless no upstream answered it
-        (then it took no step: nothing is counted but its slot in flight)."""
+        """The step's request was recorded (module docstring, 3): release its hold and add it to the run, unless no
+        upstream answered it (then it took no step: nothing is counted but its hold, released)."""
         if run.done:
             return
         run.done = True
-        left = self.in_flight.get(run.key, 1) - 1
-        if left > 0:
-            self.in_flight[run.key] = left
-        else:
-            self.in_flight.pop(run.key, None)
         if not answered or rec.upstream == "none":
+            self.table.settle(run.key, run.record, run.hold, None, self.wall(), self.cfg.max_moves)
             return
         prompt, cached, output = _tokens(done.usage)
         record, now, duration = run.record, self.wall(), done.duration
@@ -262,8 +308,7 @@ class Sessions:
         standard = self._standard_estimate(rec, run, prompt or rec.request.prompt_tokens, output)
         step = Step(rec.upstream, rec.tier, duration, done.cost or 0.0, prompt, cached, output,
                     None if standard is None else standard - duration, moved)
-        record.add(step, now, self.cfg.max_moves)
-        self.table.store(run.key, record, step, now)
+        self.table.settle(run.key, record, run.hold, step, now, self.cfg.max_moves)
         rec.session_stepped(rec.tier, rec.upstream, prompt, cached, moved,
                             None if standard is None else (duration, standard))
 
@@ -287,9 +332,11 @@ def refusal(run: Run, budget: str, said: str) -> SessionBudgetExceeded:
                                  "start a new session to go on.", param=budget, headers={"x-should-retry": "false"})
 
 
-def usd_refusal(run: Run) -> SessionBudgetExceeded:
-    """The 429 of a run that has spent its ``max_usd``."""
-    return refusal(run, "max_usd", f"${run.record.usd:.6f} of its ${run.budgets.max_usd:g} spent")
+def usd_refusal(run: Run, usd: float, reserved: float) -> SessionBudgetExceeded:
+    """The 429 of a run that has spent its ``max_usd`` (``usd``), or reserved the rest for its steps in flight
+    (``reserved``)."""
+    held = f", ${reserved:.6f} reserved by its steps in flight" if reserved else ""
+    return refusal(run, "max_usd", f"${usd:.6f} of its ${run.budgets.max_usd:g} spent{held}")
 
 
 def _tokens(usage: Mapping[str, Any] | None) -> tuple[int, int, int]:

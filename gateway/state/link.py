@@ -98,6 +98,7 @@ class RedisLink:
         self.store_drop = self.redis.register_script(scripts.STORE_DROP)
         self.key_reserve = self.redis.register_script(scripts.KEY_RESERVE)
         self.key_settle = self.redis.register_script(scripts.KEY_SETTLE)
+        self.session_begin = self.redis.register_script(scripts.SESSION_BEGIN)
         self.session_step = self.redis.register_script(scripts.SESSION_STEP)
         self.session_index = self.redis.register_script(scripts.SESSION_INDEX)
         self.up = False

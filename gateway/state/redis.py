@@ -259,7 +259,7 @@ class SharedState(RedisLink):
         names = list(health.by_name) if health is not None else []
         pipe = self.redis.pipeline(transaction=False)
         scripts = (self._admit, self._observe, self._landed, self._rest, self.history, self.store_put, self.store_drop,
-                   self.key_reserve, self.key_settle, self.session_step, self.session_index)
+                   self.key_reserve, self.key_settle, self.session_begin, self.session_step, self.session_index)
         for script in scripts:
             pipe.script_load(script.script)
         for name in names:

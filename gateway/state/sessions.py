@@ -1,6 +1,7 @@
 """Agent sessions every replica shares (:class:`SharedSessions`): each session's record in Redis, so that a run's next
-step finds its warm upstream, its budgets and its totals whichever replica it reaches; this process's table
-(``gateway.tenancy.sessions.MemorySessions``) answers while Redis is away."""
+step finds its warm upstream, its budgets and its totals whichever replica it reaches, and its steps in flight, so
+that every replica's admission counts them; this process's table (``gateway.tenancy.sessions.MemorySessions``)
+answers while Redis is away."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 from redis.asyncio.client import Pipeline
 
 from gateway.state.link import RedisLink, number
-from gateway.tenancy.sessions import MemorySessions, Move, SessionRecord, Step, Warm, scope
+from gateway.tenancy.sessions import Bounds, Hold, MemorySessions, Move, SessionRecord, Step, Tally, Warm, scope
 
 
 def record_key(record: SessionRecord) -> str:
@@ -19,12 +20,17 @@ def record_key(record: SessionRecord) -> str:
 
 class SharedSessions:
     """A ``gateway.tenancy.sessions.SessionTable`` kept in Redis: ``{prefix}:session:{<key>}``, a hash of the run's
-    totals (added to by ``lua/session_step.lua``, so that steps served at once by two replicas both count) and
-    ``...:moves``, its newest moves; both live ``sessions.idle`` after the last step. ``{prefix}:sessions:{<owner>}``
-    indexes each gateway key's sessions by their last step (``lua/session_index.lua``), so that one key holds at most
-    its share of ``sessions.max_items`` in Redis too (its least recently used go; without keys, ``max_items`` in
-    all). ``local`` keeps a copy of each session this process served, read while Redis is away (then the other
-    replicas' steps since are missed)."""
+    totals (made once by its first step's admission, added to by ``lua/session_step.lua``, so that steps served at
+    once by two replicas both count), ``...:moves``, its newest moves, both living ``sessions.idle`` after the last
+    step, and ``...:holds``, its steps in flight (members ``<hold id>|<usd>``, scored by when each expires, wall
+    seconds: ``HOLD_S`` at most, so that a replica that died mid-step leaks no hold). A step's admission is one script
+    (``lua/session_begin.lua``): it checks the run's budgets against its steps finished and in flight and adds the
+    step's hold, or refuses; its settlement removes the hold (and adds the step) in another.
+    ``{prefix}:sessions:{<owner>}`` indexes each gateway key's sessions by their last step or admission
+    (``lua/session_index.lua``), so that one key holds at most its share of ``sessions.max_items`` in Redis too (its
+    least recently used go; without keys, ``max_items`` in all). ``local`` keeps a copy of each session this process
+    served (Redis' totals as its last admission there saw them, its own steps and holds since), which admits and
+    counts while Redis is away (then the other replicas' steps since are missed)."""
 
     def __init__(self, local: MemorySessions, shared: RedisLink, max_moves: int) -> None:
         self.local = local
@@ -54,30 +60,63 @@ class SharedSessions:
         def read(pipe: Pipeline) -> None:
             pipe.hgetall(name)
             pipe.lrange(name + ":moves", 0, self.max_moves - 1)
+            pipe.zrangebyscore(name + ":holds", f"({now!r}", "+inf", withscores=True)
         ok, replies = await self.shared.ask("session", read)
         if not ok:
             return self.local.get(key, now)
-        record = decode(replies[0], replies[1])
-        if record is None:
-            return None
-        if now - record.last >= self.local.idle:
+        record = decode(replies[0], replies[1], replies[2])
+        if record is None or record.idle(now, self.local.idle):
             return None
         return record
 
-    def store(self, key: str, record: SessionRecord, step: Step, now: float) -> None:
-        self.local.put(key, record, now)
-        move = record.moves[-1] if step.move is not None and record.moves else None
+    async def begin(self, key: str, fresh: SessionRecord, hold: Hold, bounds: Bounds, now: float) -> Tally:
+        """Admit the step in Redis (``lua/session_begin.lua``), mirrored in the local copy; without an answer in time,
+        in the local copy alone (its hold in Redis, if the script ran after all, is removed by the settlement, or
+        expires)."""
+        name = self._key(key)
+        args: list[str | int] = [
+            self.ttl_ms, repr(now), repr(now + self.local.hold_s), hold.member(), repr(hold.usd),
+            "" if bounds.max_steps is None else bounds.max_steps,
+            "" if bounds.max_usd is None else repr(bounds.max_usd), fresh.owner or "", fresh.id, fresh.source,
+            repr(fresh.started), max(1, int(self.local.hold_s * 1000))]
+        script = self.shared.session_begin
+        ok, replies = await self.shared.ask("session", lambda pipe: pipe.evalsha(
+            script.sha, 2, name, name + ":holds", *args))
+        reply = replies[0] if ok else None
+        if not isinstance(reply, list) or len(reply) != 6:
+            return self.local.take(key, fresh, hold, bounds, now)
+        refused = _text(reply[1]) or None
+        tally = Tally(fresh, refused, int(number(reply[2]) or 0), int(number(reply[3]) or 0),
+                      number(reply[4]) or 0.0, number(reply[5]) or 0.0)
+        if refused is None:
+            self.local.mirror(key, fresh, hold, now)
+            self._index(key, fresh.owner, now)
+        return tally
+
+    def settle(self, key: str, record: SessionRecord, hold: Hold | None, step: Step | None, now: float,
+               max_moves: int) -> None:
+        if key not in self.local and record.holds:  # Redis' view of the run becomes the copy: not its holds
+            record = record.without_holds()
+        move = self.local.release(key, record, hold, step, now, max_moves)
+        name, member = self._key(key), "" if hold is None else hold.member()
+        if step is None:
+            if member:
+                self.shared.queue("session", lambda pipe: pipe.zrem(name + ":holds", member))
+            return
         args: list[str | int] = [
             self.ttl_ms, repr(now), record.owner or "", record.id, record.source, repr(record.started),
             step.upstream, step.tier, repr(step.duration), repr(step.usd), step.prompt_tokens, step.cached_tokens,
             step.output_tokens, "" if step.saved is None else repr(step.saved),
-            "" if move is None else f"{move.at!r}|{move.source}|{move.target}|{move.reason}", self.max_moves]
-        name = self._key(key)
+            "" if move is None else f"{move.at!r}|{move.source}|{move.target}|{move.reason}", max_moves, member]
         script = self.shared.session_step
-        self.shared.queue("session", lambda pipe: pipe.evalsha(script.sha, 2, name, name + ":moves", *args))
-        # the key's index: over its share, its own least recently used runs leave Redis as they leave this table
-        index = f"{self.shared.prefix}:sessions:{{{record.owner or ''}}}"
-        bound = self.local.per_key if record.owner is not None else self.local.max_items
+        self.shared.queue("session", lambda pipe: pipe.evalsha(
+            script.sha, 3, name, name + ":moves", name + ":holds", *args))
+        self._index(key, record.owner, now)
+
+    def _index(self, key: str, owner: str | None, now: float) -> None:
+        """The key's index: over its share, its own least recently used runs leave Redis as they leave this table."""
+        index = f"{self.shared.prefix}:sessions:{{{owner or ''}}}"
+        bound = self.local.per_key if owner is not None else self.local.max_items
         at: list[str | int] = [key, repr(now), bound, repr(self.local.idle), self.ttl_ms]
         indexing = self.shared.session_index
         self.shared.queue("session", lambda pipe: pipe.evalsha(indexing.sha, 1, index, *at), self._evict)
@@ -86,18 +125,22 @@ class SharedSessions:
         """Delete the records of the sessions that left a key's index (one key per command: each its own slot)."""
         names = [self._key(k.decode() if isinstance(k, bytes) else str(k)) for k in gone or ()]
         if names:
-            self.shared.queue("session", lambda pipe: [pipe.delete(n, n + ":moves") for n in names])
+            self.shared.queue("session", lambda pipe: [pipe.delete(n, n + ":moves", n + ":holds") for n in names])
 
 
-def decode(fields: Any, moves: Any) -> SessionRecord | None:
-    """A session from its hash and its moves list as Redis returns them, or None (no such session, or not one the
-    gateway wrote)."""
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def decode(fields: Any, moves: Any, holds: Any = ()) -> SessionRecord | None:
+    """A session from its hash, its moves list and its holds in flight (``(member, expiry)`` pairs) as Redis returns
+    them, or None (no such session, or not one the gateway wrote). A run whose first step is in flight has no step
+    yet: no ``n`` nor ``t``."""
     if not isinstance(fields, dict) or not fields:
         return None
-    f = {k.decode(errors="replace") if isinstance(k, bytes) else str(k):
-         v.decode(errors="replace") if isinstance(v, bytes) else str(v) for k, v in fields.items()}
-    started, last, steps = number(f.get("s0")), number(f.get("t")), number(f.get("n"))
-    if started is None or last is None or steps is None or "i" not in f:
+    f = {_text(k): _text(v) for k, v in fields.items()}
+    started, last, steps = number(f.get("s0")), number(f.get("t")) or 0.0, number(f.get("n")) or 0.0
+    if started is None or "i" not in f:
         return None
     record = SessionRecord(f.get("o") or None, f["i"], f.get("src", ""), started, last, int(steps),
                            number(f.get("u")) or 0.0, int(number(f.get("pi")) or 0), int(number(f.get("pc")) or 0),
@@ -124,4 +167,15 @@ def decode(fields: Any, moves: Any) -> SessionRecord | None:
         moved_at = number(parts[0]) if len(parts) == 4 else None
         if moved_at is not None:
             record.moves.append(Move(moved_at, parts[1], parts[2], parts[3]))
+    _holds(record, holds)
     return record
+
+
+def _holds(record: SessionRecord, holds: Any) -> None:
+    """Give ``record`` its holds in flight from their ``(member, expiry)`` pairs as Redis returns them."""
+    for item in holds if isinstance(holds, list) else []:
+        if isinstance(item, (list, tuple)) and len(item) == 2:
+            hold_id, _, usd = _text(item[0]).rpartition("|")
+            until = number(item[1])
+            if hold_id and until is not None:
+                record.holds[hold_id] = (number(usd) or 0.0, until)

@@ -5,15 +5,29 @@ passed in (wall-clock seconds, ``time.time()``, so that replicas agree on them).
 
 A session belongs to the gateway key that named it: its table key (:func:`scope`) is made of the key's name and the
 id, so that two tenants naming the same id have two sessions, and neither reaches the other's.
+
+A run's record is made once, by its first step's admission (insert-if-absent), and every step is added to that record
+as a delta. Admitting a step checks the run's budgets and reserves one step and its estimated cost against it (a
+:class:`Hold`) with nothing in between (:meth:`MemorySessions.take`; in Redis one script,
+``gateway.state.sessions``); the step's settlement releases the hold and, when an upstream answered, adds the step.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
+
+# Seconds a step's hold counts against its run at most (wall-clock): a replica that died mid-step frees its runs'
+# budgets after this, and a step still in flight after it stops counting as in flight (its end still counts). Longer
+# than one non-streamed attempt may take by default (``upstreams[].timeouts.total``, 600 s) and a failover's connect:
+# an agent's step is a model call, and a stream has no total timeout, so a step that streams for longer than this is
+# the one case it misses.
+HOLD_S = 900.0
 
 
 def scope(owner: str | None, session_id: str) -> str:
@@ -63,6 +77,56 @@ class Step:
     move: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """One step's reservation against its run: its id (random: unique per step) and the USD it reserved (its
+    estimated cost; 0 when unpriced)."""
+
+    id: str
+    usd: float
+
+    def member(self) -> str:
+        """Its member in the run's set of holds in Redis: ``<id>|<usd>``."""
+        return f"{self.id}|{self.usd!r}"
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """What a step's admission holds its run to: ``max_steps`` (None: no bound) and ``max_usd`` (None: not checked;
+    a step the USD budget moved to the standard tier is not held to it)."""
+
+    max_steps: int | None
+    max_usd: float | None
+
+    def refused(self, steps: int, held: int, usd: float, reserved: float) -> str | None:
+        """The budget a run that finished ``steps`` costing ``usd``, with ``held`` steps in flight that reserved
+        ``reserved``, has no room in for another step (``max_steps``, ``max_usd``), or None."""
+        if self.max_steps is not None and steps + held >= self.max_steps:
+            return "max_steps"
+        if self.max_usd is not None and usd + reserved >= self.max_usd:
+            return "max_usd"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Tally:
+    """A step's admission against its run: ``refused`` (the budget, or None: reserved); ``record``: the run's record
+    it was counted in; steps, held, usd, reserved: what the run counted when it was checked (held, reserved: its steps
+    in flight and what they reserved, this one's included when it was admitted)."""
+
+    record: SessionRecord
+    refused: str | None
+    steps: int
+    held: int
+    usd: float
+    reserved: float
+
+    @property
+    def number(self) -> int:
+        """The step's number in the run (1-based): its steps finished and in flight, itself included."""
+        return self.steps + self.held
+
+
 @dataclass
 class SessionRecord:
     """One session (module docstring). Times are wall-clock seconds; tokens and USD are its steps' sums.
@@ -73,7 +137,8 @@ class SessionRecord:
         prompt_tokens, cached_tokens, output_tokens: their usage; last_upstream: the upstream of the last step;
         warm: per upstream, its last step there; seconds_by_tier, seconds_by_upstream, steps_by_tier: where its
         time went; saved, saved_steps: seconds the fast tier saved, over how many steps it could be told; moves:
-        the newest moves between upstreams (at most ``sessions.max_moves``); moved: every move counted.
+        the newest moves between upstreams (at most ``sessions.max_moves``); moved: every move counted; holds: its
+        steps in flight, hold id -> (USD reserved, when the hold expires).
     """
 
     owner: str | None
@@ -95,13 +160,39 @@ class SessionRecord:
     saved_steps: int = 0
     moves: list[Move] = field(default_factory=list)
     moved: int = 0
+    holds: dict[str, tuple[float, float]] = field(default_factory=dict)
 
-    def add(self, step: Step, now: float, max_moves: int) -> None:
-        """Count ``step``, which ended at ``now``."""
+    def in_flight(self, now: float) -> tuple[int, float]:
+        """Its steps in flight at ``now`` (holds not expired) and the USD they reserved."""
+        live = [usd for usd, until in self.holds.values() if until > now]
+        return len(live), sum(live)
+
+    def expire(self, now: float) -> None:
+        """Drop the holds expired at ``now`` (steps whose settlement never came)."""
+        for hold_id in [h for h, (_, until) in self.holds.items() if until <= now]:
+            del self.holds[hold_id]
+
+    def idle(self, now: float, idle: float) -> bool:
+        """No step in flight, and none finished (or, without one, none started) for ``idle`` seconds."""
+        return self.in_flight(now)[0] == 0 and now - (self.last if self.steps else self.started) >= idle
+
+    def without_holds(self) -> SessionRecord:
+        """A copy of it (nothing shared) without its holds: another table's record of the run's steps."""
+        return dataclasses.replace(self, **{f.name: copy.deepcopy(getattr(self, f.name)) for f in _COPIED}, holds={})
+
+    def take_totals(self, other: SessionRecord) -> None:
+        """Take ``other``'s totals (a newer view of the same run: Redis'), keeping its own holds."""
+        for f in _COPIED:
+            setattr(self, f.name, copy.deepcopy(getattr(other, f.name)))
+
+    def add(self, step: Step, now: float, max_moves: int) -> Move | None:
+        """Count ``step``, which ended at ``now``; the move it made (counted), or None."""
+        move = None
         if step.move is not None and self.last_upstream is not None:
             self.moved += 1
+            move = Move(now, self.last_upstream, step.upstream, step.move)
             if max_moves:
-                self.moves.append(Move(now, self.last_upstream, step.upstream, step.move))
+                self.moves.append(move)
                 del self.moves[:-max_moves]
         self.steps += 1
         self.last = now
@@ -117,6 +208,7 @@ class SessionRecord:
         if step.saved is not None:
             self.saved += step.saved
             self.saved_steps += 1
+        return move
 
     def as_dict(self) -> dict[str, object]:
         """The record as ``GET /v1/tiergate/sessions/{id}`` shows it (times as Unix seconds)."""
@@ -138,6 +230,9 @@ class SessionRecord:
         }
 
 
+_COPIED = tuple(f for f in dataclasses.fields(SessionRecord) if f.name != "holds")
+
+
 class SessionTable(Protocol):
     """Where sessions are kept: :class:`MemorySessions`, or the replicas' ``gateway.state.sessions.SharedSessions``."""
 
@@ -145,24 +240,32 @@ class SessionTable(Protocol):
         """The session under ``key`` (:func:`scope`) at ``now``, or None (unknown, or idle too long)."""
         ...
 
-    def store(self, key: str, record: SessionRecord, step: Step, now: float) -> None:
-        """``record`` has counted ``step`` (:meth:`SessionRecord.add`): keep it (not awaited)."""
+    async def begin(self, key: str, fresh: SessionRecord, hold: Hold, bounds: Bounds, now: float) -> Tally:
+        """Admit a step of the session under ``key`` if ``bounds`` leave it room, reserving ``hold`` for it, in one
+        atomic step; ``fresh``: the run as the step read it (the record made when none is kept)."""
         ...
 
+    def settle(self, key: str, record: SessionRecord, hold: Hold | None, step: Step | None, now: float,
+               max_moves: int) -> None:
+        """The step that took ``hold`` (on ``record``, the run its admission counted it in) ended at ``now``: release
+        the hold and add ``step`` (None: no upstream answered it, it took no step) to the run (not awaited)."""
+        ...
 
 
 class MemorySessions:
     """Sessions kept in this process: at most ``max_items`` (the least recently used go first), each forgotten
-    ``idle`` seconds after its last step, and at most ``key_share`` of them of one gateway key (over it, that key's
-    own least recently used go first; when the table is full, the key holding the most gives up its least recently
-    used: a key holding fewer runs than another never loses one to it); ``on_end`` is told each session that
-    leaves the table (for the steps-per-session and duration metrics), or None."""
+    ``idle`` seconds after its last step (never while a step of it is in flight), and at most ``key_share`` of them
+    of one gateway key (over it, that key's own least recently used go first; when the table is full, the key holding
+    the most gives up its least recently used: a key holding fewer runs than another never loses one to it);
+    ``on_end`` is told each session that leaves the table (for the steps-per-session and duration metrics), or None;
+    ``hold_s``: seconds a step's hold lives at most (:data:`HOLD_S`)."""
 
     def __init__(self, max_items: int, idle: float, on_end: Callable[[SessionRecord], None] | None = None,
-                 key_share: float = 1.0) -> None:
+                 key_share: float = 1.0, hold_s: float = HOLD_S) -> None:
         self.max_items = max_items
         self.idle = idle
         self.on_end = on_end
+        self.hold_s = hold_s
         self.per_key = max(1, int(max_items * key_share))
         self._records: OrderedDict[str, SessionRecord] = OrderedDict()  # least recently used first
         self._owned: dict[str | None, OrderedDict[str, None]] = {}  # each owner's keys, least recently used first
@@ -170,12 +273,15 @@ class MemorySessions:
     def __len__(self) -> int:
         return len(self._records)
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._records
+
     def get(self, key: str, now: float) -> SessionRecord | None:
         """The session under ``key`` (:func:`scope`), or None (unknown, or idle past ``idle``)."""
         record = self._records.get(key)
         if record is None:
             return None
-        if record.steps and now - record.last >= self.idle:
+        if record.idle(now, self.idle):
             self._forget(key)
             return None
         return record
@@ -184,9 +290,57 @@ class MemorySessions:
         """:meth:`get` (the :class:`SessionTable` interface)."""
         return self.get(key, now)
 
-    def store(self, key: str, record: SessionRecord, step: Step, now: float) -> None:
-        """:meth:`put` (the :class:`SessionTable` interface; ``step`` is already in ``record``)."""
+    async def begin(self, key: str, fresh: SessionRecord, hold: Hold, bounds: Bounds, now: float) -> Tally:
+        """:meth:`take` (the :class:`SessionTable` interface)."""
+        return self.take(key, fresh, hold, bounds, now)
+
+    def take(self, key: str, fresh: SessionRecord, hold: Hold, bounds: Bounds, now: float) -> Tally:
+        """Admit a step of the run under ``key`` and reserve ``hold`` for it, if ``bounds`` leave room, with no await
+        in between: on the table's own record of the run, or on ``fresh`` (without any holds it carries), kept as
+        the run's record from now on (insert-if-absent)."""
+        record = self.get(key, now)
+        if record is None:
+            record = fresh.without_holds() if fresh.holds else fresh
+        record.expire(now)
+        held, reserved = record.in_flight(now)
+        refused = bounds.refused(record.steps, held, record.usd, reserved)
+        if refused is not None:
+            return Tally(record, refused, record.steps, held, record.usd, reserved)
+        record.holds[hold.id] = (hold.usd, now + self.hold_s)
         self.put(key, record, now)
+        return Tally(record, None, record.steps, held + 1, record.usd, reserved + hold.usd)
+
+    def mirror(self, key: str, seen: SessionRecord, hold: Hold, now: float) -> None:
+        """Redis admitted a step of the run under ``key`` (``seen``: the run as Redis held it): this table's copy of
+        the run takes its totals and the step's hold (what it counts while Redis is away)."""
+        record = self.get(key, now)
+        if record is None:
+            record = seen.without_holds()
+        else:
+            record.take_totals(seen)
+        record.holds[hold.id] = (hold.usd, now + self.hold_s)
+        self.put(key, record, now)
+
+    def settle(self, key: str, record: SessionRecord, hold: Hold | None, step: Step | None, now: float,
+               max_moves: int) -> None:
+        """:meth:`release` (the :class:`SessionTable` interface)."""
+        self.release(key, record, hold, step, now, max_moves)
+
+    def release(self, key: str, record: SessionRecord, hold: Hold | None, step: Step | None, now: float,
+                max_moves: int) -> Move | None:
+        """Release ``hold`` and add ``step`` (None: nothing to add) to the run's record (``record`` again if the
+        table lost it meanwhile); the move the step made, or None."""
+        kept = self._records.get(key)
+        if hold is not None:
+            record.holds.pop(hold.id, None)
+            if kept is not None:
+                kept.holds.pop(hold.id, None)
+        if step is None:
+            return None
+        target = kept if kept is not None else record
+        move = target.add(step, now, max_moves)
+        self.put(key, target, now)
+        return move
 
     def put(self, key: str, record: SessionRecord, now: float) -> None:
         """Keep ``record`` under ``key`` as the most recently used; what is over the bounds, or idle, leaves."""
@@ -205,10 +359,11 @@ class MemorySessions:
             self._forget(next(iter(largest)))
 
     def sweep(self, now: float, most: int) -> None:
-        """Forget at most ``most`` of the least recently used sessions that are idle past ``idle``."""
+        """Forget at most ``most`` of the least recently used sessions that are idle past ``idle`` (the first with a
+        step in flight, or used more recently, ends the sweep)."""
         for _ in range(most):
             oldest = next(iter(self._records.items()), None)
-            if oldest is None or not oldest[1].steps or now - oldest[1].last < self.idle:
+            if oldest is None or not oldest[1].idle(now, self.idle):
                 return
             self._forget(oldest[0])
 

@@ -1,10 +1,12 @@
 -- One finished step of an agent session (gateway.state.sessions). KEYS[1]: the session's hash, KEYS[2]: its list of
--- moves (newest first). ARGV: 1 ms to live, 2 now (wall seconds), 3 owner, 4 id, 5 source, 6 started (wall seconds,
--- kept from the first step), 7 upstream, 8 tier, 9 seconds, 10 USD, 11 prompt tokens, 12 cached tokens, 13 output
--- tokens, 14 seconds the fast tier saved ('' when not told), 15 the move ('' or 'at|from|to|reason'), 16 moves kept.
+-- moves (newest first), KEYS[3]: its holds (session_begin.lua). ARGV: 1 ms to live, 2 now (wall seconds), 3 owner,
+-- 4 id, 5 source, 6 started (wall seconds, kept from the first step), 7 upstream, 8 tier, 9 seconds, 10 USD, 11 prompt
+-- tokens, 12 cached tokens, 13 output tokens, 14 seconds the fast tier saved ('' when not told), 15 the move ('' or
+-- 'at|from|to|reason'), 16 moves kept, 17 the step's hold ('' or its member): released as its step is added.
 -- Counters are added, never overwritten, so that two replicas serving steps of one session at once lose neither.
 local h = KEYS[1]
 if redis.call('TYPE', h).ok ~= 'hash' and redis.call('EXISTS', h) == 1 then redis.call('DEL', h) end
+if ARGV[17] ~= '' and redis.call('TYPE', KEYS[3]).ok == 'zset' then redis.call('ZREM', KEYS[3], ARGV[17]) end
 redis.call('HSETNX', h, 'o', ARGV[3])
 redis.call('HSETNX', h, 'i', ARGV[4])
 redis.call('HSETNX', h, 'src', ARGV[5])
