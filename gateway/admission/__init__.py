@@ -1,2 +1,1 @@
-"""The one admission sequence every entrance goes through (``sequence``): limits, parse, what the request is, who may
-do it, reservations."""
+"""The one admission sequence every entrance goes through (``sequence``); nothing here sends upstream."""

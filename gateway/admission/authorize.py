@@ -1,7 +1,5 @@
-"""Who may do what a request asks, with gateway keys (``auth:``): the objects it names are its key's, on every
-entrance (``gateway.tenancy.objects``: every key's request reaches the upstream with the gateway's one credential,
-which reads any object of the account).
-"""
+"""With gateway keys, every object a request names must be its key's, on every entrance: every key's request reaches
+the upstream with the gateway's one credential, which reads any object of the account (``gateway.tenancy.objects``)."""
 
 from __future__ import annotations
 
@@ -13,17 +11,12 @@ from gateway.tenancy.objects import Owners
 
 
 class Ownership:
-    """The ownership check of one gateway, over ``owners`` (who made which object)."""
 
     def __init__(self, owners: Owners) -> None:
         self.owners = owners
 
     async def check(self, key: Key, named: Iterable[str]) -> None:
-        """Every id in ``named`` (a path's object segments, a body's references) is ``key``'s.
-
-        Raises:
-            ObjectNotFound: 404, as OpenAI answers an id the project does not hold; nothing is sent upstream.
-        """
+        """Raises ObjectNotFound (404, as OpenAI answers an id the project does not hold)."""
         ids = list(named)
         if not ids:
             return

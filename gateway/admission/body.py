@@ -1,11 +1,8 @@
-"""The first steps of admission: a request body's limits, the same over HTTP and in a WebSocket message (its size,
-the bytes all requests hold at once, its depth), and its parse.
-
-With gateway keys a JSON body is read strictly and what goes upstream is the body the gateway checked, re-serialised
-from its parse (:func:`canonical`): an upstream that reads a body differently (the first of two duplicate keys, a
-``NaN``) could otherwise be named an object the ownership check never saw. Measured on an idle machine: ~0.2 us for
-a one-message body, ~1.7 us per KB of an agent history (orjson).
-"""
+"""A request body's limits (its size, the bytes all requests hold at once, its depth; the same over HTTP and in a
+WebSocket message) and its parse. With gateway keys a JSON body is read strictly and what goes upstream is
+re-serialised from its parse (:func:`canonical`): an upstream that reads a body differently (the first of two
+duplicate keys, a ``NaN``) could otherwise be named an object the ownership check never saw. Cost (orjson): ~0.2 us
+for a one-message body, ~1.7 us per KB of agent history."""
 
 from __future__ import annotations
 
@@ -37,10 +34,8 @@ class ClientGone(Exception):
 
 
 class BodyBudget:
-    """The request body bytes held in memory at once (JSON bodies are read whole to route on them, and a WebSocket
-    message waits whole in its lane): at most ``total`` in all and ``total * key_share`` for one gateway key, so that
-    no key's requests exhaust the process's memory for the others (``limits.max_bytes_in_flight``,
-    ``limits.key_share``)."""
+    """Request-body bytes held in memory at once (JSON is read whole to route on): at most ``total``, and ``total *
+    key_share`` per gateway key, so that no key's requests starve the others."""
 
     __slots__ = ("total", "per_key", "used", "by_key")
 
@@ -51,12 +46,7 @@ class BodyBudget:
         self.by_key: dict[str, int] = {}
 
     def hold(self, key: str | None, n: int) -> None:
-        """``n`` more bytes held for the gateway key ``key`` (None: no keys).
-
-        Raises:
-            RateLimited: the key holds its share already (429 ``request_bytes_in_flight``); GatewayBusy: the process
-                holds ``total`` (503). Nothing is held then.
-        """
+        """Raises RateLimited (429: the key's share) or GatewayBusy (503: ``total``), holding nothing."""
         if self.used + n > self.total:
             raise GatewayBusy("The gateway holds as many request bytes as it may; retry the request.",
                               headers={"retry-after": "1"})
@@ -70,7 +60,6 @@ class BodyBudget:
         self.used += n
 
     def free(self, key: str | None, n: int) -> None:
-        """``n`` bytes :meth:`hold` held for ``key`` are free again."""
         self.used -= n
         if key is not None:
             left = self.by_key.get(key, 0) - n
@@ -81,7 +70,7 @@ class BodyBudget:
 
 
 class Held:
-    """The body bytes one request holds against a :class:`BodyBudget`, from its first part until it is recorded."""
+    """One request's bytes against a :class:`BodyBudget`, from its first part until it is recorded."""
 
     __slots__ = ("budget", "key", "bytes")
 
@@ -89,7 +78,6 @@ class Held:
         self.budget, self.key, self.bytes = budget, key, 0
 
     def take(self, n: int) -> None:
-        """Hold ``n`` more bytes (raises as :meth:`BodyBudget.hold`)."""
         self.budget.hold(self.key, n)
         self.bytes += n
 
@@ -105,14 +93,8 @@ def too_large(limit: int) -> PayloadTooLarge:
 
 async def read_body(headers: dict[str, str], receive: Receive, limit: int, *, json_only: bool = True,
                     held: Held | None = None) -> bytes:
-    """The request body, refusing bodies over ``limit`` bytes (413) and, with ``json_only`` (chat completions and
-    the Responses API), non-JSON content types (415) and an empty body (400); without it (the passthrough), any
-    body, an empty one included. ``held``: what its bytes are held against.
-
-    Raises:
-        UnsupportedMediaType, PayloadTooLarge, InvalidRequest (empty body); RateLimited, GatewayBusy: over the
-        :class:`BodyBudget`; ClientGone when the client leaves mid-body.
-    """
+    """``limit``: bytes; with ``json_only`` (chat, Responses) only a non-empty JSON body. Raises the 415, 413 and 400
+    errors, RateLimited or GatewayBusy (over the :class:`BodyBudget`), ClientGone."""
     ctype = headers.get("content-type", "application/json")
     if json_only and not is_json_type(ctype):
         raise UnsupportedMediaType(f"Unsupported content type {ctype.split(';', 1)[0].strip().lower()!r}; send "
@@ -142,22 +124,13 @@ async def read_body(headers: dict[str, str], receive: Receive, limit: int, *, js
 
 
 def check_depth(raw: bytes, body: Any) -> None:
-    """Refuse a body nested deeper than :data:`MAX_DEPTH` (the gateway could not write it back). A body with fewer
-    brackets than that cannot be (two byte counts); only one with more is walked.
-
-    Raises:
-        InvalidRequest: 400 ``invalid_json``.
-    """
+    """Walks only a body with at least :data:`MAX_DEPTH` brackets; raises InvalidRequest (400 ``invalid_json``)."""
     if raw.count(b"{") + raw.count(b"[") >= MAX_DEPTH:
         check_nesting(body)
 
 
 def check_nesting(body: Any) -> None:
-    """Refuse a parsed body nested deeper than :data:`MAX_DEPTH` (walked without recursion).
-
-    Raises:
-        InvalidRequest: 400 ``invalid_json``.
-    """
+    """Iterative, so a deep body cannot exhaust the stack; raises InvalidRequest (400 ``invalid_json``)."""
     stack: list[tuple[Any, int]] = [(body, 1)]
     while stack:
         node, depth = stack.pop()
@@ -169,12 +142,8 @@ def check_nesting(body: Any) -> None:
 
 
 def parse_json(raw: bytes) -> Any:
-    """A JSON body as the gateway reads it (``gateway.wire.body.loads``: no ``NaN``, ``Infinity`` or numbers past a
-    double; a lone surrogate read), its depth bounded; integers past 64 bits exact when they are there.
-
-    Raises:
-        InvalidRequest: 400 ``invalid_json`` (not JSON, or too deep).
-    """
+    """As ``gateway.wire.body.loads`` reads JSON (no ``NaN``, ``Infinity`` or numbers past a double), integers past
+    64 bits kept exact, depth bounded. Raises InvalidRequest (400 ``invalid_json``)."""
     try:
         body = loads_exact(raw) if needs_exact(raw) else loads(raw)
     except ValueError as exc:
@@ -184,7 +153,7 @@ def parse_json(raw: bytes) -> Any:
 
 
 def canonical(body: Any) -> bytes:
-    """The bytes of ``body`` as it was read (module docstring: what goes upstream with gateway keys)."""
+    """What goes upstream with gateway keys (module docstring)."""
     return dumps(body)
 
 
@@ -194,7 +163,6 @@ def has_body(headers: dict[str, str]) -> bool:
 
 
 def content_type(headers: dict[str, str]) -> str:
-    """The media type of the request body, lower-case, without parameters ('' when none is given)."""
     return headers.get("content-type", "").split(";", 1)[0].strip().lower()
 
 
@@ -203,12 +171,11 @@ def json_typed(headers: dict[str, str]) -> bool:
 
 
 def encoded(headers: dict[str, str]) -> bool:
-    """Whether the request's body is content-encoded (gzip, deflate, ...): the gateway cannot read it as it is."""
     return headers.get("content-encoding", "identity").strip().lower() != "identity"
 
 
 def parsed_json(raw: bytes, headers: dict[str, str]) -> Any:
-    """A JSON body, parsed (None: not JSON, or content-encoded: the upstream's to judge)."""
+    """None: not JSON, or content-encoded (the upstream's to judge)."""
     if encoded(headers):
         return None
     try:
@@ -218,8 +185,7 @@ def parsed_json(raw: bytes, headers: dict[str, str]) -> Any:
 
 
 def passthrough_facts(raw: bytes | None, headers: dict[str, str]) -> RequestFacts | None:
-    """Routing facts of a passthrough JSON body with a string ``model``, else None (it goes to the passthrough
-    upstream; a body that is not JSON, or is content-encoded, is the upstream's to judge)."""
+    """None (the passthrough upstream's to judge) unless the body is readable JSON with a string ``model``."""
     if not raw or encoded(headers):
         return None
     try:
@@ -237,14 +203,10 @@ _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
 def keyed_body(method: str, headers: dict[str, str], uploads: bool) -> str:
-    """How a passthrough body is read with gateway keys, whose ownership check must see what the upstream will read:
-    ``json`` (read whole and parsed: every other body the gateway cannot read is refused, since an upstream, and the
-    FastAPI servers it may run, read a body of any declared type as JSON), ``multipart`` (a file upload, streamed, where
-    the route takes one: its field names are checked as it streams, :class:`MultipartGuard`).
-
-    Raises:
-        UnsupportedMediaType: 415, any other body; InvalidRequest: 400, a body on a method that has none.
-    """
+    """With gateway keys the ownership check must see what the upstream will read: ``json`` (parsed whole; other
+    types are refused, as an upstream and the FastAPI servers it may run read any declared type as JSON) or
+    ``multipart`` (an upload where the route takes one, via :class:`MultipartGuard`). Raises UnsupportedMediaType
+    (415) or InvalidRequest (400: a body on a method without one)."""
     ctype = content_type(headers)
     if method not in _BODY_METHODS:
         raise InvalidRequest(f"A {method} request takes no body; with gateway keys one is refused.",
@@ -271,15 +233,9 @@ _HEADERS_MAX = 16 * 1024  # bytes of one part's headers (a longer one is no form
 
 
 class MultipartGuard:
-    """Reads a ``multipart/form-data`` body as it streams upstream, at its part boundaries only (RFC 7578: the
-    boundary from the content type, each part's ``Content-Disposition`` name), and refuses a field named as an object
-    reference (``gateway.tenancy.objects.REFERENCES``: ``file_id``, ...): with gateway keys a field the ownership check
-    cannot see must not reach an upstream, which would read it with the gateway's credential. The API takes object
-    ids in JSON bodies. A part's data is never searched but for the boundary.
-
-    Raises (from :meth:`feed`):
-        InvalidRequest: 400 ``object_reference_in_upload``, or a malformed part header.
-    """
+    """Reads a ``multipart/form-data`` body as it streams upstream, at part boundaries only (RFC 7578), and refuses a
+    field named as an object reference (``gateway.tenancy.objects.REFERENCES``): the ownership check cannot see it,
+    and the upstream would read it with the gateway's credential. :meth:`feed` raises InvalidRequest (400)."""
 
     __slots__ = ("delimiter", "names", "buf", "in_headers")
 

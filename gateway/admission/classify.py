@@ -1,8 +1,5 @@
-"""What a request is, for routing: its facts (for a Responses request, what the store knows of the response it
-continues: ``previous_response_id``), the rules' decision (a model no upstream is configured for may be one the
-passthrough upstream lists), and the order deadline routing gives its candidates. Serving and the route endpoint's
-preview read a request the same way, through here.
-"""
+"""What a request is, for routing: its facts (for Responses, what the store knows of the response it continues), the
+rules' decision, deadline routing's order. Serving and the route preview both read requests here."""
 
 from __future__ import annotations
 
@@ -30,8 +27,7 @@ class Listing(Protocol):
 
 
 class Classify:
-    """The reading of requests of one gateway (module docstring). ``keyed``: gateway keys are on (an id the gateway
-    never held for the key then reaches no upstream)."""
+    """``keyed``: gateway keys are on, so an id the gateway never held for the key reaches no upstream."""
 
     def __init__(self, policy: Policy, store: ResponseStore, keyed: bool, listed: Listing | None,
                  estimates: Estimates, explorer: deadline.Explorer, health: Health) -> None:
@@ -45,13 +41,8 @@ class Classify:
 
     async def facts(self, kind: str, body: dict[str, Any], headers: dict[str, str], size: int, key: Key | None,
                     refresh: bool = True, store: ResponseStore | None = None) -> RequestFacts:
-        """The request's facts; for a Responses request, with what ``store`` (a WebSocket-mode socket's own, else
-        the gateway's) knows of the response it continues (``refresh``: continuing it makes its conversation live
-        another ttl; the route endpoint's look does not).
-
-        Raises:
-            InvalidRequest: 400 ``previous_response_not_found`` (:meth:`continuation`).
-        """
+        """``store``: a WebSocket-mode socket's own, else the gateway's; ``refresh``: continuing a conversation makes
+        it live another ttl (the route endpoint's look does not). Raises as :meth:`continuation`."""
         defaults = key.cfg.metadata if key is not None else None
         if kind != "responses":
             return RequestFacts(body, headers, size, defaults=defaults)
@@ -63,15 +54,9 @@ class Classify:
 
     async def continuation(self, body: dict[str, Any], refresh: bool, key: Key | None,
                            store: ResponseStore | None = None) -> Continuation | None:
-        """What the store knows of the response a Responses request continues, for the caller's gateway ``key``: only
-        its own responses are found.
-
-        Raises:
-            InvalidRequest: 400 ``previous_response_not_found``: the response is another key's, or the gateway made it
-                and it expired or was deleted, or, with gateway keys, the gateway never held it (an id it cannot
-                tie to the key goes to no upstream: the upstream answers every key's request with the gateway's
-                own credential).
-        """
+        """Only ``key``'s own responses are found. Raises InvalidRequest (400 ``previous_response_not_found``) for
+        another key's, an expired or deleted one the gateway made, or, with keys, one it never held: the upstream
+        would answer any key with the gateway's credential."""
         previous = body.get("previous_response_id")
         if not isinstance(previous, str):
             return None
@@ -94,12 +79,8 @@ class Classify:
         return Continuation(previous)  # made elsewhere: a native upstream may know it
 
     async def decide(self, facts: RequestFacts, explain: bool = False) -> Decision:
-        """The rules' decision; a model no upstream is configured for goes to the passthrough upstream when its
-        ``/v1/models`` lists it (every id the gateway's ``/v1/models`` shows can be sent), unchanged.
-
-        Raises:
-            ModelNotFound: nobody serves the model (404); what the policy raises.
-        """
+        """A model no upstream is configured for goes, unchanged, to the passthrough upstream if its ``/v1/models``
+        lists it (the gateway's ``/v1/models`` shows those ids). Raises ModelNotFound (404)."""
         try:
             return self.policy.decide(facts, explain=explain)
         except ModelNotFound:
@@ -110,9 +91,8 @@ class Classify:
 
     def by_deadline(self, decision: Decision, facts: RequestFacts, budget: deadline.Budget,
                     preview: bool = False, warm: Mapping[str, int] | None = None) -> Decision:
-        """The decision with its candidates ordered by deadline routing (``gateway.routing.deadline``); with
-        ``preview`` (the route endpoint), what a request would get now: nothing explored or probed; ``warm``: an
-        agent session's warm upstreams and the prompt tokens each holds (priced by the choice)."""
+        """``preview`` (the route endpoint): what a request would get now, nothing explored or probed; ``warm``: a
+        session's warm upstreams and the prompt tokens each holds."""
         choice = deadline.choose(decision, facts, budget, self.estimates, self.health.clock(),
                                  self.explorer.preview() if preview else self.explorer, warm)
         return dataclasses.replace(decision, candidates=choice.candidates, deadline=choice, fallback=choice.fallback)

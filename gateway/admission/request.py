@@ -1,8 +1,5 @@
-"""What one request is (:class:`Request`), as admission reads it: made at its arrival (:func:`arrive`), filled in by
-the admission sequence (``gateway.admission.sequence``), read by everything after it. Only ``gateway.admission``
-writes it (``tests/test_architecture.py``); what routing decided is its ``Decision``, what was recorded its
-``Recorder``.
-"""
+"""What one request is: made at its arrival (:func:`arrive`), filled in by admission, read by everything after. Only
+``gateway.admission`` writes it (``tests/test_architecture.py``); decisions and records live elsewhere."""
 
 from __future__ import annotations
 
@@ -23,20 +20,10 @@ Kind = Literal["chat", "responses", "passthrough"]
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """One request (module docstring).
-
-    kind: what it asks (``chat``: a chat completion, ``responses``: a model response, ``passthrough``: the rest of
-    ``/v1``); method: its HTTP method, ``WS`` for a WebSocket-mode message; path: as the client sent it (decoded);
-    route: the route table's reading of it (``gateway.wire.routes``); target: the path and query as the client
-    encoded them, under ``/v1`` (what the passthrough sends; "" for a raw path not under ``/v1/``); headers: names
-    lower-case, the last value of each; key: its gateway key (None without ``auth:``); rid: its id (:func:`request_id`).
-
-    Known once parsed: raw, the body as it goes upstream (with keys, re-serialised from what was checked); body, the
-    parsed JSON body; facts, what routing reads of it; stream: it asks for a stream; requested: the model as the client
-    named it; prompt_tokens: its estimated prompt (tokens); session, step: the agent session it is a step of and its
-    number there (0: none); speed_dropped: why the fast ``service_tier`` it asked is not sent (``key_tier``,
-    ``key_allowance``: its gateway key may not use the fast tier), or None.
-    """
+    """``method`` is ``WS`` for a WebSocket-mode message; ``path`` is decoded, ``target`` the path and query as the
+    client encoded them under ``/v1`` ("" when the raw path is not under ``/v1/``); ``raw`` is the body as it goes
+    upstream (with keys, re-serialised from what was checked); ``prompt_tokens`` is an estimate; ``speed_dropped``:
+    why the fast ``service_tier`` it asked is not sent (``key_tier``, ``key_allowance``)."""
 
     kind: Kind
     method: str
@@ -58,18 +45,16 @@ class Request:
 
     @property
     def owner(self) -> str | None:
-        """Whose objects and responses it reaches: its gateway key's name (None without ``auth:``)."""
+        """Whose objects and responses it reaches (None without ``auth:``)."""
         return self.key.name if self.key is not None else None
 
 
 def headers_of(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    """ASGI request headers (names already lower-case) as a dict; the last value wins."""
     return {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
 
 
 def arrive(scope: Scope, kind: Kind, headers: dict[str, str] | None = None, method: str | None = None) -> Request:
-    """The request of an ASGI ``http`` scope (or, with ``method`` ``WS`` and the socket's ``headers``, of one
-    WebSocket-mode message), its key as dispatch authenticated it (``KEY_SCOPE``)."""
+    """``method`` ``WS``: one WebSocket-mode message, with the socket's ``headers``."""
     path = scope["path"]
     under = path[len("/v1/"):] if path.startswith("/v1/") else path
     raw_path = scope.get("raw_path") or path.encode()

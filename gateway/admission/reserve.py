@@ -1,7 +1,5 @@
-"""Reservations: what a request's gateway key allows it (``auth:``; ``gateway.tenancy``), the tiers it may use and a
-reservation against its limits before anything is sent, on every entrance (:class:`KeyBudgets`); and what a request
-holds while it is in flight, settled once when it is recorded (:class:`Reserved`). Refusals are raised.
-"""
+"""Reservations made before anything is sent: the tiers and limits of a request's gateway key (:class:`KeyBudgets`),
+and what a request holds in flight until it is recorded (:class:`Reserved`)."""
 
 from __future__ import annotations
 
@@ -23,13 +21,8 @@ MAX_NEED = 10**9  # tokens a request may count against a quota estimate or a key
 
 
 def key_tiers(key: Key, decision: Decision) -> Decision:
-    """``decision`` with only the candidates on the tiers ``key`` may use, failover ones included
-    (``x-tiergate-fallback: key_tier`` when the first moved); ``decision`` itself when all are allowed. No side
-    effect: the route endpoint shows it as the request would get it.
-
-    Raises:
-        KeyNotAllowed: no upstream on those tiers serves the request (403).
-    """
+    """Candidates off ``key``'s tiers dropped (``x-tiergate-fallback: key_tier`` if the first moved); pure, so the
+    route endpoint can show it. Raises KeyNotAllowed (403) if none is left."""
     allowed = tuple(c for c in decision.candidates if c.upstream.tier in key.cfg.tiers)
     if not allowed:
         raise KeyNotAllowed(f"The gateway key '{key.name}' may use the {' and '.join(key.cfg.tiers)} tier, and no "
@@ -41,15 +34,13 @@ def key_tiers(key: Key, decision: Decision) -> Decision:
 
 
 def need_of(facts: RequestFacts | None) -> int:
-    """Tokens a request counts against quotas and its key while it runs: its estimated prompt plus ``max_tokens``
-    (0 without facts: a body that is not JSON)."""
+    """Estimated prompt plus ``max_tokens`` (0 without facts: a body that is not JSON)."""
     return min(facts.prompt_tokens + (facts.max_tokens or 0), MAX_NEED) if facts is not None else 0
 
 
 def estimated_cost(cand: Candidate, decision: Decision, facts: RequestFacts | None, speed: bool = True) -> float:
-    """USD a request is expected to cost on ``cand``: its estimated prompt, and its ``max_tokens`` (else
-    ``deadline.DEFAULT_COMPLETION``), at the prices ``gateway.observability.metrics`` will bill it at (a model the
-    config does not name: only the upstream's ``model_prices``); 0 when unpriced or without ``facts``."""
+    """USD: the estimated prompt and ``max_tokens`` (else ``deadline.DEFAULT_COMPLETION``) at the prices metrics
+    bills (an unconfigured model: the upstream's ``model_prices`` only); 0 when unpriced."""
     if facts is None:
         return 0.0
     up = cand.upstream
@@ -65,24 +56,16 @@ def estimated_cost(cand: Candidate, decision: Decision, facts: RequestFacts | No
 
 
 class KeyBudgets:
-    """The gateway keys' side of every request (module docstring), over ``ledger`` (a ``MemoryLedger``, or the
-    replicas' ``SharedLedger``); refusals and downgrades are told to the request's recorder."""
 
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
 
     async def keyed(self, rec: Recorder, key: Key, decision: Decision,
                     facts: RequestFacts | None) -> tuple[Decision, Hold, str | None]:
-        """The candidates on ``key``'s tiers (:meth:`on_key_tiers`), and a reservation against its limits of one
-        request, the request's need (:func:`need_of`) and its estimated cost (:func:`estimated_cost`), at the fast
-        level too when the first candidate is on the fast tier or the request asks a fast ``service_tier`` of any
-        upstream (speed is the fast tier, whoever sells it); a fast allowance short sends the request to the other
-        tier (:meth:`off_fast`). Returns the decision, the reservation, and why the request may not have the fast
-        ``service_tier`` it asked (``key_tier``, ``key_allowance``; None: it may, or asked none).
-
-        Raises:
-            KeyNotAllowed: no tier it may use serves the model (403); RateLimited, KeyOverBudget: a limit (429).
-        """
+        """Reserve one request, its need and estimated cost on the key's tiers, at the fast level too when the first
+        candidate is fast or the request asks a fast ``service_tier`` of any upstream (speed is the fast tier,
+        whoever sells it); a spent fast allowance moves it off fast (:meth:`off_fast`). Also returns why an asked
+        fast ``service_tier`` is dropped. Raises KeyNotAllowed (403), RateLimited or KeyOverBudget (429)."""
         decision = self.on_key_tiers(rec, key, decision)
         asked = facts is not None and facts.service_tier in FAST_SERVICE_TIERS
         dropped = "key_tier" if asked and "fast" not in key.cfg.tiers else None
@@ -102,24 +85,14 @@ class KeyBudgets:
         return decision, held, dropped
 
     def on_key_tiers(self, rec: Recorder, key: Key, decision: Decision) -> Decision:
-        """``decision`` with only the candidates on the tiers ``key`` may use (:func:`key_tiers`), a first candidate
-        that moved counted as a ``key_tier`` downgrade.
-
-        Raises:
-            KeyNotAllowed: no upstream on those tiers serves the request (403).
-        """
+        """As :func:`key_tiers`, a moved first candidate counted as a ``key_tier`` downgrade."""
         narrowed = key_tiers(key, decision)
         if narrowed.candidates[0] is not decision.candidates[0]:
             rec.key_downgraded("key_tier")
         return narrowed
 
     def off_fast(self, rec: Recorder, key: Key, decision: Decision, refused: Refusal) -> Decision:
-        """``decision`` without its fast-tier candidates: ``key``'s fast allowance is spent (``key_allowance``;
-        counted).
-
-        Raises:
-            RateLimited: only the fast tier serves the request (429 with ``retry-after``).
-        """
+        """Raises RateLimited (429) when only the fast tier serves the request."""
         rest = tuple(c for c in decision.candidates if c.upstream.tier != "fast")
         if not rest:
             rec.key_refused(refused.limit)
@@ -128,12 +101,8 @@ class KeyBudgets:
         return dataclasses.replace(decision, candidates=rest, fallback="key_allowance")
 
     async def fast_allowance(self, rec: Recorder, hold: Hold, plan: Plan) -> None:
-        """An attempt on the fast tier that the request's key reservation did not cover (a failover, a spillover, a
-        hedge): its fast-tier allowance is reserved now.
-
-        Raises:
-            RateLimited: the allowance is spent: the attempt is passed over (``key_allowance``; counted).
-        """
+        """For a fast attempt the reservation did not cover (failover, spillover, hedge). Raises RateLimited when it
+        is spent: the attempt is passed over."""
         if not bounded(hold.key, ("fast",)):
             return
         refused = await self.ledger.extend(hold, "fast")
@@ -145,7 +114,6 @@ class KeyBudgets:
 
 
 def refusal_outcome(exc: GatewayError) -> str:
-    """The outcome label of a refusal by a request's key: ``key_limit`` (429), else ``client_error`` (403)."""
     return "key_limit" if exc.status == 429 else "client_error"
 
 
@@ -156,9 +124,7 @@ class Settles(Protocol):
 
 
 class Reserved:
-    """What one request holds while it is in flight, settled once when it is recorded (``settle``): the body bytes
-    it holds (:class:`Held`), its key's reservation (``hold``), and the agent session step it takes (``run``, settled
-    by ``sessions``)."""
+    """What one request holds in flight, settled once when it is recorded."""
 
     __slots__ = ("body", "hold", "run", "sessions")
 
@@ -169,9 +135,9 @@ class Reserved:
         self.sessions: Settles | None = None
 
     def settle(self, rec: Recorder, done: Recorded) -> None:
-        """The request was recorded: its bytes are free; its key is charged what it used (without usage, a billable
-        outcome keeps what it reserved, any other gives it back) on the tier that served it; its step is added to its
-        session (an answer an upstream made counts)."""
+        """Without usage, a billable outcome keeps what it reserved and any other gives it back; the key is charged
+        on the tier that served it (a fast ``service_tier`` counts as fast); the session counts a step only if an
+        upstream answered it."""
         self.body.release()
         billable = done.outcome in BILLABLE
         hold = self.hold

@@ -1,16 +1,11 @@
-"""The admission sequence, the one way in for every entrance (chat completions and the Responses API over HTTP, a
-WebSocket-mode message, the passthrough), in one order:
+"""The admission sequence, the one way in for every entrance (chat completions and Responses over HTTP, a WebSocket-mode
+message, the passthrough). A refusal is a :class:`Refused`, raised before anything reaches an upstream.
 
-1. **limits**: the body's size and the bytes held at once (read by the entrance with ``gateway.admission.body``,
-   the same bounds for a body over HTTP and a message over a socket), its depth;
-2. **parse**: the body read as JSON (with gateway keys, strictly, and re-serialised from what was checked);
-3. **what it is**: the route table's reading of its path (``gateway.wire.routes``, at its arrival), its facts, the
-   rules' decision (``gateway.admission.classify``);
-4. **who may do it**: its key, the objects it names (``gateway.admission.authorize``), the tiers its key may use;
-5. **reservations**: its agent session's step, its key's limits (``gateway.admission.reserve``);
-
-then the pipeline plans, attempts and delivers, and the request's record settles what it reserved. A refusal is a
-:class:`Refused`: the entrance answers it, nothing reached an upstream.
+1. **limits**: body size, bytes held at once, depth (``gateway.admission.body``; the same over HTTP and a socket);
+2. **parse**: JSON, strictly with gateway keys, re-serialised from what was checked;
+3. **what it is**: its route, its facts, the rules' decision (``gateway.admission.classify``);
+4. **who may do it**: its key, the objects it names (``gateway.admission.authorize``), its key's tiers;
+5. **reservations**: its session's step, its key's limits (``gateway.admission.reserve``), settled by its record.
 """
 
 from __future__ import annotations
@@ -49,7 +44,7 @@ _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"
 
 
 class Refused(Exception):
-    """A request admission refused: the entrance answers ``error``, recorded as ``outcome``."""
+    """The entrance answers ``error`` and records ``outcome``."""
 
     def __init__(self, error: GatewayError, outcome: str = "client_error") -> None:
         super().__init__(error.message)
@@ -68,8 +63,7 @@ class Admittee(Protocol):
 
 @dataclass(slots=True)
 class Admitted:
-    """An admitted request: its routing facts (None: a passthrough body without a model), the decision as its key
-    allows it, and the agent session's step it takes (or None)."""
+    """``facts`` None: a passthrough body without a model; ``run`` None: no agent session."""
 
     facts: RequestFacts | None
     decision: Decision
@@ -77,8 +71,6 @@ class Admitted:
 
 
 class Admission:
-    """The admission sequence of one gateway (module docstring), over its collaborators (built by the composition
-    root, ``gateway.app``)."""
 
     def __init__(self, config: GatewayConfig, classify: Classify, ownership: Ownership, sessions: Sessions,
                  budgets: KeyBudgets) -> None:
@@ -89,12 +81,7 @@ class Admission:
         self.budgets = budgets
 
     async def admit(self, ex: Admittee, raw: bytes) -> Admitted:
-        """Admit a chat completion or Responses request whose body ``raw`` was read (steps 2-5).
-
-        Raises:
-            Refused: the request cannot be served as it is (400, 403, 404), or a budget or limit of its session or
-                key is spent (429).
-        """
+        """Steps 2-5 once the body was read. Raises Refused (400, 403, 404; 429: a session or key limit)."""
         req, rec = ex.request, ex.rec
         try:
             body = parse_request(req.kind, raw)
@@ -115,8 +102,6 @@ class Admission:
         return Admitted(facts, await self.reserve(ex, decision, facts), run)
 
     async def session_step(self, ex: Admittee, facts: RequestFacts, decision: Decision) -> tuple[Decision, Run | None]:
-        """The agent session the request is a step of (none: ``decision`` as it is): its budgets checked, its step
-        reserved, its warm upstream first (``gateway.admission.sessions``)."""
         req, key = ex.request, ex.request.key
         session = self.sessions.identify(facts, key.cfg.session if key is not None else None)
         if session is None:
@@ -128,7 +113,6 @@ class Admission:
         return decision, run
 
     def by_deadline(self, rec: Recorder, facts: RequestFacts, decision: Decision, run: Run | None) -> Decision:
-        """The candidates in deadline routing's order when the request (or its session) has a latency budget."""
         budget = deadline.budget(facts, decision.route)
         if budget is None and run is not None:
             budget = self.sessions.step_budget(run)
@@ -141,12 +125,7 @@ class Admission:
         return decision
 
     async def reserve(self, ex: Admittee, decision: Decision, facts: RequestFacts | None) -> Decision:
-        """Step 5 for the key: the candidates on its tiers and a reservation against its limits (kept in
-        ``ex.reserved``, settled when the request is recorded).
-
-        Raises:
-            Refused: 403 (no tier it may use serves it) or 429 (a limit).
-        """
+        """Step 5 for the key, held in ``ex.reserved`` until the request is recorded. Raises Refused (403, 429)."""
         key = ex.request.key
         if key is None:
             return decision
@@ -160,13 +139,9 @@ class Admission:
     # the passthrough
 
     async def head(self, ex: Admittee, owner: str | None, limit: int) -> None:
-        """Steps 1 and 4 of a passthrough request before any of its body is read: a method some OpenAI API has, no
-        dot segment, the objects its path names its key's (unless ``owner``, the upstream that made the response it
-        names, alone serves it), a declared length within ``limit`` bytes.
-
-        Raises:
-            Refused: 405, 404 or 413 (the entrance closes the connection: the body was not read).
-        """
+        """Steps 1 and 4 of a passthrough request, before its body is read: a refusal (405, 404, 413) closes the
+        connection. ``owner``: the upstream that made the response the path names, which alone serves it (no
+        ownership check)."""
         req = ex.request
         if req.method not in _METHODS:  # TRACE would echo the upstream key back; WebDAV and the like are no OpenAI API
             raise Refused(MethodNotAllowed(f"Method {req.method} is not allowed for {req.path}."))
@@ -189,14 +164,8 @@ class Admission:
                 raise Refused(exc) from None
 
     async def admit_passthrough(self, ex: Admittee, raw: bytes | None, owner: str | None) -> Admitted:
-        """Steps 2-5 of a passthrough request (``raw``: its body when read whole, a JSON one; None: none, or streamed
-        upstream as it arrives): a JSON body with a configured ``model`` is routed by the rules, anything else goes to
-        the passthrough upstream (``Policy.decide_passthrough``); with keys, the objects its body names are its
-        key's, a key pinned to a spent run is refused, and it reserves against its key as a model call does.
-
-        Raises:
-            Refused: as :meth:`admit`.
-        """
+        """Steps 2-5 of a passthrough request; ``raw`` None: no body, or one streamed upstream as it arrives. Raises
+        as :meth:`admit`."""
         req, rec = ex.request, ex.rec
         path = req.path[len("/v1/"):]
         try:
@@ -220,12 +189,8 @@ class Admission:
         return Admitted(facts, await self.reserve(ex, decision, facts))
 
     async def checked_body(self, key: Key, raw: bytes, headers: dict[str, str]) -> bytes:
-        """A passthrough JSON body with gateway keys (steps 2 and 4): read strictly, the objects it names its key's,
-        and the bytes that go upstream those of what was checked (``gateway.admission.body``).
-
-        Raises:
-            InvalidRequest: 400: content-encoded, not JSON the gateway reads, or too deep; ObjectNotFound: 404.
-        """
+        """Raises InvalidRequest (400: content-encoded, not JSON the gateway reads, too deep) or ObjectNotFound
+        (404)."""
         if encoded(headers):  # a compressed body's object ids and tokens cannot be read: it is not sent on unread
             raise InvalidRequest("With gateway keys, a JSON request body is sent uncompressed (no content-encoding): "
                                  "the gateway reads the objects it names.", code="unsupported_content_encoding")
@@ -237,13 +202,8 @@ class Admission:
 
     async def preview(self, body: dict[str, Any], raw: bytes, headers: dict[str, str],
                       key: Key | None, responses: bool) -> tuple[RequestFacts, Decision, dict[str, Any] | None]:
-        """What serving would decide for this body and these headers, counting and reserving nothing (``POST
-        /v1/tiergate/route``): the facts, the decision (the rules, the session's say, deadline routing as a preview,
-        the key's tiers) and the session shown.
-
-        Raises:
-            GatewayError: what serving would answer (400, 403, 404).
-        """
+        """What serving would decide, counting and reserving nothing; raises what serving would answer (400, 403,
+        404)."""
         facts = await self.classify.facts("responses" if responses else "chat", body, headers, len(raw), key,
                                           refresh=False)
         decision = await self.classify.decide(facts, explain=True)

@@ -1,22 +1,12 @@
-"""Agent sessions on the request's path (docs/sessions.md): which run a request is a step of, what that run may still
-spend, where its prompt cache is warm, and, once the step is recorded, what it added to the run.
+"""Agent sessions on the request's path (docs/sessions.md): which run a request is a step of, what it may still spend,
+where its prompt cache is warm. A request without a session signal costs only the lookups of
+``gateway.routing.sessions.session_of``. A step is:
 
-For a request without a session signal this costs the identity lookups of ``gateway.routing.sessions.session_of``
-and nothing else. For a step of a session:
-
-1. **begin** (:meth:`Sessions.begin`, after the policy decided): the run's record is read (this process's table, or
-   Redis shared by the replicas); its budgets are checked (steps, USD, the run's deadline: past one, 429
-   ``session_budget_exceeded`` and nothing reaches an upstream; a spent USD budget may instead move the rest of the
-   run to the standard tier); its affinity puts the warm upstream first among its tier's candidates. Then the step
-   is reserved against the run, atomically with the check of its steps and USD in the table (a ``Hold``: one step,
-   and its estimated cost at its first candidate, ``gateway.admission.reserve.estimated_cost``): a run takes a step
-   while its steps finished and in flight are fewer than ``max_steps``, and while what it spent plus what its steps
-   in flight reserved is below ``max_usd``. The run's record is made there once, by its first step.
-2. **the step's budget** (:meth:`Sessions.step_budget`): a run's deadline, shared among its remaining steps, is the
-   step's latency budget for deadline routing when the request states none of its own.
-3. **finished** (called by the request's record, exactly once): the step's hold is released and, if an upstream
-   answered it, its upstream, time, tokens, real cost and the seconds the fast tier saved are added to the run; a
-   step served elsewhere than the run's last upstream is counted as a move, with its reason.
+1. **begun** (:meth:`Sessions.begin`): the run read (this process's table, or Redis shared by replicas), its budgets
+   checked (429 ``session_budget_exceeded``, or a spent USD budget moves the run to the standard tier), the warm
+   upstream put first, the step reserved (:meth:`Sessions._take`);
+2. **budgeted** (:meth:`Sessions.step_budget`): the run's deadline shared among its remaining steps;
+3. **finished** (by the request's record, once): its hold released, what an answered step took added to the run.
 """
 
 from __future__ import annotations
@@ -53,14 +43,8 @@ BUDGET_HEADER = b"x-tiergate-session-budget"  # a spent USD budget sent the step
 
 @dataclass(slots=True)
 class Run:
-    """One step of a session between :meth:`Sessions.begin` and :meth:`Sessions.finished`.
-
-    session: its id; key: its table key; record: the run so far (a new one on its first step); affinity: what
-    routing was asked; budgets: the run's, as this step states them; arrived: the step's arrival (wall seconds);
-    downgraded: a spent USD budget sent it to the standard tier; standard: the standard tier's first candidate, to
-    tell what the fast tier saved; done: :meth:`Sessions.finished` ran; hold: what it reserved against the run
-    (None: nothing, a look); number: its number in the run, as its admission counted it (0: not admitted).
-    """
+    """Between :meth:`Sessions.begin` and :meth:`Sessions.finished`. ``arrived``: wall seconds; ``standard``: to tell
+    what the fast tier saved; ``hold`` None: a look; ``number`` 0: not admitted."""
 
     session: SessionId
     key: str
@@ -76,18 +60,13 @@ class Run:
 
     @property
     def step(self) -> int:
-        """This step's number in the run (1-based): its steps finished and in flight, itself included."""
+        """1-based: the run's finished and in-flight steps, and this one."""
         return self.number or self.record.steps + self.record.in_flight(self.arrived)[0] + 1
 
 
 def budgets_of(headers: Mapping[str, str], base: SessionBudgets, fixed: frozenset[str] = frozenset()) -> SessionBudgets:
-    """The run's budgets: ``base`` (the key's, over the config's), with what the request's headers state; a budget
-    the operator set (``fixed``: in ``sessions.budgets`` or the key's) can only be tightened by a header, never
-    raised.
-
-    Raises:
-        InvalidRequest: a header that is not a positive number (400 naming it).
-    """
+    """A budget the operator set (``fixed``) can only be tightened by a header, never raised. Raises InvalidRequest
+    (400 naming the header) for a value that is not a positive number."""
     given: dict[str, Any] = {}
     for name, (field, scale) in BUDGET_HEADERS.items():
         value = headers.get(name)
@@ -110,20 +89,13 @@ def budgets_of(headers: Mapping[str, str], base: SessionBudgets, fixed: frozense
 
 
 def merged(config_budgets: SessionBudgets, key_budgets: SessionBudgets | None) -> SessionBudgets:
-    """A key's session budgets over the config's: each field the key sets wins."""
     if key_budgets is None:
         return config_budgets
     return config_budgets.model_copy(update=key_budgets.model_dump(exclude_unset=True))
 
 
 class Sessions:
-    """The sessions of one gateway (module docstring), kept in ``table``.
-
-    Args:
-        config: the gateway's config (``sessions:``, upstreams' ``cache_ttl``); table: where runs are kept;
-        estimates, clock: the live estimates and their clock (what the fast tier saved is told against them);
-        wall: wall-clock seconds (``time.time``; shared by replicas).
-    """
+    """``wall``: wall-clock seconds, shared by replicas (``time.time``); ``clock``: the live estimates' clock."""
 
     def __init__(self, config: GatewayConfig, table: SessionTable, estimates: Estimates,
                  clock: Callable[[], float], wall: Callable[[], float]) -> None:
@@ -137,8 +109,7 @@ class Sessions:
         self.tier_of = {u.name: u.tier for u in config.upstreams}
 
     def identify(self, facts: RequestFacts, key: KeySession | None) -> SessionId | None:
-        """The session ``facts``' request is a step of, or None (``sessions.enabled: false``: always None). ``key``:
-        its gateway key's session defaults; a key pinned to one run (``id`` with ``pin``) names every request's."""
+        """A key pinned to one run (``id`` with ``pin``) names every request's session."""
         if not self.cfg.enabled:
             return None
         if key is not None and key.id is not None and key.pin:
@@ -146,9 +117,8 @@ class Sessions:
         return session_of(facts, self.headers, key.id if key is not None else None)
 
     async def pinned_spent(self, key: Key) -> SessionBudgetExceeded | None:
-        """The 429 of a passthrough request whose key is pinned to a run (``auth.keys[].session``) that has spent a
-        budget (steps, USD, its deadline; ``on_usd: standard`` or not: the passthrough has no cheaper tier), or None.
-        The passthrough request is no step of the run: its cost counts to the key's ``limits``, not the run's."""
+        """Whatever ``on_usd`` says: the passthrough has no cheaper tier. Such a request is no step of the run; its
+        cost counts to the key's ``limits``."""
         cfg = key.cfg.session
         if not self.cfg.enabled or cfg.id is None or not cfg.pin:
             return None
@@ -164,12 +134,8 @@ class Sessions:
 
     async def begin(self, rec: Recorder, owner: str | None, session: SessionId, facts: RequestFacts,
                     decision: Decision, key_budgets: SessionBudgets | None) -> tuple[Run, Decision]:
-        """Start a step of ``session`` (module docstring, 1): the run, and ``decision`` with the session's warm upstream
-        first (or, past a USD budget that moves runs, without its fast-tier candidates).
-
-        Raises:
-            SessionBudgetExceeded: a budget of the run is spent (429; counted); InvalidRequest: a bad budget header.
-        """
+        """Step 1 (module docstring). Raises SessionBudgetExceeded (429, counted) or InvalidRequest (a bad budget
+        header)."""
         try:
             run, decision = await self.look(owner, session, facts, decision, key_budgets)
             decision = await self._take(run, facts, decision)
@@ -180,14 +146,9 @@ class Sessions:
         return run, decision
 
     async def _take(self, run: Run, facts: RequestFacts, decision: Decision) -> Decision:
-        """Reserve the step against its run (module docstring, 1), in the table, atomically with the check of the
-        run's steps and USD there: the look saw the run as it was read, and steps admitted since (here or on another
-        replica) may have taken what was left. A USD budget so taken moves the step to the standard tier
-        (``on_usd: standard``, and the check is made again without the USD budget) or refuses it, as at the look.
-
-        Raises:
-            SessionBudgetExceeded: no step or no USD left (429).
-        """
+        """Atomic with the table's check of steps and USD: the look saw the run as read, and steps admitted since (on
+        any replica) may have taken the rest. A USD budget so taken moves the step to the standard tier (``on_usd:
+        standard``) or refuses it (429)."""
         b = run.budgets
         hold = Hold(secrets.token_hex(8), estimated_cost(decision.candidates[0], decision, facts))
         try:
@@ -209,11 +170,7 @@ class Sessions:
 
     async def look(self, owner: str | None, session: SessionId, facts: RequestFacts, decision: Decision,
                    key_budgets: SessionBudgets | None) -> tuple[Run, Decision]:
-        """What :meth:`begin` decides, counting nothing (``POST /v1/tiergate/route`` shows it as it is).
-
-        Raises:
-            SessionBudgetExceeded, InvalidRequest: as :meth:`begin`.
-        """
+        """What :meth:`begin` decides, counting nothing (``POST /v1/tiergate/route``). Raises as :meth:`begin`."""
         key, now = scope(owner, session.id), self.wall()
         fixed = self.cfg.budgets.model_fields_set | (key_budgets.model_fields_set if key_budgets is not None else set())
         budgets = budgets_of(facts.headers, merged(self.cfg.budgets, key_budgets), frozenset(fixed))
@@ -224,7 +181,6 @@ class Sessions:
         return run, self._place(run, self._within(run, decision), facts)
 
     def _place(self, run: Run, decision: Decision, facts: RequestFacts) -> Decision:
-        """``decision`` with the run's warm upstream first (its affinity, kept in ``run``)."""
         run.affinity = affinity(decision, run.record, self.ttl, run.arrived, facts.prompt_tokens)
         if run.affinity.target is not None:
             decision = dataclasses.replace(decision, candidates=keep_first(decision.candidates, run.affinity.target))
@@ -232,12 +188,7 @@ class Sessions:
         return decision
 
     def _within(self, run: Run, decision: Decision) -> Decision:
-        """``decision`` if the run may take another step, else (a spent USD budget that moves runs) without its fast
-        candidates. Its steps in flight count: their steps, and the USD they reserved.
-
-        Raises:
-            SessionBudgetExceeded: a budget is spent (``param`` names it).
-        """
+        """Steps in flight count, with the USD they reserved; raises SessionBudgetExceeded."""
         spent = self._spent(run)
         if spent is not None:
             raise spent
@@ -248,12 +199,7 @@ class Sessions:
         return decision
 
     def _off_fast(self, run: Run, decision: Decision, got: Tally) -> Decision:
-        """``decision`` without its fast candidates: the run's USD budget is spent, or reserved by its steps in flight
-        (``got``: what it counted), and it moves runs to the standard tier.
-
-        Raises:
-            SessionBudgetExceeded: it refuses instead (``on_usd: refuse``), or only the fast tier serves the request.
-        """
+        """Raises SessionBudgetExceeded when ``on_usd: refuse`` or only the fast tier serves the request."""
         rest = tuple(c for c in decision.candidates if c.upstream.tier != "fast")
         if run.budgets.on_usd == "refuse" or not rest:
             raise usd_refusal(run, got.usd, got.reserved)
@@ -262,7 +208,6 @@ class Sessions:
         return dataclasses.replace(decision, candidates=rest, fallback=fallback)
 
     def _spent(self, run: Run) -> SessionBudgetExceeded | None:
-        """The refusal of a run that has taken its steps (those in flight counted) or used its deadline, or None."""
         b, record = run.budgets, run.record
         held = record.in_flight(run.arrived)[0]
         if b.max_steps is not None and record.steps + held >= b.max_steps:
@@ -273,14 +218,12 @@ class Sessions:
         return None
 
     async def record_of(self, owner: str | None, session_id: str) -> SessionRecord | None:
-        """The run ``owner``'s gateway key named ``session_id`` (``GET /v1/tiergate/sessions/{id}``), or None: another
-        key's session is not found, as an unknown one."""
+        """Another key's session is not found, as an unknown one (``GET /v1/tiergate/sessions/{id}``)."""
         return await self.table.load(scope(owner, session_id), self.wall())
 
     def step_budget(self, run: Run) -> deadline.Budget | None:
-        """The step's latency budget from the run's (module docstring, 2): its ``step`` budget, else what is left of
-        its ``deadline`` shared among the steps still expected (``expected_steps``, else ``max_steps``; else all of
-        it); None without either."""
+        """The ``step`` budget, else what is left of ``deadline`` shared among the steps still expected
+        (``expected_steps``, else ``max_steps``, else one)."""
         b = run.budgets
         if b.step is not None:
             return deadline.Budget(b.step, None, "session")
@@ -292,8 +235,7 @@ class Sessions:
         return deadline.Budget(max(0.001, left / steps_left), None, "session")
 
     def finished(self, rec: Recorder, run: Run, done: Recorded, answered: bool) -> None:
-        """The step's request was recorded (module docstring, 3): release its hold and add it to the run, unless no
-        upstream answered it (then it took no step: nothing is counted but its hold, released)."""
+        """A step no upstream answered took no step: only its hold is released."""
         if run.done:
             return
         run.done = True
@@ -313,8 +255,7 @@ class Sessions:
                             None if standard is None else (duration, standard))
 
     def _standard_estimate(self, rec: Recorder, run: Run, prompt: int, output: int) -> float | None:
-        """Seconds the standard tier's live estimate (central) gives a fast-tier step's prompt and output tokens (what
-        the step would have taken there), or None (not on the fast tier, no standard candidate, or unmeasured)."""
+        """What the step would have taken on the standard tier (seconds, its central live estimate), or None."""
         std = run.standard
         if rec.tier != "fast" or std is None or output <= 0:
             return None
@@ -327,20 +268,17 @@ class Sessions:
 
 
 def refusal(run: Run, budget: str, said: str) -> SessionBudgetExceeded:
-    """The 429 of a run whose ``budget`` is spent (``said``: how)."""
     return SessionBudgetExceeded(f"The agent session '{run.session.id}' has spent its {budget} budget ({said}); "
                                  "start a new session to go on.", param=budget, headers={"x-should-retry": "false"})
 
 
 def usd_refusal(run: Run, usd: float, reserved: float) -> SessionBudgetExceeded:
-    """The 429 of a run that has spent its ``max_usd`` (``usd``), or reserved the rest for its steps in flight
-    (``reserved``)."""
     held = f", ${reserved:.6f} reserved by its steps in flight" if reserved else ""
     return refusal(run, "max_usd", f"${usd:.6f} of its ${run.budgets.max_usd:g} spent{held}")
 
 
 def _tokens(usage: Mapping[str, Any] | None) -> tuple[int, int, int]:
-    """(prompt, cached prompt, output) tokens of a chat-shaped usage (0 where absent or not a count)."""
+    """(prompt, cached prompt, output) of a chat-shaped usage; 0 where absent or not a count."""
     if not isinstance(usage, Mapping):
         return 0, 0, 0
     details = usage.get("prompt_tokens_details")
