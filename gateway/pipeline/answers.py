@@ -1,8 +1,6 @@
-"""A passthrough answer on its way to the client: sent (a streamed body's writer bounded by its progress), then relayed
-as it arrives with its bytes untouched, the tail of a billed answer kept for its usage (and a billed event stream's
-token-bearing events counted, for when it has none); an answer about a key's objects
-read whole, to claim what it made or show the key's own objects only (``gateway.tenancy.objects``).
-"""
+"""A passthrough answer on its way to the client: relayed as it arrives, bytes untouched, the tail of a billed answer
+kept for its usage (and a billed event stream's token-bearing events counted, for when it has none); an answer about
+a key's objects is read whole to scope it (``gateway.tenancy.objects``)."""
 
 from __future__ import annotations
 
@@ -22,11 +20,8 @@ OBJECT_ANSWER = 8 * 1024 * 1024  # bytes of a JSON answer about objects read who
 
 
 async def send(attempt: Attempt, body: Body | None, upload: Upload | None) -> Answer:
-    """:meth:`Attempt.send`; a streamed body's writer bounded as :class:`Upload` says.
-
-    Raises:
-        UpstreamTimeout: the upstream stopped taking the body for its idle timeout; as :meth:`Attempt.send`.
-    """
+    """:meth:`Attempt.send`. Raises UpstreamTimeout when the upstream stops taking a streamed body for its idle
+    timeout."""
     if upload is None:
         return await attempt.send(body)
     try:
@@ -43,15 +38,10 @@ async def send(attempt: Attempt, body: Body | None, upload: Upload | None) -> An
 
 async def relay(ex: Exchange, attempt: Attempt, answer: Answer, decision: Decision, reason: str | None,
                 owners: Owners) -> None:
-    """Relay a 2xx answer as it arrives, bytes untouched; for a ``POST`` that makes something billed by usage (its
-    route ``bills``: ``gateway.wire.routes``), keep the tail of its JSON or SSE body to read the usage from (a stored
-    object fetched again is not billed again), and count an event stream's token-bearing events as they arrive (what
-    it is charged when no usage comes, whether the client stays or not).
-
-    Raises:
-        GatewayError: the answer broke off. Before its first byte reached the client, it can fail over; after,
-            the client's connection is cut without its end (a truncated body must never look complete).
-    """
+    """Only a ``POST`` of a route that ``bills`` keeps its tail (an object fetched again is not billed again); an
+    event stream's token-bearing events are counted as they arrive, charged when no usage comes. Raises GatewayError
+    when it broke off: before the first byte reached the client it can fail over; after, the connection is cut, so a
+    truncated body never looks complete."""
     rec, req = ex.rec, ex.request
     assert isinstance(rec, PassRecorder)
     bodiless = answer.status in (204, 205)  # no content, whatever the upstream sent (RFC 9110 §15.3.5-6)
@@ -83,13 +73,9 @@ async def relay(ex: Exchange, attempt: Attempt, answer: Answer, decision: Decisi
 
 async def relay_owned(ex: Exchange, rec: PassRecorder, attempt: Attempt, answer: Answer, headers: Headers,
                       owners: Owners) -> None:
-    """A JSON answer about a key's objects (``gateway.tenancy.objects``), read whole (at most :data:`OBJECT_ANSWER`
-    bytes): the object a ``POST`` made is claimed for the key before the client can name it; a list shows the key's
-    own objects only. An answer too large to read whole, or that is no JSON, is a 502 (never shown unfiltered).
-
-    Raises:
-        GatewayError: the answer broke off, or is too large (before anything reached the client: it can fail over).
-    """
+    """Read whole (at most :data:`OBJECT_ANSWER` bytes): an object a ``POST`` made is claimed for the key before the
+    client can name it, and a list shows the key's own objects only (an answer that is no list goes as it is). Raises
+    GatewayError (it can still fail over) when the answer broke off or is too large."""
     key, method = ex.request.key, ex.request.method
     assert key is not None
     parts, size = [], 0
@@ -123,7 +109,5 @@ async def relay_owned(ex: Exchange, rec: PassRecorder, attempt: Attempt, answer:
 
 
 def owned_answer(ex: Exchange, content_type: str) -> bool:
-    """Whether an answer is about a key's objects and must be read whole (:func:`relay_owned`): a JSON answer to a
-    ``POST`` or ``GET`` of a route about objects (``gateway.wire.routes``)."""
     req = ex.request
     return req.method in ("GET", "POST") and req.route.objects and "json" in content_type

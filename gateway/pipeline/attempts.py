@@ -1,11 +1,7 @@
-"""One routed request's attempts: the state of its way through its candidates (:class:`Turn`), what an attempt may
-tell the upstream's health and whether it may go at all (:meth:`Attempts.verdicts`), the bytes it sends
-(:meth:`Attempts.payload`), and the attempt body itself (:meth:`Attempts.run`: send, hold until the first token,
-deliver), which the sequential failover loop and the hedge race both call: it exists once.
-
-Errors travel one way: raised. An attempt that may not go, or fails before its first byte reached the client, raises
-the error its caller fails over on (or answers with); past the first byte nothing raises for the upstream's trouble.
-"""
+"""One routed request's attempts: its way through its candidates (:class:`Turn`), whether an attempt may go
+(:meth:`Attempts.verdicts`), its bytes (:meth:`Attempts.payload`), and the attempt itself (:meth:`Attempts.run`),
+which failover and the hedge race both call. An attempt that may not go, or fails before its first byte reached the
+client, raises what its caller fails over on; past the first byte nothing raises."""
 
 from __future__ import annotations
 
@@ -38,15 +34,9 @@ from gateway.wire.body import dumps, with_service_tier
 
 @dataclass(slots=True)
 class Turn:
-    """One routed request on its way through its candidates.
-
-    Attributes:
-        ex: its exchange; raw: the client's body; facts, decision, plan: what routing read and chose;
-        need: its estimated prompt plus ``max_tokens`` (tokens); strip_usage: the client did not ask for the usage
-        chunk the gateway asks for; run: the agent session's step it is, or None; admitted: the shared quota
-        admissions made while planning (upstream name -> the
-        admission, or None: Redis asked nothing); tried: attempts started; last: the last failure, or None.
-    """
+    """``need``: estimated prompt plus ``max_tokens`` (tokens); ``strip_usage``: the client did not ask for the usage
+    chunk the gateway asks for; ``admitted``: shared quota admissions made while planning (None: Redis asked
+    nothing); ``tried``: attempts started."""
 
     ex: Exchange
     raw: bytes
@@ -70,7 +60,6 @@ class Claim(Protocol):
 
 
 class Attempts:
-    """The attempts of every routed request of one gateway (module docstring)."""
 
     def __init__(self, config: GatewayConfig, transport: Transport, health: Health, shared: SharedState | None,
                  budgets: KeyBudgets, delivery: Delivery) -> None:
@@ -82,13 +71,9 @@ class Attempts:
         self.delivery = delivery
 
     async def run(self, turn: Turn, cand: Candidate, race: Claim | None = None, hedge: bool = False) -> None:
-        """Try ``cand``: send, hold until the first token, then deliver the answer (a hedged attempt delivers only if it
-        claims the request first; else it is lost, and ends).
-
-        Raises:
-            GatewayError: it may not go, or it failed before anything reached the client (counted; its upstream's
-                health told); the caller fails over or answers with it.
-        """
+        """Send, hold until the first token, deliver; a hedged attempt delivers only if it claims the request first.
+        Raises GatewayError (counted, its upstream's health told) when it may not go or failed before anything
+        reached the client."""
         ex, up = turn.ex, cand.upstream
         verdicts = await self.verdicts(turn, cand)
         turn.tried += 1
@@ -131,14 +116,9 @@ class Attempts:
             await self.delivery.deliver(ex, attempt, answer, headers, relay, turn.decision, turn.facts)
 
     async def verdicts(self, turn: Turn, cand: Candidate) -> Verdicts:
-        """What an attempt to ``cand`` tells (its upstream's health; with shared state, the shared estimate too), once
-        it may go: after a wait for a concurrency slot (``plan.queued``), within the key's fast allowance, and, with
-        shared state, once the shared quota estimate admitted its need (planning admitted the first candidate).
-
-        Raises:
-            GatewayError: it may not go: spilled over (counted; the answer if nothing else serves), but the last
-                candidate, which is tried anyway (the upstream judges).
-        """
+        """Once it may go: a concurrency slot waited for (``plan.queued``), the key's fast allowance, and with shared
+        state the shared quota estimate's admission. Raises GatewayError (spilled over, counted) when it may not,
+        except for the last candidate, which is tried anyway: the upstream judges."""
         ex, plan, up = turn.ex, turn.plan, cand.upstream
         health = self.health[up.name]
         if up.name in plan.queued and not await health.wait_for_slot():
@@ -161,16 +141,15 @@ class Attempts:
                           headers={"retry-after": "1"})
 
     def stayed_busy(self, ex: Exchange, plan: Plan, up: UpstreamConfig) -> GatewayError:
-        """A candidate waited on for a concurrency slot got none in ``health.queue_seconds``: it is spilled over."""
+        """No slot within ``health.queue_seconds``: spilled over."""
         ex.rec.spilled(up.tier, up.name, "concurrency", logged=False)
         plan.reason = plan.reason or "spillover_concurrency"
         return UpstreamsResting("Every upstream for this model stayed at its concurrency limit.",
                                 headers={"retry-after": "1"})
 
     def payload(self, turn: Turn, cand: Candidate) -> tuple[bytes, str]:
-        """The bytes to send ``cand`` and the path under its base URL: chat completions as the client sent them; a
-        Responses request as it came (native), translated (bridged: ``gateway.responses.request``), or, when it
-        continues a conversation only the gateway holds, with that conversation inline (native)."""
+        """And the path under the base URL. Chat completions go as the client sent them; a Responses request native,
+        translated (bridged, ``gateway.responses.request``), or with a conversation only the gateway holds inline."""
         ex, raw = turn.ex, turn.raw
         up, body = cand.upstream, turn.facts.body  # read, never changed: the next candidate gets the same
         dialect = dialects.of(up)
@@ -199,11 +178,9 @@ class Attempts:
         return with_cache_key(dialect.body(raw, body, cand.upstream_model, False), cache_key), "/responses"
 
     def cache_key(self, ex: Exchange, run: Run | None, body: Mapping[str, Any]) -> str | None:
-        """The ``prompt_cache_key`` an agent session's step is sent with when the client sent none
-        (``sessions.prompt_cache_key: derive``): ``tgs-`` and 32 hex digits of the session's table key (its gateway
-        key and id), HMAC-SHA-256'd with the key's own digest when it has one: one per run, the same on every replica,
-        and one no other tenant can compute from a key name and a session id it guessed (to send as its own
-        ``prompt_cache_key`` and land on this run's cache routing); else None."""
+        """For a session step the client sent none for (``sessions.prompt_cache_key: derive``): ``tgs-`` and the
+        session's table key, with gateway keys HMAC-SHA-256'd with the key's digest (32 hex digits): one per run, the
+        same on every replica, and no other tenant can compute it from a guessed key name and session id."""
         if run is None or "prompt_cache_key" in body or self.config.sessions.prompt_cache_key != "derive":
             return None
         key = ex.request.key
@@ -212,8 +189,7 @@ class Attempts:
         return "tgs-" + hmac.new(key.cfg.sha256.encode(), str(run.key).encode(), hashlib.sha256).hexdigest()[:32]
 
     def open(self, ex: Exchange, up: UpstreamConfig, need: int, path: str, verdicts: Verdicts) -> Attempt:
-        """An attempt on ``up`` (``async with`` it), with its trace span when the request is traced; over the
-        request's own transport when it has one (a WebSocket-mode message: its socket's upstream sockets)."""
+        """Over the request's own transport when it has one (a WebSocket-mode message's upstream sockets)."""
         model = ex.rec.model
         span, trace = ex.rec.attempt_span(up, up.models.get(model, model))
         return Attempt(ex.via or self.transport, up, verdicts, self.health.clock, need_tokens=need,
@@ -223,7 +199,7 @@ class Attempts:
 
     def answer_headers(self, ex: Exchange, decision: Decision, up: UpstreamConfig, reason: str | None,
                        answer: Answer) -> Headers:
-        """The headers of a 200 from ``up``: what served it, and the upstream headers a client may see."""
+        """What served it, and the upstream headers a client may see."""
         if answer.stale_retried:
             ex.rec.upstream_failed(up.tier, up.name, "stale_connection")
         out = ex.route_headers(up.tier, up.name, decision.rule, reason)
@@ -236,7 +212,7 @@ class Attempts:
 
 
 def with_cache_key(raw: bytes, cache_key: str | None) -> bytes:
-    """``raw`` (a JSON object's bytes) with a top-level ``prompt_cache_key`` first, or as it is (``cache_key`` None)."""
+    """``raw`` (a JSON object's bytes) with ``prompt_cache_key`` spliced in first."""
     if cache_key is None:
         return raw
     start = raw.index(b"{") + 1
@@ -244,9 +220,7 @@ def with_cache_key(raw: bytes, cache_key: str | None) -> bytes:
 
 
 def session_headers(run: Run, upstream: str) -> list[tuple[bytes, bytes]]:
-    """``x-tiergate-session-step`` (the step's number in its run), ``x-tiergate-affinity`` (``new``: the run's first
-    step served; ``kept``: the upstream of its last; ``moved``: another) and, when a spent USD budget sent it to the
-    standard tier, ``x-tiergate-session-budget: usd``."""
+    """The session's response headers (docs/routing.md#response-headers)."""
     last = run.record.last_upstream
     said = b"new" if last is None else b"kept" if last == upstream else b"moved"
     out = [(b"x-tiergate-session-step", b"%d" % run.step), (b"x-tiergate-affinity", said)]
@@ -257,16 +231,14 @@ def session_headers(run: Run, upstream: str) -> list[tuple[bytes, bytes]]:
 
 def attempting(ex: Exchange, decision: Decision, up: UpstreamConfig, tried: int, reason: str | None,
                overhead: bool = True) -> None:
-    """An attempt on ``up`` starts (or, without ``overhead``, a hedge that started later won): the request takes its
-    labels (:meth:`~gateway.observability.recorder.Recorder.attempting`)."""
+    """The request takes ``up``'s labels (without ``overhead``: a hedge started later won)."""
     model = up.models.get(decision.model) or (None if decision.model == "other" else decision.model)
     ex.rec.attempting(up.tier, up.name, model, tried, decision.tier, reason, overhead)
 
 
 async def give_up(ex: Exchange, decision: Decision, reason: str | None, last: GatewayError | None,
                   tried: int, extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
-    """Every candidate failed (or none could be tried): answer the last failure (with ``extra`` headers). A request
-    that failed request-shaped on every upstream it tried is its own fault: its failures are taken back
+    """A request that failed request-shaped on every upstream it tried is its own fault: its failures are taken back
     (``gateway.routing.blame``)."""
     if last is None:
         last = UpstreamUnavailable("No upstream is configured for this model.")

@@ -1,17 +1,16 @@
-"""The answer to an admitted chat completion or Responses request, over HTTP or in a WebSocket message: the
-request's story past admission in one function, :meth:`ChatPipeline.serve`.
+"""The answer to an admitted chat completion or Responses request, over HTTP or in a WebSocket message: its story past
+admission in one function, :meth:`ChatPipeline.serve`.
 
-=================  ===================================================================================================
-plan               :func:`gateway.routing.failover.plan` (spillover; every candidate resting: the refusal), with
-                   shared state the shared quota estimate's say
-attempt            :meth:`gateway.pipeline.attempts.Attempts.run` (send, first token, deliver); with ``hedge``, two
-                   racing to their first token (:mod:`gateway.pipeline.hedging`)
-relay or answer    :class:`gateway.pipeline.delivery.Delivery` (SSE byte-exact or bridged, or the whole JSON body)
-record             :meth:`gateway.pipeline.exchange.Exchange.record` (once; it settles what admission reserved)
-=================  ===================================================================================================
+===============  ==================================================================================================
+plan             :func:`gateway.routing.failover.plan` (spillover; all resting: the refusal), the shared quota's say
+attempt          :meth:`gateway.pipeline.attempts.Attempts.run`: send, first token, deliver; with ``hedge``, two
+                 race to their first token (:mod:`gateway.pipeline.hedging`)
+relay or answer  :class:`gateway.pipeline.delivery.Delivery` (SSE byte-exact or bridged, or the whole JSON body)
+record           :meth:`gateway.pipeline.exchange.Exchange.record` (once; it settles what admission reserved)
+===============  ==================================================================================================
 
-What tells a request that its client left cancels it wherever it is (``gateway.pipeline.frame.Watch``); the attempt's
-exit then closes the upstream answer, never pooled half-read, and the request is counted once.
+A client that leaves cancels the request wherever it is (``gateway.pipeline.frame.Watch``); the attempt's exit then
+closes the upstream answer, never pooled half-read.
 """
 
 from __future__ import annotations
@@ -36,8 +35,6 @@ from gateway.wire.body import client_wants_usage
 
 
 class ChatPipeline:
-    """Chat completions and the Responses API of one gateway past admission (module docstring), over its
-    collaborators, built by the composition root (``gateway.app``)."""
 
     def __init__(self, config: GatewayConfig, attempts: Attempts, hedging: Hedging, health: Health,
                  shared: SharedState | None) -> None:
@@ -48,9 +45,7 @@ class ChatPipeline:
         self.shared = shared
 
     async def serve(self, ex: Exchange, admitted: Admitted) -> None:
-        """plan -> for each attempt: send, hold until the first token, then relay the rest in a task of its own (or
-        answer whole) -> record. Failover happens only before the first byte reached the client (the relay commits at
-        the first token)."""
+        """Failover happens only before the first byte reached the client: the relay commits at the first token."""
         req = ex.request
         ex.blame = Blame(functools.partial(blame_source, req.key, req.raw or b""))
         try:
@@ -73,14 +68,9 @@ class ChatPipeline:
             await give_up(ex, turn.decision, turn.plan.reason, turn.last, turn.tried)
 
     async def plan(self, ex: Exchange, admitted: Admitted) -> Turn:
-        """The request's candidates (``failover.plan``, from the local health), its spillovers counted; with shared
-        state, its first candidate admitted by the shared quota estimate (``gateway.state.redis``): one the estimate
-        refuses now looks short locally too, so planning again spills it over (every candidate short: the first is
-        tried anyway, as without Redis).
-
-        Raises:
-            GatewayError: every candidate rests (429 or 503 with ``retry-after``: ``failover.refusal``).
-        """
+        """With shared state the first candidate must pass the shared quota estimate: one it refuses now looks short
+        locally too, so planning again spills it over (all short: the first is tried anyway, as without Redis).
+        Raises GatewayError (429 or 503 with ``retry-after``, ``failover.refusal``) when every candidate rests."""
         facts, decision, run = admitted.facts, admitted.decision, admitted.run
         assert facts is not None
         need = need_of(facts)
@@ -110,8 +100,7 @@ class ChatPipeline:
         return Turn(ex, ex.request.raw or b"", facts, decision, plan, need, strip_usage, run, admitted_by)
 
     def fails_over(self, turn: Turn, cand: Candidate, exc: GatewayError) -> bool:
-        """``cand``'s attempt failed with ``exc`` before anything reached the client: whether the next candidate may
-        still serve the request (``Plan.go_on``; logged)."""
+        """Whether the next candidate may still serve the request (``Plan.go_on``; logged)."""
         if not turn.plan.go_on(cand, exc):
             return False
         turn.ex.rec.failed_over(cand.upstream.tier, cand.upstream.name, turn.plan.reason)
@@ -119,6 +108,6 @@ class ChatPipeline:
 
 
 def blame_source(key: Key | None, raw: bytes) -> str:
-    """Whom a request's request-shaped failures are charged to (``gateway.routing.blame``): its gateway key, or,
-    without keys, its body (one request shape; Python's hash of its bytes, computed only when a failure asks)."""
+    """Whom request-shaped failures are charged to (``gateway.routing.blame``): the key, else the body's shape (a
+    hash of its bytes, computed only when a failure asks)."""
     return key.name if key is not None else f"body:{hash(raw) & 0xFFFFFFFFFFFF:x}"

@@ -1,7 +1,6 @@
 """An answer on its way to the client once an attempt has it: a stream relayed past its first token (or translated,
-for a bridged Responses request), or a whole JSON body checked and passed on; what was measured told to the request's
-recorder, and the request recorded once. Nothing raises for the upstream's trouble once the first byte left.
-"""
+for a bridged Responses request), or a whole JSON body checked and passed on, and the request recorded once. Nothing
+raises for the upstream's trouble once the first byte left."""
 
 from __future__ import annotations
 
@@ -28,9 +27,8 @@ from gateway.wire.body import dumps
 
 
 def draft(ex: Exchange, up: UpstreamConfig, facts: RequestFacts) -> Draft | None:
-    """The Response object a bridged Responses request answers with, or None (not bridged). Its ``service_tier``
-    until the upstream says which it served is the one it is billed at (``Recorder.billed_tier``: the one the
-    attempt was sent with, where the upstream honours it)."""
+    """None when not bridged. Until the upstream says which ``service_tier`` it served, the Response carries the one
+    it is billed at (``Recorder.billed_tier``)."""
     if ex.request.kind != "responses" or up.responses_mode != "bridge":
         return None
     body = dict(facts.body)
@@ -43,23 +41,19 @@ def draft(ex: Exchange, up: UpstreamConfig, facts: RequestFacts) -> Draft | None
 
 
 def series(ex: Exchange, up: UpstreamConfig, decision: Decision, stats: StreamStats) -> str:
-    """The live estimates' series a stream of ``up`` feeds: its model at the service tier the upstream said it served
-    (else the one it was asked: ``gateway.observability.estimates.bucket``)."""
+    """Its model at the service tier the upstream said it served, else the one asked."""
     return bucket(up.models.get(decision.model, decision.model), stats.service_tier or ex.rec.billed_tier)
 
 
 class Delivery:
-    """Delivering the answers of one gateway (module docstring); what was measured goes to each request's recorder
-    (the live estimates learn from it there); ``conversations`` keeps what a Responses follow-up needs as the answer
-    leaves."""
+    """``conversations`` keeps what a Responses follow-up needs as the answer leaves."""
 
     def __init__(self, config: GatewayConfig, conversations: Conversations) -> None:
         self.config = config
         self.conversations = conversations
 
     def relay(self, ex: Exchange, attempt: Attempt, strip_usage: bool, facts: RequestFacts) -> Relay:
-        """The relay of ``attempt``'s event stream: a :class:`Relay`, or, for a bridged Responses request, the
-        bridge's translating relay; ``ex.relay`` once it is the answer's (:meth:`deliver`)."""
+        """A bridged Responses request gets the bridge's translating relay."""
         up, limit = attempt.upstream, self.config.limits.max_event_bytes
         made = draft(ex, up, facts)
         hold = None if attempt.first_token_by is not None else up.timeouts.idle  # no ttft: idle bounds the hold
@@ -71,8 +65,7 @@ class Delivery:
 
     async def deliver(self, ex: Exchange, attempt: Attempt, answer: Answer, headers: Headers, relay: Relay,
                       decision: Decision, facts: RequestFacts) -> None:
-        """Relay the rest of a stream whose first token ``relay`` holds (:meth:`Relay.first`); its status line and
-        headers leave with the first write. Nothing raises for the upstream's trouble from here on."""
+        """Relay the rest of a stream whose first token ``relay`` holds; the status line leaves with the first write."""
         up = attempt.upstream
         ex.relay = relay
         first, sent = relay.stats.t_first_token, attempt.sent_at
@@ -103,8 +96,6 @@ class Delivery:
 
     def ended(self, ex: Exchange, attempt: Attempt, decision: Decision, facts: RequestFacts,
               stats: StreamStats) -> None:
-        """A relayed stream ended (its last byte is about to leave): tell its upstream's health, feed the estimates,
-        record the request."""
         ex.rec.usage(attempt.span, stats.usage)
         if stats.error:
             self.broke(ex, attempt, stats)
@@ -117,8 +108,8 @@ class Delivery:
 
     def measured(self, ex: Exchange, attempt: Attempt, decision: Decision, facts: RequestFacts,
                  stats: StreamStats) -> None:
-        """Feed the live estimates with a stream that ran to its end: its decode speed (the gateway's formula,
-        ``gateway.observability.metrics``) and its completion length (its TTFT went in at the first token)."""
+        """Decode speed by the gateway's formula (``gateway.observability.metrics``) and completion length; the TTFT
+        went in at the first token."""
         usage = stats.usage
         completion = usage.get("completion_tokens") if usage is not None else None
         if not isinstance(completion, int) or completion < stats.token_chunks:
@@ -132,9 +123,8 @@ class Delivery:
             ex.rec.completed(decision.rule, decision.model, completion)
 
     def broke(self, ex: Exchange, attempt: Attempt, stats: StreamStats) -> None:
-        """The stream failed after its first token: count it, and tell the upstream's health (its own error event's
-        status says whose fault it is: Groq's tool_use_failed carries status_code 400, the request's; an overloaded
-        server_error counts against the upstream)."""
+        """The error event's own status says whose fault it is: Groq's ``tool_use_failed`` carries status_code 400,
+        the request's; an overloaded ``server_error`` counts against the upstream."""
         assert stats.error is not None
         ex.rec.stream_broke(stats.error)
         if stats.error_event is not None:
@@ -144,13 +134,8 @@ class Delivery:
 
     async def whole(self, ex: Exchange, attempt: Attempt, answer: Answer, headers: Headers, decision: Decision,
                     facts: RequestFacts) -> None:
-        """Relay a non-streaming answer untouched after checking it is a JSON object and reading its usage (a bridged
-        Responses request: the chat completion as a Response object).
-
-        Raises:
-            UpstreamTimeout, UpstreamUnavailable: the body did not arrive; UpstreamBadResponse: it is not a JSON
-                object. Nothing was sent yet.
-        """
+        """Checked to be a JSON object, its usage read, then passed on untouched (bridged: as a Response object).
+        Raises UpstreamTimeout, UpstreamUnavailable or UpstreamBadResponse, nothing sent yet."""
         data = await answer.read()
         attempt.done()
         try:

@@ -1,12 +1,8 @@
-"""The client side of one request: how it is answered, and what it holds while it is in flight.
-
-An :class:`Exchange` answers in one of three shapes, each at most once: an error in OpenAI's envelope, a whole JSON
-body, or a stream whose status line and headers leave with its first bytes (nothing is committed before them, so
-the request can still fail over). It is made of three objects, each written by one package: what the request is
-(``request``: ``gateway.admission``), what it holds (``reserved``: admission's reservations, settled here once it is
-recorded) and what was recorded (``rec``: ``gateway.observability.recorder``); what routing decided travels with the
-request's attempts (``gateway.pipeline.attempts.Turn``).
-"""
+"""The client side of one request: how it is answered, and what it holds while in flight. An :class:`Exchange`
+answers at most once: an error in OpenAI's envelope, a whole JSON body, or a stream whose status line and headers
+leave with its first bytes (nothing is committed before, so the request can still fail over). Its parts are each
+written by one package: ``request`` by admission, ``reserved`` by its reservations (settled here), ``rec`` by
+``gateway.observability.recorder``."""
 
 from __future__ import annotations
 
@@ -36,16 +32,9 @@ HANGUP = "tiergate.hangup"
 
 
 class Exchange:
-    """One client request (module docstring). Times are ``time.perf_counter()`` seconds.
-
-    Attributes:
-        request, rec, reserved: what it is, what was recorded, what it holds; answered: the status line went to the
-        client (it can no longer fail over); relay: the relay of the stream being answered, or None (its stats give
-        TTFT, usage, ...); gone_at: when the client disconnected, or None; cut: the drain time ran out while it was in
-        flight; task: the task serving it; blame: whom its request-shaped upstream failures are charged to
-        (``gateway.routing.blame``); via, memory: for a message of a WebSocket-mode socket, the transport its
-        attempts use (its upstream sockets) and the socket's store of the responses it made; else None.
-    """
+    """Times are ``time.perf_counter()`` seconds. ``answered``: the status line went out, so it can no longer fail
+    over; ``cut``: the drain ran out while in flight; ``via``, ``memory``: a WebSocket-mode message's transport (its
+    upstream sockets) and its socket's response store, else None."""
 
     __slots__ = ("request", "rec", "reserved", "answered", "relay", "gone_at", "cut", "task", "blame", "via",
                  "memory", "_send", "_start")
@@ -67,7 +56,7 @@ class Exchange:
 
     @classmethod
     def of(cls, observers: Observers, request: Request, send: Send, bodies: BodyBudget) -> Exchange:
-        """The exchange of ``request``, recorded in the chat and Responses families."""
+        """Recorded in the chat and Responses families."""
         return cls(Recorder(observers, request), send, bodies)
 
     @property
@@ -75,7 +64,7 @@ class Exchange:
         return self.request.rid
 
     def record(self, outcome: str, *, ended: float | None = None, **kw: Any) -> None:
-        """Record the request once (:meth:`Recorder.record`; later calls do nothing) and settle what it holds."""
+        """Once (later calls do nothing), settling what it holds."""
         done = self.rec.record(outcome, ended=ended, **kw)
         if done is not None:
             self.reserved.settle(self.rec, done)
@@ -83,8 +72,7 @@ class Exchange:
     # answering
 
     async def error(self, exc: GatewayError, outcome: str, headers: Headers | None = None) -> None:
-        """Record ``outcome`` and answer ``exc`` in OpenAI's envelope with its status and headers (no upstream's
-        answer reached the client: no attempt is counted as answering)."""
+        """``exc`` in OpenAI's envelope; no attempt is counted as answering."""
         self.rec.answered(exc.status)  # before the record: the log line names the status answered
         self.record(outcome)
         extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
@@ -92,15 +80,15 @@ class Exchange:
                          attempt=False)
 
     async def whole(self, status: int, body: bytes, headers: Headers, attempt: bool = True) -> None:
-        """Answer a whole JSON ``body`` with ``status`` (``attempt``: an upstream's answer, its attempts counted)."""
+        """``attempt``: an upstream's answer, its attempts counted."""
         self._started(status, attempt)
         await self._send({"type": "http.response.start", "status": status,
                           "headers": [*headers, (b"content-type", JSON), (b"content-length", b"%d" % len(body))]})
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
 
     def open_stream(self, headers: Headers, content_type: str) -> None:
-        """Prepare a 200 event stream; its status line and ``headers`` leave with the first :meth:`write`. A
-        ``content_type`` that is not ``text/event-stream`` (a mislabelled stream) is sent as one."""
+        """The status line and ``headers`` leave with the first :meth:`write`; a mislabelled stream is sent as
+        ``text/event-stream``."""
         ctype = content_type.encode("latin-1")
         if not ctype.startswith(b"text/event-stream"):
             ctype = EVENT_STREAM
@@ -109,25 +97,22 @@ class Exchange:
         self.rec.answered(200)
 
     def open_answer(self, status: int, headers: Headers) -> None:
-        """Prepare an answer of any shape (a passthrough answer: its status, and ``headers`` as given); its status
-        line leaves with the first :meth:`write` or :meth:`end_stream`."""
+        """A passthrough answer, ``headers`` as given; it leaves with the first :meth:`write` or :meth:`end_stream`."""
         self._start = {"type": "http.response.start", "status": status, "headers": headers}
         self.rec.answered(status)
 
     async def write(self, data: bytes) -> None:
-        """Send stream bytes (the status line first, once)."""
         if self._start is not None:
             await self._open()
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def end_stream(self) -> None:
-        """End the stream's body (its status line first, if nothing was written)."""
         if self._start is not None:
             await self._open()
         await self._send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def end_stream_with_error(self, message: str, code: str) -> None:
-        """End a started stream with one in-band error event (``{"error": ...}``; the SDK raises ``APIError``)."""
+        """One in-band error event (``{"error": ...}``), on which the SDK raises ``APIError``."""
         await self.write(b"data: " + error_body(message, "server_error", None, code) + b"\n\n")
         await self.end_stream()
 
@@ -145,7 +130,7 @@ class Exchange:
             self.rec.answer_started()
 
     def stream_figures(self) -> dict[str, Any]:
-        """What the relay measured so far, as :meth:`Metrics.record` keywords (empty before any relay)."""
+        """As :meth:`Metrics.record` keywords (empty before any relay)."""
         if self.relay is None:
             return {}
         stats = self.relay.stats
@@ -156,7 +141,6 @@ class Exchange:
                 "served_tier": stats.service_tier}
 
     def route_headers(self, tier: str, upstream: str, rule: str, fallback: str | None) -> Headers:
-        """``x-request-id`` and the ``x-tiergate-*`` headers that say what served the request."""
         self.rec.routed(rule, fallback)
         out = [(b"x-request-id", self.rid.encode("latin-1")), (b"x-tiergate-tier", tier.encode()),
                (b"x-tiergate-upstream", upstream.encode()), (b"x-tiergate-rule", rule.encode())]

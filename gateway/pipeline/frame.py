@@ -1,12 +1,8 @@
-"""The frame every request runs in, whatever its entrance (chat completions, the Responses API over HTTP or in a
-WebSocket message, the passthrough): what tells it that its client left (:class:`Watch`), the requests in flight, how
-a request ends however its story ends (a client gone, the drain time over, a bug: never a stack trace, never two
-answers: :meth:`Frame.serving`), and the drain (:class:`Frame`).
-
-The story runs inside ``async with frame.serving(...)`` in the entrance's own coroutine, not in a wrapper coroutine:
-a coroutine between the task and the story costs every resumption of the story (measured: ~1.5 us of own CPU per
-plain request).
-"""
+"""The frame every request runs in, whatever its entrance: what tells it its client left (:class:`Watch`), the
+requests in flight, a clean end however its story ends (never a stack trace, never two answers:
+:meth:`Frame.serving`), and the drain. The story runs inside ``async with frame.serving(...)`` in the entrance's own
+coroutine: a wrapper coroutine between the task and the story costs every resumption (measured: ~1.5 us of own CPU
+per plain request)."""
 
 from __future__ import annotations
 
@@ -28,10 +24,9 @@ DRAINING = "The gateway is shutting down; retry the request."
 
 
 class Watch:
-    """What tells a request that its client left: it then cancels the request's task (``ex.task``) wherever it is,
-    noting when the client left (``ex.gone_at``); see :meth:`Frame.serving`. Under the gateway's own server protocol
-    the ``tiergate.hangup`` ASGI extension in ``scope`` calls :meth:`left` (``gateway.http.server.Hangup``); under any
-    other server (and hand-written ASGI calls) a task awaits ``http.disconnect``, one per request."""
+    """Cancels the request's task (``ex.task``) when its client leaves, noting when (``ex.gone_at``). Under the
+    gateway's own server protocol the ``tiergate.hangup`` ASGI extension calls :meth:`left`
+    (``gateway.http.server.Hangup``); under any other server a task per request awaits ``http.disconnect``."""
 
     __slots__ = ("ex", "receive", "task", "hangup")
 
@@ -42,7 +37,7 @@ class Watch:
         self.hangup = scope.get("extensions", _NO_EXTENSIONS).get(HANGUP)
 
     def start(self) -> None:
-        """Start watching (once; from then on ``receive`` is the watch's)."""
+        """Once; from then on ``receive`` is the watch's."""
         if self.hangup is not None:
             self.hangup.watch(self.left)
         elif self.task is None:
@@ -61,12 +56,10 @@ class Watch:
         self.left()
 
     def left(self) -> None:
-        """The client left: note when, and cancel the request's task wherever it is."""
         self.ex.gone_at = time.perf_counter()
         self.ex.task.cancel()
 
     def stop(self) -> None:
-        """The request is over: stop watching."""
         if self.hangup is not None:
             self.hangup.watch(None)
         elif self.task is not None:
@@ -74,12 +67,7 @@ class Watch:
 
 
 class Frame:
-    """The requests one gateway serves now, and its drain.
-
-    Attributes:
-        draining: the process is shutting down (``/readyz`` answers 503); see :meth:`begin_drain`.
-        active: the requests in flight (their exchanges); inline in the hot endpoint, which adds and discards its own.
-    """
+    """Requests in flight (``active``; the hot endpoint adds and discards its own inline), and the drain."""
 
     def __init__(self) -> None:
         self.draining = False
@@ -87,16 +75,14 @@ class Frame:
         self._drain_deadline = float("inf")  # loop time
 
     def in_flight(self) -> int:
-        """Requests this gateway is serving now."""
         return len(self.active)
 
     def drain_over(self) -> bool:
-        """The drain time ran out: a request that arrives now is answered 503."""
+        """A request that arrives now is answered 503."""
         return self.draining and asyncio.get_running_loop().time() >= self._drain_deadline
 
     async def too_late(self, ex: Exchange) -> bool:
-        """Whether the drain ran out before this request's body was complete; then it is answered 503 (its connection
-        closed: nothing in flight is waited for any more)."""
+        """The drain ran out before the body was complete: answered 503, its connection closed."""
         if not self.drain_over():
             return False
         await ex.error(GatewayDraining(DRAINING, headers={"retry-after": "1"}), "gateway_draining",
@@ -105,16 +91,13 @@ class Frame:
 
     def serving(self, ex: Exchange, scope: Scope, watch: Watch | None = None, watch_now: bool = True,
                 also: set[Exchange] | None = None) -> Serving:
-        """``async with frame.serving(ex, scope, watch)``: ``ex``'s story runs in the block, in the current task, in
-        flight until it ends, ended cleanly however it ends (:class:`Serving`). ``watch`` (None: the entrance tells
-        the request itself that its client left, as a WebSocket-mode socket does) starts now, or, with ``watch_now``
-        false, when the story starts it (a request body still streaming upstream: until its end, ``receive`` is the
-        body's); ``also``: another set of requests in flight it is kept in meanwhile (its socket's)."""
+        """``watch`` None: the entrance tells the request its client left (a WebSocket-mode socket); ``watch_now``
+        false: the story starts the watch once a body streaming upstream has ended (until then ``receive`` is the
+        body's); ``also``: its socket's requests in flight."""
         return Serving(self, ex, scope, watch, watch_now, also)
 
     async def interrupted(self, ex: Exchange) -> bool:
-        """The story was cancelled: if by the client leaving or the drain's end, end the request cleanly and return
-        True; False when the cancel is someone else's (the caller re-raises it)."""
+        """False when the cancel is someone else's: the caller re-raises it."""
         if ex.gone_at is None and not ex.cut:
             return False
         ex.task.uncancel()
@@ -122,7 +105,7 @@ class Frame:
         return True
 
     async def crashed(self, ex: Exchange, scope: Scope) -> None:
-        """A bug: log it and answer like the rest of the app, never with a stack trace, never twice."""
+        """Logged, and answered like the rest of the app: never with a stack trace, never twice."""
         log.exception("unhandled error on %s %s", scope["method"], scope["path"])
         if not ex.answered:
             ex.rec.answered(500)
@@ -132,10 +115,9 @@ class Frame:
                 await ex.error(GatewayError("The gateway had an internal error; it has been logged."), "gateway_error")
 
     async def _left(self, ex: Exchange) -> None:
-        """The client disconnected. When it had the whole answer (every choice finished before it left: SDK loops
-        often ``break`` on ``finish_reason``; the usage that follows was read by the delivery) it is a success; when
-        the stream had already failed (it got the in-band error), a ``stream_error``; else a ``client_disconnect``.
-        Either way the duration ends when the client left."""
+        """A client that had the whole answer (every choice finished: SDK loops often ``break`` on ``finish_reason``)
+        is a success, one whose stream had failed a ``stream_error``, else a ``client_disconnect``; the duration ends
+        when it left."""
         stats = ex.relay.stats if ex.relay is not None else None
         outcome = ("client_disconnect" if stats is None else "stream_error" if stats.error else
                    "success" if stats.finished and not stats.left_early else "client_disconnect")
@@ -144,9 +126,8 @@ class Frame:
     # shutting down
 
     def begin_drain(self, timeout: float) -> None:
-        """Shutting down: from now on ``/readyz`` fails; requests in flight run to their end for up to ``timeout``
-        seconds, then each one still running ends: a started stream with an in-band error event
-        (``gateway_draining``), anything else with a 503. Call from the event loop's thread."""
+        """``/readyz`` fails from now; after ``timeout`` seconds a request still in flight ends, a started stream
+        with an in-band ``gateway_draining`` event, anything else with a 503. Call on the loop's thread."""
         if self.draining:
             return
         self.draining = True
@@ -161,7 +142,6 @@ class Frame:
                 ex.task.cancel()
 
     async def _cut_off(self, ex: Exchange) -> None:
-        """The drain time ran out while the request was in flight: end it (see :meth:`begin_drain`)."""
         message = "The gateway is shutting down and its drain time ran out; retry the request."
         with contextlib.suppress(Exception):  # the client may be gone too: nothing more to tell it
             if ex.answered and ex.request.stream:
@@ -173,10 +153,8 @@ class Frame:
 
 
 class Serving:
-    """The frame's steps around one request's story (:meth:`Frame.serving`): begin (its task, its watch, in
-    flight), then, as the story ends: a cancel by the client leaving or the drain's end ends the request cleanly
-    (:meth:`Frame.interrupted`; anyone else's cancel goes on), a bug is logged and answered once
-    (:meth:`Frame.crashed`); and always the request leaves the requests in flight, its watch stops, its span ends."""
+    """See :meth:`Frame.serving`: a cancel by the client leaving or the drain ends the request cleanly (anyone else's
+    goes on), a bug is answered once; the request always leaves the in-flight sets."""
 
     __slots__ = ("frame", "ex", "scope", "watch", "watch_now", "also")
 

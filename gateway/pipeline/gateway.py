@@ -32,18 +32,9 @@ from gateway.upstream.attempt import Transport
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: a reload tells the old from the new
 class Gateway:
-    """The request path of one config.
-
-    Attributes:
-        config, policy: what it routes by; keys: its gateway keys (``auth:``), or None; admission: the one way in;
-        chat: the hot path past admission; passthrough: the rest of /v1 past admission (None: passthrough is off);
-        frame: its requests in flight and its drain; observers: what each request's recorder feeds; bodies: the
-        request bytes held in memory;
-        transport: its upstream connections; conversations, store, owners, ledger, estimates, explorer, health,
-        shared: the state it reads and changes (carried over by a reload); listed: what the passthrough upstream lists;
-        sessions: its agent sessions (their table carried over by a reload); socket_memory: what its WebSocket-mode
-        sockets keep in memory, counted in all (carried over by a reload, as the sockets are).
-    """
+    """The request path of one config. ``keys`` is None without ``auth:``, ``passthrough`` when it is off. A reload
+    carries over ``conversations``, ``store``, ``owners``, ``ledger``, ``estimates``, ``explorer``, ``health``,
+    ``shared``, the sessions' table and ``socket_memory`` (as it carries over the sockets)."""
 
     config: GatewayConfig
     policy: Policy
@@ -70,9 +61,8 @@ class Gateway:
     socket_memory: SocketMemory
 
     def in_flight(self) -> int:
-        """Requests this gateway is serving now."""
         return self.frame.in_flight()
 
     def begin_drain(self, timeout: float) -> None:
-        """Shutting down: see :meth:`gateway.pipeline.frame.Frame.begin_drain`."""
+        """See :meth:`gateway.pipeline.frame.Frame.begin_drain`."""
         self.frame.begin_drain(timeout)

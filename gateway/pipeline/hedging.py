@@ -1,10 +1,7 @@
-"""First-token hedging (docs: deadlines and hedging): a stream whose rule hedges tries its first candidate; when that
-has produced no token-bearing event after the hedge delay, the second starts too, if its health would take a request
-now (a hedge is extra load, never forced). The first to produce a token is relayed and the other is cancelled at once
-(its attempt's exit closes its connection; its estimated cost is counted). A failure of the first before the second
-started fails over to it at once, as without hedging. The client sees one answer. Each racer runs the one attempt
-body (``gateway.pipeline.attempts.Attempts.run``).
-"""
+"""First-token hedging (docs/deadlines.md#hedging): when a hedged stream's first candidate has produced no
+token-bearing event after the hedge delay, the second starts too, if its health would take a request now (a hedge is
+extra load, never forced). The first to produce a token is relayed, the other cancelled at once (its cost counted); a
+failure of the first before the second started fails over at once."""
 
 from __future__ import annotations
 
@@ -27,20 +24,16 @@ from gateway.upstream.attempt import Attempt
 
 
 def may_race(decision: Decision, plan: Plan) -> bool:
-    """Whether a stream races its candidates: its rule hedges, it has two candidates or more, none to be waited on for
-    a concurrency slot."""
     route = decision.route
     return route is not None and route.hedge is not None and len(plan.candidates) > 1 and not plan.queued
 
 
 def asked_series(cand: Candidate, facts: RequestFacts) -> str:
-    """The live estimates' series of ``cand`` for this request: its model at the service tier it is asked."""
     return bucket(cand.upstream_model, cand.upstream.asks(facts.service_tier))
 
 
 class Race:
-    """The state of one hedged request: its racers' tasks, the winner (the first candidate to produce a token), and
-    each failed racer's error. ``settled`` is set at a claim or a failure. It is the racers' ``Claim``."""
+    """One hedged request, the racers' ``Claim``; ``settled`` is set at a claim or a failure."""
 
     def __init__(self, hedging: Hedging, turn: Turn) -> None:
         self.hedging = hedging
@@ -52,7 +45,6 @@ class Race:
         self.settled = asyncio.Event()
 
     def start(self, cand: Candidate, hedge: bool = False) -> None:
-        """Start ``cand``'s racer (``hedge``: as the hedge, not as a failover)."""
         racer = self._run(cand, hedge)
         self.tasks[cand.upstream.name] = asyncio.get_running_loop().create_task(racer)
 
@@ -64,7 +56,7 @@ class Race:
             self.settled.set()
 
     def claim(self, cand: Candidate) -> bool:
-        """``cand`` has its first token: it wins unless the other won first; the other is cancelled now."""
+        """Wins unless the other won first; the other is cancelled now."""
         if self.winner is not None:
             return False
         self.winner = cand
@@ -75,31 +67,29 @@ class Race:
         return True
 
     def won(self, cand: Candidate, hedge: bool) -> None:
-        """``cand`` claimed the request: counted (won and lost are counted before the answer leaves)."""
+        """Counted before the answer leaves."""
         if self.hedged:
             self.turn.ex.rec.hedged("won" if hedge else "lost")
 
     def lost(self, cand: Candidate, attempt: Attempt, relay: Relay | None) -> None:
-        """``cand``'s racer ended without the request: when the other won, what it may have cost is counted."""
+        """When the other won, what this racer may have cost is counted."""
         if self.winner is not None and self.winner is not cand:
             self.hedging.lost(self.turn.ex, cand.upstream, self.turn.decision, self.turn.facts, attempt, relay)
 
     async def finish(self) -> None:
-        """Wait for every racer to end (the winner's stream relayed, the loser closed)."""
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
         for task in self.tasks.values():
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]  # a bug in a racer: the frame answers it
 
     async def stop(self) -> None:
-        """The request was cancelled (the client left, the drain ran out): cancel every racer and wait for them."""
+        """The client left or the drain ran out."""
         for task in self.tasks.values():
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
 
 class Hedging:
-    """The hedged requests of one gateway (module docstring)."""
 
     def __init__(self, attempts: Attempts, estimates: Estimates, health: Health) -> None:
         self.attempts = attempts
@@ -107,13 +97,8 @@ class Hedging:
         self.health = health
 
     async def race(self, turn: Turn) -> list[Candidate]:
-        """Race ``turn``'s first two candidates (module docstring).
-
-        Returns:
-            the candidates the failover may still go on to: none when a racer answered, else those after the two
-            when the second's failure allows it (``turn.last``, ``turn.tried``: how it went; the request is labelled
-            with the upstream that failed last).
-        """
+        """The candidates failover may still go on to: none when a racer answered, else those after the two if the
+        second's failure allows (``turn.last``, ``turn.tried`` tell how it went)."""
         plan, ex = turn.plan, turn.ex
         race = Race(self, turn)
         first, second = plan.candidates[0], plan.candidates[1]
@@ -142,7 +127,6 @@ class Hedging:
         return self._after(turn, race, hedged)
 
     def _after(self, turn: Turn, race: Race, hedged: bool) -> list[Candidate]:
-        """What is left once no racer answered: the last failure, the attempts made, the candidates after the two."""
         if race.winner is not None:
             return []
         if hedged:  # won and lost are counted at the claim, before the answer leaves
@@ -159,10 +143,9 @@ class Hedging:
         return turn.plan.candidates[2:] if go_on else []
 
     def moving_delay(self, turn: Turn, first: Candidate, second: Candidate) -> float | None:
-        """:meth:`delay`, and for a step of an agent session whose prompt cache is warm on ``first`` and cold on
-        ``second``, longer by the prefill ``second`` would spend on the tokens that cache holds (its live TTFT line's
-        seconds per prompt token): a hedge moves the session, and it is started only once the first is late by more
-        than the move would cost (docs/sessions.md#cache-warmth-is-priced)."""
+        """For a session step whose prompt cache is warm on ``first`` and cold on ``second``, :meth:`delay` plus the
+        prefill ``second`` would spend on the cached tokens: a hedge moves the session, so it starts only once the
+        first is late by more than the move costs (docs/sessions.md#cache-warmth-is-priced)."""
         base = self.delay(turn.decision, first, turn.facts)
         run = turn.run
         if base is None or run is None:
@@ -175,8 +158,8 @@ class Hedging:
         return base + (est.per_token * cached if est is not None else 0.0)
 
     def delay(self, decision: Decision, cand: Candidate, facts: RequestFacts) -> float | None:
-        """Seconds to wait for ``cand``'s first token before hedging: the route's fixed delay, or ``p95``: its live
-        TTFT p95 at the request's prompt size (None while unmeasured: no hedge)."""
+        """Seconds: the route's fixed delay, or with ``p95`` the live TTFT p95 at the prompt's size (None while
+        unmeasured: no hedge)."""
         hedge = decision.route.hedge if decision.route is not None else None
         if hedge != "p95":
             return float(hedge) if hedge is not None else None
@@ -185,11 +168,9 @@ class Hedging:
 
     def lost(self, ex: Exchange, up: UpstreamConfig, decision: Decision, facts: RequestFacts, attempt: Attempt,
              relay: Relay | None) -> None:
-        """A racer cancelled because the other produced a token first: count what it may have cost (its usage if it
-        reported any, else the estimated prompt at the input price), and, when it waited longer than its measured
-        TTFT estimate's median, feed that wait to the estimate as a lower bound of its TTFT: a tier whose hedges keep
-        winning is then still seen to be slow. A shorter wait (it lost just after the hedge started) says nothing,
-        nor does any wait of an unmeasured upstream (it would become its estimate; the probe measures it)."""
+        """Its cost is counted (its usage, else the estimated prompt at the input price). A wait past its TTFT
+        estimate's median is fed to the estimate as a lower bound, so a tier whose hedges keep winning is still seen
+        to be slow; a shorter wait says nothing, nor does an unmeasured upstream's (it would become its estimate)."""
         usage: Any = relay.stats.usage if relay is not None else None
         price = deadline.price(up, decision.model)
         if price is not None:

@@ -21,10 +21,9 @@ MODELS_RETRY = 5.0  # seconds before asking again an upstream that did not list 
 
 
 class UpstreamModels:
-    """The passthrough upstream's ``GET /v1/models`` list (each id once), cached for ``passthrough.models_ttl`` seconds,
-    so that the gateway's ``/v1/models`` shows what can really be sent. An upstream that does not answer in
-    ``passthrough.models_timeout`` seconds, or answers something else than a model list, leaves the last list it gave
-    (none at first) and is asked again after :data:`MODELS_RETRY` seconds."""
+    """Cached for ``passthrough.models_ttl`` seconds. An upstream that does not answer within
+    ``passthrough.models_timeout`` seconds, or answers no model list, leaves the last list it gave and is asked again
+    after :data:`MODELS_RETRY` seconds."""
 
     def __init__(self, config: GatewayConfig, transport: Transport, clock: Callable[[], float]) -> None:
         self.config = config
@@ -36,12 +35,11 @@ class UpstreamModels:
         self._lock: asyncio.Lock | None = None
 
     async def models(self) -> list[dict[str, Any]]:
-        """The upstream's model objects, as it gave them (``{"id", "object", "created", "owned_by"}``)."""
+        """As the upstream gave them, each id once."""
         await self._refresh()
         return self._models
 
     async def lists(self, model: str) -> bool:
-        """Whether the upstream listed ``model`` (from the cache, refreshed when it is older than the TTL)."""
         await self._refresh()
         return model in self._ids
 

@@ -1,23 +1,9 @@
-"""The rest of the OpenAI ``/v1`` surface, passed through: embeddings, legacy completions, moderations, audio,
-images, files and uploads, batches, vector stores, fine-tuning, and any other path under ``/v1`` the gateway does not
-serve itself (chat completions and the Responses API are :mod:`gateway.pipeline.chat`'s; ``/v1/models`` is merged by
-the gateway's own endpoints). An application that points ``OPENAI_BASE_URL`` at the gateway keeps working whole.
-
-Where a request goes was decided at admission (``Policy.decide_passthrough``): a JSON body with a configured
-``model`` is routed by the rules, among the upstreams whose ``endpoints`` cover the path, and fails over before its
-first byte as chat completions do; anything else (object paths such as ``/v1/files/{id}``, bodies without a model, a
-model no upstream lists, multipart uploads) goes once, unchanged, to ``passthrough.upstream``. The ``x-tiergate-*``
-headers say what served it.
-
-Both ways streamed and bounded: a JSON body is read whole (it is routed on, and bounded by
-``limits.max_request_bytes``); any other body streams to the upstream as it arrives (``limits.max_passthrough_bytes``,
-never held whole, never sent twice); the answer streams back as it comes (``gateway.pipeline.answers``), its bytes
-untouched. Headers follow chat's rules (``gateway.upstream.headers``). The path goes as the client encoded it; a dot
-segment is never sent. An upstream's error answer keeps its status with its body normalised to OpenAI's envelope, but
-a 401 or 403 to the gateway's own key, which is a 502 ``upstream_auth_failed``. A client that leaves, mid-upload or
-mid-download, closes the upstream request; an upstream that stops taking an upload for its idle timeout is a 504.
-These requests leave the upstreams' health alone (:class:`gateway.routing.health.Untracked`).
-"""
+"""The rest of the OpenAI ``/v1`` surface, passed through (docs/passthrough.md). Where a request goes was decided at
+admission (``Policy.decide_passthrough``): a JSON body with a configured ``model`` is routed by the rules and may
+fail over before its first byte; anything else goes once, unchanged, to ``passthrough.upstream``. A JSON body is read
+whole (``limits.max_request_bytes``), any other streams upstream as it arrives (``limits.max_passthrough_bytes``),
+never held whole nor sent twice; the answer streams back untouched (``gateway.pipeline.answers``). The upstreams'
+health is left alone (:class:`gateway.routing.health.Untracked`)."""
 
 from __future__ import annotations
 
@@ -45,8 +31,6 @@ log = logging.getLogger("tiergate")
 
 
 class Passthrough:
-    """The answer to an admitted passthrough request (module docstring), over its collaborators (built by the
-    composition root)."""
 
     def __init__(self, config: GatewayConfig, budgets: KeyBudgets, owners: Owners, transport: Transport,
                  health: Health) -> None:
@@ -57,9 +41,8 @@ class Passthrough:
         self.health = health
 
     async def serve(self, ex: Exchange, admitted: Admitted, body_from: Receive | None, watch: Watch) -> None:
-        """candidates -> for each attempt: send, relay -> record. The body is ``ex.request.raw`` when read whole; else
-        it streams from ``body_from``, once (then a single attempt). Failover only before the first byte, for a body
-        held whole. The upstreams' health is neither read nor told (:class:`gateway.routing.health.Untracked`)."""
+        """The body is ``ex.request.raw`` when read whole; else it streams from ``body_from`` once, so there is a
+        single attempt. Failover only for a body held whole, before the first byte."""
         req, decision = ex.request, admitted.decision
         raw, upload = req.raw, None
         plan = failover.Plan(list(decision.candidates[:1 if raw is None else self.config.max_attempts]),
@@ -105,7 +88,7 @@ class Passthrough:
 
 
 def guard(req: Request) -> MultipartGuard | None:
-    """With gateway keys, what reads a streamed multipart body's field names (admission let it through as one)."""
+    """With gateway keys, the reader of a streamed multipart body's field names."""
     delimiter = boundary(req.headers.get("content-type", ""))
     if req.key is None or content_type(req.headers) != "multipart/form-data" or delimiter is None:
         return None

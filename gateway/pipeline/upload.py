@@ -19,18 +19,10 @@ from gateway.wire.body import replace_top_level, with_service_tier
 
 
 class Upload:
-    """A request body streamed upstream as the client sends it, bounded by ``limit`` bytes; iterate it once.
-
-    While a part is with the upstream's writer, ``window`` (set by the caller around the send) is due ``idle``
-    seconds later: an upstream that stops reading the body fails the attempt, and a client that is slow to send is
-    the client's timeout (``GATEWAY_BODY_TIMEOUT``), never the upstream's. A client that leaves mid-body ends the
-    request, even when the upstream already answered (its writer would otherwise drain the rest unseen).
-
-    Attributes:
-        done: the body ended (its size so far is the recorder's ``bytes_in``); error: why it stopped early
-        (:class:`ClientGone`: the client left; :class:`PayloadTooLarge`), or None; window: the send's deadline while
-        it runs, or None.
-    """
+    """Iterate once. While a part is with the upstream's writer, ``window`` (set by the caller around the send) is
+    due ``idle`` seconds later: an upstream that stops reading the body fails the attempt, while a slow client is the
+    client's timeout (``GATEWAY_BODY_TIMEOUT``). A client that leaves mid-body ends the request even when the
+    upstream already answered (its writer would otherwise drain the rest unseen)."""
 
     def __init__(self, receive: Receive, limit: int, idle: float, ex: Exchange,
                  on_end: Callable[[], None], guard: MultipartGuard | None = None) -> None:
@@ -84,10 +76,9 @@ class Upload:
 
 
 def with_model(ex: Exchange, raw: bytes | None, facts: RequestFacts | None, cand: Candidate) -> bytes | None:
-    """The client's bytes (None: no body), with the model id of ``cand`` when it differs and the ``service_tier`` the
-    attempt is sent with (``UpstreamConfig.asks``: a fast one only where the key may use it) in place of the
-    client's (only those values' bytes change). The tier sent is told to the recorder (what it bills without an
-    echo)."""
+    """The client's bytes with ``cand``'s model id and the ``service_tier`` the attempt is sent with
+    (``UpstreamConfig.asks``) in place of the client's, only those values' bytes changed; the tier sent is told to
+    the recorder, which bills it without an echo."""
     if not raw:
         return None
     if facts is None:
@@ -104,8 +95,7 @@ def with_model(ex: Exchange, raw: bytes | None, facts: RequestFacts | None, cand
 
 def closing(ex: Exchange, raw: bytes | None, headers: Headers | None = None,
              upload: Upload | None = None) -> Headers:
-    """The headers of an error answer; ``connection: close`` when the request body was not read to its end (its
-    rest must never be read as the next request)."""
+    """``connection: close`` when the body was not read to its end: its rest must never be read as the next request."""
     out = headers if headers is not None else [(b"x-request-id", ex.rid.encode())]
     if raw is None and (upload is None or not upload.done):
         out.append(CLOSE)
