@@ -1,11 +1,7 @@
 """The gateway's own endpoints, off the hot path, as one FastAPI app: ``/v1/models`` and ``/v1/models/{id}``, the
-responses the bridge made (get, delete, input items), ``/v1/tiergate/route``, ``/v1/tiergate/estimates`` and
-``/v1/tiergate/sessions/{id}`` (an agent session's record, for the key that named it),
-``/healthz``, ``/readyz``, ``/metrics``, and the 405s of the hot path's endpoints.
-
-Every handler reads the gateway current at the time of the request (``app.state.gateway``: a reload swaps it). What
-reaches this app passed :class:`gateway.http.dispatch.HotPath` first (gateway keys checked).
-"""
+responses the bridge made, ``/v1/tiergate/*``, ``/healthz``, ``/readyz``, ``/metrics``, and the hot endpoints' 405s.
+Every handler reads the gateway current at the request (``app.state.gateway``: a reload swaps it); what reaches this
+app passed :class:`gateway.http.dispatch.HotPath` first (keys checked)."""
 
 from __future__ import annotations
 
@@ -34,9 +30,8 @@ from gateway.responses.store import Bridged, Native
 
 def admin_app(gateway: Gateway, registry: CollectorRegistry, multiprocess_dir: str | None,
               lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]]) -> FastAPI:
-    """The FastAPI app of the gateway's own endpoints (module docstring), serving ``gateway`` until a reload sets
-    ``app.state.gateway``; ``registry`` (or, with ``multiprocess_dir``, every worker's samples merged) is what
-    ``/metrics`` exposes; ``lifespan`` opens and closes the process's resources."""
+    """``registry`` (or, with ``multiprocess_dir``, every worker's samples merged) is what ``/metrics`` exposes;
+    ``lifespan`` opens and closes the process's resources."""
     # redirect_slashes=False: a trailing slash is an unknown URL (404), never a redirect built from the Host header
     app = FastAPI(title="Tiergate", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None, redirect_slashes=False)
@@ -71,15 +66,14 @@ def admin_app(gateway: Gateway, registry: CollectorRegistry, multiprocess_dir: s
 
 
 def _current(app: FastAPI, kind: Kind) -> Any:
-    """An endpoint that serves ``kind`` with the gateway current at the time of the request (reloads swap it)."""
     async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
         await entrances.hot(app.state.gateway, scope, receive, send, kind)
     return endpoint
 
 
 def _install_model_routes(app: FastAPI) -> None:
-    """``/v1/models`` (OpenAPI ``Model``: the configured models and aliases, then what the passthrough upstream lists,
-    cached) and ``/v1/models/{id}`` (the configured ones; the rest is the passthrough's)."""
+    """``/v1/models`` lists the configured models and aliases, then what the passthrough upstream lists;
+    ``/v1/models/{id}`` only the configured ones (the rest is the passthrough's)."""
     created = int(time.time())
 
     def model_object(name: str) -> dict[str, object]:
@@ -104,8 +98,8 @@ def _install_model_routes(app: FastAPI) -> None:
 
 
 def _install_probe_routes(app: FastAPI, registry: CollectorRegistry, multiprocess_dir: str | None) -> None:
-    """``/healthz`` (the process answers), ``/readyz`` (503 while starting or draining: Kubernetes' readiness probe)
-    and ``/metrics`` (Prometheus text format; the gauges read at scrape time refreshed first)."""
+    """``/readyz`` is 503 while starting or draining (Kubernetes' readiness probe); ``/metrics`` first refreshes the
+    gauges read at scrape time."""
 
     @app.api_route("/healthz", methods=["GET", "HEAD"])
     async def healthz() -> Response:
@@ -138,9 +132,8 @@ def _install_probe_routes(app: FastAPI, registry: CollectorRegistry, multiproces
 
 
 def _install_response_routes(app: FastAPI) -> None:
-    """``GET`` / ``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` for the responses the gateway
-    made through its bridge (OpenAI API reference "Get a model response", "Delete a model response", "List input
-    items"), each found only by the gateway key that made it. Others are their upstream's: 404 here."""
+    """The responses the gateway's bridge made (OpenAI API reference "Get a model response", "Delete a model
+    response", "List input items"), each found only by the key that made it; others are their upstream's: 404 here."""
 
     async def bridged(request: Request, response_id: str) -> Bridged | Response:
         key = request.scope.get(KEY_SCOPE)
@@ -178,8 +171,8 @@ def _install_response_routes(app: FastAPI) -> None:
 
 
 def _input_items_page(record: Bridged, response_id: str, order: str, limit: int, after: str | None) -> Response:
-    """One page of a bridged response's input items (OpenAI API reference "List input items": ``order`` asc|desc,
-    ``limit`` 1..100, ``after`` an item id of the list); a bad parameter is a 400 naming it."""
+    """OpenAI API reference "List input items": ``order`` asc|desc, ``limit`` 1..100, ``after`` an item id; a bad one
+    is a 400 naming it."""
     bad = ("order", "expected 'asc' or 'desc'") if order not in ("asc", "desc") else (
         ("limit", "expected an integer from 1 to 100") if not 1 <= limit <= 100 else None)
     if bad is not None:

@@ -1,15 +1,12 @@
 """The outer ASGI app: who may ask (gateway keys), and which part answers each request, by the route table
-(``gateway.wire.routes``).
+(``gateway.wire.routes``): ``POST`` to the two hot endpoints straight to their entrance
+(``gateway.http.entrances.hot``), a WebSocket upgrade of ``/v1/responses`` to :class:`gateway.http.websocket.Sockets`,
+the rest of ``/v1`` to the passthrough but for the gateway's own paths, everything else (lifespan, /metrics, /healthz,
+errors) to the FastAPI app (:mod:`gateway.http.admin`).
 
-``POST`` to the two hot-path endpoints goes straight to their entrance (``gateway.http.entrances.hot``), a WebSocket
-upgrade of ``/v1/responses`` (WebSocket mode) to :class:`gateway.http.websocket.Sockets`; the rest of ``/v1`` to the
-passthrough's entrance but for the gateway's own paths (``/v1/models`` listings and the configured models, the
-responses its bridge made, ``/v1/tiergate/``); everything else (lifespan, /metrics, /healthz, errors) to the FastAPI
-app (:mod:`gateway.http.admin`).
-
-Measured with ``bench/``: FastAPI's middleware stack (ServerErrorMiddleware, ExceptionMiddleware, the AsyncExitStack,
-proxy headers) wraps every ``send`` of every relayed chunk and costs ~10 % of the per-request CPU; the endpoints
-handle their own errors (``ChatPipeline.handle``).
+The hot endpoints bypass FastAPI's middleware stack, which wraps every ``send`` of every relayed chunk (measured with
+``bench/``: ~10 % of the per-request CPU); the entrances answer their own errors, a bug's included
+(:meth:`gateway.pipeline.frame.Frame.serving`).
 """
 
 from __future__ import annotations
@@ -41,15 +38,8 @@ Reassemble = Callable[[LoadedConfig, Gateway], Awaitable[Gateway]]
 
 
 class HotPath:
-    """The ASGI app uvicorn serves (module docstring).
-
-    Args:
-        app: the FastAPI app of everything else (``gateway.http.admin``).
-        gateway: what requests are served with until a reload swaps it.
-        loaded: where a reload reads the config again; None: no reload (e.g. an injected transport).
-        reassemble: builds the gateway of a newly loaded config from the one it replaces (``gateway.app``), its
-            upstream connections open.
-    """
+    """``loaded`` None: no reload (e.g. an injected transport); ``reassemble`` builds a newly loaded config's gateway
+    from the one it replaces (``gateway.app``), its upstream connections open."""
 
     def __init__(self, app: FastAPI, gateway: Gateway, loaded: LoadedConfig | None = None,
                  reassemble: Reassemble | None = None) -> None:
@@ -63,25 +53,24 @@ class HotPath:
         self._install(gateway)
 
     def _install(self, gateway: Gateway) -> None:
-        """Make ``gateway`` the one new requests reach: every attribute at once (no await between them, so no request
-        sees half of a swap); requests in flight keep the gateway they started on."""
+        """Every attribute at once, no await between, so no request sees half a swap; requests in flight keep the
+        gateway they started on."""
         self.gateway = self.app.state.gateway = gateway
         self.keys = gateway.keys
         self.own_models = frozenset(f"models/{m}" for m in gateway.config.model_names())
 
     def begin_drain(self, timeout: float) -> None:
-        """Shutdown began: see :meth:`gateway.pipeline.frame.Frame.begin_drain` (the gateways a reload replaced drain
-        too)."""
+        """See :meth:`gateway.pipeline.frame.Frame.begin_drain`; the gateways a reload replaced drain too."""
         self._drain = timeout
         for gw in (self.gateway, *self.retiring):
             gw.begin_drain(timeout)
         self.sockets.begin_drain()
 
     async def reload(self) -> bool:
-        """``SIGHUP``: read the config file again. A valid one is swapped in at once (new requests use it; requests in
-        flight, streams included, finish on the old one, whose upstream connections close when they are done;
-        metrics keep counting; health state, live estimates and stored conversations carry over); an invalid one is
-        rejected with the message start-up would give and the old one stays. Returns whether it was swapped in."""
+        """``SIGHUP``. A valid config is swapped in at once: requests in flight, streams included, finish on the old
+        gateway, whose upstream connections close after them; metrics, health, live estimates and stored
+        conversations carry over. An invalid one is rejected with start-up's message and the old one stays. Returns
+        whether it was swapped in."""
         if self.loaded is None or self.reassemble is None:
             return False
         try:
@@ -105,14 +94,12 @@ class HotPath:
         return True
 
     async def _retire(self, old: Gateway) -> None:
-        """Close a replaced gateway's upstream connections once its last request ended."""
         while old.in_flight():
             await asyncio.sleep(0.05)
         await old.transport.stop()
         self.retiring.discard(old)
 
     async def stop(self) -> None:
-        """Shutdown: close every gateway's upstream connections."""
         for gw in (self.gateway, *self.retiring):
             await gw.transport.stop()
 
@@ -140,8 +127,7 @@ class HotPath:
         await self.app(scope, receive, send)
 
     async def _v1(self, scope: Scope, receive: Receive, send: Send) -> bool:
-        """Serve a ``/v1`` request by its route (``gateway.wire.routes``) and return True, or return False: the
-        FastAPI app answers it (the gateway's own endpoints, and every 404 and 405)."""
+        """False: the FastAPI app answers it (the gateway's own endpoints, every 404 and 405)."""
         method, under = scope["method"], scope["path"][len("/v1/"):]
         found = match(method, under)
         serves, gw = found.serves, self.gateway
@@ -165,8 +151,8 @@ class HotPath:
         return True
 
     async def _unauthorized(self, exc: Unauthorized, scope: Scope, receive: Receive, send: Send) -> None:
-        """A ``/v1`` request without a known gateway key: OpenAI's 401, before its body is read (so the connection
-        closes after it); recorded by reason (``gateway.observability.recorder.unauthorized``), never with the key."""
+        """OpenAI's 401 before the body is read (so the connection closes after it), recorded by reason, never with
+        the key."""
         given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1") or None
         rid = unauthorized(self.gateway.metrics, exc, scope["method"], scope["path"], given)
         response = error_response(exc, {"www-authenticate": 'Bearer realm="tiergate"', "connection": "close",
@@ -174,9 +160,8 @@ class HotPath:
         await response(scope, receive, send)
 
     async def _response_owner(self, scope: Scope, response_id: str) -> str | bool:
-        """Whether a request for the response ``response_id`` is the passthrough's: False (the gateway's own: its
-        bridge made it, or, with gateway keys, an id the gateway never held for this key), True, or the name of the
-        upstream that made it natively (it alone holds it)."""
+        """False: the gateway's own (its bridge made it, or, with keys, an id it never held for this key); True: the
+        passthrough's; a name: the upstream that made it natively, which alone holds it."""
         key = scope.get(KEY_SCOPE)
         record = await self.gateway.store.get(response_id, key.name if key is not None else None)
         if isinstance(record, Native):

@@ -1,11 +1,7 @@
-"""The HTTP entrances, each a thin adapter onto the one admission sequence (``gateway.admission.sequence``) and the
-pipeline behind it: ``POST /v1/chat/completions`` and ``POST /v1/responses`` (:func:`hot`), and the rest of ``/v1``
-(:func:`passthrough`). A WebSocket-mode message is the third (``gateway.http.socket``).
-
-They are bare ASGI endpoints (no FastAPI body model, dependency machinery or Starlette request object on the hot
-path): the body is read with its limits, the request's frame watches for its client leaving
-(``gateway.pipeline.frame``), admission reads and admits it, the pipeline answers it.
-"""
+"""The HTTP entrances, bare ASGI adapters onto the one admission sequence (``gateway.admission.sequence``) and the
+pipeline: ``POST /v1/chat/completions`` and ``POST /v1/responses`` (:func:`hot`), the rest of ``/v1``
+(:func:`passthrough`); no FastAPI body model, dependencies or Starlette request on the hot path. A WebSocket-mode
+message is the third (``gateway.http.socket``)."""
 
 from __future__ import annotations
 
@@ -23,8 +19,7 @@ from gateway.pipeline.upload import closing
 
 
 async def hot(gw: Gateway, scope: Scope, receive: Receive, send: Send, kind: Kind) -> None:
-    """Serve one ASGI request of ``kind`` (``chat``: OpenAI's "Create chat completion"; ``responses``: "Create a model
-    response")."""
+    """``kind``: ``chat`` (OpenAI's "Create chat completion") or ``responses`` ("Create a model response")."""
     ex = Exchange.of(gw.observers, arrive(scope, kind), send, gw.bodies)
     try:
         raw = await read_body(ex.request.headers, receive, gw.config.limits.max_request_bytes,
@@ -48,8 +43,7 @@ async def hot(gw: Gateway, scope: Scope, receive: Receive, send: Send, kind: Kin
 
 
 async def passthrough(gw: Gateway, scope: Scope, receive: Receive, send: Send, owner: str | None = None) -> None:
-    """Serve one request under ``/v1`` that the gateway passes through; ``owner``: the upstream that alone can serve
-    it (the one that made the response its path names)."""
+    """``owner``: the upstream that made the response the path names, which alone can serve it."""
     request = arrive(scope, "passthrough")
     rec = PassRecorder(gw.observers, request, request.route.endpoint)
     ex = Exchange(rec, send, gw.bodies)

@@ -1,6 +1,5 @@
 """Every error the HTTP surface answers is OpenAI's envelope (``{"error": {"message", "type", "param", "code"}}``):
-never FastAPI's ``{"detail": ...}`` or a 422, never a stack trace.
-"""
+never FastAPI's ``{"detail": ...}`` or a 422, never a stack trace."""
 
 from __future__ import annotations
 
@@ -19,14 +18,13 @@ log = logging.getLogger("tiergate")
 
 
 def error_response(exc: GatewayError, headers: dict[str, str]) -> Response:
-    """``exc`` as a Starlette response: its status, its envelope (``GatewayError.body``), its headers and then
-    ``headers``."""
+    """``headers`` go after ``exc``'s own."""
     return Response(exc.body(), exc.status, {**exc.headers, **headers}, media_type="application/json")
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer Starlette's 404/405, FastAPI's parameter validation errors and any unexpected exception of ``app``'s
-    routes in OpenAI's envelope (404 ``unknown_url``, 405, 400 ``invalid_value`` naming the parameter, 500)."""
+    """Starlette's 404 (``unknown_url``) and 405, FastAPI's parameter errors (400 ``invalid_value``, naming the
+    parameter) and any unexpected exception (500), in OpenAI's envelope."""
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:

@@ -23,9 +23,7 @@ from gateway.wire.body import dumps, loads, parse_chat_request, parse_responses_
 
 
 async def route(gateway: Gateway, request: Request) -> Response:
-    """``POST /v1/tiergate/route``: the decision and its trace for a chat-completions or Responses body, narrowed to the
-    tiers of the caller's gateway key (a 403 where serving it would be one); no upstream call, nothing counted or
-    reserved."""
+    """Narrowed to the tiers of the caller's gateway key (a 403 where serving would answer one)."""
     key: Key | None = request.scope.get(KEY_SCOPE)
     try:
         facts, decision, session = await _decide(gateway, request, key)
@@ -58,12 +56,8 @@ async def route(gateway: Gateway, request: Request) -> Response:
 
 async def _decide(gateway: Gateway, request: Request,
                   key: Key | None) -> tuple[RequestFacts, Decision, dict[str, Any] | None]:
-    """The facts, decision and agent session a request with this body and these headers would get, as serving's
-    admission would decide them (``gateway.admission.sequence.Admission.preview``), nothing counted or reserved.
-
-    Raises:
-        GatewayError: what serving it would answer (400, 403, 404); ClientGone: the client left mid-body.
-    """
+    """As :meth:`gateway.admission.sequence.Admission.preview` decides. Raises GatewayError (what serving would
+    answer) or ClientGone."""
     headers = {k.lower(): v for k, v in request.headers.items()}
     raw = await read_body(headers, request.receive, gateway.config.limits.max_request_bytes)
     try:
@@ -76,7 +70,6 @@ async def _decide(gateway: Gateway, request: Request,
 
 
 def _estimates_of(gateway: Gateway, decision: Decision, facts: RequestFacts) -> list[dict[str, Any]]:
-    """The live estimate of each candidate, at the request's prompt size, for the route endpoint."""
     now, out = gateway.health.clock(), []
     for c in decision.candidates:
         est = gateway.estimates.latency(c.upstream.name, bucket(c.upstream_model, c.upstream.asks(facts.service_tier)),
@@ -91,8 +84,7 @@ def _estimates_of(gateway: Gateway, decision: Decision, facts: RequestFacts) -> 
 
 
 def estimates(gateway: Gateway) -> bytes:
-    """``GET /v1/tiergate/estimates``: every live estimate (``gateway.observability.estimates``), and the gauges
-    refreshed."""
+    """Every live estimate (``gateway.observability.estimates``), the gauges refreshed."""
     now = gateway.health.clock()
     gateway.metrics.set_estimates(gateway.estimates.latencies(now))
     return dumps({"object": "tiergate.estimates", **gateway.estimates.snapshot(now),

@@ -1,32 +1,15 @@
-"""uvicorn's httptools protocol with the limits a public-facing gateway needs on its client side.
+"""uvicorn's httptools protocol with the limits a public-facing gateway needs on its client side. uvicorn bounds neither
+a request head's size nor the time a client takes to send it, and httptools buffers a long header line in more than
+linear time: measured, one 50 MB header stalled every other request for 2.4 s, and a client that sent nothing (or half a
+head or body) held its connection forever. So this protocol answers in OpenAI's error envelope:
 
-uvicorn bounds neither the size of a request head nor the time a client may take to send it, and httptools
-buffers a long header line in a way that costs more than linear time: measured here, one request with a
-50 MB header stalled every other request on the event loop for 2.4 s, and a client that sends nothing (or
-half a head, or half a body) held its connection forever. This protocol:
+* ``431`` and closes once a request head grows past ``max_head_bytes``, before httptools sees it;
+* closes a connection whose head is not complete ``head_timeout`` seconds after it opened or the head began, and ``408``
+  when a JSON body takes over ``body_timeout`` seconds (any other body: when it sends nothing for that long);
+* ``400`` for a request httptools cannot parse or whose body ended early, never inside a response under way.
 
-* answers ``431`` (OpenAI's error envelope) and closes when a request head grows past ``max_head_bytes``,
-  before httptools sees the bytes;
-* closes a connection whose request head is not complete ``head_timeout`` seconds after the connection
-  opened or the head's first byte arrived (uvicorn's keep-alive timeout, ``GATEWAY_KEEPALIVE_TIMEOUT``, covers
-  idle time between requests), and answers ``408`` when a JSON request body takes longer than ``body_timeout`` s
-  (any other body, such as a file upload streamed upstream: when it sends nothing for ``body_timeout`` s);
-* answers ``400`` in OpenAI's envelope for a request httptools cannot parse, or whose body the client ended
-  early, and never writes an answer into a response already under way (one request, one response).
-
-At shutdown (SIGTERM), uvicorn closed every idle keep-alive connection at once, and a request a load balancer sent
-on its pooled connection meanwhile was lost (a connection error). Here an idle connection stays open for
-``drain_idle_grace`` seconds: a request on it is answered (``/readyz``: 503 ``draining``; the rest served as during
-the drain) with ``connection: close``, and one still idle then is closed (:meth:`GuardedHttpToolsProtocol.shutdown`).
-
-A WebSocket handshake (the Responses API's WebSocket mode) leaves this protocol for
-:class:`GuardedWebSocketsProtocol` (uvicorn's, over ``websockets``' sans-I/O implementation), its deadlines cancelled;
-that one leaves an accepted socket's shutdown to the app's drain.
-
-The limits come from the process settings (``GATEWAY_MAX_HEAD_BYTES``, ``GATEWAY_HEAD_TIMEOUT``,
-``GATEWAY_BODY_TIMEOUT``, ``GATEWAY_DRAIN_TIMEOUT``, ``GATEWAY_DRAIN_IDLE_GRACE``) through :func:`configure`, called in
-every process that serves. :func:`drain_on_exit` tells the app when shutdown starts, so that streams drain instead of
-being cut; with ``--workers N``, :class:`Supervisor` stops accepting at once too.
+At shutdown an idle connection stays open ``drain_idle_grace`` seconds (:meth:`GuardedHttpToolsProtocol.shutdown`).
+:func:`configure` sets the limits in every serving process; :func:`drain_on_exit` tells the app when shutdown starts.
 """
 
 from __future__ import annotations
@@ -52,12 +35,10 @@ _JSON_BY_DEFAULT = frozenset({b"/v1/chat/completions", b"/v1/responses"})
 
 
 class Hangup:
-    """The ``tiergate.hangup`` ASGI extension of one request: :meth:`watch` a callback, and the server calls it once,
-    on the event loop, when the client's connection is lost (or refused) before the response was complete: the moment
-    uvicorn's ``receive()`` would start answering ``http.disconnect``; at once if that already happened. An app then
-    needs no task of its own awaiting that message (one task per request: measured, ~10 us of CPU per request).
-    ``watch(None)`` stops.
-    """
+    """The ``tiergate.hangup`` ASGI extension: the server calls the callback given to :meth:`watch` once, on the
+    loop, when the client's connection is lost before the response was complete (at once if it already was;
+    ``watch(None)`` stops). An app then needs no task per request awaiting ``http.disconnect`` (measured: ~10 us of
+    CPU per request)."""
 
     __slots__ = ("callback", "gone")
 
@@ -96,11 +77,7 @@ class _Flow(FlowControl):
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
-    """``HttpToolsProtocol`` plus a request-head size limit and head/body read deadlines (module docstring).
-
-    Class attributes (set by :func:`configure`): max_head_bytes (bytes), head_timeout, body_timeout and
-    drain_idle_grace (seconds).
-    """
+    """The module docstring's limits, set by :func:`configure`: ``max_head_bytes`` in bytes, the others in seconds."""
 
     max_head_bytes = 64 * 1024  # request line plus headers; nginx's large_client_header_buffers is 4 x 8 KiB
     head_timeout = 30.0
@@ -178,8 +155,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 self.cycle.keep_alive = False
 
     def reading(self, paused: bool) -> None:
-        """Reading from the client was paused (the app, or the upstream behind it, takes no more of the body: the
-        silence is not the client's) or resumed (the client's turn again): the silence timer follows."""
+        """Paused reading means the app (or the upstream behind it) takes no more of the body: that silence is not
+        the client's, so the silence timer stops until reading resumes."""
         if self._by_progress and not self._in_head:
             if paused:
                 self._disarm()
@@ -203,9 +180,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.flow.resume_reading()
 
     def handle_websocket_upgrade(self) -> None:
-        """A WebSocket handshake (``GET /v1/responses``, WebSocket mode): the connection is the WebSocket protocol's
-        from here (:class:`GuardedWebSocketsProtocol`), so this one's head and body deadlines and drain grace end, or
-        they would write an HTTP answer into the socket's frames."""
+        """The connection is the WebSocket protocol's from here: this one's deadlines and drain grace end, or they
+        would write an HTTP answer into the socket's frames."""
         self._cancel()
         if self._grace is not None:
             self._grace.cancel()
@@ -213,10 +189,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().handle_websocket_upgrade()
 
     def shutdown(self) -> None:
-        """uvicorn's graceful shutdown began (SIGTERM): a request under way is the connection's last (uvicorn's own
-        rule); an idle connection stays open ``drain_idle_grace`` seconds, so that a request already sent on it, or
-        sent before the load balancer took this endpoint out of rotation, is answered (with ``connection: close``),
-        and is closed then if still idle. uvicorn waits for every connection to close: the grace bounds that wait."""
+        """A request under way is the connection's last (uvicorn's rule). uvicorn closed idle connections at once,
+        losing a request a load balancer sent meanwhile; here one stays open ``drain_idle_grace`` seconds and a
+        request on it is answered with ``connection: close``."""
         self._draining = True
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
@@ -227,16 +202,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._grace = self.loop.call_later(self.drain_idle_grace, self._close_if_idle)
 
     def _close_if_idle(self) -> None:
-        """The grace is over: close the connection unless a request came (it closes after its response) or its head
-        is arriving (it becomes a request, or the head deadline closes the connection)."""
+        """Unless a request came (it closes after its response) or a head is arriving (the head deadline closes it)."""
         self._grace = None
         cycle = self.cycle
         if (cycle is None or cycle.response_complete) and self._head_bytes == 0 and not self.transport.is_closing():
             self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
-        """A request httptools cannot parse (conflicting ``Content-Length`` and ``Transfer-Encoding``, a bad
-        chunk size, ...): OpenAI's envelope instead of uvicorn's plain text, never inside another response."""
+        """Conflicting ``Content-Length`` and ``Transfer-Encoding``, a bad chunk size...: OpenAI's envelope instead
+        of uvicorn's plain text."""
         self._refuse(400, "invalid_http_request", f"{msg} The connection is closed.")
 
     # The deadline is lazy: arming and disarming set when it passes (``_due``) and what it answers; one loop timer per
@@ -278,9 +252,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse(*self._answer)
 
     def _refuse(self, status: int, code: str, message: str) -> None:
-        """Answer ``status`` and close: one request, one response. When a response is already under way on this
-        connection (an early answer, or a pipelined request behind a stream), nothing is written into it: the
-        connection closes once that response ends, and nothing more is read."""
+        """One request, one response: with a response already under way (an early answer, a pipelined request behind
+        a stream) nothing is written, and the connection closes once it ends."""
         cycle = self.cycle
         if cycle is not None and cycle.response_started:
             cycle.keep_alive = False
@@ -301,18 +274,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
 
 class GuardedWebSocketsProtocol(WebSocketsSansIOProtocol):
-    """uvicorn's WebSocket protocol (``websockets``' sans-I/O implementation) under the gateway's drain.
-
-    At shutdown uvicorn's protocol closed every open socket at once with 1012 (service restart), cutting the
-    responses in flight. Here an accepted socket is left to the app, which drains it
-    (:meth:`gateway.http.socket.SocketSession.drain`: the response in flight finishes, then a 1001 close);
-    uvicorn still waits for the app up to its graceful-shutdown timeout, then cancels it. A message over
-    ``ws_max_size`` (``limits.websocket.max_message_bytes``) fails the socket with 1009, as ``websockets`` does.
-
-    A client that leaves the write buffer past its high-water mark (uvloop's 64 KiB) is not read until it drains, so
-    its pongs, which uvicorn writes straight to the transport, are bounded too (an attack: one socket pinging, never
-    reading, grew the process 115 MB in 18 s): a socket holds the mark and one read's pongs (a read: under 256,000 B).
-    """
+    """uvicorn's WebSocket protocol under the gateway's drain: uvicorn closed every socket at shutdown with 1012,
+    cutting responses in flight; here an accepted socket is left to the app's drain
+    (:meth:`gateway.http.socket.SocketSession.drain`). A client whose write buffer is past the high-water mark
+    (uvloop's 64 KiB) is not read until it drains, so the pongs uvicorn writes straight to the transport are bounded
+    too: one socket pinging and never reading grew the process 115 MB in 18 s; now it holds the mark and one read's
+    pongs (under 256,000 B)."""
 
     def shutdown(self) -> None:
         if self.handshake_complete and self.initial_response is None and not self.close_sent:
@@ -324,8 +291,8 @@ class GuardedWebSocketsProtocol(WebSocketsSansIOProtocol):
         self._stuck = self.loop.call_later(self.close_timeout, self._check_stuck, False)
 
     def _check_stuck(self, closing: bool) -> None:
-        """Abort a socket closing since the last check, ``close_timeout`` (10 s) ago, and still not flushed: uvloop's
-        ``close()`` waits for the flush, forever for a client that never reads (one uvicorn's keep-alive closes)."""
+        """uvloop's ``close()`` waits for the flush, forever for a client that never reads: a socket still closing
+        ``close_timeout`` (10 s) later and not flushed is aborted."""
         if closing and self.transport.get_write_buffer_size():
             self.transport.abort()
         else:
@@ -357,20 +324,16 @@ class GuardedWebSocketsProtocol(WebSocketsSansIOProtocol):
 
 
 def _hangup(cycle: Any) -> None:
-    """Tell the app of ``cycle`` (a uvicorn ``RequestResponseCycle``) that its client is gone (:class:`Hangup`)."""
+    """``cycle``: a uvicorn ``RequestResponseCycle``."""
     hangup = getattr(cycle, "tiergate_hangup", None)
     if hangup is not None:
         hangup.fire()
 
 
 def drain_on_exit(app: Any, timeout: float) -> None:
-    """On SIGTERM or SIGINT, call ``app.begin_drain(timeout)`` on this event loop, then uvicorn's own handler.
-
-    uvicorn stops accepting on those signals, waits up to ``timeout_graceful_shutdown`` for requests to end, then
-    cancels what is left; the app alone cannot tell that shutdown began. Call this from the app factory that
-    uvicorn runs (``factory=True``): uvicorn has installed its handlers by then, in the single process and in each
-    worker alike, and restores them itself when it stops. Outside the main thread (tests) it does nothing.
-    """
+    """uvicorn stops accepting on SIGTERM or SIGINT, then cancels what is left after ``timeout_graceful_shutdown``;
+    the app alone cannot tell that shutdown began. Call from the app factory (``factory=True``): uvicorn's handlers
+    are installed by then in every process. Outside the main thread it does nothing."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         prev = signal.getsignal(sig)
@@ -386,10 +349,9 @@ def drain_on_exit(app: Any, timeout: float) -> None:
 
 
 def reload_on_hup(app: Any) -> None:
-    """On SIGHUP, run ``app.reload()`` (:meth:`gateway.app.HotPath.reload`) on this event loop: a config change
-    without a restart. Call it from the app factory, like :func:`drain_on_exit`. Outside the main thread it does
-    nothing; with ``--workers N`` the signal goes to uvicorn's supervisor, which replaces each worker with one that
-    read the file again, the old one draining (uvicorn's ``Multiprocess.restart_all``)."""
+    """A config change without a restart (:meth:`gateway.app.HotPath.reload`); call it like :func:`drain_on_exit`.
+    With ``--workers N`` SIGHUP goes to uvicorn's supervisor instead, which replaces each worker
+    (``Multiprocess.restart_all``)."""
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[Any]] = set()
 
@@ -406,21 +368,14 @@ def reload_on_hup(app: Any) -> None:
 
 
 class Supervisor(Multiprocess):
-    """uvicorn's supervisor of ``--workers N`` processes (``Multiprocess``, uvicorn 0.54), which stops accepting
-    connections as soon as it stops, as a single process does on SIGTERM or SIGINT.
-
-    The workers share one listening socket; each process holds a copy, and the kernel keeps it listening while any
-    copy is open. uvicorn's supervisor closed its own only after every worker had exited, so through a whole drain
-    new connections, health probes included, were accepted into a backlog no worker read any more, hung, and were
-    reset at the end (found by an attack on the gateway: reset 7.7 s after SIGTERM with an 8 s
-    ``GATEWAY_DRAIN_TIMEOUT``). Here the supervisor closes its copy when it tells the workers to stop (SIGTERM), at
-    the turn of its loop that sees the signal (uvicorn polls every 0.5 s); each worker closes its own as its shutdown
-    begins (uvicorn's main loop: within 0.1 s), and new connections are refused from then on while the workers drain.
-    A reload (SIGHUP, ``restart_all``) keeps the sockets: the new workers need them.
-    """
+    """uvicorn's ``Multiprocess`` (0.54) that stops accepting as soon as it stops, as a single process does. The
+    workers share one listening socket, which the kernel keeps listening while any copy is open; uvicorn's supervisor
+    closed its own only after every worker exited, so through a whole drain new connections, health probes included,
+    hung in a backlog nobody read and were reset at the end (reset 7.7 s after SIGTERM with an 8 s
+    ``GATEWAY_DRAIN_TIMEOUT``). Here it closes its copy at SIGTERM (uvicorn polls every 0.5 s) and each worker its
+    own as its shutdown begins; a reload (SIGHUP) keeps the sockets for the new workers."""
 
     def terminate_all(self) -> None:
-        """Close this process's copy of the listening sockets, then send every worker SIGTERM (its drain)."""
         for sock in self.sockets:
             sock.close()
         super().terminate_all()
@@ -428,9 +383,8 @@ class Supervisor(Multiprocess):
 
 def uvicorn_options(host: str, port: int, log_level: str, settings: Settings,
                     ws_max_size: int = 16 * 1024 * 1024) -> dict[str, Any]:
-    """uvicorn's settings for serving the gateway (``uvicorn.Config`` keywords): uvloop, the guarded protocols (HTTP,
-    and WebSocket mode's with messages of at most ``ws_max_size`` bytes: ``limits.websocket.max_message_bytes``), no
-    access log or proxy-header middleware on the hot path, the keep-alive and drain of ``settings``."""
+    """``uvicorn.Config`` keywords: uvloop, the guarded protocols, no access log or proxy-header middleware on the
+    hot path. ``ws_max_size``: bytes (``limits.websocket.max_message_bytes``)."""
     return {"host": host, "port": port, "loop": "uvloop", "http": GuardedHttpToolsProtocol, "log_level": log_level,
             "ws": GuardedWebSocketsProtocol, "ws_max_size": ws_max_size,
             "access_log": False, "lifespan": "on", "server_header": False, "date_header": False,
@@ -442,7 +396,6 @@ def uvicorn_options(host: str, port: int, log_level: str, settings: Settings,
 
 
 def configure(settings: Settings) -> None:
-    """Set the limits of :class:`GuardedHttpToolsProtocol` for this process from ``settings``."""
     GuardedHttpToolsProtocol.max_head_bytes = settings.max_head_bytes
     GuardedHttpToolsProtocol.head_timeout = settings.head_timeout
     GuardedHttpToolsProtocol.body_timeout = settings.body_timeout

@@ -1,26 +1,14 @@
-"""The Responses API's WebSocket mode, one client socket at a time (OpenAI API reference, "Responses WebSocket
-events"; the WebSocket mode guide): the client sends ``response.create`` events, each with the fields of a
-``POST /v1/responses`` body (no ``stream``: it is implicit; an optional ``stream_id`` names its lane), and gets each
-event of the response's stream as one JSON text frame, echoing its ``stream_id``.
+"""The Responses API's WebSocket mode, one client socket at a time (docs/websocket.md; OpenAI API reference, "Responses
+WebSocket events"). Each ``response.create`` is served as the streamed ``POST /v1/responses`` it stands for: the third
+entrance onto the one admission sequence (``gateway.admission.sequence``) and the pipeline behind it, routed per
+message, through an :class:`~gateway.pipeline.exchange.Exchange` whose ASGI ``send`` is :class:`Frames`. Its attempts go
+through the socket's :class:`~gateway.upstream.websocket.UpstreamSockets`, and what it makes is kept in the socket's
+:class:`~gateway.responses.store.SocketStore`, so that ``previous_response_id`` continues it even with ``store: false``.
 
-Each ``response.create`` is served as the streamed ``POST /v1/responses`` it stands for, the third entrance onto the
-one admission sequence (``gateway.admission.sequence``: the same limits, parse, ownership and reservations as over
-HTTP) and the pipeline behind it (routed by the same policy, per message, so that turns of one socket may move tiers
-and agent-session affinity applies; metered, logged and traced as any request), through an
-:class:`~gateway.pipeline.exchange.Exchange` whose ASGI ``send`` is :class:`Frames`: a 200's SSE events become
-frames, any other status an ``error`` event with that ``status``. Its attempts go through the socket's
-:class:`~gateway.upstream.websocket.UpstreamSockets` (one upstream socket per upstream with ``websocket: true``;
-HTTP otherwise), and what it makes is kept in the socket's memory
-(:class:`~gateway.responses.store.SocketStore`), so that ``previous_response_id`` continues it even with ``store:
-false``.
-
-Messages of one lane (``stream_id``; the default lane without one) are served in order (FIFO), lanes side by side,
-at most ``limits.websocket.in_flight`` messages of a socket queued or served at once. ``response.steer`` is answered
-``response.steer.failed`` (``steering_not_supported``); any other event type with an ``error`` event. The socket
-ends when the client closes or leaves (every response in flight is cancelled, its upstream with it), after
-``limits.websocket.idle`` seconds with nothing in flight (close 1000, ``idle_timeout``), or at the drain: messages not
-yet started are answered ``gateway_draining``, the responses in flight finish (until the drain time runs out), and
-the socket closes with 1001.
+Messages of one lane (``stream_id``) are served in order, lanes side by side, at most ``limits.websocket.in_flight``
+queued or served at once. The socket ends when the client leaves (what is in flight is cancelled), after
+``limits.websocket.idle`` seconds with nothing in flight (1000), or at the drain (1001, once what is in flight
+finished).
 """
 
 from __future__ import annotations
@@ -56,9 +44,8 @@ MEMORY_ITEMS = 10_000  # responses a socket keeps at most (its bytes are bounded
 
 
 def error_event(status: int, body: bytes, lane: bytes | None, headers: dict[str, str] | None = None) -> bytes:
-    """An ``error`` server event (OpenAI's ``ResponseWsError``: ``type``, ``status``, ``error``, and the lane's
-    ``stream_id``) from an error answer's ``status`` and OpenAI envelope ``body``; ``headers`` (a ``retry-after``)
-    go in ``error.headers``."""
+    """OpenAI's ``ResponseWsError`` from an error answer's status and envelope; ``headers`` (a ``retry-after``) go in
+    ``error.headers``."""
     try:
         err = loads(body).get("error")
     except (ValueError, AttributeError):
@@ -72,14 +59,13 @@ def error_event(status: int, body: bytes, lane: bytes | None, headers: dict[str,
 
 
 def with_lane(data: bytes, lane: bytes | None) -> bytes:
-    """A server event's JSON bytes with ``"stream_id"`` first (``lane``: its JSON string), or as they are."""
+    """``lane``: its JSON string, spliced in first."""
     return data if lane is None else b'{"stream_id":' + lane + b"," + data[1:]
 
 
 class Frames:
-    """The ASGI ``send`` of one message's :class:`Exchange`: its answer as frames of the client socket (module
-    docstring). An in-band error event of a stream (``{"error": ...}``, the drain's and a broken relay's) becomes an
-    ``error`` event."""
+    """A 200's SSE events become frames, any other status one ``error`` event; a stream's in-band ``{"error": ...}``
+    event (the drain's, a broken relay's) becomes an ``error`` event."""
 
     __slots__ = ("socket", "lane", "status", "scanner", "held", "headers")
 
@@ -124,7 +110,6 @@ class Frames:
                 await self.socket.send_frame(self.event(data))
 
     def event(self, data: bytes) -> bytes:
-        """One SSE event's data as the frame to send."""
         if not data.startswith(b'{"type":'):
             try:
                 parsed = loads(data)
@@ -136,7 +121,6 @@ class Frames:
 
 
 def _data_line(event: bytes) -> bytes | None:
-    """The data of an SSE event made of one ``data:`` line, after one ``event:`` line or not; else None."""
     if event.startswith(b"event: "):
         cut = event.find(b"\n")
         event = event[cut + 1:] if cut > 0 else b""
@@ -146,9 +130,8 @@ def _data_line(event: bytes) -> bytes | None:
 
 
 class Queued(NamedTuple):
-    """A ``response.create`` waiting in its lane: its bytes as they came (a parsed message takes ~10x its bytes; it
-    is parsed again when served), held against the body budget (``limits.max_bytes_in_flight``, a key's share of it)
-    until it starts."""
+    """Kept as its bytes (a parsed message takes ~10x its bytes; it is parsed again when served), held against the
+    body budget until it starts."""
 
     text: str | bytes
     held: int
@@ -168,13 +151,8 @@ class Lane:
 
 
 class SocketSession:
-    """One accepted client socket (module docstring).
-
-    Args:
-        current: the gateway serving new requests now (a reload swaps it; each message is served by the one current
-            when it starts); scope, receive, send: the socket's ASGI ``websocket`` scope and channels; owner: its
-            gateway key's name (None without keys).
-    """
+    """``current``: the gateway serving new requests now (a reload swaps it; each message is served by the one
+    current when it starts); ``owner``: its gateway key's name."""
 
     def __init__(self, current: Callable[[], Gateway], scope: Scope, receive: Receive, send: Send,
                  owner: str | None = None) -> None:
@@ -206,7 +184,7 @@ class SocketSession:
     # the reader
 
     async def run(self) -> str:
-        """Serve the socket until it ends; returns why (a ``tiergate_websocket_closes_total`` reason)."""
+        """Returns why it ended (a ``tiergate_websocket_closes_total`` reason)."""
         try:
             while not self.gone and self.closed is None:
                 try:
@@ -233,14 +211,12 @@ class SocketSession:
 
     @property
     def reason(self) -> str:
-        """Why the gateway closed the socket, as a metric label."""
         code, said = self.closed or (NORMAL, "")
         return {GOING_AWAY: "drain", POLICY: "unauthorized", TOO_BIG: "too_big"}.get(
             code, "idle" if said == "idle_timeout" else "error" if code == SERVER_ERROR else "client")
 
     def _rearm(self) -> None:
-        """Set the reader's wait: ``limits.websocket.idle`` while nothing is in flight (now, once drained), none while
-        something is."""
+        """``limits.websocket.idle`` while nothing is in flight (now, once drained); no timeout while something is."""
         wake = self._wake
         if wake is None:
             return
@@ -251,7 +227,7 @@ class SocketSession:
             wake.reschedule(loop.time() if self.draining else loop.time() + self.limits.idle)
 
     async def on_message(self, text: str | bytes) -> None:
-        """One client message: a ``response.create`` is queued on its lane; anything else is answered here."""
+        """A ``response.create`` is queued on its lane; anything else is answered here."""
         try:
             event = orjson.loads(text)
         except orjson.JSONDecodeError:
@@ -296,12 +272,12 @@ class SocketSession:
             lane.task = asyncio.get_running_loop().create_task(self.serve_lane(lane))
 
     async def refuse(self, exc: GatewayError, lane: bytes | None) -> None:
-        """Answer a client event the socket itself refuses with an ``error`` event (not a request: not recorded)."""
+        """Not a request: not recorded."""
         await self.send_frame(error_event(exc.status, exc.body(), lane, exc.headers or None))
 
     async def steer_failed(self, event: dict[str, Any]) -> None:
-        """``response.steer`` (queued input for a response in flight): the gateway does not steer; the input comes back
-        in ``response.steer.failed`` so that the client can carry it into its next ``response.create``."""
+        """The gateway does not steer: the input comes back so that the client can carry it into its next
+        ``response.create``."""
         await self.send_frame(dumps({
             "type": "response.steer.failed", "sequence_number": 0,
             "error": {"code": "steering_not_supported", "type": "invalid_request_error",
@@ -311,7 +287,6 @@ class SocketSession:
     # serving
 
     async def serve_lane(self, lane: Lane) -> None:
-        """Serve ``lane``'s messages in order until it is empty."""
         try:
             while lane.queue and not self.gone and self.closed is None:
                 queued = lane.queue.popleft()
@@ -332,8 +307,7 @@ class SocketSession:
                 del self.lanes[lane.id]
 
     async def serve(self, event: dict[str, Any], lane: bytes | None) -> None:
-        """One ``response.create`` as a streamed ``POST /v1/responses`` of the current gateway (module docstring):
-        its body held to the same limits as over HTTP, then admitted and served as the HTTP entrance does
+        """Held to the same limits as over HTTP, then admitted and served as the HTTP entrance does
         (``gateway.http.entrances.hot``)."""
         gw = self.current()
         scope = {"type": "http", "method": "WS", "path": "/v1/responses", "headers": self.scope["headers"]}
@@ -367,7 +341,7 @@ class SocketSession:
             await gw.chat.serve(ex, admitted)
 
     def transport_of(self, gateway: Gateway) -> UpstreamSockets:
-        """The upstream sockets of ``gateway`` (a reload made a new one: the old one's sockets are closed)."""
+        """A reload made a new gateway: the old one's upstream sockets are closed."""
         if gateway is not self.via_of:
             old, self.via, self.via_of = self.via, UpstreamSockets(gateway.transport,
                                                                    gateway.config.limits.max_event_bytes), gateway
@@ -379,7 +353,7 @@ class SocketSession:
     # the socket's end
 
     async def send_frame(self, data: bytes) -> None:
-        """Send one text frame; a client already gone is not written to (its requests are being cancelled)."""
+        """A client already gone is not written to (its requests are being cancelled)."""
         if self.gone or self.closed is not None:
             return
         try:
@@ -388,7 +362,7 @@ class SocketSession:
             self.left()
 
     def left(self) -> None:
-        """The client closed or left: cancel every response in flight (its upstream is closed by its attempt's end)."""
+        """Each response's upstream is closed by its attempt's end."""
         if self.gone:
             return
         self.gone = True
@@ -399,14 +373,12 @@ class SocketSession:
                 ex.task.cancel()
 
     def drain(self) -> None:
-        """Shutdown began (:meth:`gateway.pipeline.frame.Frame.begin_drain`): messages not yet started are answered
-        ``gateway_draining``; the responses in flight finish; then the socket closes with 1001."""
+        """Messages not yet started are answered ``gateway_draining``; responses in flight finish; then 1001."""
         if not self.draining:
             self.draining = True
             self._rearm()
 
     async def close(self, code: int, reason: str) -> None:
-        """Close the socket with ``code`` and ``reason`` (once)."""
         if self.closed is not None or self.gone:
             return
         self.closed = (code, reason)
@@ -414,8 +386,7 @@ class SocketSession:
             await self._send({"type": "websocket.close", "code": code, "reason": reason})
 
     async def end(self) -> None:
-        """The socket is over: cancel what its lanes serve (as if its client left: nothing more is sent), wait for them
-        to end, and close its upstream sockets."""
+        """Cancel what its lanes serve, as if its client left, wait for them, and close its upstream sockets."""
         self.left()
         for task in [lane.task for lane in self.lanes.values() if lane.task is not None] + list(self._tasks):
             with contextlib.suppress(BaseException):

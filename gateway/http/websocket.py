@@ -1,15 +1,8 @@
-"""The door of the Responses API's WebSocket mode: ``GET /v1/responses`` with a WebSocket upgrade (ASGI ``websocket``
-scope), checked before it is accepted, then served by :class:`gateway.http.socket.SocketSession`.
-
-Before accept, with ``auth:`` configured, the gateway key of the handshake's ``Authorization`` (or ``api-key``)
-header must be known, and the key may hold at most ``limits.websocket.sockets_per_key`` sockets (without ``auth:``
-every client together); the path must be ``/v1/responses`` and the gateway not draining. A handshake that fails one
-of these is answered with an HTTP status and OpenAI's error envelope through the ASGI ``websocket.http.response``
-extension (which uvicorn's WebSocket protocols offer): 401 ``invalid_api_key``, 429
-``websocket_connection_limit_reached``, 404 ``unknown_url``, 503 ``gateway_draining``; the ``openai`` SDK raises
-with that status. A server without the extension gets a close with 1008 (policy violation) and the reason instead,
-before accept (uvicorn answers it as a 403).
-"""
+"""The door of the Responses API's WebSocket mode (``GET /v1/responses`` with an upgrade), checked before accept,
+then served by :class:`gateway.http.socket.SocketSession`. A handshake without a known gateway key, past its key's
+``limits.websocket.sockets_per_key``, on another path or during the drain is answered through the ASGI
+``websocket.http.response`` extension with an HTTP status and OpenAI's envelope (401, 429, 404, 503), on which the
+``openai`` SDK raises; a server without the extension gets a 1008 close before accept (uvicorn answers it as a 403)."""
 
 from __future__ import annotations
 
@@ -30,11 +23,7 @@ DENIAL = "websocket.http.response"  # the ASGI extension that answers a handshak
 
 
 class Sockets:
-    """Every client socket of the process (reloads keep them): how many each gateway key holds, and the drain.
-
-    Args:
-        current: the gateway serving new requests now (``gateway.http.dispatch.HotPath``).
-    """
+    """Every client socket of the process (reloads keep them): how many each gateway key holds, and the drain."""
 
     def __init__(self, current: Callable[[], Gateway]) -> None:
         self.current = current
@@ -43,14 +32,12 @@ class Sockets:
         self.draining = False
 
     def begin_drain(self) -> None:
-        """Shutdown began: no new socket is accepted; each open one finishes what is in flight, then closes with
-        1001 (:meth:`SocketSession.drain`)."""
+        """No new socket is accepted; each open one drains (:meth:`SocketSession.drain`)."""
         self.draining = True
         for session in list(self.sessions):
             session.drain()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Serve one ASGI ``websocket`` connection (module docstring)."""
         if (await receive())["type"] != "websocket.connect":
             return  # gone before its handshake was read
         gateway = self.current()
@@ -95,7 +82,7 @@ class Sockets:
             gateway.metrics.socket_closed(reason)
 
     async def deny(self, gateway: Gateway, exc: GatewayError, scope: Scope, send: Send) -> None:
-        """Refuse the handshake with ``exc``'s status and envelope (or, without the extension, a 1008 close)."""
+        """Without the extension, a 1008 close."""
         reason = {401: "unauthorized", 429: "sockets_per_key", 503: "draining"}.get(exc.status, "unknown_url")
         gateway.metrics.socket_refused(reason)
         given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1") or None
