@@ -1,12 +1,8 @@
-"""Composition root: :func:`create_app` builds, for one validated config, every part a request passes through and
-hands them to the HTTP surface; nothing else constructs them. Nothing is built at import time; resources open and
-close in the lifespan.
-
-Data flows one way (``docs/architecture.md``): ``gateway.http`` (dispatch, auth, admin, one thin adapter per
-entrance) -> ``gateway.admission`` (the one admission sequence) -> ``gateway.pipeline`` (planning, attempts,
-delivery) -> ``gateway.routing`` (facts in, decision out, no I/O) -> ``gateway.upstream`` -> ``gateway.stream``, with
-``gateway.observability`` recording and ``gateway.state`` holding what replicas share.
-"""
+"""Composition root: :func:`create_app` builds, for one validated config, every part a request passes through;
+nothing else constructs them, nothing is built at import time, and resources open and close in the lifespan. Data
+flows one way (``docs/architecture.md``): ``gateway.http`` -> ``gateway.admission`` -> ``gateway.pipeline`` ->
+``gateway.routing`` (no I/O) -> ``gateway.upstream`` -> ``gateway.stream``, with ``gateway.observability`` recording
+and ``gateway.state`` holding what replicas share."""
 
 from __future__ import annotations
 
@@ -68,15 +64,10 @@ from gateway.upstream.client import UpstreamPool
 
 
 def freeze_startup_objects() -> None:
-    """Keep the garbage collector's full passes short: collect once, then ``gc.freeze()`` what start-up left.
-
-    A full (generation 2) collection walks every tracked object, and imports plus the app leave ~70,000 of
-    them: measured here, each pass stopped the event loop for 25-33 ms, about 8 times a minute under the
-    benchmark's load, and every relayed stream stalled with it (a 750 tokens/s stream loses ~20 tokens'
-    worth of time). ``gc.freeze()`` (Python docs, ``gc`` module) moves them to a permanent generation that
-    collections skip; later full passes walk only what was made since (~4 ms here). Start-up objects live
-    as long as the process, so nothing collectable is kept.
-    """
+    """A full collection walks every tracked object, and start-up leaves ~70,000: measured, each pass stopped the
+    loop for 25-33 ms, ~8 times a minute under the benchmark's load, stalling every relayed stream (a 750 tokens/s
+    one lost ~20 tokens' worth). ``gc.freeze()`` (Python docs, ``gc``) moves them to a permanent generation that
+    collections skip (later passes: ~4 ms); they live as long as the process, so nothing collectable is kept."""
     gc.collect()
     gc.freeze()
 
@@ -84,20 +75,10 @@ def freeze_startup_objects() -> None:
 def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
                multiprocess_dir: str | None = None, transport: Transport | None = None,
                policy: Policy | None = None, state_dir: Path | None = None) -> HotPath:
-    """Build the ASGI app for one validated config.
-
-    Args:
-        loaded: the config and resolved keys (``gateway.config.load.load_config``).
-        registry: Prometheus registry to use; a fresh one when None.
-        multiprocess_dir: prometheus-client's multiprocess directory when several workers share the port;
-            ``/metrics`` then merges every worker's samples, so each request is counted exactly once.
-        transport: what reaches the upstreams; an :class:`UpstreamPool` (aiohttp) when None. Tests pass one that
-            plays scripted bytes (``gateway.tools.scripted``).
-        policy: the routing policy; ``Policy(config)`` when None (``bench.trace`` passes one that times itself).
-        state_dir: where the gateway keys' spend is kept across restarts (``gateway.state.ledger_file``), or None.
-
-    A config reload (``SIGHUP``) is possible only with neither ``transport`` nor ``policy`` injected.
-    """
+    """``multiprocess_dir``: prometheus-client's, when several workers share the port (``/metrics`` then merges every
+    worker's samples); ``transport``: an :class:`UpstreamPool` when None (tests pass one from
+    ``gateway.tools.scripted``); ``policy``: ``bench.trace`` passes one that times itself; ``state_dir``: where the
+    keys' spend outlives a restart. A reload (``SIGHUP``) needs neither ``transport`` nor ``policy`` injected."""
     config = loaded.config
     if registry is None:
         registry = CollectorRegistry()
@@ -123,9 +104,8 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
 
 def _lifespan(pool: Transport, shared: SharedState | None, kept: LedgerFile | None, multiprocess_dir: str | None,
               hot: list[HotPath]) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
-    """What opens and closes the process's resources around serving: the upstream connections, the link to Redis
-    (connected in the background: start-up never waits for it), the keys' spend on disk (loaded before the first
-    request), the garbage collector's frozen start-up objects; at the end the traces and request lines still batched."""
+    """Redis connects in the background (start-up never waits for it); the keys' spend on disk loads before the first
+    request; at the end, the traces and request lines still batched are flushed."""
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await pool.start()
@@ -154,15 +134,15 @@ def _lifespan(pool: Transport, shared: SharedState | None, kept: LedgerFile | No
 
 def _label_sets(config: GatewayConfig) -> tuple[list[tuple[str, str, Iterable[str]]], dict[str, Prices],
                                                   dict[tuple[str, str], Prices]]:
-    """The metrics' per-upstream label sets and prices of ``config`` (``Metrics`` and ``Metrics.reconfigure``)."""
+    """For ``Metrics`` and ``Metrics.reconfigure``."""
     return ([(u.tier, u.name, u.models) for u in config.upstreams],
             {u.name: u.prices for u in config.upstreams if u.prices is not None},
             {(u.name, m): p for u in config.upstreams for m, p in u.model_prices.items()})
 
 
 def _ledger_file(gateway: Gateway, state_dir: Path | None) -> LedgerFile | None:
-    """What keeps the gateway keys' spend across restarts (``gateway.state.ledger_file``): with ``auth:`` and a state
-    directory, this process's own ledger (a shared ledger's local one: what it counts on from while Redis is away)."""
+    """With ``auth:`` and a state directory: this process's own ledger (a shared ledger's local one, what it counts
+    on from while Redis is away)."""
     if state_dir is None or gateway.config.auth is None:
         return None
     local = gateway.ledger.local if isinstance(gateway.ledger, SharedLedger) else gateway.ledger
@@ -172,10 +152,9 @@ def _ledger_file(gateway: Gateway, state_dir: Path | None) -> LedgerFile | None:
 
 def assemble(loaded: LoadedConfig, metrics: Metrics, transport: Transport, *, policy: Policy | None = None,
              previous: Gateway | None = None, shared: SharedState | None = None) -> Gateway:
-    """The request path of one config, every part built here. After a reload (``previous``: the gateway it replaces)
-    the metrics' label sets follow the new config, and the health state of each upstream that stays, the live
-    estimates, the exploration state, the stored conversations, the keys' spend, which key made which object and the
-    link to the shared state carry over (a changed ``state:`` takes a restart)."""
+    """After a reload (``previous``) the metrics' label sets follow the new config, and the upstreams' health, live
+    estimates, exploration, stored conversations, keys' spend, object owners and the shared-state link carry over (a
+    changed ``state:`` takes a restart)."""
     config = loaded.config
     health = Health(config.upstreams)
     if previous is None:
@@ -218,8 +197,7 @@ def assemble(loaded: LoadedConfig, metrics: Metrics, transport: Transport, *, po
 
 def _state(config: GatewayConfig, shared: SharedState | None) -> tuple[ResponseStore, Ledger, Owners, Estimates,
                                                                        deadline.Explorer]:
-    """The state a gateway process starts with: the response store, the keys' ledger and the object owners (each
-    kept in Redis too when ``shared``), the live estimates and deadline routing's exploration state."""
+    """Each kept in Redis too when ``shared``."""
     bounds, objects, est = config.response_store, config.passthrough.objects, config.estimates
     memory = MemoryResponseStore(bounds.max_items, bounds.max_bytes, bounds.ttl, key_share=bounds.key_share)
     store: ResponseStore = memory
@@ -235,8 +213,7 @@ def _state(config: GatewayConfig, shared: SharedState | None) -> tuple[ResponseS
 
 
 def _sessions(config: GatewayConfig, shared: SharedState | None, metrics: Metrics) -> SessionTable:
-    """Where agent sessions are kept (``gateway.tenancy.sessions``): this process's bounded table, and, with shared
-    state, Redis too; each session's end is observed in the steps-per-session and duration metrics."""
+    """This process's bounded table, and Redis too with shared state; each session's end feeds the session metrics."""
     cfg = config.sessions
 
     def ended(record: SessionRecord) -> None:
@@ -246,8 +223,8 @@ def _sessions(config: GatewayConfig, shared: SharedState | None, metrics: Metric
 
 
 def serve_app(loaded: LoadedConfig, settings: Settings, multiprocess_dir: str | None = None) -> HotPath:
-    """The app as uvicorn's factory builds it in a serving process: :func:`create_app`, plus the client-side limits
-    and the drain on SIGTERM (``GATEWAY_DRAIN_TIMEOUT``) of ``settings``. Call it from the factory uvicorn runs."""
+    """:func:`create_app` plus the client-side limits, logging, tracing, the drain on SIGTERM and the reload on
+    SIGHUP; call it from the factory uvicorn runs."""
     configure_client_limits(settings)
     logs.configure(settings.log_format or "json", settings.log_level, settings.log_sample)
     tracing.configure(settings.otel_traces_exporter)
@@ -263,11 +240,8 @@ def serve_app(loaded: LoadedConfig, settings: Settings, multiprocess_dir: str | 
 
 
 def create_app_from_env() -> HotPath:
-    """App factory for worker processes (``tiergate serve --workers N``): config path and metrics directory
-    come from the environment the supervisor prepared (``gateway.config.settings.set_worker_environment``).
-
-    Raises:
-        ConfigError: the config is invalid (the supervisor validated it first, so only if it changed).
-    """
+    """For ``tiergate serve --workers N``, from the environment the supervisor prepared
+    (``gateway.config.settings.set_worker_environment``). Raises ConfigError only if the config changed since the
+    supervisor validated it."""
     settings = Settings()
     return serve_app(load_config(settings.config, environ()), settings, multiprocess_dir())

@@ -53,8 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser(settings: Settings) -> argparse.ArgumentParser:
-    """The command line: ``serve``, ``demo``, ``emulate``, ``keys add``, ``check-config``, ``bench`` (defaults from
-    ``settings``)."""
+    """Defaults come from ``settings``."""
     parser = argparse.ArgumentParser(prog="tiergate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -314,11 +313,8 @@ def _key_line(k: KeyConfig) -> str:
 
 
 def _require_free(host: str, port: int, what: str) -> None:
-    """Refuse to start when ``host:port`` is taken (else the readiness check would find the other process).
-
-    The probe binds with ``SO_REUSEADDR``, as uvicorn and the emulator do, so the ``TIME_WAIT`` sockets a
-    stopped demo leaves behind for ~60 s do not count as taken; a listening socket still does.
-    """
+    """A taken port would let the readiness check find the other process. The probe binds with ``SO_REUSEADDR``, as
+    uvicorn and the emulator do, so the ``TIME_WAIT`` sockets a stopped demo leaves for ~60 s do not count as taken."""
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
