@@ -1,19 +1,8 @@
-"""``tiergate bench --agent-loop N``: agent runs instead of single requests, to answer "how long did a run take on
-each tier, what did it cost, and did the prompt cache stay warm".
-
-A run is N sequential streamed chat completions of one ``--mix`` model, all sent with one ``x-tiergate-session``
-header (a new id per run), ``--runs`` runs per model, at most ``--concurrency`` runs at once. Step ``k`` sends what an
-agent loop sends: the system prompt and tool list (a prefix shared by every step), the conversation so far (each
-earlier user turn and the answer it got, as streamed) and one new user turn (a tool's result), so each step's prompt
-starts with the whole of the one before. Per step the client times the first token-bearing chunk (TTFT, as
-``tiergate bench``) and reads the stream's usage (prompt tokens and their ``cached_tokens``). After the run it reads the
-gateway's record of the session, ``GET /v1/tiergate/sessions/{id}`` (its ``cost_usd``, ``cache_hit_ratio``,
-``steps_by_tier``), with the same key. Runs are grouped by the tier their first step was served by
-(``x-tiergate-tier``; by model when the server is not Tiergate, which then has no record: cost n/a).
-
-Every loop is bounded: ``--runs`` per model, N steps per run, ``--timeout`` seconds per step, and a few short reads of
-the record while its last step is still being counted.
-"""
+"""``tiergate bench --agent-loop N`` (docs/bench.md#agent-loop): agent runs instead of single requests, to answer how
+long a run took on each tier, what it cost, and whether the prompt cache stayed warm. Step ``k`` sends what an agent
+loop sends (the system prompt and tools, the conversation so far as streamed, one new turn), so each step's prompt
+starts with the whole of the one before. Every loop is bounded: ``--runs`` per model, N steps a run, ``--timeout``
+seconds a step, a few short reads of the gateway's record."""
 
 from __future__ import annotations
 
@@ -62,8 +51,8 @@ TOOL_RESULTS = (
 
 @dataclass
 class Run:
-    """One agent run as the client saw it: its session id, its steps (``Result`` each, in order), the seconds from
-    sending its first step to the end of its last, and the gateway's record of it (None: not read)."""
+    """``wall``: seconds from sending its first step to the end of its last; ``record``: the gateway's (None: not
+    read)."""
 
     model: str
     session: str
@@ -73,7 +62,7 @@ class Run:
 
     @property
     def group(self) -> str:
-        """The tier its first step was served by (``model X`` without the header)."""
+        """``model X`` when the server sent no tier header (not Tiergate)."""
         return self.steps[0].group if self.steps else f"model {self.model}"
 
     @property
@@ -82,15 +71,15 @@ class Run:
 
 
 def turn(k: int, session: str) -> str:
-    """The user turn of step ``k`` (0-based): the task (naming the run's ``session``, so that two runs share no more
-    than the system prompt, as two agent runs on different tasks would), then tools' results."""
+    """Names the run's ``session``, so that two runs share no more than the system prompt, as two agent runs on
+    different tasks would."""
     said = TOOL_RESULTS[k % len(TOOL_RESULTS)]
     return f"Step {k + 1}. {said} (run {session})" if k == 0 else f"Step {k + 1}. {said}"
 
 
 async def agent_run(session: aiohttp.ClientSession, base_url: str, model: str, steps: int, max_tokens: int,
                     timeout: float) -> Run:
-    """One run of ``steps`` steps (module docstring); stops at a failed step."""
+    """Stops at a failed step."""
     run = Run(model, f"tiergate-bench-{secrets.token_hex(8)}")
     url = base_url.rstrip("/") + "/chat/completions"
     messages: list[dict[str, str]] = [{"role": "system", "content": AGENT_SYSTEM}]
@@ -111,8 +100,8 @@ async def agent_run(session: aiohttp.ClientSession, base_url: str, model: str, s
 
 async def fetch_record(session: aiohttp.ClientSession, base_url: str, session_id: str,
                        steps: int) -> dict[str, Any] | None:
-    """The gateway's record of ``session_id`` once it counts ``steps`` steps (read again a few times, 50 ms apart,
-    while the last is being counted), or None (not Tiergate, unknown, unreachable)."""
+    """Read a few times, 50 ms apart, while the last step is being counted; None when not Tiergate, unknown or
+    unreachable."""
     url = f"{base_url.rstrip('/')}/tiergate/sessions/{session_id}"
     record: dict[str, Any] | None = None
     for _ in range(20):
@@ -133,7 +122,7 @@ async def fetch_record(session: aiohttp.ClientSession, base_url: str, session_id
 
 async def run_all(base_url: str, api_key: str, models: list[str], runs: int, steps: int, concurrency: int,
                   max_tokens: int, timeout: float) -> list[Run]:
-    """``runs`` runs of each model (interleaved), at most ``concurrency`` at once; progress on stderr."""
+    """Interleaved; progress on stderr."""
     headers = {"authorization": f"Bearer {api_key}", "content-type": "application/json",
                "user-agent": "tiergate-bench"}
     todo = [m for _ in range(runs) for m in models]
@@ -155,7 +144,7 @@ def _mean(values: list[float]) -> float | None:
 
 
 def summary(runs: list[Run]) -> dict[str, Any]:
-    """Per group (tier, ``fast`` then ``standard`` then the rest): :func:`figures` of its runs."""
+    """Groups in the order ``fast``, ``standard``, the rest."""
     groups: dict[str, list[Run]] = {}
     for r in runs:
         groups.setdefault(r.group, []).append(r)
@@ -164,10 +153,8 @@ def summary(runs: list[Run]) -> dict[str, Any]:
 
 
 def figures(rs: list[Run]) -> dict[str, Any]:
-    """One group's runs: how many (and failed), steps; run wall time p50 and mean (client, runs that did not fail);
-    step TTFT p50 and p95, and p50 per step index; cached tokens the stream's usage reported (mean per step index);
-    from the gateway's records: cost per run (mean) and in all, cache hit ratio (cached / prompt tokens over its
-    runs), steps by tier. Seconds, tokens, USD; None where nothing was measured."""
+    """Seconds, tokens, USD; None where nothing was measured. Run wall times count the runs that did not fail; the
+    cache hit ratio is cached / prompt tokens over the runs' records."""
     walls = sorted(r.wall for r in rs if not r.failed)
     ttfts = sorted(s.ttft for r in rs for s in r.steps if s.ttft is not None)
     depth = max(len(r.steps) for r in rs)
@@ -195,7 +182,6 @@ def figures(rs: list[Run]) -> dict[str, Any]:
 
 
 def premium(tiers: dict[str, Any]) -> str:
-    """Whether the fast tier paid off per run, from this run's figures, in one line."""
     fast, std = tiers.get("fast"), tiers.get("standard")
     if not fast or not std or fast["run_wall_mean_s"] is None or std["run_wall_mean_s"] is None:
         return "premium: n/a (the run needs agent runs answered by both tiers)"
@@ -206,7 +192,6 @@ def premium(tiers: dict[str, Any]) -> str:
 
 
 def table(tiers: dict[str, Any], steps: int) -> str:
-    """The per-tier table printed at the end."""
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v * 1000:.1f}"
 
@@ -232,7 +217,7 @@ def table(tiers: dict[str, Any], steps: int) -> str:
 
 
 def main(args: Any) -> int:
-    """``tiergate bench --agent-loop N`` with parsed ``args``; the exit code (1 when every run failed)."""
+    """Exit code 1 when every run failed."""
     try:
         models = [m for m, w in parse_mix(args.mix) if w > 0]
     except ValueError as exc:

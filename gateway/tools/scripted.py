@@ -1,13 +1,9 @@
 """A :class:`gateway.upstream.attempt.Transport` that plays the emulator's scripted :class:`Plan` objects in-process,
-without sockets: for tests that drive the gateway's ASGI app by hand (Starlette's own tests do the same) and for
-``bench.layers``, which measures the gateway's own CPU with the I/O taken away.
-
-It keeps the upstream client's contract (``gateway.upstream.response.UpstreamResponse``): the headers a client may see,
-the status line bounded by ``timeouts.idle`` (streams with a ``ttft``: by the caller's deadline), body reads that raise
-``StreamInterrupted`` when the plan ends in a cut (``eof``, ``reset``) or in a silence longer than ``idle`` once
-:meth:`ScriptedAnswer.watch_idle` was called, and a ``drop`` that fails as an unreachable upstream does. The socket
-level (framing, keep-alive, stale connections) is what the emulator over real sockets is for.
-"""
+without sockets: for tests that drive the ASGI app by hand (as Starlette's own tests do) and for ``bench.layers``,
+which measures the gateway's own CPU with the I/O taken away. It keeps the upstream client's contract
+(``gateway.upstream.response.UpstreamResponse``: the headers a client may see, the ``idle`` bound,
+``StreamInterrupted`` on a cut or a silence, a ``drop`` failing as an unreachable upstream); the socket level is the
+emulator's."""
 
 from __future__ import annotations
 
@@ -52,12 +48,8 @@ class ScriptedAnswer:
         self._watching = True
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """The plan's parts, each at its time; resumable after a cancelled iteration (it goes on where it stopped).
-
-        Raises:
-            StreamInterrupted: the plan ends in ``eof`` or ``reset``, or is silent past ``idle`` since the last part
-                (when watched), as :class:`gateway.upstream.response.IdleWatch` would end it.
-        """
+        """Resumable after a cancelled iteration. Raises StreamInterrupted on ``eof`` or ``reset``, or on silence
+        past ``idle`` once watched (as :class:`gateway.upstream.response.IdleWatch` would)."""
         parts = self.plan.parts
         while self._next < len(parts):
             await self._until(self._due[self._next])
@@ -80,14 +72,13 @@ class ScriptedAnswer:
         raise StreamInterrupted("upstream_idle_timeout", "The upstream stopped sending before the end.")
 
     async def read(self) -> bytes:
-        """The whole body. Raises UpstreamUnavailable when the plan ends in a cut."""
+        """Raises UpstreamUnavailable on a cut."""
         try:
             return b"".join([part async for part in self.chunks()])
         except StreamInterrupted as exc:
             raise UpstreamUnavailable(exc.message) from exc
 
     async def read_error(self, limit: int = ERROR_BODY_LIMIT) -> bytes:
-        """An error body, at most ``limit`` bytes."""
         return (await self.read())[:limit]
 
     def release(self) -> None:
@@ -98,8 +89,7 @@ class ScriptedAnswer:
 
 
 class ScriptedTransport:
-    """Answers every request with ``handler(received)``'s :class:`Plan`; with ``record`` (the default), ``requests``
-    and ``answers`` keep what was sent and played (the benchmark turns it off: it measures the gateway, not this)."""
+    """``record`` is off for the benchmark: it measures the gateway, not this."""
 
     def __init__(self, handler: Callable[[Received], Plan], record: bool = True) -> None:
         self.handler = handler
@@ -122,12 +112,8 @@ class ScriptedTransport:
                    path: str = "/chat/completions", method: str = "POST",
                    forward: Mapping[str, str] | None = None, client_key: str | None = None,
                    trace: Mapping[str, str] | None = None) -> ScriptedAnswer:
-        """Play the handler's plan for this request up to its status line.
-
-        Raises:
-            UpstreamUnavailable: the plan drops the connection; UpstreamTimeout: its status line comes later than
-                ``idle`` (not for streams with a ``ttft``, whose deadline the caller holds).
-        """
+        """Up to the status line. Raises UpstreamUnavailable (a drop) or UpstreamTimeout (a status line later than
+        ``idle``; not for streams with a ``ttft``, whose deadline the caller holds)."""
         if body is None:
             body = b""
         elif not isinstance(body, bytes):

@@ -10,8 +10,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class EmulatorConfig:
-    """Defaults of one emulated tier: tokens/s, time to first token (seconds), dialect, fixtures folder (the
-    checkout's ``tests/fixtures/upstream``, found from this file; an installed wheel has none: ``--fixtures``)."""
+    """``ttft`` in seconds; ``fixtures``: the checkout's ``tests/fixtures/upstream`` (an installed wheel has none:
+    ``--fixtures``)."""
 
     tps: float = 750.0
     ttft: float = 0.05
@@ -26,18 +26,13 @@ class EmulatorConfig:
 
     @classmethod
     def for_tier(cls, tier: str, **overrides: Any) -> EmulatorConfig:
-        """Defaults per tier: fast 750 tokens/s, 50 ms TTFT, Cerebras dialect; standard 50 tokens/s, 400 ms, OpenAI."""
         base = cls() if tier == "fast" else cls(tps=50.0, ttft=0.4, dialect="openai")
         return cls(**{**base.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
 
     def changed(self, given: Any) -> EmulatorConfig:
-        """These defaults as ``POST /emulator/config`` sets them: ``{"ttft_ms": 3000}``, ``{"tps": 50}``,
-        ``{"tokens_per_minute": N}``, ``{"cache_ttl": S}``, ``{"prefill_tps": N}`` (any of them; 0 turns the last
-        three off), for every later request (a TTFT step mid-test: the upstream queues up).
-
-        Raises:
-            ValueError, TypeError, KeyError: ``given`` is not such an object.
-        """
+        """``{"ttft_ms": 3000}``, ``{"tps": 50}``, ``{"tokens_per_minute": N}``, ``{"cache_ttl": S}``,
+        ``{"prefill_tps": N}`` (0 turns the last three off), for every later request. Raises ValueError, TypeError or
+        KeyError for anything else."""
         changes: dict[str, Any] = {"ttft": float(given["ttft_ms"]) / 1000} if "ttft_ms" in given else {}
         if "tps" in given:
             changes["tps"] = float(given["tps"])

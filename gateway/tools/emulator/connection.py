@@ -1,8 +1,5 @@
-"""One HTTP/1.1 connection of the emulator (:class:`EmulatorProtocol`): keep-alive, one request at a time, read by
-httptools' C parser and answered with loop timers (no task per answer): like a model
-(``gateway.tools.emulator.generation``), by script (a :class:`~gateway.tools.emulator.plans.Plan`), with a fault, a
-replayed transcript, a stored Response, the rest of the ``/v1`` surface, or an upgrade to the Responses API's
-WebSocket mode (``gateway.tools.emulator.websocket``)."""
+"""One HTTP/1.1 connection of the emulator (:class:`EmulatorProtocol`): keep-alive, one request at a time, httptools'
+C parser and loop timers (no task per answer)."""
 
 from __future__ import annotations
 
@@ -49,7 +46,6 @@ _TOKEN = b'"delta":{"content":"'  # a content delta with text (the role chunk's 
 
 
 class EmulatorProtocol(asyncio.Protocol):
-    """One client connection: HTTP/1.1 keep-alive, one request at a time."""
 
     def __init__(self, emulator: Emulator) -> None:
         self.emulator = emulator
@@ -68,7 +64,7 @@ class EmulatorProtocol(asyncio.Protocol):
 
     @property
     def cfg(self) -> EmulatorConfig:
-        """The emulator's defaults as they are now (``POST /emulator/config`` changes them)."""
+        """``POST /emulator/config`` changes them."""
         return self.emulator.config
 
     # asyncio.Protocol
@@ -145,9 +141,8 @@ class EmulatorProtocol(asyncio.Protocol):
                                                     "param": None, "code": None}}))
 
     def _upgraded(self, rest: bytes) -> None:
-        """httptools stopped at a WebSocket handshake: the Responses API's WebSocket mode (a dialect whose profile
-        serves the Responses API: OpenAI's), the connection's from now on (``rest``: bytes that came after the
-        handshake)."""
+        """The connection is the WebSocket mode's from now on (``rest``: bytes after the handshake), where the
+        dialect's profile serves the Responses API."""
         req, self.upgrade = self.upgrade, None
         if self.upgrade_played:
             return  # its plan answers; nothing more is read on this connection
@@ -160,7 +155,6 @@ class EmulatorProtocol(asyncio.Protocol):
             self.socket.data_received(rest)
 
     def play(self, plan: Plan) -> None:
-        """Answer with a scripted :class:`Plan`."""
         if plan.drop:
             if plan.head_delay:
                 self.timer = self.loop.call_later(plan.head_delay, self.close)
@@ -227,9 +221,7 @@ class EmulatorProtocol(asyncio.Protocol):
         self.answer(gen)
 
     def _stored_response(self, method: bytes, under: str) -> bool:
-        """``GET`` / ``DELETE /v1/responses/{id}`` (OpenAI API reference: retrieve and delete a model response): the
-        response as its stream ended, or ``{"id", "object": "response", "deleted": true}``; 404 for an id not made
-        here (or deleted). False for any other request (``under``: the path after ``/v1/``)."""
+        """OpenAI API reference: retrieve and delete a model response. False for any other request."""
         response_id = under.removeprefix("responses/")
         if response_id == under or "/" in response_id or method not in (b"GET", b"DELETE"):
             return False
@@ -247,8 +239,7 @@ class EmulatorProtocol(asyncio.Protocol):
         return True
 
     def _charge(self, body: dict[str, Any]) -> bool:
-        """Charge the request to the token budget (gateway.tools.emulator.budget); False when it was answered 429
-        instead."""
+        """False when it was answered 429 instead (``gateway.tools.emulator.budget``)."""
         profile = PROFILES[self.cfg.dialect]
         self.rate_headers, refusal = self.emulator.budget.charge(body, self.cfg.tokens_per_minute or 0,
                                                                  self.loop.time(), profile)
@@ -257,8 +248,8 @@ class EmulatorProtocol(asyncio.Protocol):
         return refusal is None
 
     def _admin(self, req: _Request) -> None:
-        """``POST /emulator/config`` with ``{"ttft_ms": 3000, "tps": 50}`` (either, or more:
-        :meth:`EmulatorConfig.changed`) changes the defaults of every later request; ``GET`` shows them."""
+        """``POST /emulator/config`` (:meth:`EmulatorConfig.changed`) changes the defaults of every later request;
+        ``GET`` shows them."""
         emu = self.emulator
         if req.method == b"POST":
             try:
@@ -275,7 +266,6 @@ class EmulatorProtocol(asyncio.Protocol):
         self.reply(200, orjson.dumps(emu.config.shown()))
 
     def _fault(self, name: str, body: dict[str, Any], d: dict[str, str]) -> None:
-        """Play one of :data:`FAULTS` (chat completions, either dialect)."""
         if name not in FAULTS:
             raise ValueError(f"unknown fault {name!r}")
         if name in ANSWERS:
@@ -318,7 +308,7 @@ class EmulatorProtocol(asyncio.Protocol):
         Schedule(self, [(t0 + ttft + i / tps, e) for i, e in enumerate(events)], d).start()
 
     def answer(self, gen: Generation) -> None:
-        """Answer like a model: a timed event stream, or one JSON body once the answer would be generated."""
+        """A timed event stream, or one JSON body once the answer would be generated."""
         if gen.body.get("stream") is True:
             self.start_chunked(200, SSE)
             Schedule(self, response_events(gen) if gen.responses else gen.events(), gen.d).start()
@@ -337,7 +327,7 @@ class EmulatorProtocol(asyncio.Protocol):
     # wire helpers
     def reply(self, status: int, body: bytes, *, ctype: bytes = b"application/json",
                extra: list[tuple[bytes, bytes]] | None = None) -> None:
-        """Answer with one whole body (and the token budget's headers, if any)."""
+        """With the token budget's headers, if any."""
         if self.transport is None:
             return
         head = [b"HTTP/1.1 %d %s" % (status, REASONS.get(status, b"Status")), b"content-type: " + ctype,
@@ -347,7 +337,7 @@ class EmulatorProtocol(asyncio.Protocol):
         self.transport.write(b"\r\n".join(head) + b"\r\n\r\n" + body)
 
     def start_chunked(self, status: int, ctype: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
-        """Write the head of a chunked answer (noting an event stream's times for the timing log)."""
+        """Notes an event stream's times for the timing log."""
         if self.transport is not None:
             reason = REASONS.get(status, b"OK")
             more = b"".join(k + b": " + v + b"\r\n" for k, v in [*(extra or ()), *self.rate_headers])
@@ -361,7 +351,7 @@ class EmulatorProtocol(asyncio.Protocol):
                               "token_chunks": 0}
 
     def write(self, payload: bytes, chunked: bool = True) -> None:
-        """Write ``payload`` (as one HTTP chunk when ``chunked``), noting token writes for the timing log."""
+        """Token writes are noted for the timing log."""
         if self.transport is None or not payload:
             return
         req = self.current
@@ -373,7 +363,7 @@ class EmulatorProtocol(asyncio.Protocol):
         self.transport.write(b"%x\r\n%s\r\n" % (len(payload), payload) if chunked else payload)
 
     def end_chunked(self) -> None:
-        """Write the last chunk; the connection stays open for the next request."""
+        """The connection stays open for the next request."""
         if self.transport is not None:
             self.transport.write(b"0\r\n\r\n")
         req = self.current
@@ -382,7 +372,7 @@ class EmulatorProtocol(asyncio.Protocol):
             req.timing = None
 
     def reset(self) -> None:
-        """Close the connection with a TCP RST (SO_LINGER 0)."""
+        """A TCP RST (SO_LINGER 0)."""
         if self.transport is not None:
             sock = self.transport.get_extra_info("socket")
             if sock is not None:
@@ -390,7 +380,6 @@ class EmulatorProtocol(asyncio.Protocol):
             self.transport.abort()
 
     def close(self) -> None:
-        """Close the connection."""
         if self.transport is not None:
             self.transport.close()
 

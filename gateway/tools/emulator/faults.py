@@ -67,7 +67,7 @@ class Played:
 
 
 def bent(gen: Generation, name: str) -> Played:
-    """The stream of ``gen`` bent into the fault ``name`` (one of :data:`FAULTS`, not of :data:`ANSWERS`)."""
+    """``name``: one of :data:`FAULTS`, not of :data:`ANSWERS`."""
     played = Played(gen)
     _STREAM_FAULTS[name](played)
     return played

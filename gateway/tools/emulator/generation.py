@@ -25,20 +25,12 @@ def _pieces(text: str, size: int = 4) -> list[str]:
 
 
 class Generation:
-    """One synthetic chat completion or Responses API response: plans the answer and builds its chat completion,
-    streamed (:meth:`events`) or whole (:meth:`whole`), for a connection to write; its Responses API form is built by
-    ``gateway.tools.emulator.responses``. ``t0`` (loop time, when the request was read) times its events.
-
-    The answer acts enough like a model for agents to run: when the request has ``tools`` and the conversation no
-    tool result yet (and ``tool_choice`` is not ``none``), it is one call of the named tool, or the first, with
-    arguments that satisfy its JSON schema (:func:`schema_instance`); after a tool result, or without tools, text.
-    A ``json_schema`` answer format (``response_format`` / ``text.format``) makes the text a JSON instance of the
-    schema (``json_object``: ``{"answer": ...}``). The answer's length is the ``tokens`` directive, else that of the
-    JSON or tool call, else the request's token limit (``max_completion_tokens`` / ``max_tokens`` /
-    ``max_output_tokens``: text runs until the limit stops it), else 48; an answer stopped by the limit ends with
-    ``finish_reason: "length"`` (Responses: ``incomplete``, ``max_output_tokens``). ``n`` choices (chat) each carry
-    the same answer.
-    """
+    """``t0``: loop time when the request was read; its events are timed from it. It acts enough like a model for
+    agents to run: with ``tools`` and no tool result yet (``tool_choice`` not ``none``), one call of the named tool
+    or the first, its arguments an instance of the tool's JSON schema (:func:`schema_instance`); else text, or a JSON
+    instance of a ``json_schema`` answer format (``json_object``: ``{"answer": ...}``). Its length: the ``tokens``
+    directive, else that of the JSON or call, else the request's token limit (text runs until it stops it:
+    ``finish_reason: "length"``), else 48. ``n`` chat choices carry the same answer."""
 
     def __init__(self, emulator: Emulator, body: dict[str, Any], d: dict[str, str], now: float,
                  responses: bool = False) -> None:
@@ -158,8 +150,8 @@ class Generation:
         return b'{"tool_calls":[{"index":0,' + head + b"}]}"
 
     def events(self) -> list[tuple[float, bytes]]:
-        """The chat completion stream in its dialect's profile: (loop time, SSE event) from the role chunk to the
-        finish chunks, the usage chunk when asked and ``[DONE]`` when the profile (or ``done``) ends with it."""
+        """(loop time, SSE event) pairs in the dialect's profile, from the role chunk to the usage chunk (when asked)
+        and ``[DONE]`` (when the profile, or ``done``, ends with it)."""
         profile = self.profile
         openai = profile.openai_chunks
         so = self.body.get("stream_options")
@@ -191,11 +183,11 @@ class Generation:
 
     @property
     def duration(self) -> float:
-        """Seconds from the request to the last token (a whole answer is written then)."""
+        """Seconds from the request to the last token, when a whole answer is written."""
         return self.ttft + (self.tokens - 1) / self.tps
 
     def whole(self) -> dict[str, Any]:
-        """The chat completion as one JSON body (OpenAPI ``CreateChatCompletionResponse``), in its dialect's form."""
+        """OpenAPI ``CreateChatCompletionResponse``, in its dialect's form."""
         text = self.text(0, self.tokens)
         if self.tool is not None:
             name, call_id = self.tool

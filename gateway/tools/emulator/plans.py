@@ -10,16 +10,10 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Plan:
-    """A scripted answer.
-
-    status and headers: the status line and headers (``transfer-encoding: chunked`` or ``content-length`` is
-    added); head_delay: seconds before the status line; parts: (delay in seconds before the write, bytes), each
-    its own write (its own HTTP chunk when ``chunked``); end: after the last part, ``ok`` (a clean end), ``eof``
-    (close the connection, inside the chunked body), ``reset`` (TCP RST) or ``stall`` (silence, the connection
-    kept open); chunked: chunked transfer encoding, else ``content-length`` over the joined parts; drop: close
-    the connection without answering (at once: what a server does to a keep-alive connection it timed out just as a
-    request arrived; after ``head_delay``: a server that read the request and then failed).
-    """
+    """``head_delay`` and each part's delay in seconds; each part is its own write (its own HTTP chunk when
+    ``chunked``); ``end``: as :class:`~gateway.tools.emulator.schedule.Schedule`'s; ``drop``: close without
+    answering, at once (what a server does to a keep-alive connection it timed out just as a request arrived) or
+    after ``head_delay`` (one that read the request and failed)."""
 
     status: int = 200
     headers: dict[str, str] = field(default_factory=lambda: {"content-type": "text/event-stream; charset=utf-8"})
@@ -32,8 +26,8 @@ class Plan:
 
 @dataclass
 class Received:
-    """One request as the emulator saw it: header names lower-case; ``at``: ``time.monotonic()`` when it was
-    complete; ``connection``: which connection (1, 2, ... in the order opened) it came on."""
+    """Header names lower-case; ``at``: ``time.monotonic()`` when it was complete; ``connection``: 1, 2, ... in the
+    order the connections opened."""
 
     method: str
     path: str

@@ -44,25 +44,13 @@ def _cerebras_finish(gen: Answer) -> bytes:
 
 @dataclass(frozen=True)
 class Profile:
-    """How the upstreams of one dialect answer, as the emulator plays them: one row of :data:`PROFILES` per dialect
-    (the names ``gateway.config.upstreams.Dialect`` admits; a new dialect adds its row, and tests/test_dialects.py
-    fails while one is missing). The defaults are OpenAI's.
-
-    Attributes:
-        responses: serves ``/v1/responses`` itself; else 404 (the gateway bridges the Responses API to it).
-        openai_chunks: OpenAI's chunk shape (a role chunk with ``content: ""`` and ``refusal: null``, a
-            ``finish_reason`` member on every chunk, a ``choices: []`` usage chunk only when
-            ``stream_options.include_usage`` asks, and ``usage: null`` on the other chunks then); False: Cerebras'
-            (a bare role chunk, ``finish_reason`` on the finish chunk alone, no separate usage chunk).
-        done: a stream ends with ``data: [DONE]`` (the ``done`` directive overrides it).
-        finish: what the last finish chunk carries after its ``choices``, given the answer, when usage is reported.
-        whole: the members a whole answer adds, given the answer.
-        processing_ms: a whole answer has an ``openai-processing-ms`` header (whole milliseconds).
-        window: the period suffix of the rate-limit headers of its token budget (``-minute``), or none.
-        reset: how their reset is written: a Go-style duration (``%.3fs``) or float seconds (``%.3f``).
-        refusal: the body of the 429 its exhausted token budget answers, given (budget, spent, cost) in tokens.
-        service_tier: its answers say the ``service_tier`` that served them (every chunk, a whole answer, a Response).
-    """
+    """One row of :data:`PROFILES` per name ``gateway.config.upstreams.Dialect`` admits (tests/test_dialects.py fails
+    while one is missing); the defaults are OpenAI's. ``responses``: serves ``/v1/responses`` (else 404: the gateway
+    bridges it); ``openai_chunks``: OpenAI's chunk shape (a role chunk with ``content: ""``, ``finish_reason`` on
+    every chunk, a ``choices: []`` usage chunk only when asked), else Cerebras' (a bare role chunk, ``finish_reason``
+    on the last alone, no usage chunk); ``finish``: what the last finish chunk carries after its ``choices`` when
+    usage is reported; ``window``, ``reset``: the rate-limit headers' period suffix and reset format (Go-style
+    ``%.3fs``, or float seconds); ``refusal``: its 429 body, given (budget, spent, cost) in tokens."""
 
     responses: bool = False
     openai_chunks: bool = True

@@ -1,11 +1,7 @@
-"""The emulator's prompt cache: what a provider's prefix cache does, enough for the demo and the tests to show
-agent-session affinity at work (a warm prefix is reported as cached tokens and shortens the first token).
-
-Like OpenAI's and Cerebras' caches it matches exact prefixes of the prompt, within one ``prompt_cache_key`` (or, with
-none, the upstream's whole traffic), and forgets a prefix ``ttl`` seconds after it was last used. Unlike them it counts
-in whole tokens from the first (the providers cache in blocks of 128 tokens and only prompts of 1,024 tokens or more):
-the tests' prompts are short. A prompt's tokens are its messages' (or input's) JSON bytes / 4, the emulator's count.
-"""
+"""The emulator's prompt cache (docs/emulator.md#prompt-cache), enough for the demo and the tests to show
+agent-session affinity at work. Like OpenAI's and Cerebras' caches it matches exact prefixes within one
+``prompt_cache_key`` and forgets a prefix ``ttl`` seconds after its last use; unlike them it counts whole tokens from
+the first (they cache prompts of 1,024 tokens or more, in blocks of 128), because the tests' prompts are short."""
 
 from __future__ import annotations
 
@@ -16,8 +12,8 @@ BYTES_PER_TOKEN = 4
 
 
 class PromptCache:
-    """Prefixes of recent prompts (module docstring): at most ``per_key`` prompts for each of at most ``keys`` cache
-    keys, each kept ``ttl`` seconds after its last use (times: the emulator's loop clock, seconds)."""
+    """At most ``per_key`` prompts for each of at most ``keys`` cache keys; times in seconds of the emulator's loop
+    clock."""
 
     def __init__(self, ttl: float, keys: int = 1024, per_key: int = 16) -> None:
         self.ttl = ttl
@@ -26,8 +22,7 @@ class PromptCache:
         self._by_key: OrderedDict[str, list[tuple[bytes, float]]] = OrderedDict()
 
     def use(self, key: str, prompt: bytes, now: float) -> int:
-        """The tokens of ``prompt`` the cache holds under ``key`` at ``now`` (its longest live prefix among the prompts
-        kept), then ``prompt`` is kept as used now."""
+        """The tokens of its longest live prefix among the prompts kept; ``prompt`` is then kept as used now."""
         kept = [(p, at) for p, at in self._by_key.get(key, ()) if now - at < self.ttl]
         best, match = 0, -1
         for i, (seen, _) in enumerate(kept):

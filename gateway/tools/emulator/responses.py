@@ -12,8 +12,7 @@ from gateway.tools.emulator.generation import Generation
 
 
 def output_item(gen: Generation, status: str, sent: int | None = None) -> dict[str, Any]:
-    """The Responses output item: a message with its text (the first ``sent`` tokens' when given: an item the
-    answer's failure cut), or a function call."""
+    """``sent``: the tokens it got to, for an item the answer's failure cut."""
     text = gen.text(0, gen.tokens if sent is None else sent) if status != "in_progress" else ""
     if gen.tool is not None:
         name, call_id = gen.tool
@@ -24,25 +23,22 @@ def output_item(gen: Generation, status: str, sent: int | None = None) -> dict[s
 
 
 def fails_at(gen: Generation) -> int | None:
-    """After how many output tokens a streamed answer fails (the ``fail_after`` directive: Responses API streams
-    only, at least one token, so that the failure comes after the first: a relay can no longer fail over)."""
+    """The ``fail_after`` directive, Responses streams only, at least one token: the failure comes after the first,
+    when a relay can no longer fail over."""
     if not gen.responses or gen.body.get("stream") is not True or "fail_after" not in gen.d:
         return None
     return max(1, min(gen.tokens, int(gen.d["fail_after"])))
 
 
 def final_response(gen: Generation) -> dict[str, Any]:
-    """The Responses API ``response`` as it ends: ``completed``, ``incomplete`` at the token limit, or
-    ``failed`` (``fail_after``)."""
     if fails_at(gen) is not None:
         return response(gen, "failed")
     return response(gen, "incomplete" if gen.finish == "length" else "completed")
 
 
 def response(gen: Generation, status: str) -> dict[str, Any]:
-    """A Responses API ``response`` object with every field OpenAI's has (the bridge's :class:`Draft` builds it:
-    one definition of a complete Response). A failed one carries its ``error`` as OpenAI's does (OpenAPI
-    ``ResponseError``: ``server_error`` and a message) and the output it had made, ``incomplete``."""
+    """The bridge's :class:`Draft` builds it: one definition of a complete Response. A failed one carries its
+    ``error`` as OpenAI's does (OpenAPI ``ResponseError``) and the output it had made, ``incomplete``."""
     draft = Draft({**gen.body, "model": gen.model.decode(), "service_tier": gen.served}, gen.response_id)
     draft.created_at = gen.created
     error = {"code": "server_error", "message": "The emulated model failed mid-response."}
@@ -61,10 +57,8 @@ def response(gen: Generation, status: str) -> dict[str, Any]:
 
 
 def response_events(gen: Generation) -> list[tuple[float, bytes]]:
-    """Responses API stream (docs/reference/wire.md#responses-api-streams): created, in_progress, one delta per
-    chunk (output text or function call arguments), the ``.done`` events, then completed (incomplete at the token
-    limit) with usage; with ``fail_after``, the deltas it got to and then ``response.failed``; every event named by
-    an ``event:`` line and numbered; no ``[DONE]``."""
+    """docs/reference/wire.md#responses-api-streams; with ``fail_after``, the deltas it got to, then
+    ``response.failed``; every event named and numbered, no ``[DONE]``."""
     seq = iter(range(1 << 30))
 
     def event(kind: str, **fields: Any) -> bytes:
@@ -113,8 +107,7 @@ def response_events(gen: Generation) -> list[tuple[float, bytes]]:
 
 
 def warmed_up(gen: Generation) -> dict[str, Any]:
-    """The Responses API ``response`` of a warm-up (``generate: false``, WebSocket mode only): ``completed``, an
-    empty ``output``, the input counted and no output tokens."""
+    """``generate: false`` (WebSocket mode only): an empty ``output``, the input counted, no output tokens."""
     out = response(gen, "completed")
     out["output"] = []
     if gen.with_usage:
@@ -123,8 +116,7 @@ def warmed_up(gen: Generation) -> dict[str, Any]:
 
 
 def warm_up_events(gen: Generation) -> list[tuple[float, bytes]]:
-    """A warm-up's stream (:func:`warmed_up`): ``response.created``, then ``response.completed`` once the prompt
-    would be read (half the time to first token), numbered as :func:`response_events` numbers its events."""
+    """``response.completed`` once the prompt would be read (half the time to first token)."""
     created = orjson.dumps({"type": "response.created", "response": response(gen, "in_progress"),
                             "sequence_number": 0})
     done = orjson.dumps({"type": "response.completed", "response": warmed_up(gen), "sequence_number": 1})

@@ -29,17 +29,10 @@ class Line(Protocol):
 
 
 class Schedule:
-    """Writes timed payloads on one connection with loop timers.
-
-    Args:
-        items: (loop time, bytes) in time order.
-        d: the request's directives (``drop_after`` / ``stall_after``: after that many items, reset / go silent).
-        end: after the last payload, ``ok`` (the chunked terminator; the connection stays open), ``eof`` (close the
-            connection inside the body), ``reset`` (TCP RST) or ``stall`` (write nothing more, keep it open).
-        head: (loop time, bytes) of a status line and headers to write first (scripted plans), or None.
-        chunked: frame payloads as HTTP chunks (else raw, for a ``content-length`` body).
-        coalesce: all payloads due at one tick go in one write (generated streams); else each is its own write.
-    """
+    """``items``: (loop time, bytes) in time order; ``d``: the request's ``drop_after`` / ``stall_after`` directives;
+    ``end`` after the last payload: ``ok`` (the chunked terminator, connection kept), ``eof`` (close inside the
+    body), ``reset`` or ``stall`` (silence, connection kept); ``head``: a status line and headers written first
+    (scripted plans); ``coalesce``: payloads due at one tick go in one write (generated streams)."""
 
     def __init__(self, proto: Line, items: list[tuple[float, bytes]], d: dict[str, str],
                  end: str = "ok", head: tuple[float, bytes] | None = None, chunked: bool = True,
@@ -55,7 +48,6 @@ class Schedule:
         self.stall_after = int(d["stall_after"]) if "stall_after" in d else None
 
     def start(self) -> None:
-        """Schedule the first write."""
         if self.head is not None:
             self.proto.timer = self.proto.loop.call_at(self.head[0], self._write_head)
         else:

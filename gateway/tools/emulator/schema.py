@@ -8,12 +8,10 @@ from typing import Any
 
 
 def schema_instance(schema: Any, root: Any = None, depth: int = 0) -> Any:
-    """A JSON value that satisfies ``schema``, deterministically: the subset of JSON Schema that function tools and
-    structured outputs use (OpenAI's strict mode): ``type`` (or a list of them), ``properties`` (every one is given,
-    as strict mode requires), ``items`` with ``minItems``, ``enum``, ``const``, ``anyOf`` / ``oneOf`` (the first
-    branch that is not null), ``allOf``, ``$ref`` into ``$defs`` / ``definitions``, string ``format`` and
-    ``minLength``, numeric ``minimum`` / ``maximum``. The emulator answers with it, so an agent's tool call parses and
-    validates (tests check it with the ``jsonschema`` library)."""
+    """Deterministic, for the subset of JSON Schema that function tools and structured outputs use (OpenAI's strict
+    mode): ``type`` (or a list), ``properties`` (all given, as strict mode requires), ``items`` / ``minItems``,
+    ``enum``, ``const``, ``anyOf`` / ``oneOf`` (the first non-null branch), ``allOf``, ``$ref`` into ``$defs`` /
+    ``definitions``, string ``format`` / ``minLength``, numeric bounds. Tests validate it with ``jsonschema``."""
     root = schema if root is None else root
     if not isinstance(schema, dict) or depth > 20:
         return None
@@ -63,8 +61,7 @@ def _typed_instance(schema: dict[str, Any], root: Any, depth: int) -> Any:
 
 
 def _number(schema: dict[str, Any], integer: bool) -> int | float:
-    """A number inside ``minimum`` / ``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum`` (7 when unbounded):
-    the middle of both bounds, else one past the one given."""
+    """The middle of both bounds, else one past the one given (7 when unbounded)."""
     low = schema.get("minimum", schema.get("exclusiveMinimum"))
     high = schema.get("maximum", schema.get("exclusiveMaximum"))
     if low is not None and high is not None:

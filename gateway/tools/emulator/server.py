@@ -17,8 +17,7 @@ from gateway.tools.emulator.shared import Emulator
 
 
 async def serve(config: EmulatorConfig, host: str, port: int, **kw: Any) -> asyncio.Server:
-    """Start listening; returns the server (``port=0`` picks a free port: see ``server.sockets``). ``kw`` as
-    :class:`Emulator`."""
+    """``port=0`` picks a free port (see ``server.sockets``); ``kw`` as :class:`Emulator`."""
     loop = asyncio.get_running_loop()
     emulator = Emulator(config, **kw)
     return await loop.create_server(lambda: EmulatorProtocol(emulator), host, port, reuse_address=True,
@@ -27,8 +26,8 @@ async def serve(config: EmulatorConfig, host: str, port: int, **kw: Any) -> asyn
 
 def run(config: EmulatorConfig, host: str, port: int, parent: int | None = None,
         timing_log: Path | None = None) -> None:
-    """Run an emulator until interrupted (uses uvloop when installed); with ``parent`` (a pid), also until that
-    process is gone (checked every 0.5 s), so a demo killed with SIGKILL leaves no emulator holding its port."""
+    """With ``parent`` (a pid), also until that process is gone (checked every 0.5 s), so that a demo killed with
+    SIGKILL leaves no emulator holding its port."""
     async def main() -> None:
         server = await serve(config, host, port, timing_log=timing_log)
         async with server:
@@ -48,11 +47,7 @@ def run(config: EmulatorConfig, host: str, port: int, parent: int | None = None,
 
 
 class EmulatorThread(Emulator):
-    """An emulator on a free loopback port, served from a background thread with its own event loop (tests).
-
-    It records every request (``requests``, ``opened``, ``closed_at``); ``handler`` may be replaced at any time;
-    ``stop()`` when done. ``base_url`` is its OpenAI base URL (``http://127.0.0.1:PORT/v1``).
-    """
+    """For tests: it records every request, ``handler`` may be replaced at any time, ``stop()`` when done."""
 
     def __init__(self, handler: Handler | None = None, config: EmulatorConfig | None = None) -> None:
         super().__init__(config or EmulatorConfig(), handler, record=True)
@@ -79,6 +74,5 @@ class EmulatorThread(Emulator):
         self.loop.close()
 
     def stop(self) -> None:
-        """Stop serving and end the thread."""
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)

@@ -1,12 +1,7 @@
-"""What the connections of one emulator share (:class:`Emulator`): its defaults, an optional script, what it
-records, the responses it made, the rest of the ``/v1`` surface's objects, its token budget, its prompt cache and its
-timing log.
-
-With ``timing_log`` (``tiergate emulate --timing-log FILE``) every streamed answer appends one JSON line when it
-ends: ``{"rid", "received", "first_token", "last_token", "token_chunks"}``, times from ``time.perf_counter()``
-(``CLOCK_MONOTONIC``, shared by every process of the machine): when the request was complete and when the write
-holding the first / last token-bearing chunk was handed to the socket (ground truth for the metrics tests).
-"""
+"""What the connections of one emulator share (:class:`Emulator`). With ``timing_log`` every streamed answer appends
+one JSON line as it ends, ``{"rid", "received", "first_token", "last_token", "token_chunks"}``, times from
+``time.perf_counter()`` (``CLOCK_MONOTONIC``, shared by the machine's processes): when the request was complete and
+when the write holding the first / last token-bearing chunk reached the socket (the metrics tests' ground truth)."""
 
 from __future__ import annotations
 
@@ -23,15 +18,8 @@ from gateway.tools.emulator.surface import Surface
 
 
 class Emulator:
-    """What the connections of one emulator share: its defaults, an optional script, and what it records.
-
-    Args:
-        config: the model-like defaults.
-        handler: answers each request with a :class:`Plan`, or None to answer like a model; None: always a model.
-        record: keep every :class:`Received` in ``requests`` (tests), and the close time of every connection in
-            ``closed_at`` (``time.monotonic()``).
-        timing_log: a file to append one timing line per streamed answer to (module docstring).
-    """
+    """``handler`` None: always a model; ``record``: keep every :class:`Received` in ``requests`` and every
+    connection's close in ``closed_at`` (``time.monotonic()``)."""
 
     def __init__(self, config: EmulatorConfig, handler: Handler | None = None, *, record: bool = False,
                  timing_log: Path | None = None) -> None:
@@ -52,16 +40,16 @@ class Emulator:
         self._log: TextIO | None = timing_log.open("a", buffering=1) if timing_log else None
 
     def made(self, response: dict[str, Any], kept: OrderedDict[str, dict[str, Any]] | None = None) -> None:
-        """Keep a Responses API ``response`` (its final form) by id in ``kept`` (default :attr:`responses_made`; a
-        WebSocket's own memory: ``gateway.tools.emulator.websocket``), the oldest forgotten past 10,000."""
+        """``kept``: :attr:`responses_made` by default, or a WebSocket's own memory; the oldest is forgotten past
+        10,000."""
         kept = self.responses_made if kept is None else kept
         kept[response["id"]] = response
         if len(kept) > 10_000:
             kept.popitem(last=False)
 
     def cached(self, body: dict[str, Any], prompt: bytes, now: float) -> int:
-        """The tokens of a request's ``prompt`` (its messages' or input's JSON) its prompt cache holds (0 without
-        ``cache_ttl``), the cache keyed by the body's ``prompt_cache_key`` (gateway.tools.emulator.prompt_cache)."""
+        """0 without ``cache_ttl``; keyed by the body's ``prompt_cache_key``
+        (``gateway.tools.emulator.prompt_cache``)."""
         ttl = self.config.cache_ttl
         if not ttl:
             return 0
@@ -72,7 +60,6 @@ class Emulator:
 
     @property
     def timed(self) -> bool:
-        """Whether it keeps a timing log (module docstring)."""
         return self._log is not None
 
     def log_timing(self, line: dict[str, Any]) -> None:

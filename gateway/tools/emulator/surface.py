@@ -1,26 +1,19 @@
-"""The emulator's rest of the OpenAI ``/v1`` surface (``gateway.tools.emulator.connection`` answers chat and
-Responses): enough
-of embeddings, legacy completions, moderations, audio, files, batches and models for the demo and the tests of the
-gateway's passthrough, with deterministic answers a test can check.
+"""The emulator's rest of the OpenAI ``/v1`` surface (chat and Responses are ``gateway.tools.emulator.connection``'s):
+enough for the demo and the passthrough's tests, with deterministic answers a test can check; anything else is a 404 in
+OpenAI's envelope.
 
-==============================  ============================================================================
-``POST /v1/embeddings``         one unit vector per input, from its SHA-256 (``dimensions``, default 1536);
-                                ``encoding_format: base64``: little-endian float32, base64 (as OpenAI's)
-``POST /v1/completions``        legacy text completions, whole or streamed (SSE, ``[DONE]``; usage chunk
-                                with ``stream_options.include_usage``), at the emulator's pace
-``POST /v1/moderations``        nothing flagged, a result per input
-``POST /v1/images/generations`` one tiny PNG per ``n`` (``b64_json``), with gpt-image-1's token usage (its input
-                                text's tokens, 272 output tokens an image: OpenAI's low-quality 1024x1024 figure)
-``POST /v1/audio/transcriptions``  multipart upload; the text names the file's size and SHA-256 (``json``,
-``/translations``               ``text``, ``verbose_json``; ``stream=true``: ``transcript.text.*`` events)
-``POST /v1/audio/speech``       a binary answer (``audio/mpeg``, or per ``response_format``), chunked, in
-                                several writes: bytes from the input; ``[[emulate bytes=N]]`` sets its size
-``/v1/files``                   create (multipart), list, retrieve, ``/content``, delete
-``/v1/batches``                 create, list, retrieve, cancel
-``GET /v1/models``              the emulated models (:data:`MODELS`), ``/v1/models/{id}``
-==============================  ============================================================================
-
-Unknown paths and objects are 404 in OpenAI's envelope.
+==================================  ===========================================================================
+``POST /v1/embeddings``             a unit vector per input from its SHA-256 (``dimensions``, default 1536);
+                                    ``encoding_format: base64``: little-endian float32, as OpenAI's
+``POST /v1/completions``            legacy completions, whole or streamed (usage when asked), at the emulator's pace
+``POST /v1/moderations``            nothing flagged, a result per input
+``POST /v1/images/generations``     a tiny PNG per ``n``; gpt-image-1's usage, 272 output tokens an image (OpenAI's
+                                    low-quality 1024x1024 figure)
+``POST /v1/audio/transcriptions``   and ``/translations``: multipart; the text names the file's size and SHA-256
+``POST /v1/audio/speech``           binary, chunked in several writes; ``[[emulate bytes=N]]`` sets its size
+``/v1/files``, ``/v1/batches``      create, list, retrieve; a file's ``/content`` and delete; a batch's cancel
+``GET /v1/models``                  the emulated models (:data:`MODELS`), and ``/v1/models/{id}``
+==================================  ===========================================================================
 """
 
 from __future__ import annotations
@@ -106,7 +99,6 @@ class Replying(Line, Protocol):
 
 
 class Surface:
-    """The state of one emulator's objects (files, batches) and its answers (module docstring)."""
 
     def __init__(self) -> None:
         self.files: dict[str, dict[str, Any]] = {}
@@ -120,7 +112,7 @@ class Surface:
 
     def handle(self, proto: Replying, method: str, path: str, headers: dict[bytes, bytes],
                body: bytes) -> bool:
-        """Answer ``method path`` (``path`` under /v1, no query) if it is this module's; False if it is not."""
+        """False if the path is not this module's (``path``: under /v1, no query)."""
         if path == "completions" and method == "POST":
             self._completions(proto, body)
             return True
@@ -173,8 +165,6 @@ class Surface:
 
     @staticmethod
     def _transcription(form: dict[str, tuple[str | None, bytes]]) -> tuple[Any, ...]:
-        """A transcription naming the uploaded file's size and SHA-256, in the asked ``response_format`` (``json``,
-        ``text``, ``verbose_json``), or streamed (``stream=true``: ``transcript.text.delta`` / ``.done`` events)."""
         name, data = form.get("file", (None, b""))
         text = f"Emulated transcription of {name}: {len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()}."
         fmt = form.get("response_format", (None, b"json"))[1]
@@ -261,7 +251,7 @@ class Surface:
         return 200, orjson.dumps(batch)
 
     def _completions(self, proto: Replying, body: bytes) -> None:
-        """Legacy completions (OpenAPI ``CreateCompletionResponse``), at the emulator's pace."""
+        """OpenAPI ``CreateCompletionResponse``, at the emulator's pace."""
         request = orjson.loads(body)
         d = directives(body)
         n = int(d.get("tokens", request.get("max_tokens") or 16))
@@ -294,7 +284,6 @@ class Surface:
         Schedule(proto, [(t0 + i / tps, e) for i, e in enumerate(events)], d).start()
 
     def _speech(self, proto: Replying, body: bytes) -> None:
-        """Speech as a binary answer in several chunked writes (``audio/mpeg``; bytes from the input's hash)."""
         request = orjson.loads(body)
         size = int(directives(body).get("bytes", 64 * 1024))
         seed = hashlib.sha256(str(request.get("input", "")).encode()).digest()

@@ -1,21 +1,11 @@
-"""The emulator's Responses API WebSocket mode: ``GET /v1/responses`` upgraded on the emulator's own port (OpenAI
-dialect only, as OpenAI serves it; the others answer the upgrade 404, as they answer ``POST /v1/responses``).
+"""The emulator's Responses API WebSocket mode: ``GET /v1/responses`` upgraded, in the OpenAI dialect only (the others
+answer 404, as they answer ``POST /v1/responses``). ``websockets``' sans-I/O protocol frames; each ``response.create``
+is answered as a streamed ``POST /v1/responses``, one event a text frame, one message at a time.
 
-Frames go through ``websockets``' sans-I/O server protocol (handshake, framing, ping, close): no frame is parsed
-here. Each ``response.create`` (the fields of a ``POST /v1/responses`` body, ``stream`` implicit) is answered as the
-emulator answers a streamed ``POST /v1/responses`` (``gateway.tools.emulator.responses``: the same events at the
-same pace, directives included), one event per text frame with the message's ``stream_id``; messages are served
-one at a time, in order. Each socket remembers the responses made on it, ``store: false`` included, as OpenAI keeps
-the previous response in memory on the connection; the emulator's own store (``Emulator.responses_made``, what
-``GET /v1/responses/{id}`` reads) keeps only the others. A ``previous_response_id`` in neither is an ``error`` event
-(400 ``previous_response_not_found``): a ``store: false`` response is continued on its own socket only.
-``generate: false`` (a warm-up: the WebSocket mode guide) makes a response without generating: ``response.created``
-then ``response.completed`` with an empty ``output`` and no output tokens, its id continued as any other's.
-``[[emulate status=N]]`` is an ``error`` event with that status, and any other client event an ``error`` event
-(400). The handshake is recorded as a :class:`Received` with method ``GET`` (a scripted
-handler may answer it with a plan: an upstream without WebSocket mode), every message as one with method ``WS``
-(tests); the connection's close is recorded as for HTTP (``closed_at``). The token budget (``tokens_per_minute``)
-applies to HTTP only, and so do scripted answers to messages.
+As OpenAI keeps the previous response in memory on the connection, a socket remembers its own responses, ``store:
+false`` included (continued on that socket only). The handshake is recorded as a :class:`Received` with method ``GET``
+(a script may answer it: an upstream without WebSocket mode), each message as ``WS``; the token budget and scripted
+answers are HTTP's only.
 """
 
 from __future__ import annotations
@@ -40,15 +30,13 @@ from gateway.tools.emulator.shared import Emulator
 
 
 class Upgraded(Line, Protocol):
-    """The HTTP connection a socket is upgraded from (``gateway.tools.emulator.connection``): its emulator and its
-    number (1, 2, ... in the order the emulator's connections opened)."""
+    """The HTTP connection a socket is upgraded from; ``number``: 1, 2, ... in the order the connections opened."""
 
     emulator: Emulator
     number: int
 
 
 def wants_socket(method: bytes, url: bytes, headers: dict[bytes, bytes]) -> bool:
-    """Whether a request is a WebSocket handshake for ``/v1/responses``."""
     return (method == b"GET" and url.split(b"?", 1)[0].endswith(b"/responses")
             and headers.get(b"upgrade", b"").lower() == b"websocket")
 
@@ -65,9 +53,8 @@ def error_event(status: int, message: str, code: str | None, param: str | None =
 
 
 class EmulatorSocket:
-    """One upgraded emulator connection (module docstring). It stands in for the connection where a
-    :class:`~gateway.tools.emulator.schedule.Schedule` writes (a :class:`~gateway.tools.emulator.schedule.Line`):
-    ``loop``, ``timer``, ``transport``, :meth:`write`, :meth:`end_chunked`, :meth:`reset`, :meth:`close`."""
+    """Stands in for the connection a :class:`~gateway.tools.emulator.schedule.Schedule` writes to (a
+    :class:`~gateway.tools.emulator.schedule.Line`)."""
 
     def __init__(self, proto: Upgraded, method: bytes, url: bytes, headers: dict[bytes, bytes]) -> None:
         self.proto = proto
@@ -90,7 +77,7 @@ class EmulatorSocket:
         self.flush()
 
     def flush(self) -> None:
-        """Write what the protocol has to send; close the connection once the closing handshake is over."""
+        """Closes the connection once the closing handshake is over."""
         if self.transport is None:
             return
         data = self.conn.data_to_send()
@@ -112,7 +99,6 @@ class EmulatorSocket:
             self.timer.cancel()
 
     def send(self, event: dict[str, Any] | bytes) -> None:
-        """Send one server event (a dict, or its JSON bytes) as a text frame."""
         if self.transport is None or self.conn.state is not State.OPEN:
             return
         self.conn.send_text(event if isinstance(event, bytes) else orjson.dumps(event))
@@ -137,7 +123,6 @@ class EmulatorSocket:
             self.next()
 
     def next(self) -> None:
-        """Answer the next queued message, if any."""
         while self.queue and not self.busy and self.transport is not None:
             self.answer(self.queue.popleft())
 
@@ -177,7 +162,7 @@ class EmulatorSocket:
     # what Schedule writes through
 
     def write(self, payload: bytes, chunked: bool = True) -> None:
-        """A Schedule's payload: SSE events, each sent as its ``data`` in one frame."""
+        """Each SSE event's ``data`` goes in one frame."""
         for part in payload.split(b"\n\n"):
             for line in part.split(b"\n"):
                 if line.startswith(b"data: "):
@@ -187,7 +172,7 @@ class EmulatorSocket:
                     self.send(data)
 
     def end_chunked(self) -> None:
-        """The response ended: the next message's turn."""
+        """The next message's turn."""
         self.busy = False
         self.loop.call_soon(self.next)
 

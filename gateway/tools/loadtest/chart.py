@@ -114,7 +114,6 @@ def _bars_svg(title: str, unit: str, bars: list[tuple[str, str, float | None]]) 
 
 
 def render_html(stats: list[TierStats], cost: dict[str, float] | None, meta: dict[str, Any]) -> str:
-    """The self-contained report: TTFT and tokens/s per tier as inline SVG, and the table."""
     colours = {s.name: _colour(s.name, i) for i, s in enumerate(stats)}
     ttft = _strip_svg("Time to first token", "milliseconds (client side)",
                       [(s.name, colours[s.name], [v * 1000 for v in s.ttfts]) for s in stats], "lower is better")

@@ -37,7 +37,6 @@ class Result:
 
 async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int,
               timeout: float) -> Result:
-    """Stream one chat completion of ``prompt`` and time it at the client."""
     body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
             "max_completion_tokens": max_tokens,
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]}
@@ -46,7 +45,7 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: str,
 
 async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout: float,
                headers: dict[str, str] | None = None) -> Result:
-    """Stream the chat completion ``body`` (with ``headers``) and time it at the client (``gateway.tools.loadtest``)."""
+    """Timed at the client, as ``gateway.tools.loadtest`` says."""
     model = str(body.get("model"))
     res = Result(model)
     t0 = time.perf_counter()

@@ -125,7 +125,6 @@ def premium_line(p: dict[str, Any] | None) -> str:
 
 
 def table(stats: list[TierStats], cost: dict[str, float] | None) -> str:
-    """The per-tier table printed at the end."""
     rows = [("tier", "requests", "errors", "TTFT p50 ms", "TTFT p95 ms", "tok/s p50", "tok/s p95", "TPOT p50 ms",
              "out tokens", "cost USD", "USD/1k out", "USD/req")]
     for name, s in summary(stats, cost).items():

@@ -22,11 +22,8 @@ SYSTEM = "You are a helpful, concise assistant."
 
 
 def parse_mix(text: str) -> list[tuple[str, float]]:
-    """``"model:weight,model:weight"`` -> [(model, weight)]; a model without a weight counts 1.
-
-    Raises:
-        ValueError: empty mix, bad weight, or weights that do not add up to more than 0.
-    """
+    """``"model:weight,model:weight"``; a model without a weight counts 1. Raises ValueError for an empty mix, a bad
+    weight, or weights that add up to 0."""
     mix = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
