@@ -299,3 +299,18 @@ def test_the_same_hostile_request_meets_the_same_admission_through_every_entranc
             assert (status >= 400) != (trick == "duplicate, hers first"), (entrance, trick, status)
     assert all(len(seen) == 1 for seen in outcomes.values()), outcomes  # the same outcome, whatever the entrance
     assert not any(alice.encode() in sent for sent in _seen(ups)[before:])
+
+
+def test_a_list_answer_the_gateway_cannot_scope_is_never_shown(gw: Proc, ups: Upstreams) -> None:
+    """An answer to a list path (``GET /v1/files``) that is no list (an odd shape, or not JSON though it says so)
+    was relayed as it came, unfiltered: every key's objects, had the upstream sent them so. It is a 502."""
+    from gateway.tools.emulator import Plan
+    handler = ups["std"].handler
+    for odd in (b'{"object": "list", "data": "file-of-alice"}', b'{"files": [{"id": "file-of-alice"}]}', b"[1,"):
+        ups["std"].handler = lambda got, odd=odd: Plan(headers={"content-type": "application/json"},
+                                                       parts=[(0, odd)], chunked=False)
+        try:
+            r = httpx.get(f"http://127.0.0.1:{gw.port}/v1/files", headers=_h("bob"), timeout=10)
+        finally:
+            ups["std"].handler = handler
+        assert r.status_code == 502 and b"file-of-alice" not in r.content, (odd, r.status_code, r.text)

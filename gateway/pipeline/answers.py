@@ -74,8 +74,9 @@ async def relay(ex: Exchange, attempt: Attempt, answer: Answer, decision: Decisi
 async def relay_owned(ex: Exchange, rec: PassRecorder, attempt: Attempt, answer: Answer, headers: Headers,
                       owners: Owners) -> None:
     """Read whole (at most :data:`OBJECT_ANSWER` bytes): an object a ``POST`` made is claimed for the key before the
-    client can name it, and a list shows the key's own objects only (an answer that is no list goes as it is). Raises
-    GatewayError (it can still fail over) when the answer broke off or is too large."""
+    client can name it, and a list shows the key's own objects only (an object's own answer goes as it is: its ids
+    were checked at admission). Raises GatewayError (it can still fail over) when the answer broke off, is too large,
+    or answers a list path with something the gateway cannot scope (never shown unfiltered)."""
     key, method = ex.request.key, ex.request.method
     assert key is not None
     parts, size = [], 0
@@ -96,6 +97,9 @@ async def relay_owned(ex: Exchange, rec: PassRecorder, attempt: Attempt, answer:
                 await owners.claim(made, key.name)
     elif method == "GET":
         filtered = await filter_list(body, key.name, owners)
+        if filtered is None and _lists(ex):
+            raise UpstreamBadResponse("The upstream's answer to a list is no list: it cannot be scoped to the "
+                                      "gateway key.")
         body = filtered if filtered is not None else body
     headers = [h for h in headers if h[0] != b"content-length"]
     headers.append((b"content-length", b"%d" % len(body)))
@@ -106,6 +110,13 @@ async def relay_owned(ex: Exchange, rec: PassRecorder, attempt: Attempt, answer:
     await ex.write(body)
     ex.record("success")
     await ex.end_stream()
+
+
+def _lists(ex: Exchange) -> bool:
+    """Whether a ``GET`` lists objects: its path ends in a word of the API (``files``, ``vector_stores/{id}/files``),
+    neither an object's id nor a file's ``content``."""
+    last = ex.request.path.rsplit("/", 1)[-1]
+    return last != "content" and last not in ex.request.route.ids
 
 
 def owned_answer(ex: Exchange, content_type: str) -> bool:
