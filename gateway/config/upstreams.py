@@ -46,7 +46,8 @@ class HealthConfig(Strict):
     failures: consecutive failures that open the circuit breaker; open_seconds: how long it stays open before
     one probe is let through; cooldown_default / cooldown_max: rest after a 429 without / with a retry hint
     (the hint is capped); max_concurrent: requests in flight before new ones spill over (None: no limit);
-    quota_reserve: remaining ``requests`` / ``tokens`` to keep unused (spill over before going under);
+    quota_reserve: remaining ``requests`` / ``tokens`` / ``uncached`` tokens to keep unused (spill over before
+    going under);
     exhausted_cooldown: rest after a 429 that says the quota or credit is exhausted (``insufficient_quota``);
     queue_seconds: with ``max_concurrent``, wait up to this long for a free slot before spilling over (None:
     spill over at once).
@@ -59,7 +60,7 @@ class HealthConfig(Strict):
     exhausted_cooldown: float = Field(300.0, ge=0)
     max_concurrent: int | None = Field(None, ge=1)
     queue_seconds: float | None = Field(None, gt=0)
-    quota_reserve: dict[Literal["requests", "tokens"], int] = {}
+    quota_reserve: dict[Literal["requests", "tokens", "uncached"], int] = {}
 
 
 # OpenAI's service tiers (API reference, "Create a model response": ``service_tier``), slowest first: ``flex``; the

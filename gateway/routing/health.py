@@ -43,15 +43,16 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from random import random
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import GatewayError, UpstreamStatusError
 from gateway.observability import logs
 from gateway.routing.blame import MAX_SOURCES, Blame, request_shaped
-from gateway.routing.ratelimits import quota_report, retry_wait
+from gateway.routing.ratelimits import Window, quota_report, retry_wait, zero_limit
 
-SOFT_REASONS = frozenset({"quota_requests", "quota_tokens", "concurrency"})  # estimates: try anyway if nothing else
+# estimates (and the scheduler's share): try anyway if nothing else
+SOFT_REASONS = frozenset({"quota_requests", "quota_tokens", "quota_uncached", "concurrency", "class_share"})
 
 
 T = TypeVar("T")
@@ -89,6 +90,9 @@ class UpstreamHealth:
         self.probe_started: float | None = None
         self.cooldown_until = 0.0
         self.exhausted = False  # the current cooldown is for an exhausted quota, not a rate
+        self.full = False  # the current cooldown is for a full capacity tier (Groq's 498), not a rate
+        self.unavailable_until = 0.0  # a bucket's limit is 0: no use of it before then
+        self.limits: dict[str, tuple[float, float]] = {}  # bucket -> (limit, window seconds), as last reported
         self.in_flight = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self.quota: dict[str, _Quota] = {}  # "requests" | "tokens" -> the tightest reported window
@@ -111,23 +115,26 @@ class UpstreamHealth:
             return "cooldown"
         return "closed"
 
-    def unavailable(self, now: float, need_tokens: int, blame: Blame | None = None) -> str | None:
-        """Why this upstream should not take a request needing ``need_tokens`` from ``blame``'s source now, or None."""
+    def unavailable(self, now: float, need_tokens: int, blame: Blame | None = None, cached: int = 0) -> str | None:
+        """Why this upstream should not take a request needing ``need_tokens`` (``cached`` of them believed in its
+        prompt cache, which its ``uncached`` bucket does not count) from ``blame``'s source now, or None."""
         if self.open_until > now or (blame is not None and self.by_source and self.source_rests(blame.who(), now)):
             return "circuit_open"
         probing = self.probe_started is not None and now - self.probe_started < self.cfg.open_seconds
         if (self.open_until or self.half_open) and probing:
             return "circuit_half_open"  # one probe at a time
+        if self.unavailable_until > now:
+            return "quota_unavailable"
         if self.cooldown_until > now:
-            return "cooldown"
+            return "capacity" if self.full else "cooldown"
         if self.cfg.max_concurrent is not None and self.in_flight >= self.cfg.max_concurrent:
             return "concurrency"
-        reserve = self.cfg.quota_reserve
-        for kind, need, keep in (("requests", 1, reserve.get("requests", 0)), ("tokens", need_tokens,
-                                                                              reserve.get("tokens", 0))):
-            q = self.quota.get(kind)
-            if q is not None and q.resets_at > now and q.remaining - need < keep:
-                return f"quota_{kind}"
+        keep = cast(Mapping[str, int], self.cfg.quota_reserve)
+        for kind, q in self.quota.items():
+            if q.resets_at > now:
+                need = 1 if kind == "requests" else need_tokens if kind == "tokens" else need_tokens - cached
+                if q.remaining - need < keep.get(kind, 0):
+                    return f"quota_{kind}"
         return None
 
     def start(self, now: float, need_tokens: int) -> Mark:
@@ -144,10 +151,8 @@ class UpstreamHealth:
             logs.event("breaker_half_open", upstream=self.name, tier=self.tier)
         if self.half_open:
             self.probe_started = now
-        for kind, spent in (("requests", 1), ("tokens", need_tokens)):
-            q = self.quota.get(kind)
-            if q is not None:
-                q.remaining -= spent
+        for kind, q in self.quota.items():
+            q.remaining -= 1 if kind == "requests" else need_tokens
         return self.sent
 
     def finish(self) -> None:
@@ -194,14 +199,21 @@ class UpstreamHealth:
         """
         self.observe_report(quota_report(headers), now, mark)
 
-    def observe_report(self, report: dict[str, tuple[float, float]], now: float, mark: Mark | None = None) -> None:
-        """:meth:`observe_headers` with the headers already read (:func:`quota_report`)."""
+    def observe_report(self, report: dict[str, Window], now: float, mark: Mark | None = None) -> None:
+        """:meth:`observe_headers` with the headers already read (:func:`quota_report`). A bucket whose limit is 0
+        makes the upstream unavailable until the report's reset, at least ``exhausted_cooldown``: no waiting makes
+        room in it."""
         if not report:
             return
         self.reports_quota = True
-        for kind, (remaining, reset) in report.items():
-            since = 0 if mark is None else max(0, self.sent[kind == "tokens"] - mark[kind == "tokens"])
-            self.quota[kind] = _Quota(remaining - since, now + reset)
+        for kind, w in report.items():
+            since = 0 if mark is None else max(0, self.sent[kind != "requests"] - mark[kind != "requests"])
+            self.quota[kind] = _Quota(w.remaining - since, now + w.reset)
+            if w.limit is not None:
+                self.limits[kind] = (w.limit, w.length)
+                if w.limit <= 0:
+                    self.unavailable_until = now + max(w.reset, self.cfg.exhausted_cooldown)
+                    logs.event("quota_unavailable", "warning", upstream=self.name, tier=self.tier, bucket=kind)
 
     def source_rests(self, source: str, now: float) -> bool:
         """Whether the upstream rests for ``source`` alone (module docstring: whose fault)."""
@@ -279,10 +291,13 @@ class UpstreamHealth:
         ``errors.upstream_error`` made it a 400)."""
         if exc is None:
             self.success()
+        elif isinstance(exc, UpstreamStatusError) and exc.code == "capacity_exceeded":
+            self.rate_limited(exc.headers, now, full=True)  # Groq's 498: full for now, not failing
         elif not isinstance(exc, UpstreamStatusError) or exc.status >= 500:
             self.failure(now, source if request_shaped(exc) else None)
         elif exc.status == 429:
-            self.rate_limited(exc.headers, now, exhausted=exc.quota_exhausted, need_tokens=need_tokens)
+            self.rate_limited(exc.headers, now, exhausted=exc.quota_exhausted or zero_limit(exc.headers),
+                              need_tokens=need_tokens)
         else:
             self.success()
 
@@ -292,7 +307,7 @@ class UpstreamHealth:
         return max(self.open_until, self.cooldown_until, found[2] if found is not None else 0.0)
 
     def rate_limited(self, headers: Mapping[str, str], now: float, exhausted: bool = False,
-                     need_tokens: int = 0) -> float:
+                     need_tokens: int = 0, full: bool = False) -> float:
         """A 429: rest for :func:`retry_wait` (capped), or ``exhausted_cooldown`` when the quota is ``exhausted``;
         count no breaker failure. A 429 with no retry hint whose report still has tokens left, fewer than the
         request's ``need_tokens``, refused that request's size (a ``max_tokens`` over what is left), not everyone's:
@@ -300,16 +315,16 @@ class UpstreamHealth:
         wait = retry_wait(headers)
         rest = min(wait if wait is not None else self.cfg.cooldown_default, self.cfg.cooldown_max)
         left = quota_report(headers).get("tokens")
-        if wait is None and not exhausted and left is not None and 0 < left[0] < need_tokens:
+        if wait is None and not exhausted and left is not None and 0 < left.remaining < need_tokens:
             logs.event("rate_limited_request", upstream=self.name, tier=self.tier, need_tokens=need_tokens,
-                       tokens_left=left[0])
+                       tokens_left=left.remaining)
             if self.half_open:
                 self.success()
             return 0.0
         if exhausted:
             rest = max(rest, self.cfg.exhausted_cooldown)
         self.cooldown_until = now + rest
-        self.exhausted = exhausted
+        self.exhausted, self.full = exhausted, full
         logs.event("cooldown_started", "warning", upstream=self.name, tier=self.tier, retry_after_s=round(rest, 3),
                    quota_exhausted=exhausted)
         if self.listener is not None:
@@ -363,6 +378,7 @@ class Health:
                 h.failures, h.open_until, h.half_open = old.failures, old.open_until, old.half_open
                 h.probe_started, h.cooldown_until, h.exhausted = old.probe_started, old.cooldown_until, old.exhausted
                 h.quota, h.sent, h.reports_quota = dict(old.quota), old.sent, old.reports_quota
+                h.full, h.unavailable_until, h.limits = old.full, old.unavailable_until, dict(old.limits)
                 h.hard, h.shaped, h.by_source = old.hard, dict(old.shaped), OrderedDict(old.by_source)
 
     def __getitem__(self, name: str) -> UpstreamHealth:
@@ -407,7 +423,7 @@ class Untracked:
     def finish(self) -> None:
         """Nothing to give back."""
 
-    def observe_report(self, report: dict[str, tuple[float, float]], now: float, mark: Any = None) -> None:
+    def observe_report(self, report: dict[str, Window], now: float, mark: Any = None) -> None:
         """Nothing is read."""
 
     def settle(self, exc: GatewayError | None, now: float, need_tokens: int = 0, source: str | None = None) -> None:

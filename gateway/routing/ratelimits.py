@@ -12,6 +12,7 @@ import functools
 import math
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 
@@ -50,26 +51,56 @@ def parse_retry_after(headers: Mapping[str, str]) -> float | None:
     return None
 
 
-def quota_report(headers: Mapping[str, str]) -> dict[str, tuple[float, float]]:
-    """The tightest window of each kind an answer's ``x-ratelimit-remaining-*`` / ``-reset-*`` headers report:
-    ``{"requests" | "tokens": (remaining, seconds to its reset)}``; a window without a readable reset is taken for
-    the per-minute one every upstream that sends these headers has (60 s)."""
-    seen: dict[str, tuple[float, float]] = {}
+PERIODS = {"second": 1.0, "minute": 60.0, "hour": 3600.0, "day": 86400.0}
+# the buckets a request draws on: every request one ``requests``, its prompt plus output ``tokens``; Cerebras' second
+# bucket counts only what its prompt cache did not hold (its rate-limit docs: uncached and total tokens)
+BUCKETS = ("requests", "tokens", "uncached")
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """One bucket as an answer reports it: ``remaining`` now, ``reset`` seconds until it refills, its ``limit`` (None:
+    not sent) and its ``length`` in seconds (from the header's period suffix; none: a minute, as OpenAI's are)."""
+
+    remaining: float
+    reset: float
+    limit: float | None
+    length: float
+
+
+def quota_report(headers: Mapping[str, str]) -> dict[str, Window]:
+    """The tightest window of each bucket (:data:`BUCKETS`) an answer's ``x-ratelimit-remaining-*`` headers report,
+    with its ``-reset-*`` and ``-limit-*`` (``requests``, ``tokens-minute``, ``uncached-tokens-minute``,
+    ``requests-day``, ...). A window without a readable reset is taken for a minute's."""
+    seen: dict[str, Window] = {}
     for name, value in headers.items():
         if not name.startswith("x-ratelimit-remaining-"):
             continue
-        suffix = name[len("x-ratelimit-remaining-"):]  # requests, tokens, requests-day, tokens-minute, ...
+        suffix = name[22:]  # requests, tokens, requests-day, tokens-minute, uncached-tokens-minute, ...
         kind = suffix.split("-", 1)[0]
-        if kind not in ("requests", "tokens"):
+        if kind not in BUCKETS:
             continue
         try:
             remaining = float(value)
         except ValueError:
             continue
+        if kind in seen and remaining >= seen[kind].remaining:
+            continue
         reset = parse_reset(headers.get(f"x-ratelimit-reset-{suffix}", ""))
-        if kind not in seen or remaining < seen[kind][0]:
-            seen[kind] = (remaining, 60.0 if reset is None else reset)
+        limit: float | None
+        try:
+            limit = float(headers.get(f"x-ratelimit-limit-{suffix}", ""))
+        except ValueError:
+            limit = None
+        seen[kind] = Window(remaining, 60.0 if reset is None else reset, limit,
+                            PERIODS.get(suffix.rsplit("-", 1)[-1], 60.0))
     return seen
+
+
+def zero_limit(headers: Mapping[str, str]) -> bool:
+    """A bucket whose limit is 0: the account may not use this model here at all (a 429 that never clears), which
+    is "not available", not "wait"."""
+    return any(w.limit == 0 for w in quota_report(headers).values())
 
 
 def retry_wait(headers: Mapping[str, str]) -> float | None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from gateway.errors import GatewayError
 from gateway.routing.health import Mark, UpstreamHealth
-from gateway.routing.ratelimits import quota_report
+from gateway.routing.ratelimits import Window, quota_report
 from gateway.state.redis import Admission, SharedState
 
 
@@ -34,7 +34,7 @@ class SharedVerdicts:
         """:meth:`observe_report` of ``headers`` read by the general reader (``gateway.routing.ratelimits``)."""
         self.observe_report(quota_report(headers), now, mark)
 
-    def observe_report(self, report: dict[str, tuple[float, float]], now: float, mark: Any = None) -> None:
+    def observe_report(self, report: dict[str, Window], now: float, mark: Any = None) -> None:
         """An answer's rate-limit report (as its dialect read it), told to the local health and the shared
         estimate."""
         self.local.observe_report(report, now, mark)

@@ -52,6 +52,7 @@ from gateway.config.schema import StateConfig
 from gateway.observability import logs
 from gateway.observability.metrics import Metrics
 from gateway.routing.health import Health, Mark, UpstreamHealth
+from gateway.routing.ratelimits import Window
 from gateway.state.link import DAY_MS, FAILURES, RedisLink, number
 from gateway.state.scripts import QUOTA_KEYS, SEP
 
@@ -150,7 +151,7 @@ class SharedState(RedisLink):
         return Admission(True, mark=(int(reply[6]), int(reply[7])), member=f"{int(reply[7])}:{need_tokens}",
                          ahead=(int(reply[8]), int(reply[9])))
 
-    def observed(self, h: UpstreamHealth, report: dict[str, tuple[float, float]], admission: Admission | None) -> None:
+    def observed(self, h: UpstreamHealth, report: dict[str, Window], admission: Admission | None) -> None:
         """An answer of ``h``'s upstream came: its rate-limit report (``gateway.routing.health.quota_report``; empty:
         none), and the end of its reservation's flight, go with the next pipeline, not awaited. ``admission``: the
         attempt's (None: it reserved nothing in Redis)."""
@@ -162,7 +163,7 @@ class SharedState(RedisLink):
         args: list[Any] = []
         for i, kind in enumerate(KINDS):
             if kind in report:
-                remaining, reset = report[kind]
+                remaining, reset = report[kind].remaining, report[kind].reset
                 args += [repr(remaining), max(1, int(reset * 1000)), "" if admission is None else admission.ahead[i]]
             else:
                 args += ["", 1, ""]
@@ -174,7 +175,7 @@ class SharedState(RedisLink):
             now = self._now()
             for i, kind in enumerate(KINDS):
                 if reply[i] not in (b"", ""):
-                    h.shared_quota(kind, float(reply[i]), now + report[kind][1])
+                    h.shared_quota(kind, float(reply[i]), now + report[kind].reset)
         # evalsha in a pipeline: redis-py's Script would ask SCRIPT EXISTS before every batch (the subscriber loads
         # the scripts whenever it connects; a Redis that lost them fails the batch, and the reconnect loads them)
         self.queue("observe", lambda pipe: pipe.evalsha(self._observe.sha, 1, base, joined), applied)

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import GatewayError, UpstreamStatusError, event_error, upstream_error
-from gateway.routing.ratelimits import quota_report, retry_wait
+from gateway.routing.ratelimits import Window, quota_report, retry_wait
 from gateway.wire.body import openai_body
 
 
@@ -110,7 +110,7 @@ class Dialect:
         names (``gateway.errors.event_error``)."""
         return event_error(event)
 
-    def quota_report(self, headers: Mapping[str, str]) -> dict[str, tuple[float, float]]:
+    def quota_report(self, headers: Mapping[str, str]) -> dict[str, Window]:
         """The tightest window of each kind an answer's rate-limit headers report, ``{"requests" | "tokens":
         (remaining, seconds to its reset)}``, for the upstream's quota estimate
         (``gateway.routing.ratelimits.quota_report``)."""
