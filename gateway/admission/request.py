@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from starlette.types import Scope
 
-from gateway.observability.recorder import request_id
+from gateway.observability.refused import request_id
 from gateway.routing.facts import RequestFacts
 from gateway.routing.sessions import SessionId
 from gateway.tenancy.keys import Key
@@ -23,7 +23,8 @@ class Request:
     """``method`` is ``WS`` for a WebSocket-mode message; ``path`` is decoded, ``target`` the path and query as the
     client encoded them under ``/v1`` ("" when the raw path is not under ``/v1/``); ``raw`` is the body as it goes
     upstream (with keys, re-serialised from what was checked); ``prompt_tokens`` is an estimate; ``speed_dropped``:
-    why the fast ``service_tier`` it asked is not sent (``key_tier``, ``key_allowance``)."""
+    why the fast ``service_tier`` it asked is not sent (``key_tier``, ``key_allowance``); ``priority``: its class on the
+    fast tier (``scheduling:``; None without)."""
 
     kind: Kind
     method: str
@@ -42,6 +43,7 @@ class Request:
     session: SessionId | None = None
     step: int = 0
     speed_dropped: str | None = None
+    priority: str | None = None
 
     @property
     def owner(self) -> str | None:

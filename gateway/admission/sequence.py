@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gateway.admission.authorize import Ownership
+from gateway.admission.authorize import Ownership, priority_class
 from gateway.admission.body import (
     canonical,
     check_depth,
@@ -91,6 +91,7 @@ class Admission:
             req.raw, req.body, req.requested, req.stream = raw, body, body["model"], body.get("stream") is True
             if req.key is not None:
                 await self.ownership.check(req.key, named_objects(body))
+            req.priority = priority_class(self.config.scheduling, req.key, req.headers)
             facts = await self.classify.facts(req.kind, body, req.headers, len(raw), req.key, store=ex.memory)
             decision = await self.classify.decide(facts)
             req.facts, req.prompt_tokens = facts, facts.prompt_tokens

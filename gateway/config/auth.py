@@ -33,7 +33,8 @@ class KeyConfig(Strict):
     the client had sent them in ``metadata`` (the client's own win); limits: requests, tokens and USD it may spend
     (over them: 429); fast: its allowance on the fast tier (over it, its requests spill to the standard tier,
     ``x-tiergate-fallback: key_allowance``); session: the session its requests belong to when they name none, and
-    its runs' budgets (``gateway.config.sessions.KeySession``).
+    its runs' budgets (``gateway.config.sessions.KeySession``); class: its priority class on the fast tier
+    (``scheduling.classes``; None: ``scheduling.default_class``), the highest its requests may ask for.
     """
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
@@ -43,6 +44,7 @@ class KeyConfig(Strict):
     limits: KeyLimits = KeyLimits()
     fast: KeyLimits = KeyLimits()
     session: KeySession = KeySession()
+    priority_class: str | None = Field(None, alias="class")
 
 
 class MetricsAccess(Strict):

@@ -29,6 +29,7 @@ from pydantic import Field, field_validator, model_validator
 from gateway.config.auth import AuthConfig
 from gateway.config.base import Strict, Tier
 from gateway.config.routes import AliasConfig, RuleConfig
+from gateway.config.scheduling import SchedulingConfig
 from gateway.config.sessions import SessionsConfig
 from gateway.config.upstreams import UpstreamConfig
 
@@ -186,6 +187,18 @@ class GatewayConfig(Strict):
     sessions: SessionsConfig = SessionsConfig()
     long_prompt_tokens: int = Field(32768, ge=1)
     rules: list[RuleConfig] | None = None
+    scheduling: SchedulingConfig | None = None
+
+    @model_validator(mode="after")
+    def _classes_known(self) -> GatewayConfig:
+        named = [(k.name, k.priority_class) for k in (self.auth.keys if self.auth is not None else [])
+                 if k.priority_class is not None]
+        if named and self.scheduling is None:
+            raise ValueError(f"auth.keys: {named[0][0]!r} names class {named[0][1]!r}, but there is no scheduling:")
+        for name, cls in named:
+            if self.scheduling is not None and cls not in [c.name for c in self.scheduling.classes]:
+                raise ValueError(f"auth.keys: {name!r} names class {cls!r}, which scheduling.classes does not have")
+        return self
 
     @model_validator(mode="after")
     def _cross_check(self) -> GatewayConfig:

@@ -48,6 +48,10 @@ def admin_app(gateway: Gateway, registry: CollectorRegistry, multiprocess_dir: s
     async def estimates() -> Response:
         return Response(explain.estimates(app.state.gateway), media_type="application/json")
 
+    @app.get("/v1/tiergate/capacity")
+    async def capacity() -> Response:
+        return Response(explain.capacity(app.state.gateway), media_type="application/json")
+
     # a session id may hold "/" (a harness's own ids): the whole rest of the path is the id
     @app.get("/v1/tiergate/sessions/{session_id:path}")
     async def session(request: Request, session_id: str) -> Response:
@@ -124,6 +128,8 @@ def _install_probe_routes(app: FastAPI, registry: CollectorRegistry, multiproces
         for name, h in health.by_name.items():
             metrics.set_upstream_state(name, h.state(now), {k: q.remaining for k, q in h.quota.items()
                                                             if q.resets_at > now})
+        if gateway.scheduler is not None:
+            metrics.set_classes(gateway.scheduler.parts_used(health.by_name, now), gateway.scheduler.shares)
         if multiprocess_dir:
             merged = CollectorRegistry()
             multiprocess.MultiProcessCollector(merged, multiprocess_dir)  # type: ignore[no-untyped-call]

@@ -26,7 +26,7 @@ from gateway.http import entrances
 from gateway.http.errors import error_response
 from gateway.http.websocket import Sockets
 from gateway.observability import logs
-from gateway.observability.recorder import unauthorized
+from gateway.observability.refused import unauthorized
 from gateway.pipeline.gateway import Gateway
 from gateway.responses.ids import ID_PREFIX
 from gateway.responses.store import Native

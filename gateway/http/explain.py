@@ -89,3 +89,18 @@ def estimates(gateway: Gateway) -> bytes:
     gateway.metrics.set_estimates(gateway.estimates.latencies(now))
     return dumps({"object": "tiergate.estimates", **gateway.estimates.snapshot(now),
                   "explore": gateway.explorer.share, "probe_s": gateway.explorer.probe})
+
+
+def capacity(gateway: Gateway) -> bytes:
+    """Each fast upstream's buckets as its headers last reported them and each priority class's use of them
+    (``scheduling:``; without it, the buckets alone). Read-only: it reserves nothing."""
+    now = gateway.health.clock()
+    scheduler = gateway.scheduler
+    if scheduler is None:
+        view = [{"upstream": n, "state": h.state(now), "buckets": [
+            {"bucket": b, "limit": lim, "window_s": length,
+             "remaining": round(q.remaining, 1) if (q := h.quota.get(b)) and q.resets_at > now else None}
+            for b, (lim, length) in h.limits.items()]} for n, h in gateway.health.by_name.items() if h.tier == "fast"]
+        return dumps({"object": "tiergate.capacity", "scheduling": False, "upstreams": view})
+    return dumps({"object": "tiergate.capacity", "scheduling": True, "default_class": scheduler.cfg.default_class,
+                  "upstreams": scheduler.view(gateway.health.by_name, now)})

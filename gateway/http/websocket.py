@@ -13,7 +13,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.errors import GatewayDraining, GatewayError, RateLimited, Unauthorized, UnknownURL
 from gateway.http.socket import POLICY, SERVER_ERROR, SocketSession
-from gateway.observability.recorder import request_id, unauthorized
+from gateway.observability.refused import request_id, unauthorized
 from gateway.pipeline.gateway import Gateway
 
 log = logging.getLogger("tiergate")

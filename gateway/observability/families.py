@@ -87,7 +87,7 @@ FAMILIES: tuple[Family, ...] = (
            ('from_tier', 'to_tier', 'reason')),
     Family('spillovers', Counter, 'spillovers',
            'Candidates passed over before sending, by reason (circuit_open, circuit_half_open, cooldown, '
-           'quota_requests, quota_tokens, concurrency).',
+           'capacity, quota_requests, quota_tokens, quota_uncached, quota_unavailable, concurrency, class_share).',
            ('tier', 'upstream', 'reason')),
     Family('upstream_state', Gauge, 'upstream_state',
            "1 for the upstream's current health state, else 0.",
@@ -156,6 +156,21 @@ FAMILIES: tuple[Family, ...] = (
     Family('est_samples', Gauge, 'estimate_samples',
            "TTFT samples in the live estimate's window.",
            _L, multiprocess_mode="mostrecent"),
+    Family('class_requests', Counter, 'class_requests',
+           'Requests of each priority class (scheduling:) by the tier that served them and why it was not the tier '
+           'routing chose (their x-tiergate-fallback, e.g. spillover_class_share; none when it was).',
+           ('class', 'tier', 'reason')),
+    Family('class_wait', Histogram, 'class_wait_seconds',
+           'Time requests of each class waited for fast-tier capacity (a deadline with slack), by outcome: fast '
+           '(it came in time) or spilled.',
+           ('class', 'outcome'), buckets=TTFT_BUCKETS),
+    Family('class_share_used', Gauge, 'class_share_used',
+           "Part (0-1) of a fast upstream's bucket limit each class reserved in the bucket's last window "
+           '(requests, tokens, uncached).',
+           ('upstream', 'class', 'bucket'), multiprocess_mode="livesum"),
+    Family('class_share', Gauge, 'class_share_guaranteed',
+           "Each class's guaranteed share (0-1) of every fast upstream's budget (scheduling.classes).",
+           ('class',), multiprocess_mode="mostrecent"),
     Family('key_requests', Counter, 'key_requests', 'Requests by gateway key and outcome.', ('key', 'outcome')),
     Family('key_tokens', Counter, 'key_tokens',
            'Tokens from upstream usage by gateway key and type (input, output).',

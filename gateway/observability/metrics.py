@@ -90,6 +90,10 @@ class Metrics:
     est_prefill: Gauge
     est_speed: Gauge
     est_samples: Gauge
+    class_requests: Counter
+    class_wait: Histogram
+    class_share_used: Gauge
+    class_share: Gauge
     key_requests: Counter
     key_tokens: Counter
     key_cost: Counter
@@ -139,6 +143,13 @@ class Metrics:
             self.upstream_state.labels(upstream, s).set(1.0 if s == state else 0.0)
         for kind, remaining in quota.items():
             self.quota_remaining.labels(upstream, kind).set(remaining)
+
+    def set_classes(self, used: Iterable[tuple[str, str, str, float]], shares: Mapping[str, float]) -> None:
+        """Publish each class's guaranteed share and (upstream, class, bucket, part used) of the fast upstreams."""
+        for cls, share in shares.items():
+            self.class_share.labels(cls).set(share)
+        for upstream, cls, bucket, part in used:
+            self.class_share_used.labels(upstream, cls, bucket).set(part)
 
     def reconfigure(self, models: Iterable[str], routes: Iterable[tuple[str, str, Iterable[str]]],
                     prices: Mapping[str, Priced],

@@ -16,14 +16,13 @@ Facts of the process rather than of one request stay with their owners: the circ
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.config.upstreams import SERVICE_TIERS, SPEED
-from gateway.errors import Unauthorized, UpstreamStatusError
+from gateway.errors import UpstreamStatusError
 from gateway.observability import logs, tracing
 from gateway.observability.estimates import Estimates
 from gateway.observability.metrics import BILLABLE, Metrics
@@ -70,6 +69,8 @@ class Subject(Protocol):
     def key(self) -> Any: ...
     @property
     def session(self) -> Any: ...
+    @property
+    def priority(self) -> str | None: ...  # its class on the fast tier (scheduling:)
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +317,10 @@ class Recorder:
 
     # the record
 
+    def waited_for_fast(self, cls: str, seconds: float, fast: bool) -> None:  # gateway.pipeline.waiting
+        self._metrics.class_wait.labels(cls, "fast" if fast else "spilled").observe(seconds)
+        logs.event("waited_for_fast", request_id=self.rid, **{"class": cls}, waited_s=round(seconds, 4), fast=fast)
+
     def sent_with(self, service_tier: str | None, honoured: bool) -> None:
         """The attempt went with ``service_tier``; ``honoured``: its upstream's dialect acts on the field, so that
         without the upstream's word it is billed at it (else at the default tier: vLLM takes and ignores it)."""
@@ -331,10 +336,8 @@ class Recorder:
         """Record the request once (None on a later call). ``ended``: when it ended for the client (default now);
         ``kw`` as :meth:`Metrics.record`. Returns what it settled on, for its reservations.
 
-        A billable stream without usage (the client left before it, or the upstream sends none) is charged what was
-        relayed, each token-bearing chunk a token or more, plus the estimated prompt: neither a key's limits nor the
-        cost can be dodged by leaving before the usage chunk.
-        """
+        A billable stream without usage (the client left, or the upstream sends none) is charged what was relayed
+        plus the estimated prompt: leaving before the usage chunk dodges neither a key's limits nor the cost."""
         if self.recorded:
             return None
         self.recorded = True
@@ -353,6 +356,8 @@ class Recorder:
         try:
             cost = self._emit(outcome, duration, kw)  # may settle the outcome (self.outcome) and the usage (kw)
             outcome = self.outcome or outcome
+            if self.request.priority is not None and self.tier != "none":
+                self._metrics.class_requests.labels(self.request.priority, self.tier, self.fallback or "none").inc()
             tokens = self._charge(outcome, kw.get("usage"), cost)
             if logs.wanted(outcome):
                 self._log(outcome, duration, kw, cost, served)
@@ -402,6 +407,7 @@ class Recorder:
             "request_id": req.rid, "method": req.method, "path": req.path, "status": self.status,
             "key": req.key.name if req.key is not None else None,
             "session": req.session.id if req.session is not None else None, "session_step": req.step or None,
+            "class": req.priority,
             "outcome": outcome, "tier": self.tier, "upstream": self.upstream, "rule": self.rule,
             "fallback": self.fallback, "model": req.requested, "upstream_model": self.upstream_model,
             "stream": req.stream, "attempts": self.attempts, "ttft_s": None if ttft is None else round(ttft, 6),
@@ -423,26 +429,3 @@ def slower(served: str, asked: str) -> bool:
 def tier_label(tier: str) -> str:
     """A service tier as a metric label: one of OpenAI's, else ``other`` (bounded)."""
     return tier if tier in SERVICE_TIERS else "other"
-
-
-def unauthorized(metrics: Metrics, exc: Unauthorized, method: str, path: str, given_id: str | None) -> str:
-    """A ``/v1`` request refused before a recorder was made for it (no known gateway key: ``exc``): counted by reason
-    (``tiergate_auth_failures_total``), in the event log and, when client errors are logged, with its request line
-    (no key name: it has none; never the key). Returns its request id (:func:`request_id` of ``given_id``, the
-    client's ``x-request-id``)."""
-    metrics.auth_failures.labels(exc.reason).inc()
-    logs.event("auth_failed", reason=exc.reason, method=method, path=path)
-    rid = request_id(given_id)
-    if logs.wanted("client_error"):
-        logs.request({"request_id": rid, "method": method, "path": path, "status": exc.status,
-                      "outcome": "client_error", "key": None, "error": exc.code, "reason": exc.reason})
-    return rid
-
-
-def request_id(given: str | None) -> str:
-    """The client's ``x-request-id`` when it is 1-200 printable ASCII characters, else a new ``req_<32 hex>``.
-
-    Bounded and plain so it can be echoed in headers, logs and upstream requests as it came."""
-    if given and len(given) <= 200 and given.isascii() and given.isprintable():
-        return given
-    return f"req_{os.urandom(16).hex()}"  # uuid4's randomness without building a UUID (2.8 -> 0.7 us)

@@ -24,6 +24,7 @@ from gateway.routing import deadline, failover
 from gateway.routing.facts import Candidate, Decision, RequestFacts
 from gateway.routing.failover import Plan
 from gateway.routing.health import Health
+from gateway.routing.scheduling import Need, Scheduler
 from gateway.state.quota import SharedVerdicts
 from gateway.state.redis import Admission, SharedState
 from gateway.stream.relay import Relay
@@ -62,7 +63,8 @@ class Claim(Protocol):
 class Attempts:
 
     def __init__(self, config: GatewayConfig, transport: Transport, health: Health, shared: SharedState | None,
-                 budgets: KeyBudgets, delivery: Delivery) -> None:
+                 budgets: KeyBudgets, delivery: Delivery, scheduler: Scheduler | None = None) -> None:
+        self.scheduler = scheduler
         self.config = config
         self.transport = transport
         self.health = health
@@ -76,6 +78,9 @@ class Attempts:
         reached the client."""
         ex, up = turn.ex, cand.upstream
         verdicts = await self.verdicts(turn, cand)
+        if self.scheduler is not None and up.tier == "fast" and ex.request.priority is not None:
+            cached = turn.run.affinity.warm.get(up.name, 0) if turn.run is not None else 0
+            self.scheduler.took(self.health[up.name], ex.request.priority, Need(turn.need, cached), self.health.clock())
         turn.tried += 1
         tried = turn.tried
         payload, path = self.payload(turn, cand)

@@ -17,17 +17,20 @@ from __future__ import annotations
 
 import functools
 
-from gateway.admission.reserve import need_of
+from gateway.admission.reserve import MAX_NEED, need_of
 from gateway.admission.sequence import Admitted
 from gateway.config.schema import GatewayConfig
 from gateway.errors import GatewayError
+from gateway.observability.estimates import Estimates
 from gateway.pipeline.attempts import Attempts, Turn, give_up
 from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.hedging import Hedging, may_race
-from gateway.routing import failover
+from gateway.pipeline.waiting import Waiting
+from gateway.routing import deadline, failover
 from gateway.routing.blame import Blame
-from gateway.routing.facts import Candidate
+from gateway.routing.facts import Candidate, Decision, RequestFacts
 from gateway.routing.health import Health
+from gateway.routing.scheduling import Ask, Scheduler
 from gateway.state.redis import Admission as SharedAdmission
 from gateway.state.redis import SharedState
 from gateway.tenancy.keys import Key
@@ -37,12 +40,15 @@ from gateway.wire.body import client_wants_usage
 class ChatPipeline:
 
     def __init__(self, config: GatewayConfig, attempts: Attempts, hedging: Hedging, health: Health,
-                 shared: SharedState | None) -> None:
+                 shared: SharedState | None, estimates: Estimates, scheduler: Scheduler | None = None) -> None:
         self.config = config
         self.attempts = attempts
         self.hedging = hedging
         self.health = health
         self.shared = shared
+        self.estimates = estimates
+        self.scheduler = scheduler
+        self.waiting = Waiting(config.scheduling) if config.scheduling is not None else None
 
     async def serve(self, ex: Exchange, admitted: Admitted) -> None:
         """Failover happens only before the first byte reached the client: the relay commits at the first token."""
@@ -69,14 +75,20 @@ class ChatPipeline:
 
     async def plan(self, ex: Exchange, admitted: Admitted) -> Turn:
         """With shared state the first candidate must pass the shared quota estimate: one it refuses now looks short
-        locally too, so planning again spills it over (all short: the first is tried anyway, as without Redis).
+        locally too, so planning again spills it over (all short: the first is tried anyway, as without Redis). A
+        request with a deadline whose fast candidates are short may wait for them (``gateway.pipeline.waiting``).
         Raises GatewayError (429 or 503 with ``retry-after``, ``failover.refusal``) when every candidate rests."""
         facts, decision, run = admitted.facts, admitted.decision, admitted.run
         assert facts is not None
-        need = need_of(facts)
+        need = self.need(facts, decision)
         keep = run.affinity.target if run is not None else None  # an agent session's warm upstream
+        ask = Ask(self.scheduler, ex.request.priority, run.affinity.warm if run is not None else {})
         plan = failover.plan(decision, self.health, self.health.clock(), need, self.config.max_attempts, ex.blame,
-                             keep)
+                             keep, ask)
+        if self.waiting is not None and ask.cls is not None and (wait := self.waiting.worth(decision, plan,
+                                                                                             self.health)):
+            plan = await self.waiting.wait(ex, ask, wait, plan, lambda: failover.plan(
+                decision, self.health, self.health.clock(), need, self.config.max_attempts, ex.blame, keep, ask))
         admitted_by: dict[str, SharedAdmission | None] = {}
         for _ in decision.candidates:  # bounded: each refusal takes one candidate out
             if self.shared is None or not plan.candidates:
@@ -87,7 +99,7 @@ class ChatPipeline:
                 admitted_by[first.upstream.name] = admission
                 break
             again = failover.plan(decision, self.health, self.health.clock(), need, self.config.max_attempts,
-                                  ex.blame, keep)
+                                  ex.blame, keep, ask)
             if not again.candidates or again.candidates[0] is first:
                 admitted_by[first.upstream.name] = None
                 break
@@ -98,6 +110,15 @@ class ChatPipeline:
             raise failover.refusal(plan.resting, self.health.clock(), ex.blame.who() if ex.blame else None)
         strip_usage = ex.request.kind == "chat" and ex.request.stream and not client_wants_usage(facts.body)
         return Turn(ex, ex.request.raw or b"", facts, decision, plan, need, strip_usage, run, admitted_by)
+
+    def need(self, facts: RequestFacts, decision: Decision) -> int:
+        """Tokens reserved against an upstream's budget: the prompt estimate plus ``max_tokens``, else the output
+        length this route measured (p90; ``deadline.DEFAULT_COMPLETION`` until measured), so that a client that sends
+        no ``max_tokens`` cannot look free to the quota estimate (Cerebras reserves an output estimate too)."""
+        if facts.max_tokens is not None:
+            return need_of(facts)
+        tail = deadline.completion_tokens(facts, decision, self.estimates, self.health.clock())[0]
+        return min(int(facts.prompt_tokens) + tail, MAX_NEED)
 
     def fails_over(self, turn: Turn, cand: Candidate, exc: GatewayError) -> bool:
         """Whether the next candidate may still serve the request (``Plan.go_on``; logged)."""

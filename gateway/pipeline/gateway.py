@@ -23,6 +23,7 @@ from gateway.responses.store import ResponseStore, SocketMemory
 from gateway.routing import deadline
 from gateway.routing.health import Health
 from gateway.routing.policy import Policy
+from gateway.routing.scheduling import Scheduler
 from gateway.state.redis import SharedState
 from gateway.tenancy.keys import Keys
 from gateway.tenancy.ledger import Ledger
@@ -59,6 +60,7 @@ class Gateway:
     listed: UpstreamModels
     sessions: Sessions
     socket_memory: SocketMemory
+    scheduler: Scheduler | None = None
 
     def in_flight(self) -> int:
         return self.frame.in_flight()

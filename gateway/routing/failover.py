@@ -37,6 +37,7 @@ from gateway.errors import (
 from gateway.routing.blame import Blame
 from gateway.routing.facts import Candidate, Decision
 from gateway.routing.health import SOFT_REASONS, Health, UpstreamHealth
+from gateway.routing.scheduling import Ask
 
 
 @dataclass
@@ -72,14 +73,15 @@ class Plan:
 
 
 def plan(decision: Decision, health: Health, now: float, need_tokens: int, max_attempts: int,
-         blame: Blame | None = None, keep: str | None = None) -> Plan:
+         blame: Blame | None = None, keep: str | None = None, ask: Ask | None = None) -> Plan:
     """The candidates to try now for ``decision`` (module docstring: spillover and refusal).
 
     Args:
         now: the health clock's time (``health.clock()``); need_tokens: the request's estimated prompt plus its
             ``max_tokens`` (for the quota estimates); blame: the request's source, for the upstreams that rest for
             some sources alone (``gateway.routing.health``: whose fault), or None; keep: an upstream that weights
-            never move from the front of its tier's candidates (an agent session's warm one), or None.
+            never move from the front of its tier's candidates (an agent session's warm one), or None; ask: the
+            request's class and warm caches, for the scheduler (``gateway.routing.scheduling``), or None.
     """
     usable: list[Candidate] = []
     soft: list[Candidate] = []
@@ -89,7 +91,11 @@ def plan(decision: Decision, health: Health, now: float, need_tokens: int, max_a
     first_spill: str | None = None  # a candidate before the first usable one was passed over: the fallback reason
     for cand in health.order(decision.candidates, keep):
         h = health[cand.upstream.name]
-        why = h.unavailable(now, need_tokens, blame)
+        if ask is None:
+            why = h.unavailable(now, need_tokens, blame)
+        else:
+            held = ask.refuses(h, need_tokens, now)  # first: asking marks the class active there, available or not
+            why = h.unavailable(now, need_tokens, blame, ask.cached.get(h.name, 0)) or held
         if why == "concurrency" and h.can_queue():
             queued.add(cand.upstream.name)  # waits for a slot, then spills over if none comes in time
             why = None

@@ -155,6 +155,7 @@ TABLE: tuple[Route, ...] = (
     _r("POST", f"realtime/calls/{_I}/hangup"),
     _r("POST", "tiergate/route", "gateway"),
     _r("GET", "tiergate/estimates", "gateway"),
+    _r("GET", "tiergate/capacity", "gateway"),
     _r("GET", f"tiergate/sessions/{REST}", "gateway"),  # a harness's session id may hold "/"
 )
 WORDS = frozenset(s for r in TABLE for s in r.path.split("/") if not s.startswith("{"))  # every fixed segment
