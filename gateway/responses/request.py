@@ -1,8 +1,6 @@
-"""The Responses bridge's request translator: a Responses API request (``POST /v1/responses``) as a chat-completions
-request for an upstream that serves only chat (:func:`chat_request`), what of a request the bridge cannot serve and
-why (:func:`unbridgeable`), a turn's input items as the store keeps them (:func:`input_items`), and a held
-conversation's items as input for a native upstream (:func:`as_input`, :func:`native_input`). OpenAI API reference,
-"Create a model response"; the module docstring of ``gateway.responses.stream`` gives the whole bridge."""
+"""The Responses bridge's request side: a Responses API request as a chat-completions one for an upstream that
+serves only chat, and a held conversation as input for a native one. The mapping, and what is refused and why:
+docs/responses.md#request (OpenAI API reference, "Create a model response")."""
 
 from __future__ import annotations
 
@@ -13,7 +11,7 @@ import orjson
 
 from gateway.responses.ids import new_id
 
-# fields of a Responses request the bridge maps or may drop (module docstring); anything else is not bridged
+# fields of a Responses request the bridge maps or may drop (docs/responses.md#request); anything else is not bridged
 _BRIDGED_FIELDS = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
     "temperature", "top_p", "text", "reasoning", "stream", "stream_options", "user", "safety_identifier", "metadata",
@@ -47,12 +45,9 @@ _PARTS = frozenset({"input_text", "output_text", "input_image", "input_file", "r
 
 
 def unbridgeable(body: Mapping[str, Any]) -> tuple[str, str, str] | None:
-    """(param, why, error code) of the first thing in a Responses request that the bridge cannot serve, or None:
-    ``unsupported_parameter`` for what a chat-completions upstream cannot do, ``invalid_type`` for a value of the
-    wrong shape (which the bridge would otherwise have to drop or guess at; a native upstream judges it itself).
-
-    Source of the rules: the module docstring; what ``openai-agents`` and LangChain send was checked against it.
-    """
+    """(param, why, error code), or None. ``invalid_type`` for a value of the wrong shape, which the bridge
+    would have to drop or guess at (a native upstream judges it itself); ``unsupported_parameter`` for the rest of
+    docs/responses.md#refused, checked against what ``openai-agents`` and LangChain send."""
     shape = _shape_problem(body)
     if shape is not None:
         return (*shape, "invalid_type")
@@ -87,7 +82,7 @@ def _shape_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
 
 
 def _item_shape(item: dict[str, Any]) -> str | None:
-    """What is wrong with the shape of one input item (``wire`` made sure it is an object), or None."""
+    """``wire`` made sure it is an object."""
     kind = item.get("type", "message")
     if kind == "message":
         content = item.get("content")
@@ -161,7 +156,7 @@ def _input_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
 
 
 def input_items(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The request's ``input`` as Responses items (a string becomes one user message), each with an ``id``."""
+    """Each with an ``id``: as the store keeps a turn."""
     raw = body.get("input")
     if isinstance(raw, str):
         raw = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": raw}]}]
@@ -177,10 +172,8 @@ OWN_ITEM_PREFIXES = ("msg_tg", "fc_tg", "rs_tg", "it_tg")  # ids of the output i
 
 
 def native_input(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
-    """For a native upstream: the request's ``input`` without what only the gateway knows, or None when it holds
-    nothing of the gateway's. A client that resends a bridged conversation in full sends back the gateway's item
-    ids, which the upstream never issued (and reasoning it cannot read): :func:`as_input` takes them off those
-    items; items the upstream made keep their ids."""
+    """None when it holds nothing of the gateway's. A client that resends a bridged conversation in full
+    sends back the gateway's item ids, which the upstream never issued; items the upstream made keep theirs."""
     items = _list(body.get("input"))
     own = [isinstance(i, dict) and str(i.get("id", "")).startswith(OWN_ITEM_PREFIXES) for i in items]
     if not any(own):
@@ -190,9 +183,8 @@ def native_input(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
 
 
 def as_input(items: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A conversation the gateway holds, as input items for a native Responses upstream: without the gateway's own
-    item ids and statuses (the upstream never stored those items) and without reasoning items (the upstream cannot
-    read reasoning another model wrote)."""
+    """Without the gateway's item ids and statuses (the upstream never stored those items), and without
+    reasoning, which the upstream cannot read from another model."""
     out = []
     for item in items:
         if item.get("type") == "reasoning":
@@ -202,8 +194,8 @@ def as_input(items: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def chat_request(body: Mapping[str, Any], history: list[dict[str, Any]]) -> dict[str, Any]:
-    """The chat-completions body for a bridgeable Responses request (:func:`unbridgeable` is None), continuing
-    ``history`` (the held conversation's items, or ``[]``). See the module docstring for the mapping."""
+    """Only for a bridgeable request (:func:`unbridgeable` is None). ``history``: the held conversation's
+    items, or ``[]``."""
     messages: list[dict[str, Any]] = []
     if isinstance(body.get("instructions"), str) and body["instructions"]:
         messages.append({"role": "system", "content": body["instructions"]})
@@ -228,7 +220,6 @@ def chat_request(body: Mapping[str, Any], history: list[dict[str, Any]]) -> dict
 
 
 def _output_options(body: Mapping[str, Any], chat: dict[str, Any]) -> None:
-    """``text.format`` / ``verbosity``, ``reasoning.effort`` and logprobs into ``chat``."""
     text = _dict(body.get("text"))
     fmt = text.get("format")
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
@@ -261,8 +252,8 @@ def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def offered_tools(body: Mapping[str, Any], flat: bool = True) -> list[dict[str, Any]]:
-    """The tools a Responses request offers: ``tools`` and those of its ``additional_tools`` input items (Codex CLI's
-    form); with ``flat``, a ``namespace``'s tools in its place (chat has no namespaces: names are its tools')."""
+    """``additional_tools`` input items are Codex CLI's form; with ``flat`` a ``namespace``'s tools stand
+    in its place, since chat has no namespaces."""
     found = [*_list(body.get("tools"))]
     for item in _list(body.get("input")):
         if isinstance(item, dict) and item.get("type") == "additional_tools":
@@ -277,13 +268,13 @@ def offered_tools(body: Mapping[str, Any], flat: bool = True) -> list[dict[str, 
 
 
 def custom_tool_names(body: Mapping[str, Any]) -> frozenset[str]:
-    """The names of the freeform ``custom`` tools a request offers: their calls are answered as ``custom_tool_call``."""
+    """Their calls are answered as ``custom_tool_call``."""
     return frozenset(t["name"] for t in offered_tools(body) if t.get("type") == "custom" and isinstance(t.get("name"),
                                                                                                           str))
 
 
 def _messages(items: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Responses items -> chat messages; consecutive function calls join the assistant message before them."""
+    """Consecutive function calls join the assistant message before them, as chat carries them."""
     out: list[dict[str, Any]] = []
     assistant_open = False  # the last message is an assistant turn that tool calls may still join
     for item in items:
@@ -344,7 +335,6 @@ def _chat_part(part: dict[str, Any]) -> dict[str, Any]:
 
 
 def _text(output: Any) -> str:
-    """A function call's output as text (a string, or ``input_text`` parts)."""
     if isinstance(output, str):
         return output
     if isinstance(output, list):

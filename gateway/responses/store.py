@@ -1,26 +1,7 @@
-"""What the gateway keeps of Responses API conversations, so that ``previous_response_id`` can continue them.
-
-The Responses API is stateful: ``store`` defaults to true and a follow-up names the response it continues
-(OpenAI API reference, "Create a model response": ``previous_response_id``). Two kinds of record:
-
-* :class:`Bridged`: a response the gateway made itself through the bridge (a chat-completions upstream knows
-  nothing of it). It holds the response object and that turn's input items; the whole conversation is the chain
-  of ``previous`` links, each turn's input then its output, so nothing is stored twice. The gateway holds the
-  whole conversation, so a follow-up may go to any upstream.
-* :class:`Native`: a response an upstream made natively; only that upstream can continue it (affinity), so the
-  record is just its name.
-
-Every record has an **owner**: the name of the gateway key whose request made it (None without ``auth:``). A record
-is found only by its owner (:meth:`ResponseStore.get` and the others take the caller's): any other key gets what an
-unknown id gets, as OpenAI scopes a response to the project that made it (API reference, "Retrieve a model response":
-404 for another project's id).
-
-:class:`ResponseStore` is the interface (async, so that a shared store such as Redis can back it);
-:class:`MemoryResponseStore` keeps records in this process, serialised (:func:`encode`), so that what it counts is
-what it holds: parsed, a record takes ~3.7 times its JSON bytes (measured: 100 records of 1 MiB moved RSS by 1.2 GB).
-It is bounded in count, bytes and age (the oldest and the least recently continued go first), and each gateway key
-may hold at most ``key_share`` of it, so that one key's records never push out more than that of the others'.
-"""
+"""What the gateway keeps of Responses API conversations, so that ``previous_response_id`` can continue them
+(docs/responses.md#conversations). A bridged record holds one turn and links to the one before, so nothing is stored
+twice; a native one only names the upstream that can continue it. A record is found by its owner alone, as OpenAI
+scopes a response to its project (API reference, "Retrieve a model response": 404 for another project's id)."""
 
 from __future__ import annotations
 
@@ -37,9 +18,8 @@ OVERHEAD = 256  # bytes a kept record costs beyond its JSON: its entries in the 
 
 @dataclass
 class Bridged:
-    """A bridged response: ``response`` (the Response object), ``input`` (that turn's input items), ``previous`` (the
-    response it continued, or None), ``owner`` (the gateway key that made it, or None without ``auth:``) and
-    ``session`` (the agent session it was a step of, or None: ``gateway.routing.sessions``)."""
+    """``owner``: the gateway key that made it (None without ``auth:``); ``session``: the agent session it was a
+    step of (``gateway.routing.sessions``)."""
 
     response: dict[str, Any]
     input: list[dict[str, Any]]
@@ -50,8 +30,6 @@ class Bridged:
 
 @dataclass
 class Native:
-    """A response an upstream made natively: the configured upstream that holds it, its ``owner`` and ``session``."""
-
     upstream: str
     owner: str | None = None
     session: str | None = None
@@ -61,9 +39,8 @@ Record = Bridged | Native
 
 
 def encode(record: Record) -> bytes:
-    """``record`` as the JSON bytes a store keeps (and :func:`decode` reads), in an object of exactly their size:
-    what ``orjson.dumps`` returns keeps its output buffer's allocation (measured: ~8 KiB of RSS for a 700-byte
-    result), so a store of small records held ~9x the bytes it counted."""
+    """In an object of exactly its size: what ``orjson.dumps`` returns keeps its output buffer's allocation
+    (measured: ~8 KiB of RSS for a 700-byte result), so a store of small records held ~9x the bytes it counted."""
     if isinstance(record, Bridged):
         data = orjson.dumps({"k": "b", "response": record.response, "input": record.input,
                              "previous": record.previous, "owner": record.owner, "s": record.session})
@@ -73,8 +50,7 @@ def encode(record: Record) -> bytes:
 
 
 def decode(data: bytes) -> Record | None:
-    """A record from what :func:`encode` made, or None (not one of ours: a store shared with an older or a foreign
-    writer holds nothing a request can use)."""
+    """None for what is not one of ours: a store shared with an older or a foreign writer."""
     try:
         raw = orjson.loads(data)
         if not isinstance(raw, dict):
@@ -94,32 +70,28 @@ def decode(data: bytes) -> Record | None:
 
 
 def previous_of(record: Record) -> str | None:
-    """The response ``record`` continued (a bridged one), else None."""
     return record.previous if isinstance(record, Bridged) else None
 
 
 class ResponseStore(Protocol):
-    """Where the gateway keeps its Responses API records (see the module docstring). ``owner``: the caller's gateway
-    key name (None without ``auth:``); a record of another owner is not found."""
+    """Async, so that a shared store (Redis) can back it. ``owner``: the caller's gateway key name;
+    another owner's record is not found."""
 
     async def get(self, response_id: str, owner: str | None) -> Record | None:
-        """The record of ``response_id``, or None (unknown, expired, or another owner's)."""
+        """None: unknown, expired, or another owner's."""
         ...
 
     async def history(self, response_id: str, owner: str | None, refresh: bool = True) -> list[dict[str, Any]] | None:
-        """Every item of the bridged conversation up to and including ``response_id``, in order (each turn's input,
-        then its output), or None when a link of it is missing (or another owner's). Continuing a conversation
-        (``refresh``) makes every link of it live another ttl; a look that continues nothing (``/v1/tiergate/route``)
-        does not."""
+        """Each turn's input then its output, oldest first; None when a link is missing. With
+        ``refresh`` (continuing it) every link lives another ttl; a look (``/v1/tiergate/route``) refreshes nothing."""
         ...
 
     async def put(self, response_id: str, record: Record) -> bool:
-        """Keep ``record`` under ``response_id``; False when it is larger than its owner may hold (then it is not
-        kept, and nothing else is dropped for it)."""
+        """False when larger than its owner may hold: then nothing is kept, and nothing dropped for it."""
         ...
 
     async def delete(self, response_id: str, owner: str | None) -> bool:
-        """Forget ``response_id``; False when it was not there (or is another owner's: then it stays)."""
+        """False when it was not there, or is another owner's (then it stays)."""
         ...
 
 
@@ -131,14 +103,9 @@ class _Entry(NamedTuple):
 
 
 class MemoryResponseStore:
-    """A :class:`ResponseStore` in this process's memory (module docstring).
-
-    Args:
-        max_items: records kept; max_bytes: their JSON bytes plus :data:`OVERHEAD` each; ttl: seconds a record lives
-            after it was put or last continued; key_share: the share (0-1] of ``max_items`` and ``max_bytes`` one
-            gateway key may hold (records without an owner, ``auth:`` off, are bounded by the whole store);
-            clock: seconds (``time.monotonic``; injectable for tests).
-    """
+    """Records are kept serialised, so that what it counts is what it holds: parsed, a record takes
+    ~3.7 times its JSON bytes (measured: 100 records of 1 MiB moved RSS by 1.2 GB). ``ttl``: seconds since put or last
+    continued; ``key_share`` of both bounds is one key's most, so one key's records push out only its own."""
 
     def __init__(self, max_items: int, max_bytes: int, ttl: float, clock: Callable[[], float] = time.monotonic,
                  key_share: float = 1.0) -> None:
@@ -165,8 +132,7 @@ class MemoryResponseStore:
         return None if missing is not None else items_of(chain)
 
     def chain(self, response_id: str, owner: str | None, refresh: bool = True) -> tuple[list[bytes], str | None]:
-        """The encoded records of ``response_id``'s conversation held here, newest first, and the first link not held
-        (None: the whole chain is here; ``response_id`` itself when none of it is)."""
+        """Newest first, and the first link not held (None: all of it is here)."""
         chain: list[bytes] = []
         current: str | None = response_id
         while current is not None:
@@ -202,15 +168,15 @@ class MemoryResponseStore:
         return self._drop(response_id)
 
     def forget(self, response_id: str) -> None:
-        """Drop ``response_id`` whoever owns it (another replica deleted it: ``gateway.state.redis``)."""
+        """Whoever owns it: another replica deleted it (``gateway.state.redis``)."""
         self._drop(response_id)
 
     def oldest(self) -> str | None:
-        """The id of the record held longest without being continued, or None (empty)."""
+        """Held longest without being continued."""
         return next(iter(self._records), None)
 
     def holds(self, response_id: str) -> bool:
-        """Whether ``response_id`` is held (expired or not)."""
+        """Expired or not."""
         return response_id in self._records
 
     def _get(self, response_id: str, owner: str | None, *, touch: bool) -> _Entry | None:
@@ -244,8 +210,7 @@ class MemoryResponseStore:
 
 
 def items_of(chain: list[bytes]) -> list[dict[str, Any]] | None:
-    """The items of a bridged conversation from its links' encoded records, newest first (each turn's input, then its
-    output, oldest turn first); None when a link is not a bridged record."""
+    """``chain`` is newest first, the items oldest first; None when a link is not a bridged record."""
     items: list[dict[str, Any]] = []
     for data in reversed(chain):
         record = decode(data)
@@ -257,12 +222,9 @@ def items_of(chain: list[bytes]) -> list[dict[str, Any]] | None:
 
 
 class SocketMemory:
-    """What every WebSocket-mode socket of a process keeps in its memory, counted in all and per gateway key, so that
-    one key's sockets (up to ``sockets_per_key`` of them, each up to ``memory_bytes``) cannot take the process's memory
-    from the others (``limits.websocket.memory_bytes_total``, ``limits.key_share``): past ``key_share`` of it for one
-    key, its largest socket drops its oldest responses; past ``max_bytes`` in all, the largest socket of
-    the key that holds the most does, as the other tables of the gateway make room (a key keeping less than another
-    never loses a response to it). Bytes as :class:`MemoryResponseStore` counts them."""
+    """Counted in all and per gateway key, so that one key's sockets cannot take the memory the others'
+    conversations sit in (docs/websocket.md#limits): past its share, a key's largest socket drops its oldest responses;
+    past ``max_bytes``, the largest socket of the key that keeps the most does."""
 
     def __init__(self, max_bytes: int, key_share: float) -> None:
         self.max_bytes = max_bytes
@@ -272,8 +234,6 @@ class SocketMemory:
         self.sockets: dict[str | None, set[SocketStore]] = {}  # each key's open sockets' stores
 
     def largest(self, owner: str | None = None, *, of_key: bool = False) -> SocketStore | None:
-        """The socket keeping the most of ``owner``'s (``of_key``), else of the key whose sockets keep the most; None
-        when none keeps anything."""
         if not of_key:
             if not self.by_key:
                 return None
@@ -281,8 +241,6 @@ class SocketMemory:
         return max((s for s in self.sockets.get(owner, ()) if s.counted), key=lambda s: s.counted, default=None)
 
     def make_room(self, owner: str | None) -> None:
-        """Drop oldest responses until ``owner``'s sockets keep at most the key's share (from its largest socket) and
-        all sockets at most ``max_bytes`` (from the largest socket of the key that keeps the most)."""
         while owner is not None and self.by_key.get(owner, 0) > self.key_bytes:
             if (store := self.largest(owner, of_key=True)) is None or not store.drop_oldest():
                 break
@@ -291,7 +249,6 @@ class SocketMemory:
                 break
 
     def add(self, owner: str | None, delta: int) -> None:
-        """``owner``'s sockets keep ``delta`` bytes more (less, when negative)."""
         self.bytes += delta
         held = self.by_key.get(owner, 0) + delta
         if held > 0:
@@ -301,12 +258,9 @@ class SocketMemory:
 
 
 class SocketStore:
-    """A :class:`ResponseStore` for the requests of one WebSocket-mode socket: what the socket made is kept in its own
-    memory (``local``), whatever ``store`` said, so that ``previous_response_id`` continues it on that socket even with
-    ``store: false`` (OpenAI's WebSocket mode keeps the previous response in memory on the connection); anything
-    else is looked up in the gateway's ``shared`` store (a conversation begun over HTTP continues on a socket).
-    ``memory``: what the process's sockets keep, in all (``owner``: the socket's gateway key, None without keys);
-    :meth:`close` gives the socket's bytes back."""
+    """What the socket made is kept in its own memory whatever ``store`` said, as OpenAI's WebSocket mode
+    keeps the previous response on the connection (docs/websocket.md#memory); anything else is looked up in ``shared``,
+    so a conversation begun over HTTP continues on a socket."""
 
     def __init__(self, local: MemoryResponseStore, shared: ResponseStore, memory: SocketMemory | None = None,
                  owner: str | None = None) -> None:
@@ -319,13 +273,12 @@ class SocketStore:
             memory.sockets.setdefault(owner, set()).add(self)
 
     def _count(self) -> None:
-        """Tell ``memory`` what ``local`` holds now (it also shrinks by itself: expired records, its own bounds)."""
+        """``local`` also shrinks by itself: expired records, its own bounds."""
         if self.memory is not None:
             self.memory.add(self.owner, self.local.bytes - self.counted)
             self.counted = self.local.bytes
 
     def close(self) -> None:
-        """The socket is over: its memory is freed."""
         self.local = MemoryResponseStore(1, 1, 0.0)
         self._count()
         if self.memory is not None:
@@ -335,7 +288,6 @@ class SocketStore:
                 self.memory.sockets.pop(self.owner, None)
 
     def drop_oldest(self) -> bool:
-        """Forget this socket's oldest response; False when it keeps none."""
         oldest = self.local.oldest()
         if oldest is None:
             return False
@@ -356,9 +308,8 @@ class SocketStore:
         return None if before is None or newer is None else before + newer
 
     async def put(self, response_id: str, record: Record) -> bool:
-        """Keep ``record`` in the socket's memory (the caller keeps it in the shared store too unless ``store:
-        false``); over the bounds of all sockets (:class:`SocketMemory`) the oldest responses go, ``record`` last
-        (then False: not kept)."""
+        """The caller keeps it in the shared store too unless ``store: false``. Past the bounds of all
+        sockets the oldest responses go, ``record`` last (then False)."""
         kept = await self.local.put(response_id, record)
         self._count()
         if self.memory is not None:

@@ -1,58 +1,6 @@
-"""The Responses API bridge: a ``POST /v1/responses`` request served by a chat-completions upstream, and its answer
-turned back into a Response object, or into the typed Responses event stream as each chunk arrives.
-
-Request side (:func:`chat_request`), OpenAI API reference "Create a model response" -> "Create chat completion":
-
-==========================================  =============================================================
-Responses                                   chat completions
-==========================================  =============================================================
-``instructions``                            a first ``system`` message (this turn's only, as the API does)
-``input`` string                            one ``user`` message
-``message`` items (``input_text``,          messages (``text``, ``image_url``, ``file`` parts; an assistant's
-``input_image``, ``input_file``,            ``output_text`` as its content, ``refusal`` as its refusal);
-``output_text``, ``refusal``)               ``developer`` as ``system``
-``function_call`` items                     the assistant message's ``tool_calls`` (consecutive calls: one)
-``function_call_output`` items              ``tool`` messages
-``reasoning`` items                         dropped (chat upstreams take no reasoning input)
-function ``tools`` (flat)                   ``tools`` (nested under ``function``); ``custom`` tools as functions of
-``namespace`` groups, ``additional_tools``  one string ``input``; namespaces' tools by their names; a custom tool's
-items, ``custom_tool_call(_output)``        call answered as ``custom_tool_call``
-``tool_choice``, ``parallel_tool_calls``    the same (a named function nested)
-``max_output_tokens``                       ``max_completion_tokens``
-``temperature``, ``top_p``, ``user``,       the same
-``presence_penalty``, ``frequency_penalty``,
-``safety_identifier``, ``service_tier``,
-``prompt_cache_key``
-``text.format`` ``json_schema`` /           ``response_format`` ``json_schema`` / ``json_object``
-``json_object``; ``text.verbosity``         ``verbosity``
-``reasoning.effort``                        ``reasoning_effort``
-``top_logprobs``, include                   ``logprobs`` and ``top_logprobs``
-``message.output_text.logprobs``
-==========================================  =============================================================
-
-The upstream's dialect rules then apply (``gateway.upstream.dialects``: Cerebras drops what it rejects). Dropped on
-purpose, because a chat upstream cannot act on them and they change no output: ``store`` and ``metadata`` (kept
-by the gateway, echoed in the response), ``client_metadata`` (Codex CLI's), ``reasoning.summary`` (no summaries come
-from chat), caching hints (``prompt_cache_retention``, ``prompt_cache_options``), ``stream_options``,
-``truncation: "disabled"``, ``max_tool_calls`` (a limit on built-in tool calls, of which the bridge runs none;
-echoed), and ``include`` values asking for what a chat upstream never makes (``reasoning.encrypted_content``,
-built-in tools' results): answered without it, as OpenAI answers a model that lacks the feature. Anything else the
-bridge cannot serve (:func:`unbridgeable`: built-in tools such as ``web_search``, ``file_search``, ``computer_use``,
-``code_interpreter``; ``background``; ``truncation: "auto"``; stored ``prompt`` templates; ``conversation``; images
-by ``file_id``; tool outputs with images or files; unknown fields and item types; values of the wrong type) would
-change the answer silently, so it is never dropped: the policy sends the request to an upstream that serves it
-natively, or answers 400 naming the parameter (docs/responses.md#request gives each one's reason).
-
-Response side: a chat completion becomes a Response object (:func:`whole_response`); a chat stream becomes the
-Responses event stream (:class:`BridgeRelay`): ``response.created``, ``response.in_progress``, then per output item
-``response.output_item.added``, ``response.content_part.added``, the deltas (``response.output_text.delta``,
-``response.refusal.delta``, ``response.reasoning_text.delta``, ``response.function_call_arguments.delta``), their
-``.done`` events and ``response.output_item.done``, and exactly one terminal event: ``response.completed``,
-``response.incomplete`` (``finish_reason: "length"`` -> ``max_output_tokens``, ``content_filter``) or
-``response.failed`` (an upstream failure after the first token). Every event is ``event: <type>`` plus its data,
-numbered by ``sequence_number``; no ``[DONE]``. Usage maps to ``input_tokens`` / ``output_tokens`` with their
-details (docs/reference/wire.md#responses-usage-and-timing).
-"""
+"""The Responses bridge's stream side: a chat-completions stream relayed as the typed Responses event stream,
+translated chunk by chunk as it arrives. What crosses, what is dropped and what is refused: docs/responses.md#request;
+the events: docs/responses.md#answer; usage: docs/reference/wire.md#responses-usage-and-timing."""
 
 from __future__ import annotations
 
@@ -71,8 +19,6 @@ from gateway.wire.body import dumps, loads
 
 
 class _Item:
-    """One output item being streamed: its index, id, kind and what it accumulated."""
-
     __slots__ = ("index", "id", "kind", "pieces", "refusals", "logprobs", "text_part", "refusal_part", "call_id",
                  "source_id", "name", "done", "status", "heads")
 
@@ -98,7 +44,7 @@ class _Item:
         return "".join(self.pieces)
 
     def seal(self, status: str = "completed") -> None:
-        """The item is done (``status``): its text joined once (``text`` is then the string itself)."""
+        """Joined once, so that ``text`` costs nothing after."""
         self.done = True
         self.status = status
         self.pieces = ["".join(self.pieces)]
@@ -109,8 +55,7 @@ class _Item:
         return "".join(self.refusals)
 
     def item(self, status: str) -> dict[str, Any]:
-        """The output item: empty while ``in_progress``; with what it holds when ``completed`` or ``incomplete`` (a
-        stream that failed keeps the text it had sent); message parts in the order they were opened."""
+        """Empty while ``in_progress``; a failed stream's items keep the text they had sent."""
         if self.kind == "function_call":
             return {"id": self.id, "type": "function_call", "status": status, "call_id": self.call_id,
                     "name": self.name, "arguments": self.text}
@@ -132,13 +77,8 @@ class _Item:
 
 
 class BridgeRelay(Relay):
-    """The relay of a bridged stream: reads a chat-completions stream, writes the Responses event stream.
-
-    It keeps the relay's contract (``gateway.stream.relay``): nothing is written before the first token, so an error
-    before it is still an HTTP error; usage, first and last token and the finish are observed per chunk; the stream ends
-    at ``[DONE]``, at EOF, or ``finish_grace`` after every choice finished. What it writes is translated, per chunk as
-    it arrives (module docstring). ``output`` holds the finished output items, ``response`` the final Response object.
-    """
+    """Keeps the relay's contract (``gateway.stream.relay``): nothing is written before the first token, so
+    an error before it is still an HTTP error. ``response``: the final Response object."""
 
     def __init__(self, draft: Draft, *, max_event_bytes: int, finish_grace: float,
                  hold_seconds: float | None = None, extra: Extra | None = None) -> None:
@@ -159,9 +99,8 @@ class BridgeRelay(Relay):
         out.append(b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n")
 
     def _delta(self, out: list[bytes], kind: str, item: _Item, text: str, content_index: int | None) -> None:
-        """One delta event, the same bytes :meth:`_emit` would write for ``type, item_id, output_index,
-        [content_index,] delta[, logprobs], sequence_number``, from a head built once per item and event type:
-        the delta is the one part that changes per chunk (measured: bench/bridge.py)."""
+        """The bytes :meth:`_emit` would write, from a head built once per item and event type: the
+        delta is the one part that changes per chunk (measured: bench/bridge.py)."""
         head = item.heads.get(kind)
         if head is None:
             fields: dict[str, Any] = {"type": kind, "item_id": item.id, "output_index": item.index}
@@ -364,7 +303,6 @@ class BridgeRelay(Relay):
             self._emit(out, "response.output_item.done", output_index=item.index, item=item.item(status))
 
     def _terminal(self, out: list[bytes]) -> None:
-        """The chat stream ended well: close every item, then ``response.completed`` (or ``incomplete``)."""
         self._start(out)
         incomplete = _INCOMPLETE.get(self._finish or "")
         status = "incomplete" if incomplete else "completed"
@@ -377,11 +315,8 @@ class BridgeRelay(Relay):
 
     def _failed(self, out: list[bytes], chunk: dict[str, Any] | None, code: str = "server_error",
                 message: str = "The upstream failed mid-response.") -> None:
-        """The upstream failed after the first token: ``response.failed`` with its error (never ``completed``).
-
-        ``error.code`` is one of the Responses API's own (OpenAPI ``ResponseError``): a rate limit stays
-        ``rate_limit_exceeded``, anything else the upstream or the gateway names is ``server_error``, with the
-        specific code in the message."""
+        """``error.code`` is one of the Responses API's own (OpenAPI ``ResponseError``): a rate limit
+        stays ``rate_limit_exceeded``, anything else is ``server_error``, the specific code in the message."""
         self._start(out)
         if chunk is not None:
             err = event_error(chunk)

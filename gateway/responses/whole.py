@@ -1,6 +1,5 @@
-"""The Responses bridge's whole-answer translator: a chat completion as a Response object (:func:`whole_response`), from
-the :class:`Draft` the request made (its id, echoed fields and status), with usage in Responses terms
-(:func:`response_usage`). OpenAI API reference, "The response object"."""
+"""The Responses bridge's whole-answer side: a chat completion as a Response object (OpenAI API reference, "The
+response object"). :class:`Draft` is shared with the stream side, so that both echo a request alike."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from gateway.wire.body import dumps, loads
 
 
 def response_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Chat ``usage`` as a Responses ``ResponseUsage`` (OpenAPI ``CompletionUsage`` -> ``ResponseUsage``)."""
+    """OpenAPI ``CompletionUsage`` -> ``ResponseUsage``."""
     if not isinstance(usage, dict):
         return None
     prompt, completion = _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))
@@ -36,8 +35,7 @@ def _str(value: Any) -> str:
 
 
 def _content_text(content: Any) -> str:
-    """A chat message's or delta's content as text: a string, or the text of its ``text`` parts (some servers send
-    parts lists in answers too)."""
+    """A string, or a parts list: some servers send one in answers too."""
     if isinstance(content, str):
         return content
     return "".join(p["text"] for p in _list(content) if isinstance(p, dict) and isinstance(p.get("text"), str))
@@ -47,8 +45,7 @@ _LOGPROB_KEYS = ("token", "logprob", "bytes")
 
 
 def _logprobs(logprobs: Any) -> list[dict[str, Any]]:
-    """Chat ``choice.logprobs.content`` as Responses ``logprobs`` (the same fields: token, logprob, bytes and
-    top_logprobs; OpenAPI ``ChatCompletionTokenLogprob`` -> ``ResponseOutputText.Logprob``)."""
+    """OpenAPI ``ChatCompletionTokenLogprob`` -> ``ResponseOutputText.Logprob``: the same fields."""
     out = []
     for entry in _list(_dict(logprobs).get("content")):
         if isinstance(entry, dict) and isinstance(entry.get("token"), str):
@@ -60,17 +57,9 @@ def _logprobs(logprobs: Any) -> list[dict[str, Any]]:
 
 
 class Draft:
-    """The Response object a bridged request answers with, echoing the request with the values used (OpenAI API
-    reference, "The response object"; the Open Responses specification's ``Response``: every field it requires is
-    present, a sampling setting the client left out as the default the upstream applied).
-
-    The model it names is the upstream's, as the upstream's answer names it (its first chunk): one rule for every
-    answer, relayed or bridged, as OpenAI names the snapshot it resolved an alias to. Until the upstream speaks, the
-    model the client asked for.
-
-    Args:
-        body: the Responses request; response_id: its id (:func:`new_id` with :data:`ID_PREFIX`).
-    """
+    """Echoes the request with the values used: every field the Open Responses specification's ``Response``
+    requires, a sampling setting the client left out as the default the upstream applied. ``model`` is the upstream's
+    once its answer names it, as OpenAI names the snapshot it resolved an alias to; until then, the client's."""
 
     def __init__(self, body: dict[str, Any], response_id: str) -> None:
         self.id = response_id
@@ -82,8 +71,6 @@ class Draft:
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                  incomplete: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The Response object with ``status`` (``in_progress``, ``completed``, ``incomplete``, ``failed``),
-        ``output`` items, ``usage`` (Responses terms), the ``incomplete`` reason and the ``error``."""
         b = self.body
         text = _dict(b.get("text"))
         reasoning = _dict(b.get("reasoning"))
@@ -113,13 +100,11 @@ class Draft:
 
 
 def _number(value: Any, default: float) -> float:
-    """A sampling setting as used: the client's number, else the API's default."""
     return value if isinstance(value, int | float) and not isinstance(value, bool) else default
 
 
 def _tool(tool: Any) -> Any:
-    """A tool as the Response echoes it: a function tool with ``strict`` as used (the client's, else false: the bridge
-    asks the chat upstream for no strict schema, and chat completions' default is not strict)."""
+    """``strict`` false unless the client set it: the bridge asks the chat upstream for no strict schema."""
     if isinstance(tool, dict) and tool.get("type") == "function" and "strict" not in tool:
         return {**tool, "strict": False}
     return tool
@@ -129,8 +114,8 @@ _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"
 
 
 def whole_response(completion: dict[str, Any], draft: Draft) -> dict[str, Any]:
-    """A chat completion (non-streaming) as the Response object: reasoning, then the message (text and refusal
-    parts), then one ``function_call`` item per tool call; ``finish_reason: "length"`` -> ``incomplete``."""
+    """Reasoning, then the message, then one item per tool call (``custom_tool_call`` for a freeform
+    tool). Raises UpstreamBadResponse for a 200 without a chat completion message."""
     choices = _list(completion.get("choices"))
     choice = _dict(choices[0]) if choices else {}
     message = choice.get("message")
@@ -171,16 +156,15 @@ def whole_response(completion: dict[str, Any], draft: Draft) -> dict[str, Any]:
 
 
 def _arguments(value: Any) -> str:
-    """A tool call's arguments as the JSON string the Responses API carries: a string as it came, a JSON object or
-    array (llama.cpp sends them so) serialised, anything else empty."""
+    """llama.cpp may send the arguments as JSON, not as a JSON string."""
     if isinstance(value, dict | list):
         return dumps(value).decode()
     return _str(value)
 
 
 def custom_input(arguments: str) -> str:
-    """A freeform tool's input from the arguments of the function it was offered to a chat upstream as
-    (``{"input": "..."}``); arguments that are not that object are the input as they came."""
+    """A freeform tool is offered to a chat upstream as a function taking ``{"input": "..."}``; arguments
+    that are not that object are the input as they came."""
     try:
         parsed = loads(arguments.encode())
     except ValueError:

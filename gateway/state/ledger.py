@@ -1,7 +1,5 @@
-"""What gateway keys spent, counted by every replica in Redis (:class:`SharedLedger`): one atomic script per
-reservation in the request's pipeline, a settlement that replaces the reservation by what was used, every key's shared
-counters read back every second or so, and what was spent while Redis was away added back when it answers again
-(``lua/key_reserve.lua``, ``lua/key_settle.lua``)."""
+"""Gateway keys' spend counted by every replica in Redis (docs/tenancy.md#limits), so that N replicas never allow N
+times a key's limits (``lua/key_reserve.lua``, ``lua/key_settle.lua``)."""
 
 from __future__ import annotations
 
@@ -22,25 +20,14 @@ SYNC_KEYS = 500  # keys whose shared counters one sync reads (one MGET each); mo
 
 
 class SharedLedger:
-    """A ``gateway.tenancy.ledger.Ledger`` whose counts every replica shares
-    (``{prefix}:{key:NAME}:{level}:{dimension}:{window}: {id}`` counters, one hash slot per key): a reservation is one
-    atomic script in the request's pipeline, which keeps what it added in a hold; its settlement replaces that by what
-    the request used.
-
-    Every answer of Redis gives the counters' values, which the replica keeps twice: in ``local`` (so that while Redis
-    is away it counts on from what every replica had spent, not from zero; ``gateway.state.ledger_file`` keeps ``local``
-    across a restart of the replica) and as each counter's *floor*, sent with every write: a counter Redis lost (it
-    restarted without its data, or evicted it) starts again from the last value this replica saw, not from zero. So
-    that this holds for the keys a replica has not served too, :meth:`sync` reads every configured key's counters
-    (``keys``) when Redis answers again and every ``gateway.state.link.TICK_S`` seconds while it does
-    (:data:`SYNC_KEYS` keys a tick at most, in turn): an outage finds each replica knowing every key's spend of at
-    most a tick before.
-
-    While Redis is away, ``local`` counts this replica's requests, and their settlements wait (bounded) and add what
-    they used to the shared counters when Redis answers again, so that what was spent meanwhile counts for every
-    replica. A reservation that got no answer in time may still be counted when Redis answers: its settlement then
-    replaces it by what was used (a tombstone voids it if it arrives later still), so it counts once.
-    """
+    """Counters ``{prefix}:{key:NAME}:{level}:{dimension}:{window}:{id}``, one hash slot per key. Every value Redis
+    gives is kept twice: in ``local``, so that while Redis is away this replica counts on from every replica's spend,
+    not from zero; and as the counter's floor, sent with every write, so that a counter Redis lost (a restart without
+    its data, an eviction) starts again from the last value seen. :meth:`sync` reads every configured key's counters
+    every ``TICK_S`` seconds, :data:`SYNC_KEYS` a tick, so that an outage finds each replica at most a tick behind for
+    the keys it has not served too. Settlements made while Redis is away wait (bounded) and are added when it answers; a
+    reservation that got no answer in time but ran is replaced by its settlement, or voided by a tombstone if it arrives
+    later still, so it counts once."""
 
     def __init__(self, shared: RedisLink, local: MemoryLedger) -> None:
         self.shared = shared
@@ -65,8 +52,6 @@ class SharedLedger:
         return repr(found[1]) if found is not None and found[0] == at else "0"
 
     def _saw(self, key: Key, limits: list[tuple[str, str, str, float]], at: dict[str, str], values: list[Any]) -> None:
-        """Redis gave ``values`` for the counters of ``limits``: keep them as floors, and as this replica's own counts
-        (what it counts on from while Redis is away)."""
         counts = self.local.counts
         for (level, dim, window, _), raw in zip(limits, values, strict=False):
             value = number(raw)
@@ -76,9 +61,8 @@ class SharedLedger:
         self.local.version += 1
 
     def sync(self) -> None:
-        """Read the shared counters of the current windows of up to :data:`SYNC_KEYS` keys (in turn), one ``MGET`` per
-        key (its counters share its hash slot), with the next pipeline, not awaited; each reply is kept as
-        :meth:`_saw` keeps a reservation's. A counter Redis does not hold leaves the local one as it is."""
+        """One ``MGET`` per key (its counters share its hash slot), queued, not awaited. A counter Redis does not hold
+        leaves the local one as it is."""
         keys = self.keys
         if not keys or not self.shared.up:
             return
@@ -101,13 +85,12 @@ class SharedLedger:
             self.shared.queue("keys", read, learned)
 
     async def reserve(self, key: Key, spend: Spend, fast: bool) -> Hold | Refusal:
-        """See ``gateway.tenancy.ledger.MemoryLedger.reserve``."""
         now = windows(self.local.wall())
         return await self._reserve(key, spend, ("all", "fast") if fast else ("all",), {w: v[0] for w, v in now.items()},
                                    now)
 
     async def extend(self, hold: Hold, level: str) -> Refusal | None:
-        """See ``gateway.tenancy.ledger.MemoryLedger.extend``: the extension is a part of ``hold``, settled with it."""
+        """The extension is a part of ``hold``, settled with it."""
         got = await self._reserve(hold.key, hold.spend, (level,), hold.at, windows(self.local.wall()))
         if isinstance(got, Refusal):
             return got
@@ -116,8 +99,8 @@ class SharedLedger:
 
     async def _reserve(self, key: Key, spend: Spend, levels: tuple[str, ...], at: dict[str, str],
                        now: dict[str, tuple[str, float]]) -> Hold | Refusal:
-        """Reserve ``spend`` at ``levels`` in the windows ``at`` (ids; ``now``: the current windows, for a refusal's
-        wait): in Redis, or, without an answer in time, here (and settled there when Redis answers again)."""
+        """``now``: the current windows, for a refusal's wait. Without an answer in time it is counted here, and settled
+        there when Redis answers again."""
         limits = bounded(key, levels)
         if not limits:
             return Hold(key, levels, spend, dict(at), self, local=False)
@@ -145,9 +128,8 @@ class SharedLedger:
         return Hold(key, levels, spend, dict(at), self, local=False, remote=(counters, hold_id))
 
     def settle(self, hold: Hold, used: Spend, fast: bool) -> None:
-        """See ``gateway.tenancy.ledger.MemoryLedger.settle``: each part of the hold (it and its extensions) takes what
-        the request used, here (a part counted here) and in Redis (queued, not awaited; kept for later while Redis is
-        away): a part counted here adds what was used there too, once."""
+        """Each part (the hold and its extensions) is settled in Redis, queued and not awaited; a part counted here adds
+        what was used there too, once."""
         for part in [hold, *hold.parts]:
             if part.local:
                 self.local.settle(part, used, fast)
@@ -171,8 +153,8 @@ class SharedLedger:
         self.shared.queue("keys", lambda pipe: pipe.evalsha(self.shared.key_settle.sha, len(keys), *keys, *args))
 
     def _resend(self) -> None:
-        """Redis answers again: the settlements that waited go first, then a sync (in the same pipeline, after them:
-        what it reads includes what was spent meanwhile)."""
+        """The settlements that waited go in the pipeline before the sync, so that what it reads includes what was spent
+        meanwhile."""
         waiting, self.waiting = self.waiting, []
         for keys, args in waiting:
             self._send(keys, args)

@@ -1,22 +1,10 @@
-"""What gateway keys spent, kept on disk, so that a restart starts from it (``GATEWAY_STATE_DIR``;
-docs/tenancy.md#limits).
+"""Gateway keys' spend kept on disk (``GATEWAY_STATE_DIR``), so that a restart without Redis (a deploy, a crash, an OOM
+kill) does not set every key's day and month back to zero (docs/tenancy.md#limits).
 
-A :class:`gateway.tenancy.ledger.MemoryLedger` lives in one process: without this, a restart (a deploy, a crash, an OOM
-kill) set every key's day and month spend back to zero. :class:`LedgerFile` keeps each counter of the current windows
-(minute, day and month) in one JSON file: at start-up the ledger is seeded from it, and every ``every`` seconds
-(and once more at shutdown) what this process added since its last write is added to the file, under an exclusive
-``flock`` so that the workers of ``--workers N`` sharing the file add up instead of overwriting each other. Each
-write also brings back what the others added: workers without Redis then see each other's spend within ``every``
-seconds, not N times the limits. Counters of windows that ended are dropped.
-
-The file is read and written in a thread (``asyncio.to_thread``): a slow disk never stalls the event loop that relays
-streams. Written to a temporary file, then renamed over the old one (POSIX ``rename`` is atomic): a crash mid-write
-leaves the last whole file. A state directory that cannot be written is logged once and the gateway goes on without
-it (its keys' spend then lives as long as the process).
-
-What a restart can still lose: the spend of the last ``every`` seconds before a crash (a clean stop writes it all),
-and every reservation in flight at a crash stays counted (the safe side: the key is charged its estimate).
-"""
+The ``--workers N`` sharing the file add to it under ``flock`` rather than overwrite each other, and each write brings
+back what the others added. It is read and written in a thread, so that a slow disk never stalls the loop that relays
+streams, and replaced by ``rename`` (atomic in POSIX), so that a crash mid-write leaves the last whole file. A crash
+loses the last ``every`` seconds; a directory that cannot be written is logged once and the gateway goes on."""
 
 from __future__ import annotations
 
@@ -49,8 +37,8 @@ def _slot(name: str) -> Slot | None:
 
 
 def read(path: Path, current: dict[str, str]) -> dict[Slot, tuple[str, float]]:
-    """The counters in the file at ``path`` whose window id is ``current``'s (window name -> id), else nothing (no file,
-    or one that is not ours: a counter that cannot be read counts from nothing)."""
+    """``current``: window name -> id. A file that is missing or not ours reads as nothing: what cannot be read counts
+    from nothing."""
     try:
         raw = orjson.loads(path.read_bytes())
     except (OSError, ValueError):
@@ -68,12 +56,7 @@ def read(path: Path, current: dict[str, str]) -> dict[Slot, tuple[str, float]]:
 
 
 class LedgerFile:
-    """``ledger``'s counters kept in ``directory``/:data:`FILE` (module docstring).
-
-    Args:
-        directory: the state directory (``GATEWAY_STATE_DIR``); ledger: the process's ledger (a shared ledger's local
-            one included); every: seconds between writes; wall: the wall clock (seconds) windows are read from.
-    """
+    """``every``: seconds between writes; ``ledger`` may be a shared ledger's local one."""
 
     def __init__(self, directory: Path, ledger: MemoryLedger, every: float = 1.0,
                  wall: Callable[[], float] = time.time) -> None:
@@ -90,7 +73,7 @@ class LedgerFile:
         return {w: v[0] for w, v in windows(self.wall()).items()}
 
     def load(self) -> None:
-        """Seed the ledger with the file's counters of the current windows (at start-up, before any request)."""
+        """At start-up, before any request."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -113,8 +96,7 @@ class LedgerFile:
         return changed
 
     async def flush(self) -> None:
-        """Add what this process spent since its last write to the file, and what the others added to the ledger (also
-        when this process spent nothing, if another wrote since)."""
+        """Also when this process spent nothing, if another wrote since: that brings back its spend."""
         if self._broken or (self.ledger.version == self._version and not self._changed_on_disk()):
             return
         version = self.ledger.version
@@ -138,8 +120,8 @@ class LedgerFile:
 
     def _merge(self, ours: dict[Slot, tuple[str, float]],
                current: dict[str, str]) -> dict[Slot, tuple[str, float]]:
-        """In a thread, under the file's lock: the file's counters plus what ``ours`` added since our last write; the
-        result is written and returned."""
+        """In a thread, under the file's lock: ours is added as what changed since our last write, so that the workers'
+        spends add up."""
         with open(self.path.with_suffix(".lock"), "a+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
@@ -160,7 +142,7 @@ class LedgerFile:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     async def run(self) -> None:
-        """Write every ``every`` seconds while the process serves; once more when cancelled (shutdown)."""
+        """Once more when cancelled, so that a clean stop loses nothing."""
         try:
             while True:
                 await asyncio.sleep(self.every)

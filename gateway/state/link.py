@@ -1,9 +1,8 @@
-"""One process's link to the Redis the replicas share (``state.redis_url``): a per-event-loop-turn pipeline that
-carries every command asked in that turn in one round trip, bounded by ``state.timeout``, and the bookkeeping of Redis
-being away (every failure counted; the first logged; a ping every ``state.retry`` seconds until it answers again,
-then whoever asked to be told is called). The shared state's parts build on it: ``gateway.state.redis`` (quota
-estimates, cooldowns and breakers), ``store``, ``ledger`` and ``owners``.
-"""
+"""One process's link to the Redis the replicas share. Every command asked in one event-loop turn goes in one pipeline,
+one round trip however many requests are in flight (measured: with each script's arguments packed in one string, that
+halved the CPU a request spends on Redis; ``bench/RESULTS.md``). Redis being away is counted, logged once and pinged
+every ``state.retry`` seconds until it answers. ``redis``, ``store``, ``ledger``, ``sessions`` and ``owners`` build on
+it."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ TICK_S = 1.0  # seconds between the calls of ``on_tick`` while Redis answers
 
 @dataclass
 class _Ask:
-    """Commands for the next pipeline: ``add`` queues them; ``future`` (an awaiting request) gets their replies, else
-    ``then`` gets the first one."""
+    """``future`` (an awaiting request) gets the replies, else ``then`` gets the first."""
 
     op: str
     add: Callable[[Pipeline], Any]
@@ -51,11 +49,11 @@ class _Ask:
 
 
 class _Failed(Exception):
-    """The pipeline carrying an ask failed (counted there)."""
+    """Counted where the pipeline failed."""
 
 
 def number(value: Any) -> float | None:
-    """A Redis reply as a finite number, or None (absent, an error reply, or not a number)."""
+    """None for an absent or error reply, or not a finite number."""
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -65,18 +63,8 @@ def number(value: Any) -> float | None:
 
 
 class RedisLink:
-    """The transport of the shared state (module docstring); see :class:`gateway.state.redis.SharedState`.
-
-    Args:
-        url: the Redis URL (a secret: it may hold a password); cfg: ``state:``; metrics: where its errors are counted;
-        wall: the wall clock (seconds) times cross processes in.
-
-    Attributes:
-        up: Redis answered the last operation (False from start until the first ping answers).
-        replica: this process's name in the messages (host, pid, random), so that it skips its own.
-        on_restored: called each time Redis answers again; on_deleted: told the response ids other replicas deleted;
-        on_tick: called every :data:`TICK_S` seconds or so while Redis answers (by the subscriber: :meth:`tick`).
-    """
+    """``wall``: the clock (seconds) times cross processes in; ``replica`` (host, pid, random) lets it skip its own
+    messages; ``up`` is False until the first ping answers."""
 
     def __init__(self, url: SecretStr, cfg: StateConfig, metrics: Metrics, *,
                  wall: Callable[[], float] = time.time) -> None:
@@ -113,14 +101,8 @@ class RedisLink:
         metrics.shared_up.set(0)
 
     async def ask(self, op: str, add: Callable[[Pipeline], Any]) -> tuple[bool, list[Any]]:
-        """Send the commands ``add(pipeline)`` queues with everything else asked in this event-loop turn, and wait
-        for their replies within ``state.timeout``.
-
-        Returns:
-            (True, the replies of the commands ``add`` queued), or (False, []) when Redis is away, failed, answered
-            one of them with an error (a lost script after a restart included) or was too slow: counted, and the
-            caller goes on with its local state.
-        """
+        """Bounded by ``state.timeout``. (False, []) when Redis is away, failed, refused a command (a script lost in a
+        restart included) or was too slow: counted, and the caller goes on with its local state."""
         if not self.up:
             return False, []
         ask = _Ask(op, add, asyncio.get_running_loop().create_future())
@@ -137,13 +119,12 @@ class RedisLink:
         return True, replies
 
     def forget(self, response_id: str) -> None:
-        """Tell the other replicas to drop their local copy of a deleted response (queued, not awaited)."""
+        """Tells the other replicas to drop their local copy of a deleted response."""
         message = orjson.dumps({"r": self.replica, "e": "deleted", "id": response_id})
         self.queue("store", lambda pipe: pipe.publish(self.channel, message))
 
     def queue(self, op: str, add: Callable[[Pipeline], Any], then: Callable[[Any], None] | None = None) -> None:
-        """Send ``add``'s commands with the next pipeline, not awaited (``then`` gets the first reply); dropped (and
-        counted) while Redis is away."""
+        """Not awaited; ``then`` gets the first reply. Dropped, and counted, while Redis is away."""
         if not self.up:
             self.metrics.shared_dropped.inc()
             return
@@ -160,8 +141,7 @@ class RedisLink:
             task.add_done_callback(self._flushes.discard)
 
     async def _flush(self) -> None:
-        """Send every command asked so far in one pipeline (several pipelines may be in flight: each takes a
-        connection from the pool) and hand each asker its replies."""
+        """Several pipelines may be in flight: each takes a connection from the pool."""
         batch, self._asks = self._asks, []
         pipe = self.redis.pipeline(transaction=False)
         counts = []
@@ -197,14 +177,14 @@ class RedisLink:
             ask.then(replies[0])
 
     def _refuse(self, ask: _Ask) -> None:
-        """An ask that will get no reply: its awaiting request goes on locally; an update is counted as dropped."""
+        """Its awaiting request goes on locally; an update is counted as dropped."""
         if ask.future is None:
             self.metrics.shared_dropped.inc()
         elif not ask.future.done():
             ask.future.set_exception(_Failed())
 
     def _failed(self, op: str, exc: BaseException) -> None:
-        """An operation failed: count it; the first failure since Redis last answered marks it away and is logged."""
+        """The first failure since Redis last answered marks it away and is logged."""
         self.metrics.shared_errors.labels(op).inc()
         if self.up or not self._said_down:
             self._said_down = True
@@ -216,8 +196,7 @@ class RedisLink:
         self.metrics.shared_up.set(0)
 
     def tick(self) -> None:
-        """Call ``on_tick`` if :data:`TICK_S` seconds passed since the last time (the subscriber calls this between
-        messages, at least once a second)."""
+        """The subscriber calls this between messages, at least once a second."""
         now = time.monotonic()
         if now < self._next_tick or not self.up:
             return
@@ -236,8 +215,7 @@ class RedisLink:
             callback()
 
     async def stop(self) -> None:
-        """Stop the subscriber and the pipelines in flight, and close the connections (updates still queued are
-        dropped)."""
+        """Updates still queued are dropped."""
         tasks = [*self._tasks, *self._flushes]
         for task in tasks:
             task.cancel()

@@ -1,5 +1,5 @@
-"""Which gateway key made which object of the rest of the API, known to every replica (:class:`SharedOwners`;
-``gateway.tenancy.objects``)."""
+"""Which gateway key made which object of the rest of the API (``gateway.tenancy.objects``), known to every replica, so
+that an object one replica made is scoped to its key on all."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from gateway.tenancy.objects import MemoryOwners
 
 
 class SharedOwners:
-    """A ``gateway.tenancy.objects.Owners`` every replica shares: ``{prefix}:object:{id}`` holds the key that made the
-    object, living ``ttl`` after it was claimed; ``local`` (this process's) answers while Redis is away."""
+    """``{prefix}:object:{id}`` holds the key that made it, living ``ttl`` after the claim; ``local`` answers while
+    Redis is away."""
 
     def __init__(self, local: MemoryOwners, shared: RedisLink) -> None:
         self.local = local

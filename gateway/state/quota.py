@@ -1,5 +1,5 @@
-"""An attempt's verdicts told to its upstream's local health and, its answer's rate-limit report, to the shared quota
-estimate (:class:`SharedVerdicts`: the ``gateway.upstream.attempt.Verdicts`` of a replica with shared state)."""
+"""The ``gateway.upstream.attempt.Verdicts`` of a replica with shared state: an attempt's verdicts go to its upstream's
+local health, and its answer's rate-limit report to the shared estimate too."""
 
 from __future__ import annotations
 
@@ -13,9 +13,6 @@ from gateway.state.redis import Admission, SharedState
 
 
 class SharedVerdicts:
-    """An attempt's verdicts (``gateway.upstream.attempt.Verdicts``) told to its upstream's local health, and its
-    answer's rate-limit report also to the shared estimate (with the attempt's admission mark)."""
-
     __slots__ = ("local", "shared", "admission", "reported")
 
     def __init__(self, local: UpstreamHealth, shared: SharedState, admission: Admission | None) -> None:
@@ -31,12 +28,10 @@ class SharedVerdicts:
             self.shared.landed(self.local.name, self.admission.member)
 
     def observe_headers(self, headers: Mapping[str, str], now: float, mark: Any = None) -> None:
-        """:meth:`observe_report` of ``headers`` read by the general reader (``gateway.routing.ratelimits``)."""
+        """Read by the general reader (``gateway.routing.ratelimits``)."""
         self.observe_report(quota_report(headers), now, mark)
 
     def observe_report(self, report: dict[str, Window], now: float, mark: Any = None) -> None:
-        """An answer's rate-limit report (as its dialect read it), told to the local health and the shared
-        estimate."""
         self.local.observe_report(report, now, mark)
         self.reported = True
         self.shared.observed(self.local, report, self.admission)

@@ -1,39 +1,15 @@
-"""State the replicas of one deployment share through Redis (``state:`` in the config;
-docs/operations.md#replicas-share-state-through-redis).
+"""State the replicas of one deployment share through Redis (docs/operations.md#replicas-share-state-through-redis):
+quota estimates, cooldowns and breakers here; the Responses store, the keys' ledger, sessions and object owners beside
+it, all over one :class:`gateway.state.link.RedisLink` (redis-py's asyncio client; any Redis 6.2 or newer).
 
-Without it each process keeps its own picture of the upstreams, and one replica's 429 teaches the others nothing.
-With it (redis-py's asyncio client; any Redis 6.2 or newer):
+A quota estimate is ``{prefix}:{upstream}:quota:{kind}`` (what the last answer reported left, expiring at its reset)
+minus ``...:sent:{kind}``, the running total of every replica's reservations made after that answer's request; an
+attempt's *mark* is that total at its reservation. Cooldowns and breakers go to the hash ``...:rest`` and the channel
+``{prefix}:events``; each replica applies the others' to its own :class:`gateway.routing.health.Health`, so that
+planning stays local and pure.
 
-* **Quota estimates.** Per upstream, the remaining requests and tokens as the last answer reported them, minus every
-  replica's reservations made after that answer's request (those the upstream had not counted yet). Keys
-  ``{prefix}:{upstream}:quota:{kind}`` (a float that expires at the reported reset) and ``...:sent:{kind}`` (the
-  running total of reservations, whose value at an attempt's reservation is its *mark*). Before an attempt to an
-  upstream that reports rate limits, :meth:`SharedState.admit` checks the estimate and reserves the request's
-  estimated tokens in one atomic script: one round trip per attempt, awaited (refused: the request spills over as it
-  does when its local estimate is short). The answer's report is written by another script, not awaited.
-* **Cooldowns and breaker transitions.** A replica's 429 cooldown or opened breaker goes to the hash
-  ``...:rest`` (until its end) and, like a closed breaker, to the channel ``{prefix}:events``; every replica applies
-  the others' to its own :class:`gateway.routing.health.Health` (its ``shared_*`` methods), so planning stays local and
-  pure. A replica that starts, or finds Redis again, reads the hashes first. Not awaited by any request.
-* **The Responses store** (``gateway.state.store``), **the keys' ledger** (``gateway.state.ledger``) and **who made
-  which object** (``gateway.state.owners``), over the same link (``gateway.state.link``). The store holds every
-  bridged conversation and every native response's upstream, so a follow-up may reach any replica.
-
-Every command a request or an update sends in one event-loop turn goes in one pipeline (one round trip on one
-connection, however many requests are in flight): measured, that and packing each script's arguments into one string
-halved the CPU a request spends on Redis (``bench/RESULTS.md``).
-
-Redis unreachable, or slower than ``state.timeout``: the operation is abandoned, counted
-(``tiergate_shared_state_errors_total``) and logged once; the replica goes on with its local state (its own traffic
-keeps its estimates, as without Redis), asks Redis nothing on a request's path until a ping answers again (every
-``state.retry`` seconds), then reads the shared state again and subscribes again. No request fails because of Redis,
-and none waits for it longer than ``state.timeout``; the per-chunk path never touches it.
-
-Times cross processes as wall-clock seconds (``time.time()``: replicas need synchronised clocks, as Kubernetes nodes
-have); each replica turns them into its own health clock. Keys carry the upstream in a hash tag, so each script's keys
-share a Redis Cluster slot (the Responses store's keys all share one: its scripts read and count records they find
-on the way).
-"""
+Times cross processes as wall-clock seconds (replicas need synchronised clocks, as Kubernetes nodes have). Each key
+carries its upstream in a hash tag, so that each script's keys share a Redis Cluster slot."""
 
 from __future__ import annotations
 
@@ -59,26 +35,16 @@ from gateway.state.scripts import QUOTA_KEYS, SEP
 log = logging.getLogger("tiergate")
 
 
-
-
 KINDS = ("requests", "tokens")
-
-
-
-
 
 
 IN_FLIGHT_S = 120.0  # a reservation whose answer never reports (a replica died) leaves the in-flight set after this
 
 
-
-
-
-
 @dataclass
 class Admission:
-    """What :meth:`SharedState.admit` decided: ``ok`` (reserved; ``mark`` is the attempt's, for its answer's report),
-    else ``refused`` (``requests`` or ``tokens``: the shared estimate does not cover the request)."""
+    """``mark``: the attempt's, for its answer's report; ``refused``: ``requests`` or ``tokens``, the estimate that did
+    not cover the request."""
 
     ok: bool
     refused: str | None = None
@@ -88,17 +54,8 @@ class Admission:
 
 
 class SharedState(RedisLink):
-    """One process's link to the shared state (module docstring). Start it with :meth:`start` in the app's lifespan;
-    :meth:`attach` it to each :class:`Health` the app builds (a reload builds a new one).
-
-    Args:
-        url: the Redis URL (a secret: it may hold a password); cfg: ``state:``; metrics: where its errors are counted;
-        wall: the wall clock (seconds) times cross processes in.
-
-    Attributes:
-        up: Redis answered the last operation (False from start until the first ping answers).
-        replica: this process's name in the messages (host, pid, random), so that it skips its own.
-    """
+    """:meth:`attach` it to each :class:`Health` the app builds: a reload builds a new one, which carries the old one's
+    upstreams over."""
 
     def __init__(self, url: SecretStr, cfg: StateConfig, metrics: Metrics, *,
                  wall: Callable[[], float] = time.time) -> None:
@@ -108,29 +65,21 @@ class SharedState(RedisLink):
     # lifecycle
 
     def attach(self, health: Health) -> None:
-        """Apply the other replicas' state to ``health`` and tell them its transitions (a reload's new one replaces the
-        old, whose upstreams it carried over)."""
         if self.health is not None:
             self.health.listen(None)
         self.health = health
         health.listen(self)
 
     async def start(self) -> None:
-        """Start the subscriber (which connects, reads the shared state and subscribes in the background: start-up never
-        waits for Redis)."""
+        """The subscriber connects in the background: start-up never waits for Redis."""
         self._tasks = [asyncio.get_running_loop().create_task(self._subscriber())]
-
 
     # the request path
 
     async def admit(self, h: UpstreamHealth, need_tokens: int) -> Admission | None:
-        """Reserve an attempt's request and ``need_tokens`` against ``h``'s shared estimate (module docstring), keeping
-        its ``quota_reserve``; the reply also refreshes ``h``'s local estimate.
-
-        Returns:
-            the :class:`Admission`, or None: nothing was asked (Redis is away, or no answer of the upstream ever
-            reported rate limits) or no answer came within ``state.timeout`` (the local estimate decides alone).
-        """
+        """Keeps the upstream's ``quota_reserve``; the reply also refreshes the local estimate. None when nothing was
+        asked (Redis away, or the upstream never reported rate limits) or no answer came within ``state.timeout``: the
+        local estimate then decides alone."""
         if not self.up or not h.reports_quota:
             return None
         keep, wall, base = h.cfg.quota_reserve, self.wall(), self._base(h.name)
@@ -152,9 +101,8 @@ class SharedState(RedisLink):
                          ahead=(int(reply[8]), int(reply[9])))
 
     def observed(self, h: UpstreamHealth, report: dict[str, Window], admission: Admission | None) -> None:
-        """An answer of ``h``'s upstream came: its rate-limit report (``gateway.routing.health.quota_report``; empty:
-        none), and the end of its reservation's flight, go with the next pipeline, not awaited. ``admission``: the
-        attempt's (None: it reserved nothing in Redis)."""
+        """Not awaited. ``report`` may be empty (none came); ``admission`` is None when the attempt reserved nothing in
+        Redis."""
         mark = admission.mark if admission is not None else None
         if not report:
             if admission is not None and admission.member is not None:
@@ -181,29 +129,23 @@ class SharedState(RedisLink):
         self.queue("observe", lambda pipe: pipe.evalsha(self._observe.sha, 1, base, joined), applied)
 
     def landed(self, upstream: str, member: str) -> None:
-        """An admitted attempt ended without a report (an error, a cancel): its reservation leaves the in-flight set."""
+        """An admitted attempt ended without a report (an error, a cancel)."""
         base = self._base(upstream)
         self.queue("observe", lambda pipe: pipe.evalsha(self._landed.sha, 1, base, member))
 
     # gateway.routing.health.Listener: this replica's transitions, for the others
 
     def rested(self, upstream: str, kind: str, until: float, exhausted: bool) -> None:
-        """``upstream`` rests (``kind`` ``cooldown`` or ``open``) until ``until`` (the health clock's time)."""
+        """``until``: the health clock's time."""
         wall = self.wall() + (until - self._now())
         message = orjson.dumps({"r": self.replica, "u": upstream, "e": kind, "until": wall, "x": exhausted})
         self.queue("rest", lambda pipe: pipe.evalsha(self._rest.sha, 1, self._key(upstream, "rest"), kind, repr(wall),
                                                       int(exhausted), self.channel, message))
 
     def closed(self, upstream: str) -> None:
-        """``upstream``'s breaker closed."""
         message = orjson.dumps({"r": self.replica, "u": upstream, "e": "closed"})
         self.queue("rest", lambda pipe: pipe.evalsha(self._rest.sha, 1, self._key(upstream, "rest"), "closed", "0", 0,
                                                       self.channel, message))
-
-    # one pipeline per event-loop turn: what every request of the turn asks goes in one round trip, on one connection
-
-
-
 
     # inside
 
@@ -211,7 +153,7 @@ class SharedState(RedisLink):
         return f"{self._base(upstream)}:{what}"
 
     def _base(self, upstream: str) -> str:
-        """The key every key of ``upstream`` starts with (its hash tag: one Redis Cluster slot per upstream)."""
+        """Its hash tag puts every key of the upstream in one Redis Cluster slot."""
         return f"{self.prefix}:{{{upstream}}}"
 
     def _quota_keys(self, upstream: str) -> list[str]:
@@ -221,17 +163,12 @@ class SharedState(RedisLink):
         return self.health.clock() if self.health is not None else time.monotonic()
 
     def _local(self, wall: float) -> float:
-        """A wall-clock time from another replica as a time of this replica's health clock."""
+        """Another replica's wall-clock time as a time of this replica's health clock."""
         return self._now() + (wall - self.wall())
 
-
-
-
-
-
     async def _subscriber(self) -> None:
-        """Until stopped: connect, read the shared state, subscribe and apply every message; when Redis goes away,
-        ping every ``state.retry`` seconds until it answers, then again."""
+        """When Redis goes away, it is pinged every ``state.retry`` seconds until it answers, then read and subscribed
+        to again."""
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
@@ -255,7 +192,7 @@ class SharedState(RedisLink):
             await asyncio.sleep(self.cfg.retry)
 
     async def _resync(self) -> None:
-        """Read every upstream's shared cooldown, breaker and quota estimate into the local health."""
+        """Also loads the scripts: a Redis that restarted has lost them."""
         health = self.health
         names = list(health.by_name) if health is not None else []
         pipe = self.redis.pipeline(transaction=False)
@@ -284,8 +221,7 @@ class SharedState(RedisLink):
                     h.shared_quota(kind, value, now + ttl / 1000)
 
     def _apply(self, data: bytes) -> None:
-        """Apply another replica's message to the local health (or the Responses store's local copies); a message
-        that is not one of ours is counted and skipped."""
+        """A message that is not one of ours is counted and skipped."""
         try:
             self._apply_message(orjson.loads(data))
         except (ValueError, TypeError, KeyError, IndexError, AttributeError):
@@ -314,7 +250,3 @@ class SharedState(RedisLink):
                 value, ms = m["q"][i], m["ms"][i]
                 if value != "" and ms != "":
                     h.shared_quota(q, float(value), now + float(ms) / 1000)
-
-
-
-

@@ -1,9 +1,7 @@
-"""The Redis scripts of the shared state, kept as Lua files beside this module (``gateway/state/lua/``) and composed
-here: every script starts with ``safe.lua`` (a key that holds something else than what the gateway keeps there is
-dropped and counts from nothing, so no stray value makes a script fail for every request), and the quota scripts
-with the keys and arguments of one upstream (``quota_keys.lua``, ``land.lua``). Each script's file says its keys,
-arguments and reply. The scripts run with EVALSHA (loaded again when Redis lost them: ``gateway.state.redis``).
-"""
+"""The Redis scripts of the shared state, composed from the Lua files in ``lua/`` (each says its keys, arguments and
+reply). The quota, rest and key scripts start with ``safe.lua``: a key holding something the gateway does not keep there
+is dropped and counts from nothing, so that no stray value fails a script for every request. They run with EVALSHA,
+loaded each time the subscriber connects."""
 
 from __future__ import annotations
 
@@ -20,7 +18,6 @@ SEP = "\x1f"
 
 
 def lua(name: str) -> str:
-    """The text of ``lua/<name>`` (installed with the package)."""
     return resources.files("gateway.state").joinpath("lua", name).read_text()
 
 

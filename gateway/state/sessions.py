@@ -1,7 +1,5 @@
-"""Agent sessions every replica shares (:class:`SharedSessions`): each session's record in Redis, so that a run's next
-step finds its warm upstream, its budgets and its totals whichever replica it reaches, and its steps in flight, so
-that every replica's admission counts them; this process's table (``gateway.tenancy.sessions.MemorySessions``)
-answers while Redis is away."""
+"""Agent sessions every replica shares (docs/sessions.md#replicas), so that a run's next step finds its warm upstream,
+its budgets and its totals whichever replica it reaches, and every replica's admission counts its steps in flight."""
 
 from __future__ import annotations
 
@@ -14,23 +12,16 @@ from gateway.tenancy.sessions import Bounds, Hold, MemorySessions, Move, Session
 
 
 def record_key(record: SessionRecord) -> str:
-    """The table key of ``record``'s session."""
     return scope(record.owner, record.id)
 
 
 class SharedSessions:
-    """A ``gateway.tenancy.sessions.SessionTable`` kept in Redis: ``{prefix}:session:{<key>}``, a hash of the run's
-    totals (made once by its first step's admission, added to by ``lua/session_step.lua``, so that steps served at
-    once by two replicas both count), ``...:moves``, its newest moves, both living ``sessions.idle`` after the last
-    step, and ``...:holds``, its steps in flight (members ``<hold id>|<usd>``, scored by when each expires, wall
-    seconds: ``HOLD_S`` at most, so that a replica that died mid-step leaks no hold). A step's admission is one script
-    (``lua/session_begin.lua``): it checks the run's budgets against its steps finished and in flight and adds the
-    step's hold, or refuses; its settlement removes the hold (and adds the step) in another.
-    ``{prefix}:sessions:{<owner>}`` indexes each gateway key's sessions by their last step or admission
-    (``lua/session_index.lua``), so that one key holds at most its share of ``sessions.max_items`` in Redis too (its
-    least recently used go; without keys, ``max_items`` in all). ``local`` keeps a copy of each session this process
-    served (Redis' totals as its last admission there saw them, its own steps and holds since), which admits and
-    counts while Redis is away (then the other replicas' steps since are missed)."""
+    """``{prefix}:session:{<key>}`` holds the run's totals, added to by ``lua/session_step.lua`` so that steps two
+    replicas serve at once both count; ``...:moves``; and ``...:holds``, its steps in flight (``<hold id>|<usd>`` scored
+    by expiry, wall seconds), so that a replica that died mid-step leaks no hold. ``{prefix}:sessions:{<owner>}``
+    indexes a key's runs by last use, so that one key holds at most its share of ``sessions.max_items`` in Redis too.
+    ``local`` keeps a copy of each run this process served, which admits and counts while Redis is away (missing the
+    other replicas' steps meanwhile)."""
 
     def __init__(self, local: MemorySessions, shared: RedisLink, max_moves: int) -> None:
         self.local = local
@@ -40,8 +31,7 @@ class SharedSessions:
         self.on_end, local.on_end = local.on_end, self._ended
 
     def _ended(self, record: SessionRecord) -> None:
-        """This process's copy of a session left its table: the session ended there only if no replica took a
-        step of it since this one's last (Redis counts the same steps); then it is told on, once."""
+        """The run ended only if no replica took a step of it since this one's last; then it is told on, once."""
         if self.on_end is None:
             return
         tell = self.on_end
@@ -70,9 +60,8 @@ class SharedSessions:
         return record
 
     async def begin(self, key: str, fresh: SessionRecord, hold: Hold, bounds: Bounds, now: float) -> Tally:
-        """Admit the step in Redis (``lua/session_begin.lua``), mirrored in the local copy; without an answer in time,
-        in the local copy alone (its hold in Redis, if the script ran after all, is removed by the settlement, or
-        expires)."""
+        """Without an answer in time, admitted in the local copy alone; its hold in Redis, if the script ran after all,
+        is removed by the settlement, or expires."""
         name = self._key(key)
         args: list[str | int] = [
             self.ttl_ms, repr(now), repr(now + self.local.hold_s), hold.member(), repr(hold.usd),
@@ -114,7 +103,7 @@ class SharedSessions:
         self._index(key, record.owner, now)
 
     def _index(self, key: str, owner: str | None, now: float) -> None:
-        """The key's index: over its share, its own least recently used runs leave Redis as they leave this table."""
+        """Over its share, a key's own least recently used runs leave Redis as they leave this table."""
         index = f"{self.shared.prefix}:sessions:{{{owner or ''}}}"
         bound = self.local.per_key if owner is not None else self.local.max_items
         at: list[str | int] = [key, repr(now), bound, repr(self.local.idle), self.ttl_ms]
@@ -122,7 +111,7 @@ class SharedSessions:
         self.shared.queue("session", lambda pipe: pipe.evalsha(indexing.sha, 1, index, *at), self._evict)
 
     def _evict(self, gone: Any) -> None:
-        """Delete the records of the sessions that left a key's index (one key per command: each its own slot)."""
+        """One key per command: each is its own Cluster slot."""
         names = [self._key(k.decode() if isinstance(k, bytes) else str(k)) for k in gone or ()]
         if names:
             self.shared.queue("session", lambda pipe: [pipe.delete(n, n + ":moves", n + ":holds") for n in names])
@@ -133,9 +122,8 @@ def _text(value: Any) -> str:
 
 
 def decode(fields: Any, moves: Any, holds: Any = ()) -> SessionRecord | None:
-    """A session from its hash, its moves list and its holds in flight (``(member, expiry)`` pairs) as Redis returns
-    them, or None (no such session, or not one the gateway wrote). A run whose first step is in flight has no step
-    yet: no ``n`` nor ``t``."""
+    """``holds``: ``(member, expiry)`` pairs. None for what the gateway did not write. A run whose first step is in
+    flight has no ``n`` nor ``t`` yet."""
     if not isinstance(fields, dict) or not fields:
         return None
     f = {_text(k): _text(v) for k, v in fields.items()}
@@ -172,7 +160,6 @@ def decode(fields: Any, moves: Any, holds: Any = ()) -> SessionRecord | None:
 
 
 def _holds(record: SessionRecord, holds: Any) -> None:
-    """Give ``record`` its holds in flight from their ``(member, expiry)`` pairs as Redis returns them."""
     for item in holds if isinstance(holds, list) else []:
         if isinstance(item, (list, tuple)) and len(item) == 2:
             hold_id, _, usd = _text(item[0]).rpartition("|")

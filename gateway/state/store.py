@@ -1,6 +1,6 @@
-"""The Responses store every replica shares (:class:`SharedResponseStore`): each record in Redis and in this process's
-memory, found only by its owner, each gateway key holding at most its share of the records in Redis as in a process
-(``lua/store_put.lua``), a conversation's chain read in one script (``lua/history.lua``)."""
+"""The Responses store every replica shares, so that a follow-up may reach any replica: each record in Redis and in
+this process's memory, which answers while Redis is away; a conversation's chain is read in one script
+(``lua/history.lua``)."""
 
 from __future__ import annotations
 
@@ -11,21 +11,12 @@ from gateway.state.link import RedisLink
 
 
 class SharedResponseStore:
-    """A :class:`gateway.responses.store.ResponseStore` that keeps every record in Redis and in this process's
-    :class:`MemoryResponseStore` too, which answers while Redis is away. A record is found only by its owner, here as
-    in the local copy (``gateway.responses.store``).
-
-    In Redis (every key under one hash tag, ``{prefix}:{responses}``, one Redis Cluster slot: ``lua/store.lua``) a
-    record is the hash ``...:record:{id}`` (its encoded record, the id it continues, its owner), living
-    ``response_store.ttl`` after it was put or last continued. Each owner's records are indexed by that time, with
-    their sizes (the record's JSON plus :data:`gateway.responses.store.OVERHEAD`, as the local store counts them), so
-    that Redis holds, as a process does, at most ``key_share`` of ``max_items`` and ``max_bytes`` of one gateway key
-    (past it, its own oldest go) and at most ``max_items`` and ``max_bytes`` in all (past it, the oldest of the key
-    holding the largest share go; without keys, the oldest). The index and the counts have no TTL: under the replicas
-    overlay's ``volatile-ttl`` Redis never evicts them; and since the records never take more than the store's bounds,
-    they never bring a Redis sized for them (docs/operations.md) to its ``maxmemory``, where it would evict the keys'
-    counters or another key's record (records expiring before the counters would not be enough: Redis evicts from a
-    sample of its keys)."""
+    """Every key under one hash tag (``{prefix}:{responses}``, one Cluster slot: the scripts read and count the records
+    they find on the way). Redis keeps a process's bounds, one key at most its ``key_share``
+    (docs/operations.md#replicas-share-state-through-redis), counted in an index and counts without a TTL: under
+    ``volatile-ttl`` Redis never evicts them, and the records never bring a Redis sized for them to its ``maxmemory``,
+    where it would evict the keys' counters or another key's record. Records expiring before the counters would not be
+    enough: Redis evicts from a sample of its keys."""
 
     def __init__(self, local: MemoryResponseStore, shared: RedisLink) -> None:
         self.local = local
@@ -49,7 +40,6 @@ class SharedResponseStore:
         return f"{self.base}:sizes:{owner or ''}"
 
     def _bounds(self) -> list[int | str]:
-        """The first arguments of the store's scripts (``lua/store.lua``)."""
         return [self.base, self.local.max_items, self.local.max_bytes]
 
     async def get(self, response_id: str, owner: str | None) -> Record | None:

@@ -1,11 +1,5 @@
-"""Gateway keys: who may use the gateway, and with which tiers (``auth:``; docs "Tenancy").
-
-Pure code, no I/O. With ``auth:`` configured every ``/v1`` request carries a gateway key, as OpenAI's own clients send
-theirs (``Authorization: Bearer <key>``) or as Azure-style clients do (``api-key: <key>``). The config holds only each
-key's SHA-256 (keys are 256 random bits, so a fast hash is the right one: nothing to guess from it); a request's key is
-hashed, looked up, and compared in constant time (``hmac.compare_digest``). Missing, malformed or unknown: OpenAI's 401
-envelope, ``invalid_api_key``. How much a key may spend is :mod:`gateway.tenancy.ledger`.
-"""
+"""Gateway keys (docs/tenancy.md#gateway-keys). The config holds only each key's SHA-256: keys are 256 random bits, so a
+fast hash is the right one (nothing to guess from it). Pure code, no I/O."""
 
 from __future__ import annotations
 
@@ -22,43 +16,37 @@ KEY_PREFIX = "tg-"
 
 
 def new_key() -> str:
-    """A new gateway key: ``tg-`` and 256 random bits, URL-safe base64 (46 characters)."""
+    """256 random bits, URL-safe base64: 46 characters with the prefix."""
     return KEY_PREFIX + secrets.token_urlsafe(32)
 
 
 def digest(key: str) -> str:
-    """The hex SHA-256 of ``key``: what the config keeps (``auth.keys[].sha256``)."""
+    """What the config keeps (``auth.keys[].sha256``)."""
     return hashlib.sha256(key.encode()).hexdigest()
 
 
 def masked(token: str) -> str:
-    """A key as error messages show it: its first and last four characters (OpenAI's "sk-abc***wxyz")."""
+    """Its first six and last four characters, as OpenAI's messages show a key ("sk-abc***wxyz")."""
     return f"{token[:6]}***{token[-4:]}" if len(token) > 12 else "***"
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: one object per configured key
 class Key:
-    """An authenticated key: its ``name`` and its config (never the key itself)."""
+    """Its name and config, never the key itself."""
 
     name: str
     cfg: KeyConfig
 
 
 class Keys:
-    """The configured keys, by hash (``auth:``), and who may read ``/metrics`` (``auth.metrics``)."""
-
     def __init__(self, auth: AuthConfig) -> None:
         self.by_hash = {k.sha256: Key(k.name, k) for k in auth.keys}
         self.scrape = frozenset(auth.metrics.sha256)
         self.public_metrics = auth.metrics.public
 
     def may_scrape(self, headers: Iterable[tuple[bytes, bytes]]) -> None:
-        """Whether a request with these headers may read ``/metrics``: ``auth.metrics.public``, or a scrape token.
-
-        Raises:
-            Unauthorized: no bearer token, or one that is not a scrape token (a gateway key included: a tenant reads no
-                other tenant's spend).
-        """
+        """Raises Unauthorized unless ``auth.metrics.public``, or the token is a scrape token: a gateway key is not,
+        since a tenant reads no other tenant's spend."""
         if self.public_metrics:
             return
         token = _token(headers)
@@ -70,13 +58,8 @@ class Keys:
             raise Unauthorized("unknown", f"{masked(token)} is not a scrape token for /metrics (auth.metrics).")
 
     def authenticate(self, headers: Iterable[tuple[bytes, bytes]]) -> Key:
-        """The key of a request with these (ASGI, lower-case) headers.
-
-        Raises:
-            Unauthorized: no ``Authorization: Bearer`` or ``api-key`` header (``reason`` ``missing``), one that is not a
-                bearer token (``malformed``), or a key the config does not hold (``unknown``); the message shows at
-                most a masked key (OpenAI API reference, "Authentication").
-        """
+        """``headers``: ASGI's, lower-case names. Raises Unauthorized (``reason`` ``missing``, ``malformed`` or
+        ``unknown``), its message showing at most a masked key (OpenAI API reference, "Authentication")."""
         token = _token(headers)
         if not token:
             raise Unauthorized("missing", "You didn't provide an API key. Send your gateway key as 'Authorization: "
@@ -89,11 +72,8 @@ class Keys:
 
 
 def _token(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
-    """The bearer token of ``Authorization`` (else ``api-key``'s value), or None.
-
-    Raises:
-        Unauthorized: an ``Authorization`` header that is not ``Bearer <token>`` (``malformed``).
-    """
+    """``Authorization``'s bearer token, else ``api-key``'s value (Azure-style clients), or None. Raises Unauthorized
+    (``malformed``) for an ``Authorization`` that is not ``Bearer <token>``."""
     token = None
     for name, value in headers:
         if name == b"authorization":

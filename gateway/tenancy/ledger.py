@@ -1,13 +1,6 @@
-"""What gateway keys spent, and the limits it is held to (``auth:`` keys' ``limits`` and ``fast``; docs "Tenancy").
-
-Pure code, no I/O (the Redis ledger replicas share is ``gateway.state.ledger.SharedLedger``; the file that keeps a
-process's spend across restarts is ``gateway.state.ledger_file``). Per key: requests and tokens per UTC minute and USD
-per UTC day and month, over all its requests (``limits``: over them, 429) and over those the fast tier serves
-(``fast``: over them, the request is served by the standard tier). A request reserves before it is sent (one request,
-its estimated tokens, its estimated cost at the first candidate's prices), and its :class:`Hold` is settled when it is
-recorded (its usage, its cost, the tier that served it): concurrent requests never overshoot a limit by more than what
-is in flight.
-"""
+"""What gateway keys spent, and the limits it is held to (docs/tenancy.md#limits). A request reserves before it is sent
+and settles when it ends, so that concurrent requests never overshoot a limit by more than what is in flight. Pure code,
+no I/O: the replicas' ledger is ``gateway.state.ledger``."""
 
 from __future__ import annotations
 
@@ -30,8 +23,6 @@ DIMENSIONS = (("requests", "minute", "requests_per_minute"), ("tokens", "minute"
 
 @dataclass
 class Spend:
-    """What a request counts against a key: requests, tokens, USD."""
-
     requests: float = 1.0
     tokens: float = 0.0
     usd: float = 0.0
@@ -41,8 +32,8 @@ class Spend:
 
 
 def windows(now: float) -> dict[str, tuple[str, float]]:
-    """Each window's id at wall-clock time ``now`` (seconds) and the seconds to its end: ``minute``, ``day``,
-    ``month`` (UTC). The calendar part is worked out once per minute (measured: 4.3 us a call otherwise)."""
+    """Each window's id at wall-clock ``now`` and the seconds to its end, in UTC. The calendar part is worked out once
+    per minute (measured: 4.3 us a call otherwise)."""
     minute = int(now // 60)
     cached = _CALENDAR.get(minute)
     if cached is None:
@@ -66,7 +57,7 @@ def limits_of(key: Key, level: str) -> KeyLimits:
 
 @functools.lru_cache(maxsize=4096)  # keys and levels are few; asked twice per request
 def bounded(key: Key, levels: tuple[str, ...]) -> list[tuple[str, str, str, float]]:
-    """(level, dimension, window, limit) of every limit the key has at ``levels`` (do not change the list)."""
+    """(level, dimension, window, limit); cached, so never change the list."""
     out = []
     for level in levels:
         lim = limits_of(key, level)
@@ -79,15 +70,15 @@ def bounded(key: Key, levels: tuple[str, ...]) -> list[tuple[str, str, str, floa
 
 @dataclass
 class Refusal:
-    """A reservation refused: the ``level`` (``all`` or ``fast``), the limit's field name, and the seconds until its
-    window ends."""
+    """``limit``: the field's name; ``retry_after``: seconds until its window ends."""
 
     level: str
     limit: str
     retry_after: float
 
     def error(self, key: Key) -> GatewayError:
-        """The answer to a refusal at level ``all`` (module docstring)."""
+        """At level ``all``. A spent budget says ``x-should-retry: false`` (the OpenAI SDKs honour it): waiting a minute
+        will not help."""
         if self.limit.startswith("usd"):
             period = "day" if self.limit == "usd_per_day" else "month"
             return KeyOverBudget(f"The gateway key '{key.name}' has spent its budget for this {period} "
@@ -98,26 +89,18 @@ class Refusal:
                            f"{self.retry_s()} s.", headers={"retry-after": str(self.retry_s())})
 
     def fast_error(self, key: Key) -> GatewayError:
-        """The answer to a refusal at level ``fast`` when no other tier can serve the request."""
         return RateLimited(f"The gateway key '{key.name}' has spent its fast-tier allowance ({self.limit}), and only "
                            "the fast tier can serve this request.", headers={"retry-after": str(self.retry_s())})
 
     def retry_s(self) -> int:
-        """Whole seconds to wait (``retry-after``), at least 1."""
+        """At least 1: ``retry-after`` takes whole seconds."""
         return max(1, math.ceil(self.retry_after))
 
 
 @dataclass
 class Hold:
-    """A request's reservation against its key: settle it once, when the request is recorded.
-
-    Attributes:
-        key: the key; levels: those charged (``all``, and ``fast`` when it was reserved for the fast tier);
-        spend: what was reserved; at: the window ids it was reserved in; ledger: where it is settled.
-        local: counted in this process's :class:`MemoryLedger`; remote: (counters, hold id) in Redis
-            (``gateway.state.ledger.SharedLedger``), or None; parts: the holds it was extended by
-            (:meth:`Ledger.extend`).
-    """
+    """Settled once, when the request is recorded. ``at``: the window ids it was reserved in; ``remote``: (counters,
+    hold id) in Redis; ``parts``: its extensions (:meth:`Ledger.extend`)."""
 
     key: Key
     levels: tuple[str, ...]
@@ -130,12 +113,10 @@ class Hold:
     parts: list[Hold] = field(default_factory=list)
 
     def charges(self, level: str) -> bool:
-        """Whether it (or an extension of it) reserved at ``level``."""
         return level in self.levels or any(level in p.levels for p in self.parts)
 
     def settle(self, tokens: float, usd: float, tier: str) -> None:
-        """The request ended: it used ``tokens`` and cost ``usd`` on ``tier`` (the fast allowance is given back when
-        another tier served it)."""
+        """The fast allowance is given back when another tier served it."""
         if self.settled:
             return
         self.settled = True
@@ -143,8 +124,7 @@ class Hold:
 
 
 class Ledger(Protocol):
-    """Where keys' spending is counted: :class:`MemoryLedger`, or ``gateway.state.ledger.SharedLedger`` across
-    replicas."""
+    """:class:`MemoryLedger`, or ``gateway.state.ledger.SharedLedger`` across replicas."""
 
     async def reserve(self, key: Key, spend: Spend, fast: bool) -> Hold | Refusal: ...
     async def extend(self, hold: Hold, level: str) -> Refusal | None: ...
@@ -152,25 +132,21 @@ class Ledger(Protocol):
 
 
 class MemoryLedger:
-    """A :class:`Ledger` in this process (module docstring). ``wall``: the wall clock (``time.time``, seconds)."""
-
     def __init__(self, wall: Callable[[], float]) -> None:
         self.wall = wall
         self.counts: dict[tuple[str, str, str, str], tuple[str, float]] = {}  # (key, level, dim, window) -> (id, n)
         self.version = 0  # bumped by every change of counts (gateway.state.ledger_file writes only what changed)
 
     def used(self, key: str, level: str, dim: str, window: str, at: str) -> float:
-        """What ``key`` has used (and holds) of ``dim`` at ``level`` in window ``at``."""
+        """Reservations in flight included."""
         found = self.counts.get((key, level, dim, window))
         return found[1] if found is not None and found[0] == at else 0.0
 
     async def reserve(self, key: Key, spend: Spend, fast: bool) -> Hold | Refusal:
-        """Reserve ``spend`` at level ``all`` and, when ``fast``, ``fast``: every limit must leave room for it (the
-        first that does not is the refusal; nothing is reserved then)."""
+        """The first limit without room is the refusal, and nothing is reserved then."""
         return self.take(key, spend, fast, windows(self.wall()))
 
     def take(self, key: Key, spend: Spend, fast: bool, at: dict[str, tuple[str, float]]) -> Hold | Refusal:
-        """:meth:`reserve` at the windows ``at`` (:func:`windows`)."""
         levels = ("all", "fast") if fast else ("all",)
         ids = {w: v[0] for w, v in at.items()}
         hold = Hold(key, levels, spend, ids, self)
@@ -179,8 +155,7 @@ class MemoryLedger:
 
     def _charge(self, hold: Hold, limits: list[tuple[str, str, str, float]],
                 now: dict[str, tuple[str, float]]) -> Refusal | None:
-        """Add ``hold``'s spend to every counter of ``limits`` if each leaves room (in the hold's windows), else the
-        first refusal (nothing added). One pass to check, one to add: measured, the per-request cost of a key."""
+        """One pass to check, one to add: measured, this is the per-request cost of a key."""
         counts, name, at, spend = self.counts, hold.key.name, hold.at, hold.spend
         slots = []
         for level, dim, window, limit in limits:
@@ -200,7 +175,7 @@ class MemoryLedger:
 
     def take_at(self, key: Key, spend: Spend, levels: tuple[str, ...], at: dict[str, str],
                 now: dict[str, tuple[str, float]]) -> Hold | Refusal:
-        """:meth:`take` at given window ids ``at`` (an extension: the windows of the hold it extends)."""
+        """At the window ids ``at``: an extension's are those of the hold it extends."""
         hold = Hold(key, (), spend, dict(at), self)
         for level in levels:
             refused = self.extend_now(hold, level, now)
@@ -209,20 +184,18 @@ class MemoryLedger:
         return hold
 
     async def extend(self, hold: Hold, level: str) -> Refusal | None:
-        """Reserve ``hold``'s spend at ``level`` too (an attempt on the fast tier the request was not reserved for: a
-        failover, a spillover, a hedge), in the windows it was reserved in; the refusal, or None."""
+        """For a fast-tier attempt the request was not reserved for: a failover, a spillover, a hedge."""
         return self.extend_now(hold, level, windows(self.wall()))
 
     def extend_now(self, hold: Hold, level: str, now: dict[str, tuple[str, float]]) -> Refusal | None:
-        """:meth:`extend` with the current windows ``now`` (for the refusal's wait)."""
+        """``now``: the current windows, for the refusal's wait."""
         refused = self._charge(hold, bounded(hold.key, (level,)), now)
         if refused is None:
             hold.levels = (*hold.levels, level)
         return refused
 
     def settle(self, hold: Hold, used: Spend, fast: bool) -> None:
-        """Replace what ``hold`` reserved by what the request ``used`` (in the windows it was reserved in), at each
-        level it charged; the fast level gives it all back when ``fast`` is false."""
+        """The fast level gives back all it reserved when ``fast`` is false."""
         for level, dim, window, _ in bounded(hold.key, hold.levels):
             delta = (used.get(dim) if level == "all" or fast else 0.0) - hold.spend.get(dim)
             self._add(hold.key.name, level, dim, window, hold.at[window], delta)

@@ -1,24 +1,6 @@
-"""Which gateway key owns which object of the rest of the API (files, uploads, batches, vector stores, fine-tuning jobs,
-assistants, threads, conversations, containers, evals, videos), so that with gateway keys on what a key stored only
-that key reaches.
-
-Every key's passthrough request goes to the same upstream account with the gateway's own credential, and an upstream
-answers any id the account holds: without this, key B could list key A's files, read their content, cancel A's batch
-or attach A's file to its own vector store. OpenAI scopes objects to the project that made them (API reference:
-another project's id is "No such File object"); the gateway scopes them to the key:
-
-* a ``POST`` that answers a JSON object with an ``id`` makes that id the requesting key's (:meth:`Owners.claim`);
-* a path that names an object (an ``{id}`` segment of its route: ``gateway.wire.routes``) is served only when every
-  object it names is the requesting key's, else answered 404 as an unknown id is (never sent upstream);
-* a body that names objects (:data:`REFERENCES`: ``input_file_id``, ``file_ids``, ``training_file``, ...) likewise,
-  on the passthrough and on the hot path (a chat message's ``file.file_id``, a Responses ``input_file``, a
-  ``file_search`` tool's ``vector_store_ids``, a ``conversation``, a ``code_interpreter`` ``container``:
-  :func:`named_objects`), since a model call reads what it names with the same credential;
-* a list (``GET /v1/files``, ``/v1/batches``, ...) shows the key's own objects only (:func:`filter_list`).
-
-An id the gateway never saw made (made before the gateway, or straight at the provider) is nobody's: no key reaches it.
-Without gateway keys nothing of this applies. Model ids (``/v1/models/{id}``) are not objects.
-"""
+"""Which gateway key made which object of the rest of the API (docs/tenancy.md#isolation): every key's passthrough
+request reaches the same upstream account with the gateway's credential, which answers any id the account holds. OpenAI
+scopes objects to the project that made them, the gateway to the key; an id it never saw made is nobody's."""
 
 from __future__ import annotations
 
@@ -44,12 +26,9 @@ MADE_BY_THE_MODEL = frozenset({"tool_calls", "function_call"})
 
 
 def references(body: Any, names: frozenset[str] = REFERENCES, items: bool = False) -> list[str]:
-    """The object ids a parsed JSON request body names (members called one of ``names``: a string, a list's strings,
-    or an object's ``id``, as ``{"conversation": {"id": ...}}``), at any depth: every object and list is visited once,
-    without recursion (``thread.messages[].attachments[].file_id`` is 5 levels down), a string member costing a type
-    check (names are read as parsed, so a JSON escape in one hides nothing). ``items``: the ``id`` of each Responses
-    ``item_reference`` too (an item of a stored response or conversation, which the upstream resolves across the
-    account)."""
+    """Members called one of ``names``: a string, a list's strings, or an object's ``id``, at any depth and without
+    recursion. Names are read as parsed, so that a JSON escape in one hides nothing. ``items``: each Responses
+    ``item_reference``'s ``id`` too, which the upstream resolves across the account."""
     out: list[str] = []
     stack = [body]
     pop, push = stack.pop, stack.append  # bound once: called per node
@@ -76,12 +55,9 @@ def references(body: Any, names: frozenset[str] = REFERENCES, items: bool = Fals
 
 
 def named_objects(body: Any) -> list[str]:
-    """The object ids a chat completion or Responses request body names (:func:`references` of
-    :data:`MODEL_CALL_REFERENCES`, wherever they sit: a content part's ``file_id``, a prompt variable's, a tool's
-    ``vector_store_ids``), and each ``item_reference``'s id (no key made one through the gateway: refused). A chat
-    message's tool calls are not walked (:data:`MADE_BY_THE_MODEL`). Measured on an idle machine: 0.8 µs for a
-    one-message body, 16 µs for a 101-message agent history with 50 tool calls (60 KB; orjson parses it in 37 µs),
-    where substring searches of the body's bytes for the names took 145 µs."""
+    """A model call reads what it names with the same credential. A message's tool calls are not walked
+    (:data:`MADE_BY_THE_MODEL`). Measured: 16 µs for a 101-message agent history with 50 tool calls (60 KB), where
+    substring searches of the body for the names took 145 µs."""
     messages = body.get("messages") if type(body) is dict else None
     if type(messages) is not list:
         return references(body, MODEL_CALL_REFERENCES, items=True)
@@ -101,9 +77,8 @@ def named_objects(body: Any) -> list[str]:
 
 
 def created_ids(answer: bytes) -> list[str]:
-    """The ids a ``POST`` made: the ``id`` of the JSON object it answered with, and the ``file`` a completed upload
-    made (Uploads API, "Complete upload"). Never the ids of other members: an answer echoes the request's
-    ``metadata`` (``{"metadata": {"id": "<another key's file>"}}`` once took that file)."""
+    """Never another member's id: an answer echoes the request's ``metadata``, and ``{"metadata": {"id": "<another key's
+    file>"}}`` once took that file. A completed upload's ``file`` too (Uploads API, "Complete upload")."""
     try:
         parsed = orjson.loads(answer)
     except orjson.JSONDecodeError:
@@ -118,8 +93,7 @@ def created_ids(answer: bytes) -> list[str]:
 
 
 async def filter_list(answer: bytes, owner: str, owners: Owners) -> bytes | None:
-    """A list answer (``{"object": "list", "data": [...], "first_id", "last_id", "has_more"}``) with only ``owner``'s
-    objects in ``data`` (its ``first_id`` / ``last_id`` those of what is left); None when it is no list."""
+    """``first_id`` and ``last_id`` become those of what is left; None when it is no list."""
     try:
         parsed = orjson.loads(answer)
     except orjson.JSONDecodeError:
@@ -139,26 +113,22 @@ async def filter_list(answer: bytes, owner: str, owners: Owners) -> bytes | None
 
 
 class Owners(Protocol):
-    """Who owns which object id (module docstring): :class:`MemoryOwners`, or Redis (``gateway.state.redis``)."""
+    """:class:`MemoryOwners`, or ``gateway.state.owners.SharedOwners`` across replicas."""
 
     async def owner(self, object_id: str) -> str | None:
-        """The key that made ``object_id``, or None (nobody's: unknown, or forgotten)."""
+        """None: nobody's (unknown, or forgotten)."""
         ...
 
     async def owned(self, object_ids: Iterable[str], owner: str) -> set[str]:
-        """Those of ``object_ids`` that ``owner`` made."""
         ...
 
     async def claim(self, object_id: str, owner: str) -> None:
-        """``owner`` made ``object_id``."""
         ...
 
 
 class MemoryOwners:
-    """An :class:`Owners` in this process: at most ``max_items`` ids, each forgotten ``ttl`` seconds after it was
-    claimed (when full, the oldest of the key holding the most go first), and at most ``key_share`` of them one key's
-    (past it, its own oldest go: a key holding fewer ids than another never loses one to it). ``clock``: seconds
-    (``time.monotonic``)."""
+    """``ttl``: seconds an id is kept after its claim. One key holds at most ``key_share`` of ``max_items``, and a full
+    registry takes room from the key holding the most, never from a quieter key."""
 
     def __init__(self, max_items: int, ttl: float, clock: Callable[[], float] = time.monotonic,
                  key_share: float = 0.25) -> None:

@@ -1,16 +1,7 @@
-"""What the gateway keeps of one agent run (a session, ``gateway.routing.sessions``): its steps, tokens, cost and
-time, where its prompt cache is warm, and how it moved between upstreams; and the bounded table that keeps them in
-this process (:class:`MemorySessions`; the replicas' is ``gateway.state.sessions``). Pure code, no I/O: times are
-passed in (wall-clock seconds, ``time.time()``, so that replicas agree on them).
-
-A session belongs to the gateway key that named it: its table key (:func:`scope`) is made of the key's name and the
-id, so that two tenants naming the same id have two sessions, and neither reaches the other's.
-
-A run's record is made once, by its first step's admission (insert-if-absent), and every step is added to that record
-as a delta. Admitting a step checks the run's budgets and reserves one step and its estimated cost against it (a
-:class:`Hold`) with nothing in between (:meth:`MemorySessions.take`; in Redis one script,
-``gateway.state.sessions``); the step's settlement releases the hold and, when an upstream answered, adds the step.
-"""
+"""What the gateway keeps of one agent run (docs/sessions.md) and the bounded table of runs in this process; the
+replicas' is ``gateway.state.sessions``. Pure code: times come in as wall-clock seconds, so that replicas agree on them.
+A step's admission checks the budgets and reserves it with nothing in between, so that concurrent steps cannot pass a
+budget together."""
 
 from __future__ import annotations
 
@@ -31,15 +22,14 @@ HOLD_S = 900.0
 
 
 def scope(owner: str | None, session_id: str) -> str:
-    """The table key of ``session_id`` named by the gateway key ``owner`` (None without ``auth:``): 32 hex digits of
-    their SHA-256 (bounded, and safe in a Redis key whatever the id holds)."""
+    """The gateway key's name is in it, so that two tenants naming the same id have two sessions. 32 hex digits of a
+    SHA-256: bounded, and safe in a Redis key whatever the id holds."""
     return hashlib.sha256(f"{owner or ''}\x1f{session_id}".encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True, slots=True)
 class Warm:
-    """A session's last step on one upstream: when it ended (wall seconds) and its prompt (tokens, the prefix the
-    upstream's prompt cache now holds)."""
+    """``at``: wall seconds; ``prompt_tokens``: the prefix the upstream's prompt cache now holds."""
 
     at: float
     prompt_tokens: int
@@ -47,8 +37,7 @@ class Warm:
 
 @dataclass(frozen=True, slots=True)
 class Move:
-    """A step served by another upstream than the step before it: when (wall seconds), from where, to where, and why
-    (``gateway.routing.sessions.MOVE_REASONS``)."""
+    """``at``: wall seconds; ``reason``: one of ``gateway.routing.sessions.MOVE_REASONS``."""
 
     at: float
     source: str
@@ -58,13 +47,8 @@ class Move:
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """One finished step of a session, as the request's record saw it.
-
-    upstream, tier: what served it; duration: seconds from its arrival to its end; usd: its cost (0 when unpriced);
-    prompt_tokens, cached_tokens, output_tokens: its usage (cached: served from the upstream's prompt cache);
-    saved: seconds the fast tier saved against the standard tier's live estimate for the same tokens (None: not on
-    the fast tier, or nothing to compare with); move: why it left the session's last upstream (None: it did not).
-    """
+    """``duration`` and ``saved`` in seconds (``saved``: against the standard tier's live estimate for the same tokens;
+    None: nothing to compare with); ``usd``: 0 when unpriced."""
 
     upstream: str
     tier: str
@@ -79,28 +63,24 @@ class Step:
 
 @dataclass(frozen=True, slots=True)
 class Hold:
-    """One step's reservation against its run: its id (random: unique per step) and the USD it reserved (its
-    estimated cost; 0 when unpriced)."""
+    """``id`` is random, unique per step; ``usd``: its estimated cost (0 when unpriced)."""
 
     id: str
     usd: float
 
     def member(self) -> str:
-        """Its member in the run's set of holds in Redis: ``<id>|<usd>``."""
+        """``<id>|<usd>``: its member in the run's set of holds in Redis."""
         return f"{self.id}|{self.usd!r}"
 
 
 @dataclass(frozen=True, slots=True)
 class Bounds:
-    """What a step's admission holds its run to: ``max_steps`` (None: no bound) and ``max_usd`` (None: not checked;
-    a step the USD budget moved to the standard tier is not held to it)."""
+    """``max_usd`` None: not checked (a step the USD budget moved to the standard tier is not held to it)."""
 
     max_steps: int | None
     max_usd: float | None
 
     def refused(self, steps: int, held: int, usd: float, reserved: float) -> str | None:
-        """The budget a run that finished ``steps`` costing ``usd``, with ``held`` steps in flight that reserved
-        ``reserved``, has no room in for another step (``max_steps``, ``max_usd``), or None."""
         if self.max_steps is not None and steps + held >= self.max_steps:
             return "max_steps"
         if self.max_usd is not None and usd + reserved >= self.max_usd:
@@ -110,9 +90,8 @@ class Bounds:
 
 @dataclass(frozen=True, slots=True)
 class Tally:
-    """A step's admission against its run: ``refused`` (the budget, or None: reserved); ``record``: the run's record
-    it was counted in; steps, held, usd, reserved: what the run counted when it was checked (held, reserved: its steps
-    in flight and what they reserved, this one's included when it was admitted)."""
+    """``steps``, ``held``, ``usd``, ``reserved``: what the run counted when checked, this step's hold included when
+    admitted."""
 
     record: SessionRecord
     refused: str | None
@@ -123,23 +102,14 @@ class Tally:
 
     @property
     def number(self) -> int:
-        """The step's number in the run (1-based): its steps finished and in flight, itself included."""
+        """1-based: its steps finished and in flight, itself included."""
         return self.steps + self.held
 
 
 @dataclass
 class SessionRecord:
-    """One session (module docstring). Times are wall-clock seconds; tokens and USD are its steps' sums.
-
-    Attributes:
-        owner, id, source: the gateway key that named it (None without ``auth:``), its id and where the id came from;
-        started, last: its first step's arrival and its last step's end; steps: steps finished; usd: their cost;
-        prompt_tokens, cached_tokens, output_tokens: their usage; last_upstream: the upstream of the last step;
-        warm: per upstream, its last step there; seconds_by_tier, seconds_by_upstream, steps_by_tier: where its
-        time went; saved, saved_steps: seconds the fast tier saved, over how many steps it could be told; moves:
-        the newest moves between upstreams (at most ``sessions.max_moves``); moved: every move counted; holds: its
-        steps in flight, hold id -> (USD reserved, when the hold expires).
-    """
+    """Times in wall-clock seconds. ``moves``: the newest (``sessions.max_moves``), ``moved`` counts all; ``holds``:
+    hold id -> (USD reserved, wall-clock expiry)."""
 
     owner: str | None
     id: str
@@ -163,30 +133,28 @@ class SessionRecord:
     holds: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def in_flight(self, now: float) -> tuple[int, float]:
-        """Its steps in flight at ``now`` (holds not expired) and the USD they reserved."""
         live = [usd for usd, until in self.holds.values() if until > now]
         return len(live), sum(live)
 
     def expire(self, now: float) -> None:
-        """Drop the holds expired at ``now`` (steps whose settlement never came)."""
+        """Holds whose settlement never came."""
         for hold_id in [h for h, (_, until) in self.holds.items() if until <= now]:
             del self.holds[hold_id]
 
     def idle(self, now: float, idle: float) -> bool:
-        """No step in flight, and none finished (or, without one, none started) for ``idle`` seconds."""
+        """Never while a step is in flight."""
         return self.in_flight(now)[0] == 0 and now - (self.last if self.steps else self.started) >= idle
 
     def without_holds(self) -> SessionRecord:
-        """A copy of it (nothing shared) without its holds: another table's record of the run's steps."""
+        """A deep copy, nothing shared: another table's record of the run's steps."""
         return dataclasses.replace(self, **{f.name: copy.deepcopy(getattr(self, f.name)) for f in _COPIED}, holds={})
 
     def take_totals(self, other: SessionRecord) -> None:
-        """Take ``other``'s totals (a newer view of the same run: Redis'), keeping its own holds."""
+        """``other`` is a newer view of the same run (Redis'); its own holds stay."""
         for f in _COPIED:
             setattr(self, f.name, copy.deepcopy(getattr(other, f.name)))
 
     def add(self, step: Step, now: float, max_moves: int) -> Move | None:
-        """Count ``step``, which ended at ``now``; the move it made (counted), or None."""
         move = None
         if step.move is not None and self.last_upstream is not None:
             self.moved += 1
@@ -211,7 +179,7 @@ class SessionRecord:
         return move
 
     def as_dict(self) -> dict[str, object]:
-        """The record as ``GET /v1/tiergate/sessions/{id}`` shows it (times as Unix seconds)."""
+        """As ``GET /v1/tiergate/sessions/{id}`` shows it."""
         return {
             "object": "tiergate.session", "id": self.id, "source": self.source, "steps": self.steps,
             "started_at": round(self.started, 3), "last_step_at": round(self.last, 3) if self.steps else None,
@@ -234,31 +202,27 @@ _COPIED = tuple(f for f in dataclasses.fields(SessionRecord) if f.name != "holds
 
 
 class SessionTable(Protocol):
-    """Where sessions are kept: :class:`MemorySessions`, or the replicas' ``gateway.state.sessions.SharedSessions``."""
+    """:class:`MemorySessions`, or ``gateway.state.sessions.SharedSessions`` across replicas."""
 
     async def load(self, key: str, now: float) -> SessionRecord | None:
-        """The session under ``key`` (:func:`scope`) at ``now``, or None (unknown, or idle too long)."""
+        """None: unknown, or idle too long."""
         ...
 
     async def begin(self, key: str, fresh: SessionRecord, hold: Hold, bounds: Bounds, now: float) -> Tally:
-        """Admit a step of the session under ``key`` if ``bounds`` leave it room, reserving ``hold`` for it, in one
-        atomic step; ``fresh``: the run as the step read it (the record made when none is kept)."""
+        """Checks ``bounds`` and reserves ``hold`` in one atomic step; ``fresh``: the run as the step read it, made the
+        record when none is kept."""
         ...
 
     def settle(self, key: str, record: SessionRecord, hold: Hold | None, step: Step | None, now: float,
                max_moves: int) -> None:
-        """The step that took ``hold`` (on ``record``, the run its admission counted it in) ended at ``now``: release
-        the hold and add ``step`` (None: no upstream answered it, it took no step) to the run (not awaited)."""
+        """Not awaited. ``step`` None: no upstream answered it, and no step is added."""
         ...
 
 
 class MemorySessions:
-    """Sessions kept in this process: at most ``max_items`` (the least recently used go first), each forgotten
-    ``idle`` seconds after its last step (never while a step of it is in flight), and at most ``key_share`` of them
-    of one gateway key (over it, that key's own least recently used go first; when the table is full, the key holding
-    the most gives up its least recently used: a key holding fewer runs than another never loses one to it);
-    ``on_end`` is told each session that leaves the table (for the steps-per-session and duration metrics), or None;
-    ``hold_s``: seconds a step's hold lives at most (:data:`HOLD_S`)."""
+    """``idle``: seconds a run is kept after its last step. One key holds at most ``key_share`` of ``max_items``, and a
+    full table takes room from the key holding the most, so that a key holding fewer runs never loses one to another.
+    ``on_end`` is told each run with a step that leaves, for the per-session metrics."""
 
     def __init__(self, max_items: int, idle: float, on_end: Callable[[SessionRecord], None] | None = None,
                  key_share: float = 1.0, hold_s: float = HOLD_S) -> None:
@@ -277,7 +241,6 @@ class MemorySessions:
         return key in self._records
 
     def get(self, key: str, now: float) -> SessionRecord | None:
-        """The session under ``key`` (:func:`scope`), or None (unknown, or idle past ``idle``)."""
         record = self._records.get(key)
         if record is None:
             return None
@@ -287,17 +250,14 @@ class MemorySessions:
         return record
 
     async def load(self, key: str, now: float) -> SessionRecord | None:
-        """:meth:`get` (the :class:`SessionTable` interface)."""
         return self.get(key, now)
 
     async def begin(self, key: str, fresh: SessionRecord, hold: Hold, bounds: Bounds, now: float) -> Tally:
-        """:meth:`take` (the :class:`SessionTable` interface)."""
         return self.take(key, fresh, hold, bounds, now)
 
     def take(self, key: str, fresh: SessionRecord, hold: Hold, bounds: Bounds, now: float) -> Tally:
-        """Admit a step of the run under ``key`` and reserve ``hold`` for it, if ``bounds`` leave room, with no await
-        in between: on the table's own record of the run, or on ``fresh`` (without any holds it carries), kept as
-        the run's record from now on (insert-if-absent)."""
+        """No await between the check and the reservation. A run the table does not hold takes ``fresh`` (without any
+        holds it carries) as its record from now on."""
         record = self.get(key, now)
         if record is None:
             record = fresh.without_holds() if fresh.holds else fresh
@@ -311,8 +271,7 @@ class MemorySessions:
         return Tally(record, None, record.steps, held + 1, record.usd, reserved + hold.usd)
 
     def mirror(self, key: str, seen: SessionRecord, hold: Hold, now: float) -> None:
-        """Redis admitted a step of the run under ``key`` (``seen``: the run as Redis held it): this table's copy of
-        the run takes its totals and the step's hold (what it counts while Redis is away)."""
+        """Redis admitted the step: the copy takes its totals and the hold, to count on while Redis is away."""
         record = self.get(key, now)
         if record is None:
             record = seen.without_holds()
@@ -323,13 +282,11 @@ class MemorySessions:
 
     def settle(self, key: str, record: SessionRecord, hold: Hold | None, step: Step | None, now: float,
                max_moves: int) -> None:
-        """:meth:`release` (the :class:`SessionTable` interface)."""
         self.release(key, record, hold, step, now, max_moves)
 
     def release(self, key: str, record: SessionRecord, hold: Hold | None, step: Step | None, now: float,
                 max_moves: int) -> Move | None:
-        """Release ``hold`` and add ``step`` (None: nothing to add) to the run's record (``record`` again if the
-        table lost it meanwhile); the move the step made, or None."""
+        """``record`` is used again if the table lost the run meanwhile."""
         kept = self._records.get(key)
         if hold is not None:
             record.holds.pop(hold.id, None)
@@ -343,7 +300,7 @@ class MemorySessions:
         return move
 
     def put(self, key: str, record: SessionRecord, now: float) -> None:
-        """Keep ``record`` under ``key`` as the most recently used; what is over the bounds, or idle, leaves."""
+        """What is over the bounds, or idle, leaves."""
         self._records[key] = record
         self._records.move_to_end(key)
         mine = self._owned.setdefault(record.owner, OrderedDict())
@@ -359,8 +316,7 @@ class MemorySessions:
             self._forget(next(iter(largest)))
 
     def sweep(self, now: float, most: int) -> None:
-        """Forget at most ``most`` of the least recently used sessions that are idle past ``idle`` (the first with a
-        step in flight, or used more recently, ends the sweep)."""
+        """At most ``most`` a call, so that a put does bounded work; the first run not idle ends it."""
         for _ in range(most):
             oldest = next(iter(self._records.items()), None)
             if oldest is None or not oldest[1].idle(now, self.idle):

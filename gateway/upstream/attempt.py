@@ -1,8 +1,6 @@
-"""One try of one upstream, with one owner (``async with Attempt(...)``): it holds the upstream's concurrency slot, the
-open answer and the first-token deadline; its exit is the only place the answer is released (read to its end) or
-closed (anything else), the slot given back and the upstream's health told the verdict (a request-shaped failure
-charged to the request's source). Also the contracts it works over: the :class:`Transport` that sends, the
-:class:`Answer` it gets, the :class:`Verdicts` it tells."""
+"""One try of one upstream, with one owner: its exit is the only place the answer is released or closed, the concurrency
+slot given back and the upstream's health told the verdict. Also the contracts it works over: :class:`Transport`,
+:class:`Answer`, :class:`Verdicts`."""
 
 from __future__ import annotations
 
@@ -81,29 +79,10 @@ class Verdicts(Protocol):
 
 
 class Attempt:
-    """One try of one upstream (module docstring); use it as ``async with Attempt(...) as attempt``.
-
-    Args:
-        transport: the client; upstream: the upstream to try; health: its health, told the verdict on exit;
-        clock: the health clock (``Health.clock``, seconds); need_tokens: the request's estimated prompt plus
-        ``max_tokens`` (charged to the quota estimate); stream: the request streams (a first-token deadline
-        of ``upstream.timeouts.ttft`` then applies, status line included); request_id: sent as
-        ``X-Client-Request-Id``; path: under the upstream's base URL (with its query string); method: the HTTP
-        method; forward: for a passthrough request, the client's headers (:data:`FORWARD_HEADERS` cross; any 2xx
-        is then an answer, and the upstream's timeouts bound connect and silence, never the whole exchange);
-        client_key: the client's ``Authorization`` value, sent instead of the upstream's key when the upstream
-        says ``pass_client_key`` (else ignored: the client's key never reaches an upstream); span / trace: the
-        attempt's trace span and the W3C Trace Context headers sent upstream (``gateway.observability.tracing``), or
-        None; blame: whom a request-shaped failure is charged to (``gateway.routing.health.Blame``; None: nobody, the
-        upstream alone); recorder: the request's (``gateway.observability.recorder.Recorder``), told how the attempt
-        ended (its span ends there) and a refused credential; None: nothing is recorded.
-
-    Attributes:
-        dialect: the upstream's (``gateway.upstream.dialects``): reads its error answers and error events.
-        answer: the open answer after :meth:`send`, else None.
-        first_token_by: the first-token deadline (an ``asyncio`` loop time), or None.
-        sent_at: when :meth:`send` began (``time.perf_counter()`` seconds; the start of the attempt's own TTFT).
-    """
+    """``async with Attempt(...) as attempt``. ``clock``: the health clock (seconds); ``need_tokens``: estimated prompt
+    plus ``max_tokens``; ``stream``: a first-token deadline of ``timeouts.ttft`` then applies, status line included;
+    ``forward``: a passthrough request's client headers (any 2xx is then an answer); ``client_key``: sent only to a
+    ``pass_client_key`` upstream; ``blame``: whom a request-shaped failure is charged to (None: the upstream alone)."""
 
     def __init__(self, transport: Transport, upstream: UpstreamConfig, health: Verdicts,
                  clock: Callable[[], float], *, need_tokens: int, stream: bool, request_id: str,
@@ -119,8 +98,8 @@ class Attempt:
         self._error: BaseException | None = None
         self.health = health
         self.answer: Answer | None = None
-        self.first_token_by: float | None = None
-        self.sent_at: float | None = None
+        self.first_token_by: float | None = None  # an asyncio loop time
+        self.sent_at: float | None = None  # time.perf_counter() seconds: the start of the attempt's own TTFT
         self._transport = transport
         self._clock = clock
         self._need = need_tokens
@@ -156,15 +135,10 @@ class Attempt:
         self.health.finish()
 
     async def send(self, body: Body) -> Answer:
-        """Send the request and wait for a 200 (a passthrough request: any 2xx), bounded by the first-token deadline
-        when there is one.
-
-        Raises:
-            UpstreamTimeout (``upstream_ttft_timeout``), UpstreamUnavailable: no status line; UpstreamStatusError:
-                the upstream answered another status (its error body read and normalised); UpstreamAuthFailed: that
-                status was a 401 or 403 to the gateway's own key (:meth:`failed`); a stream's own checks (its first
-                token) come later, in the relay.
-        """
+        """Bounded by the first-token deadline when there is one; a stream's first token is checked later, in the relay.
+        Raises UpstreamTimeout or UpstreamUnavailable (no status line), UpstreamStatusError (not a 200, or for a
+        passthrough not a 2xx), UpstreamAuthFailed (a 401 or 403 to the gateway's own key), UpstreamBadResponse (a 3xx,
+        or JSON or HTML holding no error to a stream request)."""
         self.sent_at = time.perf_counter()
         try:
             async with asyncio.timeout_at(self.first_token_by):
@@ -185,17 +159,14 @@ class Attempt:
         return answer
 
     def ok(self) -> None:
-        """The attempt worked (its answer reached the client whole, or its stream ran to its end)."""
+        """Its answer reached the client whole, or its stream ran to its end."""
         if not self._verdict:
             self._verdict = True
             self.health.settle(None, self._clock())
 
     def failed(self, exc: GatewayError) -> GatewayError:
-        """The attempt failed with ``exc`` (told to the upstream's health once); returns the error to answer, fail over
-        and count by: ``exc``, or, when it is a 401 or 403 the upstream gave the gateway's own key (an error event of a
-        200 stream included), an :class:`UpstreamAuthFailed` (logged here); what the upstream's dialect reads the
-        failure as (:meth:`~gateway.upstream.dialects.base.Dialect.cause`: an empty stream from a server the prompt
-        does not fit is the client's 400)."""
+        """Told to the health once. Returns the error to answer, fail over and count by: ``exc`` as the dialect reads
+        it (:meth:`~gateway.upstream.dialects.base.Dialect.cause`), then judged (:meth:`_judged`)."""
         exc = self._judged(self.dialect.cause(exc, self.upstream, self._need))
         self._error = exc
         if not self._verdict:
@@ -210,20 +181,16 @@ class Attempt:
         return exc
 
     def done(self) -> None:
-        """The answer was read to its end: on exit its connection goes back to the pool."""
         self._complete = True
 
     def void(self) -> None:
-        """The attempt ended for a reason that is not the upstream's (the client left mid-upload, or its body
-        was over the limit): no verdict is told to its health."""
+        """Not the upstream's doing (the client left mid-upload, or its body was over the limit): no verdict."""
         self._verdict = True
 
     def _judged(self, exc: GatewayError) -> GatewayError:
-        """Whose fault ``exc`` is: a 401 or 403 from an upstream that got the gateway's own key says that key is wrong
-        or lacks access, so it becomes :class:`UpstreamAuthFailed` (502; failover; a breaker failure, as every request
-        will fail the same way until an operator fixes the key), logged once as ``upstream_auth_failed`` with the
-        upstream's words, keys masked (by its recorder: ``upstream_refused_key``). From a ``pass_client_key`` upstream
-        it was the client's own key: kept, and relayed."""
+        """A 401 or 403 to the gateway's own key says that key is wrong: :class:`UpstreamAuthFailed` (502, failover, and
+        a breaker failure, since every request fails the same way until an operator fixes it), logged with keys
+        masked. From a ``pass_client_key`` upstream it was the client's own key: relayed."""
         if not isinstance(exc, UpstreamStatusError) or not exc.credential_refused or self.upstream.pass_client_key:
             return exc
         up = self.upstream
@@ -234,7 +201,6 @@ class Attempt:
         return refused
 
     async def _read_error(self, answer: Answer) -> tuple[bytes, bool]:
-        """Up to 64 KiB of an error body, bounded by the first-token deadline; (bytes, whether read to the end)."""
         try:
             async with asyncio.timeout_at(self.first_token_by):
                 return await answer.read_error(), True
@@ -242,17 +208,13 @@ class Attempt:
             return b"", False
 
     async def _status_error(self, answer: Answer) -> UpstreamStatusError:
-        """The upstream's non-200 answer as an error to relay or fail over on, with its status and headers even when
-        its body does not arrive (stalls, breaks, or outlasts the first-token deadline): the status line already
-        said what happened. A 429 without a retry hint gets ``retry-after`` from the reset of the window it
-        exhausted (its dialect's :meth:`~gateway.upstream.dialects.base.Dialect.status_error`)."""
+        """Its status and headers even when its body stalls or breaks: the status line said what happened."""
         data, whole = await self._read_error(answer)
         self._complete = whole
         return self.dialect.status_error(answer.status, data, answer.headers)
 
     async def _not_a_stream(self, answer: Answer) -> GatewayError:
-        """A stream request answered 200 with a JSON (or HTML) body: the error it holds, with the status it names
-        (some upstreams answer an error this way), or :class:`UpstreamBadResponse`."""
+        """Some upstreams answer a stream request's error as a 200 JSON body naming its status."""
         data, _ = await self._read_error(answer)
         try:
             parsed = orjson.loads(data)

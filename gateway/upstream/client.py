@@ -1,14 +1,8 @@
-"""The HTTP client under upstream attempts: one pooled aiohttp session per process (:class:`UpstreamPool`), the
-production :class:`gateway.upstream.attempt.Transport`; tests use one that plays scripted bytes
-(``gateway.tools.scripted``).
+"""The HTTP client under upstream attempts: one pooled aiohttp session per process (tests play scripted bytes instead:
+``gateway.tools.scripted``). Only this module, ``response`` and ``websocket`` beside it import aiohttp.
 
-aiohttp is used for upstream I/O on the hot path instead of httpx: measured on this machine it costs a third of the
-CPU per relayed chunk and serves ~15x the non-streaming requests/s (``bench/`` re-measures it). Only this module,
-``gateway.upstream.response`` and ``gateway.upstream.websocket`` (the upstream sockets of WebSocket mode) import
-aiohttp or catch its exceptions. A request that went out on a pooled connection
-the upstream had just closed is sent once more on a new one (RFC 9112 §9.3.1); a body held whole but large goes in
-pieces whose writing is watched.
-"""
+aiohttp rather than httpx on the hot path: measured here, a third of the CPU per relayed chunk and ~15x the
+non-streaming requests/s (``bench/`` re-measures it)."""
 
 from __future__ import annotations
 
@@ -68,12 +62,8 @@ _STALE_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
 
 
 class _Connector(aiohttp.TCPConnector):
-    """aiohttp's connector, noting for the request being sent whether its connection came from the pool.
-
-    The note is a context variable: ``connect`` runs inside the caller's ``session.post`` in the caller's task,
-    so :meth:`UpstreamPool.send` reads it right after a failure; so is the connection's transport, which a cancelled
-    passthrough send aborts. Cost: one attribute test and two context-variable sets per request.
-    """
+    """Notes whether the request's connection came from the pool, and its transport (which a failed send resets), in
+    context variables: ``connect`` runs in the caller's task. Cost: one attribute test and two sets per request."""
 
     async def connect(self, req: Any, traces: Any, timeout: aiohttp.ClientTimeout) -> Any:
         conn = await super().connect(req, traces, timeout)
@@ -86,19 +76,14 @@ class _Connector(aiohttp.TCPConnector):
 
 
 def _stale(exc: BaseException) -> bool:
-    """The failure of a request sent on a pooled connection that the upstream had closed while it sat idle: the
-    upstream disconnected, or reset, before any response byte (RFC 9112 §9.3.1: such a request was not processed)."""
+    """A disconnect or reset before any response byte: the request was not processed (RFC 9112 §9.3.1)."""
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return True
     return isinstance(exc, aiohttp.ClientOSError) and exc.errno in _STALE_ERRNOS
 
 
 class UpstreamPool:
-    """Every upstream's client state over one shared aiohttp session (keep-alive pool, created in lifespan).
-
-    Args:
-        upstreams: configured upstreams; keys: upstream name -> API key.
-    """
+    """Every upstream's client state over one shared session, opened in the lifespan. ``keys``: upstream name -> key."""
 
     def __init__(self, upstreams: list[UpstreamConfig], keys: Mapping[str, SecretStr]) -> None:
         self._auth = {name: f"Bearer {key.get_secret_value()}" for name, key in keys.items()}
@@ -117,13 +102,11 @@ class UpstreamPool:
         self._fresh: aiohttp.ClientSession | None = None  # never pools: the retry of a stale connection's request
 
     async def start(self) -> None:
-        """Open the shared session; call once from the app's lifespan."""
         self._session = aiohttp.ClientSession(connector=_Connector(**CONNECTOR_OPTIONS), **SESSION_OPTIONS)
         self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0),
                                             **SESSION_OPTIONS)
 
     async def stop(self) -> None:
-        """Close the sessions and every pooled connection."""
         for session in (self._session, self._fresh):
             if session is not None:
                 await session.close()
@@ -133,13 +116,8 @@ class UpstreamPool:
     async def _request(session: aiohttp.ClientSession, method: str, url: str | URL, body: Body,
                        headers: dict[str, str], timeout: aiohttp.ClientTimeout, decode: bool | None,
                        skip: tuple[str, ...] | None, idle: float) -> aiohttp.ClientResponse:
-        """One ``session.request`` of a body held whole but larger than :data:`LARGE_BODY` (it may not fit the socket
-        buffers): in pieces, each due at the upstream within ``idle`` seconds; on any failure its connection is reset
-        (:func:`_abort`).
-
-        Raises:
-            UpstreamTimeout: the upstream took no part of the body for ``idle`` s; aiohttp's errors otherwise.
-        """
+        """A body over :data:`LARGE_BODY` may not fit the socket buffers: it goes in pieces, each due within ``idle``
+        seconds (else UpstreamTimeout); on any failure the connection is reset (:func:`_abort`)."""
         _TRANSPORT.set(None)  # set by _Connector.connect for this request's connection
         try:
             assert isinstance(body, bytes) and idle is not None
@@ -156,23 +134,15 @@ class UpstreamPool:
 
     @property
     def ready(self) -> bool:
-        """True while the session is open."""
         return self._session is not None and not self._session.closed
 
     async def send(self, upstream: UpstreamConfig, body: Body, *, stream: bool, request_id: str,
                    path: str = "/chat/completions", method: str = "POST",
                    forward: Mapping[str, str] | None = None, client_key: str | None = None,
                    trace: Mapping[str, str] | None = None) -> UpstreamResponse:
-        """Send ``body`` to the upstream's ``path`` (under its base URL, query string included) and return the open
-        response (any status) at its status line. ``client_key``: sent instead of the upstream's key (given only for a
-        ``pass_client_key`` upstream); ``forward``: a passthrough request's client headers (:meth:`_headers`). An
-        iterable ``body`` is streamed as it comes and never sent twice; a request that met a pooled connection the
-        upstream had closed is sent once more on a new one (:meth:`_again`).
-
-        Raises:
-            UpstreamUnavailable: connect refused/reset or closed before the status line.
-            UpstreamTimeout: no status line within the idle timeout (or connect timeout passed).
-        """
+        """The open response at its status line, any status. A bytes ``body`` that met a stale pooled connection is sent
+        once more on a new one (:meth:`_again`); an iterable one never twice. Raises UpstreamUnavailable (refused,
+        reset or closed before the status line) or UpstreamTimeout."""
         assert self._session is not None, "UpstreamPool.start() was not called"
         headers, timeout = self._headers(upstream, body, stream, request_id, forward, client_key, trace)
         # a passthrough path is sent as the client encoded it (yarl would otherwise re-quote and normalise it)
@@ -213,9 +183,7 @@ class UpstreamPool:
     def _headers(self, upstream: UpstreamConfig, body: Body, stream: bool, request_id: str,
                  forward: Mapping[str, str] | None, client_key: str | None,
                  trace: Mapping[str, str] | None) -> tuple[dict[str, str], aiohttp.ClientTimeout]:
-        """The headers and timeout of one request: the gateway's own for a model call; for a passthrough request
-        (``forward``) the client's that :data:`FORWARD_HEADERS` lets through, and timeouts of connect and silence
-        (``timeouts.idle`` between reads once the body is sent), never a total: an upload of hundreds of MB or a long
+        """A passthrough request has no total timeout, only connect and silence: an upload of hundreds of MB or a long
         audio answer is bounded by its progress."""
         if forward is None:
             timeout = self._timeouts[upstream.name, stream]
@@ -239,9 +207,6 @@ class UpstreamPool:
     async def _again(self, method: str, url: str | URL, body: Body, headers: dict[str, str],
                      timeout: aiohttp.ClientTimeout, decode: bool | None,
                      skip: tuple[str, ...] | None) -> aiohttp.ClientResponse:
-        """Send a request again on a connection opened for it: it went out on a pooled connection the upstream had
-        already closed (a disconnect or reset before any response byte, within :data:`STALE_RACE` of being sent),
-        as HTTP clients do for this race (RFC 9112 §9.3.1); another pooled one may be just as stale."""
         assert self._fresh is not None
         _TRANSPORT.set(None)
         return await self._fresh.request(method, url, data=body, headers=headers, timeout=timeout,
@@ -250,15 +215,8 @@ class UpstreamPool:
     async def open_socket(self, upstream: UpstreamConfig, *, request_id: str, client_key: str | None = None,
                           trace: Mapping[str, str] | None = None,
                           max_msg_size: int = 8 * 1024 * 1024) -> aiohttp.ClientWebSocketResponse[bool]:
-        """Open a WebSocket to the upstream's ``/responses`` (its WebSocket mode: ``gateway.upstream.websocket``) over
-        the shared session, with the upstream's key (or, for a ``pass_client_key`` upstream, ``client_key``) and the
-        trace context, within ``timeouts.connect``; frames over ``max_msg_size`` bytes fail it. Text frames are read
-        as bytes (``decode_text=False``): they are relayed as they came, never decoded and encoded again.
-
-        Raises:
-            aiohttp.WSServerHandshakeError: the upstream answered the upgrade with another status (``status``);
-            aiohttp.ClientError, OSError, TimeoutError: it could not be reached in time.
-        """
+        """Text frames are read as bytes: relayed as they came, never re-encoded. Raises aiohttp.WSServerHandshakeError
+        (another ``status``), else aiohttp.ClientError, OSError or TimeoutError (unreachable in time)."""
         assert self._session is not None, "UpstreamPool.start() was not called"
         headers = {"User-Agent": USER_AGENT, "X-Client-Request-Id": request_id}
         auth = client_key if upstream.pass_client_key else self._auth.get(upstream.name)
@@ -273,7 +231,6 @@ class UpstreamPool:
 
 
 async def _pieces(data: bytes, window: asyncio.Timeout, idle: float) -> AsyncIterator[bytes]:
-    """``data`` in :data:`PIECE` pieces, each due at the upstream ``idle`` seconds after it is handed over."""
     loop = asyncio.get_running_loop()
     for at in range(0, len(data), PIECE):
         window.reschedule(loop.time() + idle)
@@ -282,8 +239,8 @@ async def _pieces(data: bytes, window: asyncio.Timeout, idle: float) -> AsyncIte
 
 
 def _abort() -> None:
-    """Reset the connection the failed request went out on: a close would wait for the rest of an unsent body, which
-    an upstream that stopped reading never takes, and hold the socket and its buffer meanwhile."""
+    """A reset, not a close: a close waits for the rest of an unsent body, which an upstream that stopped reading
+    never takes, and holds the socket and its buffer meanwhile."""
     transport = _TRANSPORT.get()
     if transport is None:
         return

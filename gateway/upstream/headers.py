@@ -1,8 +1,5 @@
-"""Which headers cross the gateway, each way. Headers sent upstream are built, not copied: the upstream's own key,
-``Accept-Encoding: identity``, a user agent and the request id; a passthrough request adds the client headers that say
-what its body is (:data:`FORWARD_HEADERS`), never a credential, cookie or hop-by-hop header. Headers returned to the
-client pass an allowlist (rate limits, retry hints, timing) and, for a passthrough answer, its entity headers; a value
-that is no valid field value (RFC 9110 §5.5) is dropped."""
+"""Which headers cross the gateway, each way. Upstream they are built, never copied, so no client credential, cookie or
+hop-by-hop header crosses; back to the client they pass an allowlist, plus a passthrough answer's entity headers."""
 
 from __future__ import annotations
 
@@ -40,23 +37,20 @@ SKIP_FORWARDED = ("User-Agent", "Content-Type", "Accept")  # aiohttp adds none o
 
 
 def field_value(value: str) -> bytes | None:
-    """An upstream header value as the bytes it came in (aiohttp decodes them UTF-8 with surrogate escapes), or None
-    when it is no valid field value (RFC 9110 §5.5): such a header is dropped, never a broken answer."""
+    """The bytes it came in (aiohttp decodes them UTF-8 with surrogate escapes); None when no valid field value (RFC
+    9110 §5.5): such a header is dropped, never a broken answer."""
     data = value.encode("utf-8", "surrogateescape")
     return data if _FIELD_VALUE.fullmatch(data) else None
 
 
 def forward_headers(client: Mapping[str, str], request_id: str) -> dict[str, str]:
-    """The headers of a passthrough request to an upstream, from the client's (lower-case names): those in
-    :data:`FORWARD_HEADERS`, then the gateway's own (identity encoding, user agent, request id). The caller adds
-    ``Authorization``."""
+    """``client``: lower-case names. The caller adds ``Authorization``."""
     out = {name: client[name] for name in FORWARD_HEADERS if name in client}
     out.update({"Accept-Encoding": "identity", "User-Agent": USER_AGENT, "X-Client-Request-Id": request_id})
     return out
 
 
 def pass_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    """The upstream response headers a client may see (lower-case names): rate limits, retry hints, timing."""
     out = {}
     for name, value in headers.items():
         low = name.lower()

@@ -1,7 +1,5 @@
-"""An open upstream answer as the relay and the attempt read it (:class:`UpstreamResponse`: status, filtered headers,
-the body as reads, released or closed once), the idle watch on a streamed body (:class:`IdleWatch`: silence between
-reads past ``timeouts.idle`` is a broken stream, caught within 1.25 x idle), and aiohttp's errors as the gateway's
-(:class:`map_errors`)."""
+"""An open upstream answer as the relay and the attempt read it, the idle watch on a streamed body, and aiohttp's errors
+as the gateway's (:class:`map_errors`). Nothing here parses a body it relays."""
 
 from __future__ import annotations
 
@@ -28,17 +26,8 @@ from gateway.upstream.headers import (
 
 
 class UpstreamResponse:
-    """An open upstream response: status, filtered headers, and the body as reads.
-
-    Always end it with :meth:`release` (fully read: the connection returns to the pool) or
-    :meth:`close` (anything else: the connection is closed, never pooled half-read).
-
-    Attributes:
-        consumed: body bytes the reader has taken so far.
-        stale_retried: the first attempt went out on a pooled connection the upstream had closed, and was sent
-            again on a new one (:meth:`UpstreamPool.send`).
-    An error body is read decoded (:meth:`read_error`) whether or not the rest is read as it came (``encoded``).
-    """
+    """End it with :meth:`release` (read whole: pooled) or :meth:`close` (anything else: never pooled half-read).
+    ``stale_retried``: sent again after a stale pooled connection (:meth:`UpstreamPool.send`)."""
 
     __slots__ = ("_resp", "_idle", "_watch", "status", "headers", "content_type", "consumed", "stale_retried",
                  "_encoded")
@@ -56,29 +45,18 @@ class UpstreamResponse:
         self.stale_retried = stale_retried
 
     def entity_headers(self) -> list[tuple[bytes, bytes]]:
-        """The upstream's own headers that describe a passthrough answer's body (:data:`ENTITY_HEADERS`), as the bytes
-        they came in; a value that is no valid field value (RFC 9110 §5.5) is dropped. The body of a passthrough
-        answer is not decoded (``UpstreamPool.send``), so ``content-encoding`` and ``content-length`` stay true."""
+        """True of the bytes relayed: a passthrough body is never decoded, so ``content-encoding`` stays right."""
         return [(k.lower(), v) for k, v in self._resp.raw_headers
                 if k.lower() in ENTITY_HEADERS and _FIELD_VALUE.fullmatch(v)]
 
     def watch_idle(self) -> None:
-        """From now on, fail the body after the upstream's idle timeout of silence (:class:`IdleWatch`; streams).
-
-        Not armed by itself: before a stream's first token its ``ttft`` deadline may be what bounds the wait.
-        Calling it again does nothing.
-        """
+        """Not armed by itself: before a stream's first token its ``ttft`` deadline may be what bounds the wait."""
         if self._idle and self._watch is None:
             self._watch = IdleWatch(self._resp.content, self._idle, self)
 
     async def chunks(self) -> AsyncGenerator[bytes, None]:
-        """Yield body bytes as they arrive (one item per socket read, never re-chunked). It may be called again
-        after an iteration was cancelled: it goes on where the last one stopped.
-
-        Raises:
-            StreamInterrupted: reset, truncated chunked body, or no new bytes for the idle timeout once
-                :meth:`watch_idle` was called.
-        """
+        """One item per socket read, never re-chunked; after a cancelled iteration, a new one goes on from there. Raises
+        StreamInterrupted: reset, truncated, or silent for the idle timeout once :meth:`watch_idle` was called."""
         read = self._resp.content.readany
         try:
             while True:
@@ -94,22 +72,14 @@ class UpstreamResponse:
                                     f"The upstream connection ended mid-stream ({type(exc).__name__}).") from exc
 
     async def read(self) -> bytes:
-        """Read the whole body (a non-streaming answer).
-
-        Raises:
-            UpstreamTimeout: the total or idle timeout passed; UpstreamUnavailable: the connection broke.
-        """
         with map_errors():
             return await self._resp.read()
 
     async def read_error(self, limit: int = ERROR_BODY_LIMIT) -> bytes:
-        """Read an error answer's body, at most ``limit`` bytes; past it the rest is dropped and the connection
-        closed. Silence is bounded as for the request's body (``sock_read`` or :class:`IdleWatch`), never the
-        total time, so a slow but live error body still yields the upstream's status and message.
-
-        Raises:
-            UpstreamTimeout: silence for the idle timeout; UpstreamUnavailable: the connection broke.
-        """
+        """At most ``limit`` bytes (past it the connection is closed), decoded even from a passthrough answer, whose
+        other bodies are relayed as they came. Only silence is bounded, never the total time, so a slow but live error
+        body still yields the upstream's words. Raises UpstreamTimeout (silent for the idle timeout) or
+        UpstreamUnavailable (the connection broke)."""
         parts: list[bytes] = []
         size = 0
         self.watch_idle()
@@ -132,12 +102,10 @@ class UpstreamResponse:
         return data
 
     def release(self) -> None:
-        """Return a fully read connection to the pool (aiohttp closes it instead when the body is not complete)."""
         self._stop_watch()
         self._resp.release()
 
     def close(self) -> None:
-        """Close the connection now (client gone, error, or body not fully read)."""
         self._stop_watch()
         self._resp.close()
 
@@ -148,19 +116,10 @@ class UpstreamResponse:
 
 
 class IdleWatch:
-    """Fail a streamed body with ``TimeoutError`` once the upstream has sent nothing new for ``idle`` seconds.
-
-    aiohttp's ``sock_read`` timeout does this by cancelling and re-arming a loop timer on every socket read
-    (2.8 us a read, timeit here; ~7 % of the gateway's CPU per relayed chunk at 32 streams). This timer
-    fires every ``idle / 4`` seconds instead and compares byte counts, so a read costs one addition, and a
-    silence ends the stream after between ``idle`` and ``1.25 * idle`` seconds (never before ``idle``).
-    Bytes that arrived but are not read yet (the client is slow to take them) are not silence.
-
-    Args:
-        content: the response's ``aiohttp.StreamReader`` (``total_bytes``: bytes received so far).
-        idle: seconds of silence allowed.
-        reader: what reads ``content``; its ``consumed`` counts the bytes taken.
-    """
+    """Fails a streamed body after ``idle`` seconds of silence, caught within ``1.25 * idle``. aiohttp's ``sock_read``
+    re-arms a loop timer on every read (2.8 us, ~7 % of the gateway's CPU per relayed chunk at 32 streams); this timer
+    fires every ``idle / 4`` and compares byte counts. Bytes received but not yet read (a slow client) are not
+    silence."""
 
     __slots__ = ("content", "idle", "step", "seen", "quiet_since", "reader", "handle", "loop")
 
@@ -190,7 +149,6 @@ class IdleWatch:
         self.handle = self.loop.call_at(min(now + self.step, self.quiet_since + self.idle), self._check)
 
     def stop(self) -> None:
-        """Cancel the timer (the body ended, failed, or the request is over)."""
         if self.handle is not None:
             self.handle.cancel()
             self.handle = None
@@ -214,9 +172,8 @@ class map_errors:  # noqa: N801 - used as a context manager, named like one
 
 
 def decoded(data: bytes, encoding: str, limit: int) -> bytes:
-    """An error body that came compressed (``gzip`` or ``deflate``: a passthrough answer is read as it came, RFC 9110
-    §8.4), decoded to at most ``limit`` bytes (a small body cannot expand past it); as it came if it does not
-    decode (the upstream's words are then read as they are)."""
+    """A passthrough answer is read as it came (RFC 9110 §8.4), so its error body may be compressed; ``limit`` bounds
+    the expansion. As it came if it does not decode."""
     wbits = 16 + zlib.MAX_WBITS if "gzip" in encoding else zlib.MAX_WBITS
     try:
         return zlib.decompressobj(wbits).decompress(data, limit)

@@ -1,19 +1,7 @@
-"""WebSocket mode toward the upstreams of one client socket: :class:`UpstreamSockets` is the :class:`Transport` the
-attempts of that socket's messages use. A streamed Responses request to an upstream that offers WebSocket mode
-(``websocket: true``: OpenAI's API does) goes as a ``response.create`` frame over one upstream socket held for the
-client socket (opened on first use, over the upstream pool's session and credentials); anything else goes to the pool
-as an HTTP request. Toward an upstream that refuses the upgrade (404, 405, 426: it has no WebSocket mode after all)
-the client socket's later messages go over HTTP too.
-
-An upstream socket's answer (:class:`SocketAnswer`) reads as a streamed HTTP answer does: a status (200, or the
-``status`` of an ``error`` event that came first, with its error as the body) and the events as SSE bytes, one
-``data:`` line per frame as it arrives, ending after the terminal event (``response.completed``, ``.incomplete``,
-``.failed``, ``error``), so that the relay meters it (first token, usage) and the attempt judges it as any stream.
-Server events and close codes: OpenAI API reference, "Responses WebSocket events". One response at a time crosses an
-upstream socket (a message of another lane waits for it); an answer abandoned before its terminal event (the client
-left, the drain ran out) closes its upstream socket, the only way to stop that response, and the next message opens a
-new one.
-"""
+"""WebSocket mode toward the upstreams of one client socket: a streamed Responses request to a ``websocket: true``
+upstream goes as a ``response.create`` frame over one upstream socket, one response at a time; anything else, and all
+toward an upstream that refused the upgrade (:data:`NO_SOCKETS`), over HTTP. Events and close codes: OpenAI API
+reference, "Responses WebSocket events"."""
 
 from __future__ import annotations
 
@@ -45,8 +33,8 @@ class Opener(Protocol):
 
 
 def event_type(data: bytes) -> bytes | None:
-    """The ``type`` of a server event's JSON bytes: read from its start when it begins with it (OpenAI's and the
-    gateway's events do), else parsed; None when it has none."""
+    """Read from the bytes when the event begins with its ``type`` (OpenAI's and the gateway's do): most are not
+    parsed."""
     if data.startswith(b'{"type":"'):
         end = data.find(b'"', 9)
         return data[9:end] if end > 0 else None
@@ -59,8 +47,6 @@ def event_type(data: bytes) -> bytes | None:
 
 
 class _Socket:
-    """One open upstream socket and the lock that lets one response at a time cross it."""
-
     __slots__ = ("ws", "lock")
 
     def __init__(self, ws: aiohttp.ClientWebSocketResponse[bool]) -> None:
@@ -69,12 +55,7 @@ class _Socket:
 
 
 class UpstreamSockets:
-    """The transport of one client socket's attempts (module docstring).
-
-    Args:
-        pool: the gateway's upstream pool (HTTP; and, when it has ``open_socket``, the upstream sockets).
-        max_event_bytes: the largest upstream frame taken (``limits.max_event_bytes``).
-    """
+    """``max_event_bytes``: the largest upstream frame taken (``limits.max_event_bytes``)."""
 
     def __init__(self, pool: Transport, max_event_bytes: int) -> None:
         self.pool = pool
@@ -91,7 +72,6 @@ class UpstreamSockets:
         """Nothing to start: the pool is the gateway's."""
 
     async def stop(self) -> None:
-        """Close every upstream socket (the client socket ended); the pool stays the gateway's."""
         sockets, self._sockets = list(self._sockets.values()), {}
         for sock in sockets:
             with contextlib.suppress(Exception):
@@ -105,12 +85,7 @@ class UpstreamSockets:
                    path: str = "/chat/completions", method: str = "POST",
                    forward: Mapping[str, str] | None = None, client_key: str | None = None,
                    trace: Mapping[str, str] | None = None) -> Answer:
-        """Send a request (:meth:`Transport.send`): over the upstream socket when it is a streamed Responses request
-        to an upstream with ``websocket: true``, else over HTTP.
-
-        Raises:
-            UpstreamUnavailable, UpstreamTimeout: the socket could not be opened or the frame sent.
-        """
+        """Raises UpstreamUnavailable or UpstreamTimeout: the socket could not be opened or the frame sent."""
         opener = self.pool if isinstance(self.pool, Opener) else None
         if (opener is None or not upstream.websocket or not stream or path != "/responses" or forward is not None
                 or upstream.name in self._http or not isinstance(body, bytes)):
@@ -167,8 +142,7 @@ class UpstreamSockets:
         return sock
 
     def abandon(self, name: str, sock: _Socket) -> None:
-        """A response on ``sock`` was abandoned before its end: close the socket (in a task: ``Answer.close`` is
-        synchronous); the next message to that upstream opens a new one."""
+        """Abandoned before its terminal event: closing its socket is the only way to stop that response."""
         if self._sockets.get(name) is sock:
             del self._sockets[name]
         if not sock.ws.closed:
@@ -184,7 +158,9 @@ async def _close(ws: aiohttp.ClientWebSocketResponse[bool]) -> None:
 
 
 class SocketAnswer:
-    """One response over an upstream socket, read as a streamed HTTP answer (module docstring)."""
+    """One response over an upstream socket, read as a streamed HTTP answer so that the relay and the attempt treat it
+    as any stream: status 200, or a first ``error`` event's ``status`` with its error as the body; then each frame as
+    one ``data:`` event, until the terminal one."""
 
     __slots__ = ("_owner", "_name", "_sock", "_idle", "_watch", "_first", "_error", "done", "status", "headers",
                  "content_type", "stale_retried")
@@ -205,7 +181,7 @@ class SocketAnswer:
 
     @classmethod
     def refused(cls, status: int, message: str) -> SocketAnswer:
-        """The answer of a handshake refused with ``status`` (401, 403, 429, 5xx: judged as that status)."""
+        """A handshake refused with 401, 403, 429 or 5xx: judged as that status."""
         answer = cls(None, "", None, 0.0)
         answer.status, answer.done, answer.content_type = status, True, "application/json"
         answer._error = orjson.dumps({"error": {"message": message, "type": "server_error", "param": None,
@@ -213,12 +189,7 @@ class SocketAnswer:
         return answer
 
     async def begin(self) -> None:
-        """Wait for the first frame: an ``error`` event becomes the answer's status and body; any other is the first
-        of the stream.
-
-        Raises:
-            UpstreamUnavailable, UpstreamTimeout: the socket closed, or sent nothing for the idle timeout, first.
-        """
+        """Raises UpstreamUnavailable or UpstreamTimeout: closed, or silent for the idle timeout, before a frame."""
         try:
             data = await self._next(self._idle)  # bounded by the attempt's first-token deadline too
         except StreamInterrupted as exc:
@@ -251,12 +222,7 @@ class SocketAnswer:
                                 f"The upstream socket closed mid-response ({msg.type.name}, {msg.data}).")
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """Each frame as one SSE event (``data: <frame>``), until the terminal event.
-
-        Raises:
-            StreamInterrupted: the socket closed, or sent nothing for the idle timeout once :meth:`watch_idle` was
-                called.
-        """
+        """Raises StreamInterrupted: closed, or silent for the idle timeout once :meth:`watch_idle` was called."""
         while not self.done:
             first, self._first = self._first, None
             data = first if first is not None else await self._next(self._idle if self._watch else None)
@@ -268,7 +234,6 @@ class SocketAnswer:
         return []
 
     def watch_idle(self) -> None:
-        """From now on a silence of the upstream's ``timeouts.idle`` ends the stream."""
         self._watch = True
 
     async def read(self) -> bytes:
@@ -278,11 +243,9 @@ class SocketAnswer:
         return self._error[:limit]
 
     def release(self) -> None:
-        """The response ended (its terminal event read): the socket is free for the next."""
         self._free()
 
     def close(self) -> None:
-        """The response is over; if before its terminal event, its socket is closed (module docstring)."""
         if not self.done and self._owner is not None and self._sock is not None:
             self._owner.abandon(self._name, self._sock)
         self._free()

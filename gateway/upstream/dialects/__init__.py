@@ -1,8 +1,5 @@
-"""Upstream dialects, one module each (``base`` holds the interface); :func:`of` picks an upstream's.
-
-Each module beside ``base`` holds one :class:`Dialect` subclass, found here by looking, so that adding a dialect is its
-own module (and its name in ``gateway.config.upstreams``): nothing here lists them.
-"""
+"""Upstream dialects, one module each beside ``base``; :func:`of` picks an upstream's. Modules are found by looking, so
+adding a dialect is its own module (and its name in ``gateway.config.upstreams``): nothing here may list them."""
 
 from __future__ import annotations
 
@@ -14,7 +11,6 @@ from gateway.upstream.dialects.base import Dialect
 
 
 def _found() -> dict[str, Dialect]:
-    """One instance of the :class:`Dialect` subclass each module of this package defines, by its ``name``."""
     out: dict[str, Dialect] = {}
     for module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base"):
         loaded = importlib.import_module(f"{__name__}.{module}")
@@ -30,5 +26,5 @@ Dialect.vendors = tuple(d for d in DIALECTS.values() if d.member is not None)
 
 
 def of(upstream: UpstreamConfig) -> Dialect:
-    """The dialect of ``upstream`` (its ``dialect:``; config validation admits only names listed here)."""
+    """Never a KeyError: config validation admits only the names found here."""
     return DIALECTS[upstream.dialect]

@@ -1,12 +1,6 @@
-"""The ``cerebras`` dialect: Cerebras Inference (a fast tier's chat-only API).
-
-Facts (Cerebras' OpenAI-compatibility and rate-limit docs; the recorded ``cerebras_*`` fixtures): unknown request
-properties are answered 422, so the OpenAI fields it lacks are dropped; streams carry ``usage`` and ``time_info`` on the
-finish chunk whether asked or not (the gateway asks all the same: ``stream_options.include_usage`` is accepted), and may
-end without ``[DONE]`` (the gateway adds it for the client); a 429 has no ``retry-after`` but
-``x-ratelimit-reset-{requests,tokens}-{minute,day}`` in float seconds; errors may be flat (``{"message", "type",
-"param": "", "code"}``); no Responses API (served through the bridge) and no other ``/v1`` endpoints.
-"""
+"""The ``cerebras`` dialect: Cerebras Inference, a fast tier's chat-only API. Facts (its OpenAI-compatibility and
+rate-limit docs; the ``cerebras_*`` fixtures): an unknown request property is a 422; a finish chunk carries ``usage``
+and ``time_info`` unasked; a 429 has only ``x-ratelimit-reset-*``, in float seconds; no Responses API (bridged)."""
 
 from __future__ import annotations
 
@@ -20,8 +14,7 @@ PHASES = ("queue", "prompt", "completion", "total")  # time_info's <phase>_time 
 
 
 class Cerebras(Dialect):
-    """Cerebras Inference: OpenAI fields it rejects are dropped; usage is asked for (it sends it unasked too); its
-    ``time_info`` is the upstream's own time."""
+    """OpenAI fields it rejects are dropped; its ``time_info`` is the upstream's own time."""
 
     name = "cerebras"
     member = "time_info"
@@ -31,8 +24,7 @@ class Cerebras(Dialect):
                       "safety_identifier", "verbosity"})
 
     def body(self, raw: bytes, body: Mapping[str, Any], upstream_model: str, ask_usage: bool) -> bytes:
-        """Always re-serialised without :attr:`drop` and without ``stream_options.include_obfuscation`` (an OpenAI
-        option it answers 422); ``stream_options`` only on a stream, with ``include_usage`` when ``ask_usage``."""
+        """``stream_options.include_obfuscation`` is an OpenAI option it answers 422 too."""
         if needs_exact(raw):
             body = loads_exact(raw)  # an integer past 64 bits must stay exact
         out = {k: v for k, v in body.items() if k not in self.drop}
@@ -50,9 +42,7 @@ class Cerebras(Dialect):
         return dumps(out)
 
     def member_facts(self, value: Any) -> tuple[dict[str, Any] | None, dict[str, float] | None]:
-        """``time_info`` (``queue_time``, ``prompt_time``, ``completion_time``, ``total_time``: float seconds; Cerebras'
-        chat-completions reference) as the upstream's seconds by phase; a phase that is no number, or negative, is
-        left out. Its usage is OpenAI's ``usage`` member, beside it."""
+        """``<phase>_time``: float seconds (Cerebras' chat-completions reference). Usage is in OpenAI's ``usage``."""
         if not isinstance(value, dict):
             return None, None
         found = {phase: float(v) for phase in PHASES if isinstance(v := value.get(f"{phase}_time"), int | float)

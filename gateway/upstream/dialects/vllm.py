@@ -1,20 +1,7 @@
-"""The ``vllm`` dialect: OpenAI-compatible inference servers run by the user (vLLM, SGLang, llama.cpp's
-``llama-server`` and ``llama-cpp-python``), the usual open-weight standard tier and a home-grown fast one.
-
-Facts (vLLM's and llama.cpp's server docs; the recorded ``vllm_chat_stream`` and ``llamacpp_*`` fixtures; a llama.cpp
-server behind the gateway): their extra sampling fields (``chat_template_kwargs``, ``min_tokens``, ``top_k``,
-``repetition_penalty``, ...) are the client's and pass through byte for byte; a stream reports usage only when
-``stream_options.include_usage`` asks (the gateway asks, so every stream is counted; one that still sends none is
-counted from its token chunks, marked estimated); ``llama-cpp-python`` reads ``max_tokens`` only and ignores
-``max_completion_tokens`` (what the Responses bridge and newer clients send), so the limit is sent in both; it also
-refuses an assistant turn whose ``content`` is null beside its ``tool_calls`` (valid OpenAI, what the bridge sends for a
-tool call), so such a turn gets ``""``; ``llama-server`` reads ``tool_choice`` only as a string and runs a choice naming
-a function as ``auto``, so that is sent as ``required`` with the named tool alone; a prompt over the context window is
-answered 400 (vLLM, ``llama-server``) or 500 (``llama-cpp-python``, older vLLM), both read as 400
-``context_length_exceeded``; an error event may put the status in an integer ``code``; no rate-limit headers; the
-Responses API is partial or missing, so it is served through the bridge, and ``/v1/completions`` and ``/v1/embeddings``
-by the passthrough.
-"""
+"""The ``vllm`` dialect: self-hosted OpenAI-compatible servers (vLLM, SGLang, llama.cpp's ``llama-server`` and
+``llama-cpp-python``). Facts (their server docs; the ``vllm_*`` and ``llamacpp_*`` fixtures): ``llama-cpp-python``
+reads ``max_tokens`` only and refuses a null ``content`` beside ``tool_calls``; ``llama-server`` runs a ``tool_choice``
+naming a function as ``auto``; no rate-limit headers; the Responses API is partial (bridged)."""
 
 from __future__ import annotations
 
@@ -29,17 +16,13 @@ from gateway.wire.body import dumps, replace_top_level
 
 
 class VLLM(Dialect):
-    """Self-hosted OpenAI-compatible servers: OpenAI's rules, the length limit in both fields, and no null content
-    beside tool calls (both only when the request has them: other bodies are the client's bytes)."""
+    """OpenAI's rules; a body is rewritten only where it has what these servers misread (module docstring)."""
 
     name = "vllm"
     member = "timings"  # llama.cpp's llama-server: on the last chunk it sends
     prompt_cache_key = False  # vLLM's and llama.cpp's prefix caches are keyed by the prompt alone
 
     def body(self, raw: bytes, body: Mapping[str, Any], upstream_model: str, ask_usage: bool) -> bytes:
-        """As OpenAI's, with ``max_tokens`` beside a ``max_completion_tokens`` that has none, a ``tool_choice`` naming
-        a function sent as ``required`` with that tool alone, and an assistant turn's null ``content`` beside
-        ``tool_calls`` sent as ``""``."""
         limit = body.get("max_completion_tokens")
         if limit is not None and body.get("max_tokens") is None:
             if "max_tokens" in body:  # null: replaced, never a second member the parser would read instead
@@ -59,18 +42,14 @@ class VLLM(Dialect):
         return super().body(raw, body, upstream_model, ask_usage)
 
     def member_facts(self, value: Any) -> tuple[dict[str, Any] | None, dict[str, float] | None]:
-        """llama-server's ``timings`` with ``predicted_n`` (tokens generated) and ``prompt_n`` (prompt tokens it
-        evaluated) as usage, for a stream whose server sent no ``usage`` (one that ignores
-        ``stream_options.include_usage``). Its milliseconds are not read."""
+        """llama-server's ``timings``: ``predicted_n`` and ``prompt_n`` are tokens; its milliseconds are not read."""
         if isinstance(value, dict) and "predicted_n" in value:
             return {"prompt_tokens": value.get("prompt_n", 0), "completion_tokens": value["predicted_n"]}, None
         return None, None
 
     def cause(self, exc: GatewayError, upstream: UpstreamConfig, need_tokens: int) -> GatewayError:
-        """An empty 200 stream from a server whose ``context_window`` the request's estimate exceeds is the prompt
-        overflowing it (llama-cpp-python answers a streamed over-long prompt so): the client's 400, which no other
-        upstream is tried with and which rests nobody; a 500 that reads as the server's request validation is a
-        400 too. Anything else: ``exc``."""
+        """An empty 200 stream from a server whose ``context_window`` the prompt overflows (llama-cpp-python answers
+        a streamed over-long prompt so) is the client's 400: tried nowhere else, resting nobody."""
         window = upstream.context_window
         if isinstance(exc, EmptyStream) and window is not None and need_tokens > window:
             return UpstreamStatusError(400, f"This model's maximum context length is {window} tokens, and the request "
@@ -80,9 +59,8 @@ class VLLM(Dialect):
         return exc
 
     def status_error(self, status: int, data: bytes, headers: Mapping[str, str]) -> UpstreamStatusError:
-        """As OpenAI's; a 500 whose message is the server's request validation (pydantic's words, as
-        llama-cpp-python answers a body it refuses) is the client's 400, and a server's file paths are not passed
-        on."""
+        """A 500 in pydantic's validation words (llama-cpp-python refusing a body) is the client's 400; a server's
+        file paths are not passed on."""
         err = super().status_error(status, data, headers)
         message = _PATHS.sub("<server file>", err.message)
         if err.status == 500 and _VALIDATION.search(message):
@@ -102,8 +80,7 @@ _PATHS = re.compile(r"(?:/[\w.+-]+){2,}\.(?:py|cpp|c|h|hpp)\b")
 
 
 def _named_tools(body: Mapping[str, Any]) -> list[Any] | None:
-    """The tools of a request whose ``tool_choice`` names one function (``{"type": "function", "function":
-    {"name"}}``): that function's tool alone; None for any other choice, or a name no tool has (the server says)."""
+    """None for any other choice, or a name no tool has: the server then says so."""
     choice = body.get("tool_choice")
     function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
