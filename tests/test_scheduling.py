@@ -27,7 +27,7 @@ from gateway.routing.health import UpstreamHealth
 from gateway.routing.ratelimits import quota_report
 from gateway.routing.scheduling import Need, Scheduler
 from gateway.tenancy.keys import Key, digest, new_key
-from gateway.tools.emulator import EmulatorConfig, EmulatorThread, Plan
+from gateway.tools.emulator import EmulatorConfig, EmulatorThread, Plan, Received
 
 from conftest import Proc, sample, scraped, start_gateway
 
@@ -305,3 +305,108 @@ def test_a_class_header_lowers_a_request_and_an_unknown_one_is_a_400(tmp_path: P
         fast.stop()
         std.stop()
 
+
+
+def _event(delta: dict[str, Any] | None, finish: str | None = None, usage: dict[str, int] | None = None) -> bytes:
+    chunk: dict[str, Any] = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": (
+        [] if usage else [{"index": 0, "delta": delta, "finish_reason": finish}])}
+    if usage:
+        chunk["usage"] = usage
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+# a stream of 20 tokens over ~40 ms, so that the fast upstream's decode speed is measured too
+STREAM = [(0.005, _event({"role": "assistant", "content": ""})),
+          *[(0.002, _event({"content": "ok"})) for _ in range(20)],
+          (0.0, _event({}, "stop") + _event(None, usage={"prompt_tokens": 5, "completion_tokens": 20,
+                                                         "total_tokens": 25}) + b"data: [DONE]\n\n")]
+
+
+def test_a_deadline_with_slack_waits_for_the_refill_and_one_without_spills(tmp_path: Path) -> None:
+    """The fast upstream reports its tokens short for ``SHORT`` seconds; the standard one takes 1.5 s to a first
+    token. A request whose deadline leaves room waits for the refill and is served fast; one whose deadline does not
+    goes to the standard tier at once."""
+    short = {"until": 0.0}
+
+    def fast(req: Received) -> Plan:
+        left = short["until"] - time.monotonic()
+        headers = ({"x-ratelimit-limit-tokens": "10000", "x-ratelimit-remaining-tokens": "10",
+                    "x-ratelimit-reset-tokens": f"{max(left, 0.001):.3f}s"} if left > 0 else
+                   {"x-ratelimit-limit-tokens": "10000", "x-ratelimit-remaining-tokens": "10000",
+                    "x-ratelimit-reset-tokens": "1m0s"})
+        return Plan(headers={"content-type": "text/event-stream", **headers}, parts=STREAM)
+
+    up_fast = EmulatorThread(fast)
+    up_std = EmulatorThread(config=EmulatorConfig(dialect="openai", ttft=1.5, tps=200))
+    cfg = _config(up_fast.base_url, up_std.base_url)
+    del cfg["auth"]
+    cfg["estimates"] = {"explore": 0, "probe": 600}
+    proc = start_gateway(cfg, tmp_path)[0]
+    url = f"http://127.0.0.1:{proc.port}/v1/chat/completions"
+
+    def post(**headers: str) -> tuple[httpx.Response, float]:
+        t0 = time.monotonic()
+        resp = httpx.post(url, timeout=20, headers=headers, json={
+            "model": "m", "stream": True, "max_tokens": 20, "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "hi"}]})
+        return resp, time.monotonic() - t0
+    try:
+        for tier in ("fast", "standard", "fast", "standard"):  # both measured: predictions, no probes
+            assert post(**{"x-tiergate-tier": tier})[0].headers["x-tiergate-tier"] == tier
+        short["until"] = time.monotonic() + 1.0
+        post()  # its answer reports the tokens short, for a second
+        patient, took = post(**{"x-tiergate-deadline-ms": "4000"})
+        assert patient.headers["x-tiergate-tier"] == "fast", (dict(patient.headers), took)
+        assert "x-tiergate-fallback" not in patient.headers
+        assert took < 1.5  # waited for the refill (under a second) rather than the standard tier's first token
+        short["until"] = time.monotonic() + 1.0
+        post()
+        hurried, _ = post(**{"x-tiergate-deadline-ms": "400"})  # no room for a wait
+        assert hurried.headers["x-tiergate-tier"] == "standard"
+        assert hurried.headers["x-tiergate-fallback"] == "spillover_quota_tokens"
+        metrics = scraped(proc.port)
+        assert sample(metrics, "tiergate_class_wait_seconds_count", missing_ok=False, **{"class": "agent"},
+                      outcome="fast") == 1
+    finally:
+        proc.stop()
+        up_fast.stop()
+        up_std.stop()
+
+
+def test_a_run_spilled_to_the_standard_tier_moves_back_when_headroom_returns(tmp_path: Path) -> None:
+    """Never mid-step: each step is routed whole; the step after the refill goes back to the fast tier."""
+    short = {"until": 0.0}
+
+    def fast(req: Received) -> Plan:
+        left = short["until"] - time.monotonic()
+        remaining = "10" if left > 0 else "10000"
+        return Plan(headers={"content-type": "text/event-stream", "x-ratelimit-limit-tokens": "10000",
+                             "x-ratelimit-remaining-tokens": remaining,
+                             "x-ratelimit-reset-tokens": f"{max(left, 0.001):.3f}s" if left > 0 else "1m0s"},
+                    parts=STREAM)
+
+    up_fast = EmulatorThread(fast)
+    up_std = EmulatorThread(config=EmulatorConfig(dialect="openai", ttft=0.01, tps=5000))
+    proc = start_gateway(_config(up_fast.base_url, up_std.base_url), tmp_path)[0]
+    url = f"http://127.0.0.1:{proc.port}/v1/chat/completions"
+
+    def step() -> httpx.Response:
+        return httpx.post(url, timeout=20, headers={"authorization": f"Bearer {KEYS['alice']}",
+                                                   "x-tiergate-session": "run-1"}, json={
+            "model": "m", "stream": True, "max_tokens": 20, "messages": [{"role": "user", "content": "go on"}]})
+    try:
+        short["until"] = time.monotonic() + 0.8
+        first = step()
+        assert first.headers["x-tiergate-tier"] == "fast" and first.headers["x-tiergate-affinity"] == "new"
+        spilled = step()
+        assert spilled.headers["x-tiergate-tier"] == "standard"
+        assert spilled.headers["x-tiergate-fallback"] == "spillover_quota_tokens"
+        time.sleep(max(0.0, short["until"] - time.monotonic()) + 0.05)
+        back = step()
+        assert back.headers["x-tiergate-tier"] == "fast"
+        assert back.headers["x-tiergate-affinity"] == "moved"
+        assert int(back.headers["x-tiergate-session-step"]) == 3
+    finally:
+        proc.stop()
+        up_fast.stop()
+        up_std.stop()
