@@ -410,3 +410,32 @@ def test_a_run_spilled_to_the_standard_tier_moves_back_when_headroom_returns(tmp
         proc.stop()
         up_fast.stop()
         up_std.stop()
+
+
+def test_ultrafasts_own_limits_are_not_read_into_the_upstreams_budget(tmp_path: Path) -> None:
+    """OpenAI keeps ``ultrafast``'s rate limits apart: an ultrafast answer's empty budget says nothing of the
+    upstream's default-tier budget (a default answer's empty budget does)."""
+    def fast(req: Received) -> Plan:
+        return _plan({"x-ratelimit-limit-requests": "100", "x-ratelimit-remaining-requests": "0",
+                      "x-ratelimit-reset-requests": "1m0s"})
+
+    up_fast = EmulatorThread(fast)
+    up_std = EmulatorThread(config=EmulatorConfig(dialect="openai", ttft=0.001, tps=50_000))
+    cfg = _config(up_fast.base_url, up_std.base_url, scheduling=False)
+    del cfg["auth"]
+    proc = start_gateway(cfg, tmp_path)[0]
+    url = f"http://127.0.0.1:{proc.port}/v1/chat/completions"
+
+    def post(**extra: Any) -> httpx.Response:
+        return httpx.post(url, timeout=10, json={"model": "m", "max_tokens": 5, **extra,
+                                                 "messages": [{"role": "user", "content": "hi"}]})
+    try:
+        assert post(service_tier="ultrafast").headers["x-tiergate-tier"] == "fast"
+        assert post().headers["x-tiergate-tier"] == "fast"  # its default budget is unknown, not empty
+        spilled = post()  # the default answer's report: no requests left
+        assert spilled.headers["x-tiergate-tier"] == "standard"
+        assert spilled.headers["x-tiergate-fallback"] == "spillover_quota_requests"
+    finally:
+        proc.stop()
+        up_fast.stop()
+        up_std.stop()

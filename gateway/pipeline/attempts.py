@@ -24,6 +24,7 @@ from gateway.routing import deadline, failover
 from gateway.routing.facts import Candidate, Decision, RequestFacts
 from gateway.routing.failover import Plan
 from gateway.routing.health import Health
+from gateway.routing.ratelimits import Window
 from gateway.routing.scheduling import Need, Scheduler
 from gateway.state.quota import SharedVerdicts
 from gateway.state.redis import Admission, SharedState
@@ -78,6 +79,8 @@ class Attempts:
         reached the client."""
         ex, up = turn.ex, cand.upstream
         verdicts = await self.verdicts(turn, cand)
+        if up.service_tier is None and turn.facts.service_tier == "ultrafast":
+            verdicts = OwnLimits(verdicts)
         if self.scheduler is not None and up.tier == "fast" and ex.request.priority is not None:
             cached = turn.run.affinity.warm.get(up.name, 0) if turn.run is not None else 0
             self.scheduler.took(self.health[up.name], ex.request.priority, Need(turn.need, cached), self.health.clock())
@@ -214,6 +217,33 @@ class Attempts:
         if run is not None:
             out += session_headers(run, up.name)
         return [*out, *((k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items())]
+
+
+class OwnLimits:
+    """An attempt sent with ``service_tier: ultrafast`` to an upstream that is not declared as that tier: OpenAI keeps
+    ultrafast's rate limits apart from standard and fast, so its answer's headers are not the upstream's budget and
+    are not read into it (declare ``service_tier: ultrafast`` as its own upstream to schedule it:
+    docs/routing.md#vendor-limits). Everything else reaches the upstream's health."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner: Verdicts) -> None:
+        self.inner = inner
+
+    def start(self, now: float, need_tokens: int) -> Any:
+        return self.inner.start(now, need_tokens)
+
+    def finish(self) -> None:
+        self.inner.finish()
+
+    def observe_report(self, report: dict[str, Window], now: float, mark: Any = None) -> None:
+        return None
+
+    def settle(self, exc: GatewayError | None, now: float, need_tokens: int = 0, source: str | None = None) -> None:
+        self.inner.settle(exc, now, need_tokens, source)
+
+    def retract(self, source: str) -> None:
+        self.inner.retract(source)
 
 
 def with_cache_key(raw: bytes, cache_key: str | None) -> bytes:

@@ -82,11 +82,14 @@ class ChatPipeline:
         assert facts is not None
         need = self.need(facts, decision)
         keep = run.affinity.target if run is not None else None  # an agent session's warm upstream
-        ask = Ask(self.scheduler, ex.request.priority, run.affinity.warm if run is not None else {})
+        # the scheduler's say and the warm caches the uncached bucket reads; neither: the plain plan
+        ask = Ask(self.scheduler, ex.request.priority, run.affinity.warm if run is not None else {}) \
+            if self.scheduler is not None or run is not None else None
         plan = failover.plan(decision, self.health, self.health.clock(), need, self.config.max_attempts, ex.blame,
                              keep, ask)
-        if self.waiting is not None and ask.cls is not None and (wait := self.waiting.worth(decision, plan,
-                                                                                             self.health)):
+        wait = self.waiting.worth(decision, plan, self.health) if self.waiting is not None and ask is not None \
+            and ask.cls is not None else None
+        if wait is not None and self.waiting is not None and ask is not None:
             plan = await self.waiting.wait(ex, ask, wait, plan, lambda: failover.plan(
                 decision, self.health, self.health.clock(), need, self.config.max_attempts, ex.blame, keep, ask))
         admitted_by: dict[str, SharedAdmission | None] = {}
