@@ -10,7 +10,8 @@ loops) that empties the budget within seconds. Every loop is bounded by ``--seco
 request by a timeout. Nothing listens anywhere but 127.0.0.1.
 
 The fast budget used is what the fast emulator charged (its own formula: the prompt's JSON bytes / 4 plus the token
-limit, ``gateway.tools.emulator.counts``) for the requests it served, over its budget per started window.
+limit, ``gateway.tools.emulator.counts``) for the requests it served, over its budget times the windows the load's span
+opens (the emulator's window is a fixed minute from its first charge).
 """
 
 from __future__ import annotations
@@ -88,12 +89,14 @@ class Mode:
     cost: dict[str, float] | None = None
     elapsed: float = 0.0
     budget: int = 0
+    seconds: float = 0.0  # the load's span: requests start only within it
 
     def fast_tokens(self) -> int:
         return sum(s.charge for s in self.sent if s.fast)
 
     def budget_used(self) -> float:
-        windows = max(1, math.ceil(self.elapsed / WINDOW))
+        # the windows the load's span opened (the last requests' tails run past it, into no new window's budget)
+        windows = max(1, math.ceil(self.seconds / WINDOW - 1e-9))
         return self.fast_tokens() / (self.budget * windows) if self.budget else 0.0
 
 
@@ -224,7 +227,7 @@ async def load(url: str, keys: dict[str, str], sizes: Sizes) -> list[Sent]:
 
 
 async def _measure(name: str, stack: Stack, keys: dict[str, str], sizes: Sizes) -> Mode:
-    mode = Mode(name, budget=sizes.budget)
+    mode = Mode(name, budget=sizes.budget, seconds=sizes.seconds)
     metrics = f"http://127.0.0.1:{stack.port}/metrics"
     started = time.monotonic()
     mode.sent = await load(stack.url, keys, sizes)
