@@ -112,13 +112,25 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--api-key", help="sent as the bearer token (default: env OPENAI_API_KEY, else 'unused')")
     bench.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per request (default 300)")
     bench.add_argument("--seed", type=int, default=0, help="seed of the request order and prompts")
-    bench.add_argument("--out", default="tiergate-bench.html", help="HTML chart to write ('' for none)")
+    bench.add_argument("--out", help="HTML chart to write (default tiergate-bench.html; '' for none)")
     bench.add_argument("--json", help="also write the per-tier summary as JSON to this file")
     bench.add_argument("--quiet", action="store_true", help="no progress line")
     bench.add_argument("--agent-loop", type=int, metavar="N", help="agent runs instead of single requests: N "
                        "sequential steps per run, each sending the conversation so far plus a new turn, one "
                        "x-tiergate-session per run; reports run time, step TTFT and the session's cost per tier")
     bench.add_argument("--runs", type=int, default=3, help="with --agent-loop: runs per --mix model (default 3)")
+    _contention_flags(bench)
+
+
+def _contention_flags(bench: argparse.ArgumentParser) -> None:
+    bench.add_argument("--contention", action="store_true", help="the fast tier under contention, FCFS against "
+                       "scheduled, on emulators and gateways of its own (docs/bench.md#contention); --out is a "
+                       "directory for its table, JSON and chart")
+    bench.add_argument("--seconds", type=float, help="with --contention: seconds of load per mode (default 60)")
+    bench.add_argument("--budget", type=int, help="with --contention: the fast tier's tokens per minute (60000)")
+    bench.add_argument("--rate", type=float, help="with --contention: interactive requests per second (default 2)")
+    bench.add_argument("--agents", type=int, help="with --contention: agent loops (default 3)")
+    bench.add_argument("--batch", type=int, help="with --contention: batch loops at once (default 16)")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -133,6 +145,10 @@ def _run(args: argparse.Namespace) -> int:
             return _demo(args)
         if args.command == "emulate":
             return _emulate(args)
+        if args.command == "bench" and args.contention:
+            from gateway.tools.loadtest.contention_report import main as contention_main
+
+            return contention_main(args)
         if args.command == "bench" and args.agent_loop is not None:
             from gateway.tools.agentloop import main as agent_main
 

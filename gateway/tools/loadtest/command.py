@@ -40,9 +40,10 @@ def main(args: Any) -> int:
         print("(cost: n/a, the gateway's /metrics was not reachable)")
     meta = {"requests": args.requests, "concurrency": args.concurrency, "mix": args.mix, "max_tokens": args.max_tokens,
             "base_url": args.base_url, "when": time.strftime("%Y-%m-%d %H:%M:%S"), "elapsed": elapsed}
-    if args.out:
-        Path(args.out).write_text(render_html(stats, cost, meta), encoding="utf-8")
-        print(f"chart: {args.out}")
+    out = "tiergate-bench.html" if args.out is None else args.out
+    if out:
+        Path(out).write_text(render_html(stats, cost, meta), encoding="utf-8")
+        print(f"chart: {out}")
     if args.json:
         tiers = summary(stats, cost)
         Path(args.json).write_bytes(orjson.dumps({"meta": meta, "tiers": tiers, "premium": premium(tiers)},
