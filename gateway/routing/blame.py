@@ -1,7 +1,6 @@
-"""Whose fault an upstream failure is (docs/routing.md#circuit-breakers, docs/tenancy.md#isolation). A failure with no
-status line is the upstream's; one a request's own content can cause is *request-shaped* (:func:`request_shaped`) and is
-charged to the request's source, its gateway key or its body (:class:`Blame`), so that one client alone never opens an
-upstream's breaker for everyone (``gateway.routing.health``)."""
+"""Whose fault an upstream failure is (docs/routing.md#circuit-breakers, docs/tenancy.md#isolation): one a request's
+own content can cause is charged to that request's source, so that one client alone never opens an upstream's breaker
+for everyone (``gateway.routing.health`` counts it). Pure code, no I/O."""
 
 from __future__ import annotations
 
@@ -20,24 +19,17 @@ MAX_SOURCES = 1024  # sources whose recent request-shaped failures an upstream r
 
 
 def request_shaped(exc: GatewayError) -> bool:
-    """Whether ``exc`` is a failure a request's own content can cause (module docstring: whose fault): a 5xx status
-    (an error event's included), or one of :data:`SHAPED_CODES`. A refused or reset connection is not."""
+    """A 5xx (an error event's included) may be the request's doing: vLLM and llama.cpp fail that way on some malformed
+    inputs. A refused or reset connection never is."""
     if isinstance(exc, UpstreamStatusError):
         return exc.status >= 500
     return exc.code in SHAPED_CODES
 
 
 class Blame:
-    """Who one request's request-shaped failures are charged to (module docstring: whose fault), and which it charged.
-
-    Args:
-        source: the request's source, computed when first asked (a gateway key's name, or a digest of the body: only a
-            failure, or an upstream resting for some source, asks).
-
-    Attributes:
-        charged: (upstream name, its verdicts, source) of each request-shaped failure charged so far, in order (the
-            verdicts: ``gateway.upstream.attempt.Verdicts``, which can take one back).
-    """
+    """``charged``: (upstream, its ``gateway.upstream.attempt.Verdicts``, source) of each failure charged, for
+    :meth:`retract`. ``source`` (a gateway key's name, else a digest of the body) is computed on first ask: only a
+    failure, or an upstream resting for some source, asks."""
 
     __slots__ = ("_source", "_known", "charged")
 
@@ -47,18 +39,16 @@ class Blame:
         self.charged: list[tuple[str, Any, str]] = []
 
     def who(self) -> str:
-        """The request's source (computed once)."""
         if self._known is None:
             self._known = self._source()
         return self._known
 
     def everywhere(self, tried: int) -> bool:
-        """Whether every one of the ``tried`` attempts failed request-shaped, on two upstreams or more: the request's
-        fault (module docstring)."""
+        """Every attempt failed request-shaped, on two upstreams or more: the request is at fault, not the upstreams."""
         return tried >= 2 and len(self.charged) == tried and len({name for name, _, _ in self.charged}) >= 2
 
     def retract(self) -> None:
-        """Take back every failure charged (:meth:`UpstreamHealth.retract`); charge nothing more."""
+        """Take back every failure charged (:meth:`UpstreamHealth.retract`)."""
         for _, verdicts, source in self.charged:
             verdicts.retract(source)
         self.charged = []

@@ -1,31 +1,6 @@
-"""Deadline routing: among the candidates the policy allows, the cheapest predicted to meet the request's latency
-budget at the tail estimate, else the fastest. Pure code: estimates and times are passed in.
-
-A request states a budget in milliseconds (docs/deadlines.md#deadline-routing), each part on its own, the first
-found winning: the headers ``x-tiergate-deadline-ms`` (the whole answer) and ``x-tiergate-ttft-deadline-ms`` (its first
-token), the same in ``metadata`` (``deadline_ms``, ``ttft_deadline_ms``; OpenAI's metadata values are strings), or the
-matching rule's ``route: {deadline_ms, ttft_deadline_ms}``. Without a budget nothing here runs.
-
-For each candidate the prediction is, at the tail (``gateway.observability.estimates``): TTFT = the TTFT line at the
-request's prompt size plus the p90 residual; whole answer = TTFT + (completion - 1) / p10 decode speed, where completion
-is ``max_tokens`` when given, else the p90 completion length of the route (:data:`DEFAULT_COMPLETION` until measured).
-Its cost is the upstream's ``prices`` (or ``model_prices``) times the estimated prompt and the median completion.
-For a step of an agent session, the prompt tokens an upstream's cache is believed to hold are priced at its
-``cached_input`` and left out of its predicted prefill; on the others they cost full price and prefill time
-(docs/sessions.md#cache-warmth-is-priced).
-Then, in this order:
-
-1. **probe**: a candidate that is unmeasured (its estimate aged out, or it never served) gets this request if it was
-   not probed in the last ``estimates.probe`` seconds: a tier is re-measured after its estimate aged;
-2. **meets**: the cheapest candidate whose predictions meet every part of the budget (ties: the faster);
-3. **fastest**: none does: the one with the smallest predicted time (whole answer, else TTFT);
-4. **explore**: a share ``estimates.explore`` of these requests goes instead to a candidate predicted too slow that
-   no other traffic is measuring (no sample in the last ``window / samples`` seconds; the stalest first), so that a
-   tier that recovers is noticed before its slow samples age out.
-
-The chosen candidate comes first; the others keep the policy's order behind it for failover. Quota, concurrency and
-health spillover (``gateway.routing.failover``) apply after the choice.
-"""
+"""Deadline routing (docs/deadlines.md#deadline-routing): among the candidates the policy allows, the cheapest predicted
+to meet the request's latency budget at the tail estimate, else the fastest. Pure code: estimates and times are passed
+in; spillover (``gateway.routing.failover``) still applies after the choice."""
 
 from __future__ import annotations
 
@@ -50,8 +25,8 @@ VERDICTS = ("meets", "fastest", "explore", "probe", "unmeasured")
 
 @dataclass(frozen=True, slots=True)
 class Budget:
-    """A request's latency budget in seconds: ``total`` for the whole answer, ``ttft`` for its first token (either
-    may be None, not both); ``source``: where each came from (``header``, ``metadata``, ``rule``)."""
+    """A request's latency budget in seconds (``total``: the whole answer, ``ttft``: its first token; not both None);
+    ``source``: ``header``, ``metadata`` and/or ``rule``, joined by ``+``."""
 
     total: float | None
     ttft: float | None
@@ -66,11 +41,8 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def _given(value: object, param: str) -> float | None:
-    """A budget value in milliseconds (a number, or a string of one), as seconds.
-
-    Raises:
-        InvalidRequest: it is not a positive finite number (400 naming ``param``).
-    """
+    """Milliseconds (a number, or a string of one: OpenAI's metadata values are strings) to seconds. Raises
+    InvalidRequest (400 naming ``param``) for anything but a positive finite number."""
     if value is None:
         return None
     shown = value if isinstance(value, str) else dumps(value).decode()[:40]
@@ -85,11 +57,8 @@ def _given(value: object, param: str) -> float | None:
 
 
 def budget(facts: RequestFacts, route: RouteConfig | None) -> Budget | None:
-    """The request's budget (module docstring), or None when it has none.
-
-    Raises:
-        InvalidRequest: a header or metadata value is not a positive number of milliseconds.
-    """
+    """Each part from the header, else ``metadata``, else the rule. Raises InvalidRequest for a value that is not a
+    positive number of milliseconds."""
     headers = facts.headers
     given_total, given_ttft = headers.get(DEADLINE_HEADER), headers.get(TTFT_DEADLINE_HEADER)
     meta = facts.body.get("metadata")
@@ -119,8 +88,8 @@ def budget(facts: RequestFacts, route: RouteConfig | None) -> Budget | None:
 
 @dataclass(frozen=True, slots=True)
 class Prediction:
-    """One candidate's prediction at the tail (seconds; USD), or None where unmeasured. ``meets``: whether it meets
-    the budget (None: cannot tell, unmeasured); ``age``: seconds since its newest TTFT sample (None: unmeasured)."""
+    """One candidate's prediction at the tail (seconds, USD), None where unmeasured; ``meets`` None: cannot tell;
+    ``age``: seconds since its newest TTFT sample."""
 
     upstream: str
     tier: Tier
@@ -132,7 +101,7 @@ class Prediction:
 
     @property
     def time(self) -> float:
-        """What "fastest" compares: the whole answer's predicted seconds, else the TTFT's (inf when unmeasured)."""
+        """What "fastest" compares: the whole answer, else the TTFT (inf when unmeasured)."""
         value = self.total if self.total is not None else self.ttft
         return math.inf if value is None else value
 
@@ -144,10 +113,8 @@ class Prediction:
 
 @dataclass(frozen=True, slots=True)
 class Choice:
-    """The outcome of deadline routing: the candidates in their new order, the verdict (one of :data:`VERDICTS`),
-    the prediction of each candidate (policy order), the completion tokens assumed (and from where), and the
-    request's fallback reason: ``deadline`` when the choice left the tier of the policy's first candidate, else the
-    policy's own (``Decision.fallback``)."""
+    """The candidates reordered (the choice first, the rest behind it for failover) and each candidate's prediction in
+    policy order. ``fallback``: ``deadline`` when the choice left the policy's first tier, else the policy's own."""
 
     budget: Budget
     candidates: tuple[Candidate, ...]
@@ -158,7 +125,6 @@ class Choice:
     fallback: str | None
 
     def of(self, upstream: str) -> Prediction | None:
-        """The prediction of ``upstream``."""
         return next((p for p in self.predictions if p.upstream == upstream), None)
 
     def as_dict(self) -> dict[str, Any]:
@@ -168,10 +134,9 @@ class Choice:
 
 
 class Explorer:
-    """When to send a deadline request elsewhere than its prediction says: a share of them (a credit counter, so
-    that the share holds exactly and tests can count it), and a probe per unmeasured candidate every ``probe``
-    seconds. A candidate whose newest sample is younger than ``fresh`` seconds is never explored: other traffic is
-    measuring it already, so exploring it would only miss deadlines. The only state of deadline routing."""
+    """The only state of deadline routing. The ``share`` explored is a credit counter, so that it holds exactly and
+    tests can count it; a candidate sampled less than ``fresh`` seconds ago is never explored: other traffic measures it
+    already, and exploring it would only miss deadlines."""
 
     def __init__(self, share: float, probe: float, fresh: float = 1.0) -> None:
         self.share = share
@@ -181,14 +146,13 @@ class Explorer:
         self._probed: dict[tuple[str, str], float] = {}
 
     def preview(self) -> Explorer:
-        """A copy that never explores and whose probes are forgotten after use: what a request would get now, for
-        ``POST /v1/tiergate/route`` (which must not spend a probe or a share)."""
+        """A copy that never explores and forgets the probes it makes: ``POST /v1/tiergate/route`` must not spend a
+        probe or a share."""
         copy = Explorer(0.0, self.probe, self.fresh)
         copy._probed = dict(self._probed)
         return copy
 
     def explore(self) -> bool:
-        """Whether this eligible request is the one to explore with (``share`` of them)."""
         self._credit += self.share
         if self._credit >= 1.0:
             self._credit -= 1.0
@@ -196,7 +160,7 @@ class Explorer:
         return False
 
     def probe_due(self, upstream: str, model: str, now: float) -> bool:
-        """Whether the unmeasured ``upstream`` may be probed now; if so, it counts as probed."""
+        """True at most once per ``probe`` seconds for (``upstream``, ``model``); a True counts as the probe."""
         key = (upstream, model)
         last = self._probed.get(key)
         if last is not None and now - last < self.probe:
@@ -209,18 +173,17 @@ class Explorer:
 
 def price(up: UpstreamConfig, model: str, service_tier: str | None = None,
           prompt_tokens: int = 0) -> tuple[float, float, float] | None:
-    """(input, cached input, output) USD per token of ``model`` (the configured name) on ``up`` at ``service_tier``
-    (what the request is sent with: ``up.asks(...)``) for a prompt of ``prompt_tokens``: its ``model_prices``
-    entry, else its ``prices``; None when unpriced (as ``gateway.observability.metrics`` prices a request)."""
+    """(input, cached input, output) USD per token of ``model`` on ``up``, None when unpriced, as
+    ``gateway.observability.metrics`` bills it. ``service_tier``: what the request is sent with (``up.asks(...)``)."""
     priced = up.model_prices.get(model) or up.prices
     return priced.per_token(service_tier, prompt_tokens) if priced is not None else None
 
 
 def predict(c: Candidate, est: Latency | None, facts: RequestFacts, model: str, completion_tail: int,
             completion_central: int, b: Budget, now: float, cached: int = 0) -> Prediction:
-    """One candidate's prediction (module docstring) at ``now``; ``cached``: prompt tokens its prompt cache is
-    believed to hold for the request (an agent session's, warm there: billed at ``cached_input``, and not prefilled,
-    so the TTFT line is read at the uncached prompt; elsewhere the same tokens cost the input price and the prefill)."""
+    """At the tail: the TTFT line at the prompt size plus its p90 residual, then (completion − 1) / p10 decode tokens/s.
+    ``cached``: the prompt tokens its cache is believed to hold (docs/sessions.md#cache-warmth-is-priced), billed at
+    ``cached_input`` and not prefilled."""
     prompt = facts.prompt_tokens
     priced = price(c.upstream, model, c.upstream.asks(facts.service_tier), prompt)
     cached = min(cached, prompt)
@@ -242,8 +205,7 @@ def predict(c: Candidate, est: Latency | None, facts: RequestFacts, model: str, 
 
 def completion_tokens(facts: RequestFacts, decision: Decision, estimates: Estimates,
                       now: float) -> tuple[int, int, str]:
-    """(tokens at the tail, tokens at the centre, source) assumed for the request's completion: its ``max_tokens``
-    (``request``), else its route's measured lengths (``measured``), else :data:`DEFAULT_COMPLETION` (``default``)."""
+    """(tail, central, source): ``max_tokens``, else the route's measured lengths, else :data:`DEFAULT_COMPLETION`."""
     if facts.max_tokens is not None:
         return facts.max_tokens, facts.max_tokens, "request"
     length = estimates.completion(decision.rule, decision.model, now)
@@ -254,9 +216,9 @@ def completion_tokens(facts: RequestFacts, decision: Decision, estimates: Estima
 
 def choose(decision: Decision, facts: RequestFacts, b: Budget, estimates: Estimates, now: float,
            explorer: Explorer, warm: Mapping[str, int] | None = None) -> Choice:
-    """The deadline choice for ``decision``'s candidates (module docstring); ``now`` on the estimates' clock;
-    ``warm``: for a step of an agent session, the upstreams its prompt cache is warm on and the prompt tokens each
-    holds (:func:`predict` prices them: a move that saves less than the warm cache it throws away is not made)."""
+    """``now`` on the estimates' clock; ``warm``: the upstreams an agent session's cache is warm on and the tokens each
+    holds, priced so that a move that saves less than the warm cache it throws away is not made. The verdicts, in order:
+    docs/deadlines.md#deadline-routing."""
     tail, central, source = completion_tokens(facts, decision, estimates, now)
     warm = warm or {}
     preds = tuple(predict(c, estimates.latency(c.upstream.name, bucket(c.upstream_model,
@@ -293,8 +255,7 @@ def choose(decision: Decision, facts: RequestFacts, b: Budget, estimates: Estima
 
 
 def headers(choice: Choice, upstream: str) -> list[tuple[bytes, bytes]]:
-    """``x-tiergate-deadline`` (the verdict) and ``x-tiergate-predicted-ms`` / ``x-tiergate-predicted-ttft-ms`` for the
-    upstream that served the request (when predicted)."""
+    """Response headers for the upstream that served (docs/routing.md#response-headers)."""
     out = [(b"x-tiergate-deadline", choice.verdict.encode())]
     p = choice.of(upstream)
     if p is not None and p.total is not None:
@@ -305,7 +266,7 @@ def headers(choice: Choice, upstream: str) -> list[tuple[bytes, bytes]]:
 
 
 def describe(choice: Choice) -> str:
-    """The choice in one sentence, for ``POST /v1/tiergate/route``."""
+    """For ``POST /v1/tiergate/route``."""
     p = choice.of(choice.candidates[0].upstream.name)
     assert p is not None
     b = choice.budget

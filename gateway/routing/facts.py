@@ -1,6 +1,5 @@
-"""What routing reads of a request and what it decides: :class:`RequestFacts` (each fact computed on first use),
-:class:`Continuation` (what the gateway knows of the response a Responses request continues), and the
-:class:`Decision` with its :class:`Candidate` upstreams. Pure code, no I/O."""
+"""What routing reads of a request (:class:`RequestFacts`) and what it decides (:class:`Decision`). Pure code, no
+I/O: every fact comes from the body and headers passed in."""
 
 from __future__ import annotations
 
@@ -28,8 +27,8 @@ Bridgeable = Callable[[Mapping[str, Any]], "tuple[str, str, str] | None"]
 
 
 class _lazy:  # noqa: N801 - a decorator, named like functools.cached_property
-    """Compute an attribute on first use and store it on the instance (``functools.cached_property`` without the
-    lock it takes on every access in Python 3.11, which made it the costliest part of routing)."""
+    """Compute an attribute on first use and store it on the instance: ``functools.cached_property`` without the lock
+    it takes on every access in Python 3.11, which made it the costliest part of routing."""
 
     def __init__(self, fn: Callable[[Any], Any]) -> None:
         self.fn = fn
@@ -44,13 +43,11 @@ class _lazy:  # noqa: N801 - a decorator, named like functools.cached_property
 
 @dataclass(frozen=True, slots=True)
 class Continuation:
-    """What the gateway knows of the response a Responses request continues (its ``previous_response_id``).
+    """What the gateway knows of the response a Responses request continues (``previous_response_id``).
 
-    upstream: the upstream that made it natively (only it can continue it: affinity), or None; held: the gateway
-    made it through the bridge and holds the whole conversation (any upstream may continue it); history: that
-    conversation's items when held; session: the agent session it was a step of, when it was recorded with one.
-    Neither upstream nor held: made elsewhere; only a native upstream might know it.
-    """
+    ``upstream``: made natively there, so only it can continue it (affinity); ``held``: made through the bridge, the
+    gateway holds the conversation (``history``) and any upstream may continue it; neither: made elsewhere, only a
+    native upstream might know it. ``session``: the agent session it was a step of."""
 
     response_id: str
     upstream: str | None = None
@@ -60,18 +57,10 @@ class Continuation:
 
 
 class RequestFacts:
-    """What routing can read from one request; each fact is computed on first use.
-
-    Args:
-        body: the parsed chat-completions or Responses API body (``model`` already checked to be a string).
-        headers: request headers with lower-case names.
-        size: the request body's length in bytes (for the prompt-size estimate).
-        responses: the body is a Responses API request (``POST /v1/responses``).
-        continuation: for a Responses request with ``previous_response_id``, what the gateway knows of it.
-        bridgeable: for a Responses request, what the Responses bridge cannot serve of a body (param, why, code), or
-            None: routing reads it, the bridge knows it (routing imports no translator).
-        defaults: ``metadata`` read as if the client had sent it, under what it did send (its gateway key's).
-    """
+    """Each fact computed on first use. ``headers`` have lower-case names; ``size``: the body's length in bytes;
+    ``bridgeable``: the Responses bridge's check behind :attr:`RequestFacts.unbridgeable`, passed in so that routing
+    imports no translator; ``defaults``: ``metadata`` read as if the client had sent it, under what it did send (its
+    gateway key's)."""
 
     def __init__(self, body: Mapping[str, Any], headers: Mapping[str, str], size: int = 0, *,
                  responses: bool = False, continuation: Continuation | None = None,
@@ -87,8 +76,7 @@ class RequestFacts:
 
     @_lazy
     def unbridgeable(self) -> tuple[str, str, str] | None:
-        """For a Responses request: (param, why, code) of what the bridge cannot serve (the ``bridgeable`` check it
-        was given: ``gateway.responses.request.unbridgeable``), or None."""
+        """(param, why, code) of what the bridge cannot serve (``gateway.responses.request.unbridgeable``)."""
         return self._bridgeable(self.body) if self.responses and self._bridgeable is not None else None
 
     @_lazy
@@ -151,7 +139,7 @@ class RequestFacts:
 
     @_lazy
     def prompt_tokens(self) -> int:
-        """Estimated prompt tokens: request bytes / 4 (cheap and offline; no tokenizer on the hot path)."""
+        """Request bytes / 4, rounded up: cheap and offline, no tokenizer on the hot path."""
         return -(-self.size // BYTES_PER_TOKEN)
 
     @_lazy
@@ -179,24 +167,16 @@ class RequestFacts:
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """One upstream to try: the upstream config and the model id to send it."""
-
     upstream: UpstreamConfig
     upstream_model: str
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """The route for one request.
-
-    tier: the tier the matching rule chose; rule: its name; reason: one human sentence; model: the configured
-    (alias-resolved) model name; candidates: upstreams in the order to try; fallback: why the first candidate
-    is not on the chosen tier (``model_not_on_fast_tier``, ``context_window``, ``modality``), or None;
-    trace: one line per earlier rule saying why it did not match; skipped: (upstream, reason) left out;
-    index: the 1-based position of the matching rule (0 for the default); route: the matching rule's route (its
-    deadline and hedging settings), or None; deadline: the deadline choice (``gateway.routing.deadline.Choice``) that
-    ordered the candidates when the request had a latency budget, else None.
-    """
+    """The route for one request. ``model`` is alias-resolved; ``fallback``: why the first candidate is not on the
+    chosen tier (``x-tiergate-fallback``), or None; ``trace``: why each earlier rule did not match (explanations
+    only); ``index``: the matching rule's 1-based position, 0 for the default; ``deadline``: the
+    ``gateway.routing.deadline.Choice`` that ordered the candidates when the request had a latency budget."""
 
     tier: Tier
     rule: str
