@@ -1,37 +1,10 @@
-"""The gateway's error tree; every class knows its HTTP status and its OpenAI error body.
+"""The gateway's error tree: every class knows its HTTP status and its OpenAI error body. Statuses and ``type``/``code``
+strings follow OpenAI's error guide and docs/reference/wire.md#errors-the-gateway-answers-itself, so that the ``openai``
+SDK raises the matching exception class. The first paragraph of each class's docstring is its row of the generated table
+on docs/errors.md#classes: write it for a reader of the docs.
 
-::
-
-    GatewayError                     rendered as {"error": {"message", "type", "param", "code"}}
-    ├── ConfigError                  start-up only: a bad config file or a missing key; never an HTTP answer
-    ├── InvalidRequest               400 invalid_request_error (bad JSON, missing or mistyped field)
-    │   ├── PayloadTooLarge          413
-    │   └── UnsupportedMediaType     415
-    ├── ModelNotFound                404 model_not_found
-    ├── ResponseNotFound             404 response_not_found (a Responses API id the gateway does not hold)
-    ├── ObjectNotFound               404 object_not_found (a file, batch, ... another gateway key made)
-    ├── UnknownURL                   404 unknown_url
-    ├── MethodNotAllowed             405 method_not_allowed
-    ├── UpstreamUnavailable          502 upstream_unavailable (connect refused, reset before the status line)
-    ├── UpstreamBadResponse          502 upstream_bad_response (a 200 that is not what the request asked for)
-    ├── UpstreamTimeout              504 upstream_timeout
-    ├── UpstreamAuthFailed           502 upstream_auth_failed (an upstream's 401/403 to the gateway's own key)
-    ├── UpstreamsResting             503 upstreams_resting (every candidate's breaker open)
-    ├── RateLimited                  429 rate_limit_exceeded (every candidate cooling down after its 429)
-    ├── GatewayBusy                  503 gateway_busy (the request bytes in flight are at their bound)
-    ├── GatewayDraining              503 gateway_draining (the process is shutting down)
-    └── UpstreamStatusError          the upstream's own 4xx/5xx before the first byte, status kept (a 401/403
-                                     only from a ``pass_client_key`` upstream: else UpstreamAuthFailed)
-
-    StreamInterrupted                not an answer: the upstream body broke or went silent after its status line
-
-:func:`upstream_error` and :func:`event_error` turn whatever an upstream sent as an error (an error body with
-its status, or an error event inside a 200 stream) into an :class:`UpstreamStatusError` in OpenAI's shape.
-
-Status codes and ``type``/``code`` strings follow OpenAI's error guide and the table in
-``docs/reference/wire.md#errors-the-gateway-answers-itself``, so that the ``openai`` SDK raises the matching
-exception class.
-"""
+:func:`upstream_error` and :func:`event_error` turn whatever an upstream sent as an error, an error body or an error
+event inside a 200 stream, into an :class:`UpstreamStatusError` in OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -46,13 +19,7 @@ import orjson
 class GatewayError(Exception):
     """Base of every error the gateway answers with.
 
-    Attributes:
-        status: HTTP status code of the answer.
-        error_type: OpenAI ``error.type``.
-        code: OpenAI ``error.code`` (a short stable string) or None.
-        param: the request field at fault, or None.
-        headers: extra response headers (e.g. ``retry-after``), names lower-case.
-    """
+    ``headers``: extra response headers (``retry-after``), names lower-case."""
 
     status = 500
     error_type = "server_error"
@@ -74,7 +41,6 @@ class GatewayError(Exception):
         self.headers: dict[str, str] = dict(headers or {})
 
     def body(self) -> bytes:
-        """The OpenAI error envelope as compact JSON bytes."""
         return error_body(self.message, self.error_type, self.param, self.code)
 
 
@@ -186,14 +152,10 @@ class UpstreamTimeout(GatewayError):
 class UpstreamAuthFailed(GatewayError):
     """502: an upstream answered 401 or 403 to the gateway's own credential for it (OpenAI's error codes guide: 401
     "Invalid Authentication" / "Incorrect API key provided", 403 "Country, region, or territory not supported" and
-    permission errors). The key the gateway holds for that upstream is wrong, revoked or lacks access: not the
-    client's fault, so not the client's 401 (the SDK would raise ``AuthenticationError`` against a valid gateway
-    key) and never the upstream's words, which may quote part of that key. The message names the upstream by its
-    configured name only; the upstream's own status, code and message go to the log, keys masked.
-
-    Attributes beyond :class:`GatewayError`: ``upstream`` (its configured name), ``upstream_status`` (401 or 403),
-    ``upstream_code`` (the upstream's ``error.code`` or None).
-    """
+    permission errors). The key the gateway holds for that upstream is wrong, revoked or lacks access: not the client's
+    fault, so not the client's 401 (the SDK would raise ``AuthenticationError`` against a valid gateway key) and never
+    the upstream's words, which may quote part of that key. The message names the upstream by its configured name only;
+    the upstream's own status, code and message go to the log, keys masked."""
 
     status = 502
     error_type = "server_error"
@@ -283,8 +245,7 @@ class GatewayDraining(GatewayError):
 class StreamInterrupted(Exception):
     """The upstream body ended abnormally after its status line (raised by the upstream client, read by the relay).
 
-    code: ``upstream_stream_interrupted`` (reset, EOF inside a chunk) or ``upstream_idle_timeout``.
-    """
+    ``code``: ``upstream_stream_interrupted`` (reset, EOF inside a chunk) or ``upstream_idle_timeout``."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -295,12 +256,9 @@ class StreamInterrupted(Exception):
 class UpstreamStatusError(GatewayError):
     """The upstream's own error status, relayed before the first byte with its body in OpenAI's envelope.
 
-    Attributes beyond :class:`GatewayError`: ``quota_exhausted`` (a 429 that waiting does not fix: billing or
-    credit exhausted, OpenAI's ``insufficient_quota``), ``context_overflow`` (the prompt does not fit the
-    model's window, whatever status the upstream chose for it) and ``credential_refused`` (a 401 or 403: the key
-    the upstream got was refused; ``gateway.upstream.attempt.Attempt`` makes it an :class:`UpstreamAuthFailed` unless
-    that key was the client's own).
-    """
+    ``quota_exhausted``: a 429 that waiting does not fix (billing or credit exhausted); ``context_overflow``: whatever
+    status the upstream chose for it; ``credential_refused``: a 401 or 403, which ``gateway.upstream.attempt.Attempt``
+    makes an :class:`UpstreamAuthFailed` unless the key refused was the client's own."""
 
     def __init__(
         self,
@@ -332,11 +290,8 @@ class UpstreamStatusError(GatewayError):
 
 
 def error_body(message: str, error_type: str, param: str | None, code: str | None) -> bytes:
-    """Render OpenAI's error envelope ``{"error": {"message", "type", "param", "code"}}`` as JSON bytes.
-
-    All four keys are always present (OpenAPI ``Error`` requires them). A message that quotes the client's own text
-    may hold a lone surrogate (valid in JSON text, not encodable as UTF-8): it is escaped as ``\\uXXXX`` then.
-    """
+    """All four keys are always present (OpenAPI ``Error`` requires them). A message quoting the client's text may hold
+    a lone surrogate, valid in JSON text but not encodable as UTF-8: it is escaped as ``\\uXXXX`` then."""
     envelope = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
     try:
         return orjson.dumps(envelope)
@@ -365,14 +320,10 @@ _STATUS_BY_NAME = {"invalid_request_error": 400, "context_length_exceeded": 400,
 
 
 def upstream_error(status: int, body: bytes, headers: Mapping[str, str]) -> UpstreamStatusError:
-    """An upstream's error answer (``status`` and up to 64 KiB of ``body``) in OpenAI's envelope, whatever its shape.
-
-    Handles OpenAI's ``{"error": {...}}``, flat bodies (Cerebras, older vLLM: ``{"message", "type", "code"}``),
-    an integer ``code`` (made a string), empty strings (Cerebras sends ``"param": ""``: made null), bodies with no
-    string ``message`` (``{"detail": "Not Found"}``: the upstream's own words are kept) and non-JSON text. A prompt
-    that overflows the context window becomes 400 ``context_length_exceeded`` (``param: messages``) whatever status
-    the upstream chose (vLLM and llama.cpp's ``llama-server`` answer 400, ``llama-cpp-python`` and older vLLM 500).
-    """
+    """Whatever its shape: OpenAI's, flat bodies (Cerebras, older vLLM), an integer ``code``, ``""`` for null (Cerebras'
+    ``"param": ""``), no string ``message`` (the upstream's own words are kept), non-JSON text. A prompt over the
+    context window becomes 400 ``context_length_exceeded`` whatever status the upstream chose, a 429 aside (vLLM and
+    llama.cpp's ``llama-server`` answer 400, ``llama-cpp-python`` and older vLLM 500)."""
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -391,16 +342,10 @@ def upstream_error(status: int, body: bytes, headers: Mapping[str, str]) -> Upst
 
 
 def event_error(event: dict[str, Any]) -> UpstreamStatusError:
-    """The error an SSE error event carries, with the HTTP status it names (for an error before the first byte).
-
-    Shapes (docs/reference/wire.md#errors-inside-a-stream, docs/reference/wire.md#responses-api-streams): chat
-    ``{"error": {...}}`` (with ``event: error`` or not); Groq's ``status_code`` inside it, Cerebras' beside it (with
-    ``""`` for the envelope's empty fields); text-generation-inference's ``{"error": "text", "error_type": "..."}``;
-    the Responses API's ``{"type": "error", "code", "message"}`` and ``response.failed`` with ``response.error``.
-    Status: an integer ``code``/``status_code``/``status`` in 400-599 inside the error, else beside it, else by the
-    type or code name (``rate_limit_exceeded`` -> 429, ``invalid_request_error`` -> 400, TGI's ``validation`` ->
-    422, ...), else 500.
-    """
+    """For an error before the first byte, with the HTTP status the event names
+    (docs/reference/wire.md#errors-inside-a-stream, docs/reference/wire.md#responses-api-streams): an integer
+    ``code``/``status_code``/``status`` in 400-599 inside the error, else beside it (Cerebras), else by its type or code
+    name, else 500."""
     data: Any = event.get("error")
     if isinstance(data, str):  # text-generation-inference, older vLLM: {"error": "text", "error_type": "validation"}
         kind = event.get("error_type")
@@ -433,7 +378,7 @@ def _normalise(status: int, data: dict[str, Any], headers: Mapping[str, str]) ->
 
 
 def _text(value: object) -> str | None:
-    """``value`` when it is a non-empty string, else None (upstreams send ``""`` for "none")."""
+    """Upstreams send ``""`` for "none"."""
     return value if isinstance(value, str) and value else None
 
 

@@ -1,25 +1,9 @@
-"""Live latency estimates per upstream and model, from the traffic the gateway relays. Pure: every time is passed in.
-
-Three figures are estimated, each from the samples of the last ``window`` seconds (at most ``samples`` of them, the
-newest; docs/deadlines.md#live-estimates), each with a central value and a tail:
-
-* **TTFT** (seconds from the attempt's request being sent to its first token-bearing chunk) as a function of the
-  prompt size, because prefill grows with the input: a least-squares line ``base + per_token * prompt_tokens``
-  (slope clamped at 0; flat while every sample has about the same size), plus the median (central) or the p90
-  (tail) of the samples' residuals from it. ``prompt_tokens`` is the gateway's own estimate (request bytes / 4),
-  the same figure routing reads when it predicts, so that the line is fitted and used in one unit.
-* **decode speed** (output tokens/s, the gateway's time-per-output-token formula, ``gateway.observability.metrics``):
-median
-  (central) and p10 (tail: the slow side).
-* **completion length** per route (the matching rule and the model), for requests without ``max_tokens``: median
-  and p90, in tokens.
-
-Each series is one upstream and model at one speed of service tier (:func:`bucket`: what the upstream says it served,
-else what it was asked). A series with no sample left in the window is *unmeasured* (None): it aged out, and deadline
-routing re-measures it (``gateway.routing.deadline``). Summaries are computed when asked for and cached until a sample
-ages out or, once new samples arrived, for at most :data:`REFRESH` seconds, so that recording a sample costs an append
-and reading one a lookup.
-"""
+"""Live latency estimates per upstream and model, from the traffic the gateway relays
+(docs/deadlines.md#live-estimates): TTFT as a line over the prompt size, because prefill grows with the input; decode
+tokens/s; completion length per route. Each has a central value and a tail, from the last ``window`` seconds.
+``prompt_tokens`` is the gateway's own estimate (request bytes / 4), the figure routing predicts with, so that the line
+is fitted and used in one unit. Summaries are cached, so that recording a sample costs an append and reading one a
+lookup. Pure: every time is passed in."""
 
 from __future__ import annotations
 
@@ -34,16 +18,15 @@ _OWN_SERIES = {"priority": "fast", "fast": "fast", "ultrafast": "ultrafast", "fl
 
 
 def bucket(model: str, service_tier: str | None) -> str:
-    """The series of ``model`` served (or asked) at ``service_tier``: ``model`` for the standard tiers and None,
-    ``model@fast`` (priority, fast), ``model@ultrafast``, ``model@flex``: a tier's latencies never blend with
-    another's."""
+    """A tier served at its own speed is its own series (``model@fast``, ``model@flex``, ...): a tier's latencies never
+    blend with another's."""
     own = _OWN_SERIES.get(service_tier) if service_tier is not None else None
     return model if own is None else f"{model}@{own}"
 
 
 def quantile(ordered: Sequence[float], q: float) -> float:
-    """The ``q`` quantile (0..1) of a sorted, non-empty sequence, interpolated linearly between the closest ranks
-    (numpy's default, "method 7" of Hyndman and Fan)."""
+    """Linear between the closest ranks: numpy's default, "method 7" of Hyndman and Fan. ``ordered`` sorted, not
+    empty."""
     pos = (len(ordered) - 1) * q
     lo = int(pos)
     hi = min(lo + 1, len(ordered) - 1)
@@ -52,8 +35,7 @@ def quantile(ordered: Sequence[float], q: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Spread:
-    """A central value and a tail of one quantity, from ``samples`` samples, the newest taken at ``newest`` (on the
-    estimates' clock: a summary is cached, so its age is read against a time, :meth:`age`)."""
+    """``newest``: on the estimates' clock; a summary is cached, so its age is read against a time (:meth:`age`)."""
 
     central: float
     tail: float
@@ -61,21 +43,14 @@ class Spread:
     newest: float
 
     def age(self, now: float) -> float:
-        """Seconds since the newest sample at ``now``."""
         return max(0.0, now - self.newest)
 
 
 @dataclass(frozen=True, slots=True)
 class Latency:
-    """The latency estimate of one upstream and model (module docstring). Seconds, tokens, tokens per second.
-
-    Attributes:
-        base, per_token: the TTFT line (seconds; seconds per prompt token); residual: its residuals' median and p90
-            (seconds), residual_p95: their p95 (the ``p95`` hedge delay); samples / :meth:`age`: TTFT samples in
-            the window and the newest one's age (seconds).
-        speed: decode tokens/s (central: median, tail: p10), or None when no stream in the window had two or more
-            token-bearing chunks.
-    """
+    """Seconds, tokens, tokens per second. ``base`` + ``per_token`` × prompt tokens: the TTFT line; ``residual``: its
+    residuals' median and p90, ``residual_p95`` their p95 (the ``p95`` hedge delay); ``speed``: median and p10 decode
+    tokens/s, None when no stream in the window had two token-bearing chunks or more."""
 
     base: float
     per_token: float
@@ -88,27 +63,26 @@ class Latency:
         return self.residual.samples
 
     def age(self, now: float) -> float:
-        """Seconds since the newest TTFT sample at ``now``."""
         return self.residual.age(now)
 
     def ttft(self, prompt_tokens: int, tail: bool = True) -> float:
-        """Predicted TTFT in seconds for a prompt of ``prompt_tokens`` (never below 0)."""
+        """Seconds, never below 0."""
         r = self.residual.tail if tail else self.residual.central
         return max(0.0, self.base + self.per_token * prompt_tokens + r)
 
     def ttft_p95(self, prompt_tokens: int) -> float:
-        """TTFT p95 in seconds for a prompt of ``prompt_tokens`` (the ``hedge: p95`` delay)."""
+        """The ``hedge: p95`` delay, in seconds."""
         return max(0.0, self.base + self.per_token * prompt_tokens + self.residual_p95)
 
     def decode(self, tokens: int, tail: bool = True) -> float | None:
-        """Predicted seconds from the first to the last of ``tokens`` output tokens, or None (speed unmeasured)."""
+        """Seconds from the first to the last of ``tokens`` output tokens; None while the speed is unmeasured."""
         if self.speed is None:
             return None
         tps = self.speed.tail if tail else self.speed.central
         return max(0, tokens - 1) / tps if tps > 0 else None
 
     def as_dict(self, now: float, prompt_tokens: Iterable[int] = (100, 1000, 10000)) -> dict[str, Any]:
-        """JSON for ``GET /v1/tiergate/estimates`` at ``now``: the line, the TTFT at a few prompt sizes, the speed."""
+        """For ``GET /v1/tiergate/estimates``."""
         return {
             "ttft": {"samples": self.samples, "age_s": round(self.age(now), 3), "base_s": round(self.base, 6),
                      "per_1k_prompt_tokens_s": round(self.per_token * 1000, 6),
@@ -124,9 +98,8 @@ REFRESH = 0.1  # seconds: a summary is recomputed at most this often per series 
 
 
 class _Series:
-    """The newest samples of one quantity, with a summary cached until a sample ages out, or, once new samples came,
-    for at most :data:`REFRESH` seconds after it was computed (a busy series costs ~10 us per recompute: this bounds
-    it to ten a second, whatever the request rate)."""
+    """Its summary is cached until a sample ages out or, once new samples came, for at most :data:`REFRESH` seconds: a
+    busy series costs ~10 us per recompute, bounded so to ten a second whatever the request rate."""
 
     __slots__ = ("points", "summary", "valid_until", "computed_at")
 
@@ -141,7 +114,6 @@ class _Series:
         self.stale()
 
     def stale(self) -> None:
-        """New data: recompute at once if there was no summary, else within :data:`REFRESH` of the last one."""
         if self.summary is None:
             self.valid_until = -1.0
         else:
@@ -151,7 +123,6 @@ class _Series:
         self.summary, self.computed_at, self.valid_until = summary, now, until
 
     def live(self, now: float, window: float) -> list[tuple[float, float, float]]:
-        """The samples younger than ``window`` (older ones are dropped for good)."""
         points = self.points
         while points and now - points[0][0] > window:
             points.popleft()
@@ -159,11 +130,7 @@ class _Series:
 
 
 class Estimates:
-    """Every live estimate of one gateway process (module docstring).
-
-    Args:
-        window: seconds of traffic an estimate reflects; samples: the newest samples kept per series.
-    """
+    """One per process. ``window``: seconds of traffic an estimate reflects; ``samples``: the newest kept per series."""
 
     def __init__(self, window: float = 60.0, samples: int = 64) -> None:
         self.window = window
@@ -181,13 +148,11 @@ class Estimates:
     # recording (the hot path: an append each)
 
     def observe_ttft(self, upstream: str, model: str, now: float, *, prompt_tokens: int, ttft: float) -> None:
-        """A stream's first token came ``ttft`` seconds after its request was sent (a prompt of ``prompt_tokens``,
-        the gateway's estimate). Recorded at the first token, not at the stream's end: a tier that queues up is seen
-        one decode earlier."""
+        """Recorded at the first token, not at the stream's end: a tier that queues up is seen one decode earlier."""
         self._series(self._ttft, (upstream, model)).add(now, float(prompt_tokens), ttft)
 
     def observe_speed(self, upstream: str, model: str, now: float, speed: float) -> None:
-        """A stream that ran to its end decoded at ``speed`` tokens/s (two token-bearing chunks or more)."""
+        """Tokens/s of a stream that ran to its end with two token-bearing chunks or more."""
         if speed > 0:
             key = (upstream, model)
             self._series(self._speed, key).add(now, 0.0, speed)
@@ -197,19 +162,18 @@ class Estimates:
 
     def observe_stream(self, upstream: str, model: str, now: float, *, prompt_tokens: int, ttft: float,
                        speed: float | None = None) -> None:
-        """:meth:`observe_ttft` and, given ``speed``, :meth:`observe_speed`, at once (tests, the simulation)."""
+        """For tests and the simulation."""
         self.observe_ttft(upstream, model, now, prompt_tokens=prompt_tokens, ttft=ttft)
         if speed is not None:
             self.observe_speed(upstream, model, now, speed)
 
     def observe_length(self, rule: str, model: str, now: float, completion_tokens: int) -> None:
-        """A request that matched ``rule`` for ``model`` produced ``completion_tokens`` output tokens."""
         self._series(self._length, (rule, model)).add(now, 0.0, float(completion_tokens))
 
     # reading
 
     def latency(self, upstream: str, model: str, now: float) -> Latency | None:
-        """The latency estimate of ``upstream`` serving ``model`` at ``now``, or None (unmeasured)."""
+        """None: unmeasured, its samples aged out; deadline routing re-measures it."""
         series = self._ttft.get((upstream, model))
         if series is None:
             return None
@@ -234,16 +198,15 @@ class Estimates:
         return found
 
     def completion(self, rule: str, model: str, now: float) -> Spread | None:
-        """Completion tokens of the requests ``rule`` matched for ``model`` (central: median, tail: p90), or None."""
+        """Median and p90, in tokens, or None."""
         series = self._length.get((rule, model))
         return _spread(series, now, self.window) if series is not None else None
 
     def latencies(self, now: float) -> list[tuple[str, str, Latency | None]]:
-        """(upstream, model, estimate or None) for every upstream and model ever measured."""
         return [(u, m, self.latency(u, m, now)) for u, m in sorted(self._ttft)]
 
     def snapshot(self, now: float) -> dict[str, Any]:
-        """Every estimate as JSON (``GET /v1/tiergate/estimates``)."""
+        """``GET /v1/tiergate/estimates``."""
         out: dict[str, Any] = {"window_s": self.window, "samples": self.size, "latency": [], "completion_tokens": []}
         for upstream, model in sorted(self._ttft):
             est = self.latency(upstream, model, now)
@@ -258,7 +221,7 @@ class Estimates:
 
 
 def _spread(series: _Series, now: float, window: float, low_tail: bool = False) -> Spread | None:
-    """The median and p90 (``low_tail``: p10) of a series' y values at ``now``, cached, or None (no live sample)."""
+    """``low_tail``: the tail is p10, the slow side of a speed."""
     if series.valid_until >= 0 and now <= series.valid_until:
         cached: Spread | None = series.summary
         return cached
@@ -277,9 +240,8 @@ MIN_SPREAD = 256  # prompt tokens: the sizes seen must span at least this (and h
 
 
 def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float, list[float]]:
-    """Least-squares line y = base + slope * x through ``points`` (slope >= 0: prefill never gets faster with a
-    longer prompt), and each point's residual from it. Flat unless the prompt sizes span :data:`MIN_SPREAD` tokens
-    and half their mean: over a narrow span the slope is the noise's, and predicting a long prompt from it would
+    """Slope >= 0: prefill never gets faster with a longer prompt. Flat unless the prompt sizes span :data:`MIN_SPREAD`
+    tokens and half their mean: over a narrow span the slope is the noise's, and predicting a long prompt from it would
     extrapolate that noise (seen: 25-35-token prompts gave 0.09 s per 1,000 tokens on a flat-TTFT upstream)."""
     n = len(points)
     mx = sum(p[1] for p in points) / n

@@ -1,11 +1,9 @@
-"""Every metric family of the gateway, as one table: its attribute on :class:`gateway.observability.metrics.Metrics`,
-kind, name (after ``tiergate_``), help and labels, and its buckets or multiprocess mode. The docs' metrics page is
-generated from this table (through the registry ``Metrics`` builds from it).
+"""Every metric family of the gateway, as one table: the docs' metrics page is generated from it (through the registry
+:class:`gateway.observability.metrics.Metrics` builds), so the two cannot drift apart.
 
-Buckets resolve ~1.3 ms/token (fast tier) and ~25 ms/token (standard tier) and reach 15-minute requests. Gauges name
-how ``--workers N`` merges them (prometheus-client's multiprocess modes: ``livesum`` adds the live workers',
-``livemostrecent`` / ``mostrecent`` keep the newest, ``livemin`` the lowest).
-"""
+Buckets resolve ~1.3 ms/token (fast tier) and ~25 ms/token (standard tier) and reach 15-minute requests. Gauges name how
+``--workers N`` merges them (prometheus-client's multiprocess modes: ``livesum`` adds the live workers',
+``livemostrecent`` / ``mostrecent`` keep the newest, ``livemin`` the lowest)."""
 
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ _L = ("upstream", "model")  # live estimates (gateway.observability.estimates)
 
 @dataclass(frozen=True)
 class Family:
-    """One metric family: ``Metrics.<attr>`` is ``kind("tiergate_" + name, help, labels, buckets=...,
-    multiprocess_mode=mode)``."""
+    """``Metrics.<attr>`` is ``kind("tiergate_" + name, help, labels, buckets=..., multiprocess_mode=...)``."""
 
     attr: str
     kind: type[Any]
@@ -43,7 +40,6 @@ class Family:
     multiprocess_mode: str | None = None
 
     def build(self, registry: Any) -> Any:
-        """The family, registered in ``registry``."""
         extra: dict[str, Any] = {}
         if self.buckets is not None:
             extra["buckets"] = self.buckets

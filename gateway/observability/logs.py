@@ -1,23 +1,7 @@
-"""The request log and the gateway's operational events: one structured line each on stdout, through structlog.
-
-Format (``GATEWAY_LOG_FORMAT``): ``json`` (the default of ``tiergate serve``: one JSON object per line, for log
-shippers) or ``text`` (the default of ``tiergate demo``: readable ``key=value``). Process messages (start-up, stack
-traces) stay on stderr through the standard ``logging`` module; stdout carries only these lines.
-
-* **request** (level ``info``): one line per request when it ends, whatever its outcome: :data:`REQUEST_FIELDS`.
-  Never the prompt, the answer or a credential: the fields are numbers, names from the config, and the request id.
-  Successful requests are sampled by ``GATEWAY_LOG_SAMPLE`` (0-1; default 1: every one); every other outcome is
-  always logged. Independent of ``GATEWAY_LOG_LEVEL``, as an access log is.
-* **events** (``warning`` / ``info``, filtered by ``GATEWAY_LOG_LEVEL``): ``breaker_opened``, ``breaker_half_open``,
-  ``breaker_closed``, ``cooldown_started`` (with ``retry_after_s``), ``spillover``, ``failover``, ``config_loaded``,
-  ``config_rejected``, ``upstream_auth_failed`` (warning: an upstream refused the gateway's own key; its words pass
-  :func:`redact` first, as anything an upstream says about a key must).
-
-JSON lines leave at the end of the event-loop turn that wrote them, several per ``write`` (:class:`TurnFlushed`).
-
-Until :func:`configure` runs (in-process tests, benches of the ASGI app) nothing is logged and a request costs one
-attribute test.
-"""
+"""The request log and the gateway's operational events (docs/operations.md#logs): one structured line each on stdout,
+through structlog; process messages stay on stderr. The request line is never the prompt, the answer or a credential,
+and does not depend on the events' level, as an access log does not. Until :func:`configure` runs (in-process tests,
+benches of the ASGI app) nothing is logged and a request costs one attribute test."""
 
 from __future__ import annotations
 
@@ -51,19 +35,12 @@ LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": loggi
 
 
 class TurnFlushed:
-    """The JSON lines' file: lines written during one event-loop turn leave together at its end, in whole-line writes
-    of at most ``PIPE_BUF`` bytes (4096 on Linux) each; outside a running loop, at once.
-
-    structlog's ``BytesLogger`` flushes after every line: one ``write`` system call per request (measured ~1.7 us of
-    the request line's ~4 us on this machine, more under load). A write of at most ``PIPE_BUF`` bytes to a pipe is
-    atomic (POSIX ``write``), so lines from ``--workers`` processes sharing one stdout never interleave mid-line;
-    a line longer than that is written alone, as before. Lines still waiting when the process exits are written
-    then (``atexit``) and at the app's shutdown (:func:`flush`: uvicorn ends a process that stopped on SIGTERM by that
-    signal, which skips ``atexit``); a write that fails loses its own group of lines only.
-
-    Args:
-        raw: the binary stream to write to (``sys.stdout.buffer``).
-    """
+    """The JSON lines written during one event-loop turn leave together at its end, in whole-line writes of at most
+    ``PIPE_BUF`` bytes (4096 on Linux): structlog's ``BytesLogger`` flushes every line, one ``write`` per request
+    (measured ~1.7 us of the line's ~4 us). A pipe write of at most ``PIPE_BUF`` is atomic (POSIX ``write``), so lines
+    from ``--workers`` processes sharing one stdout never interleave mid-line. What waits at exit is written by
+    ``atexit`` and by :func:`flush` at the app's shutdown: uvicorn ends a process stopped by SIGTERM by that signal,
+    which skips ``atexit``."""
 
     __slots__ = ("_raw", "_lines", "_due", "__weakref__")  # structlog keys its per-file lock weakly
 
@@ -88,7 +65,6 @@ class TurnFlushed:
         loop.call_soon(self.out)
 
     def out(self) -> None:
-        """Write every waiting line now."""
         self._due = False
         lines, self._lines = self._lines, []
         group: list[bytes] = []
@@ -126,12 +102,8 @@ LOGS = _Logs()
 
 
 def configure(fmt: Literal["json", "text"], level: str = "info", sample: float = 1.0) -> None:
-    """Set up both loggers for this process (call once, before serving).
-
-    Args:
-        fmt: ``json`` or ``text``; level: the events' lowest level (``GATEWAY_LOG_LEVEL``); sample: the share of
-            successful requests whose line is written.
-    """
+    """Once per process, before serving. ``level``: the events' lowest (``GATEWAY_LOG_LEVEL``); ``sample``: the share of
+    successful requests whose line is written."""
     processors: list[Any] = [structlog.processors.add_log_level,
                              structlog.processors.TimeStamper(fmt="iso", utc=True, key="time")]
     if fmt == "json":
@@ -151,41 +123,33 @@ def configure(fmt: Literal["json", "text"], level: str = "info", sample: float =
 
 
 def flush() -> None:
-    """Write the JSON lines still waiting for the end of this loop turn (the app's shutdown calls it)."""
     sink = LOGS.sink
     if sink is not None:
         sink.out()
 
 
 def wanted(outcome: str) -> bool:
-    """Whether a request that ended with ``outcome`` gets a line: logging is configured, and it is not a success
-    sampled out (asked before the line's fields are gathered: a sampled-out request costs this call)."""
+    """Asked before the line's fields are gathered: a sampled-out success costs this call."""
     return LOGS.access is not None and (outcome != "success" or LOGS.sample >= 1.0 or random.random() < LOGS.sample)
 
 
 def request(fields: dict[str, Any]) -> None:
-    """Write one request line (``fields``: :data:`REQUEST_FIELDS`, None for what the request never reached); the
-    caller asked :func:`wanted` first.
-
-    The line goes through structlog's own time stamper, renderer and logger, called directly rather than through a
-    bound logger: measured, the bound logger's plumbing (context copy, keyword re-packing, level dispatch) was
-    ~4 of the line's ~7 us, and an access line needs none of it (its level is fixed and it has no context).
-    """
+    """Through structlog's own time stamper, renderer and logger, called directly: measured, a bound logger's plumbing
+    (context copy, keyword re-packing, level dispatch) was ~4 of the line's ~7 us, and an access line needs none of
+    it."""
     fields["event"] = "request"
     fields["level"] = "info"
     LOGS.access.msg(LOGS.render(None, "info", LOGS.stamp(None, "info", fields)))
 
 
 def redact(text: str, limit: int = 500) -> str:
-    """``text`` (an upstream's error message, say) with everything that looks like a credential replaced by ``***``
-    (a known key prefix such as ``sk-proj-`` kept, so that the operator sees which kind of key it was), cut to
-    ``limit`` characters: fit for a log line."""
+    """A known key prefix such as ``sk-proj-`` is kept, so that the operator sees which kind of key it was; cut to
+    ``limit`` characters."""
     masked = _SECRETS.sub(lambda m: next((g for g in m.groups() if g), "") + "***", text)
     return masked if len(masked) <= limit else masked[:limit] + "..."
 
 
 def event(name: str, level: str = "info", **fields: Any) -> None:
-    """Write one operational event (module docstring), if logging is configured and ``level`` passes."""
     events = LOGS.events
     if events is not None:
         getattr(events, level)(name, **fields)

@@ -1,31 +1,8 @@
-"""Prometheus metrics, declared once against an injected registry and recorded once per request.
-
-Definitions (docs/metrics.md#what-the-numbers-mean; docs/reference/wire.md#gateway-metrics):
-
-* TTFT: request arrival at the gateway -> arrival of the first token-bearing chunk (content, refusal,
-  reasoning or tool-call delta; not the role-only first chunk, not the response headers).
-* time per output token: (t_last_token - t_first_token) / (completion_tokens - first_chunk_tokens), from the
-  upstream's usage; first_chunk_tokens is the mean tokens per token-bearing chunk (completion_tokens /
-  token_chunks), which is 1 when every chunk carries one token (OpenAI, Cerebras): then this is exactly
-  (t_last - t_first) / (completion_tokens - 1). Decode tokens/s is its inverse. A stream without usage (llama-cpp-python
-  sends none even when asked) is measured from its relayed token chunks, each one token (the estimate its tokens are
-  counted by: exact at one token per chunk, else an upper bound of the time per token), labelled
-  ``usage="estimated"``. Not recorded with fewer than 2 token-bearing chunks.
-* request duration: arrival -> last byte written to the client.
-* overhead: arrival -> upstream request sent (routing, body preparation).
-* tokens: from the upstream's usage whenever it reported one, a failed or abandoned stream included (those
-  tokens were billed), labelled ``usage="reported"``; a stream that ended without it (the client left before the
-  usage chunk, or the upstream sends none) counts what it relayed instead, each token-bearing chunk as one token,
-  plus its estimated prompt, labelled ``usage="estimated"`` (a lower bound of what the upstream bills).
-* cost: from that usage and the upstream's configured prices (USD per million tokens):
-  (prompt - cached) * input + cached * cached_input + completion * output, since OpenAI's ``prompt_tokens``
-  includes the cached ones; labelled like the tokens. A request answered with no usage at all (a whole answer
-  without one), or by an upstream without prices, adds no cost and is counted as unpriced instead.
-
-Buckets resolve ~1.3 ms/token (fast tier) and ~25 ms/token (standard tier) and reach 15-minute
-requests. Labels are bounded: tier, upstream and model come from the config (unknown models are
-``other``), outcome from a fixed set.
-"""
+"""Prometheus metrics, declared once against an injected registry and recorded once per request. Every definition (TTFT,
+time per output token, tokens, cost): docs/metrics.md#what-the-numbers-mean. Tokens and cost come from the upstream's
+usage whenever it reported one, a failed or abandoned stream included (those tokens were billed); else from what was
+relayed, labelled ``usage="estimated"``. Labels are bounded: tier, upstream and model come from the config (an unknown
+model is ``other``), outcome from a fixed set."""
 
 from __future__ import annotations
 
@@ -44,18 +21,11 @@ STATES = ("closed", "open", "half_open", "cooldown")
 
 
 class Metrics:
-    """Every metric family of the gateway, in one registry.
-
-    Args:
-        registry: where the families are registered (a fresh ``CollectorRegistry`` per app).
-        models: configured client-facing model names; any other value is labelled ``other``.
-        routes: (tier, upstream, served models) to pre-initialise, so series exist before traffic.
-        prices: upstream name -> its ``gateway.config.upstreams.Prices`` (per service tier and prompt size), or a
-            flat (input, cached input, output) in USD per token, for the configured models; an upstream missing here
-            is unpriced.
-        model_prices: (upstream name, model as the client named it) -> the same, for any model (those only the
-            upstream lists, embeddings, ...); it overrides ``prices``. Any other model is unpriced.
-    """
+    """``registry``: a fresh ``CollectorRegistry`` per app; ``models``: the configured client-facing names, any other is
+    labelled ``other``; ``routes``: (tier, upstream, served models) whose series exist before traffic; ``prices``:
+    upstream name -> its prices, or a flat (input, cached input, output) USD per token, for the configured models;
+    ``model_prices``: (upstream, model as the client named it) -> the same for any model, over ``prices``. Whatever is
+    missing from both is unpriced."""
 
     requests: Counter
     ttft: Histogram
@@ -129,7 +99,7 @@ class Metrics:
         self._initialise(routes)
 
     def _initialise(self, routes: Iterable[tuple[str, str, Iterable[str]]]) -> None:
-        """Create the series of ``routes`` before any traffic (at start-up, and for a reloaded config's new routes)."""
+        """At start-up, and for a reloaded config's new routes."""
         for tier, upstream, served in routes:
             self.in_flight.labels(tier, upstream)
             for model in sorted(served):
@@ -138,14 +108,12 @@ class Metrics:
                     self.cost.labels(tier, upstream, model, "reported")
 
     def set_upstream_state(self, upstream: str, state: str, quota: dict[str, float]) -> None:
-        """Publish one upstream's health ``state`` (one of ``STATES``) and its quota estimate."""
         for s in STATES:
             self.upstream_state.labels(upstream, s).set(1.0 if s == state else 0.0)
         for kind, remaining in quota.items():
             self.quota_remaining.labels(upstream, kind).set(remaining)
 
     def set_classes(self, used: Iterable[tuple[str, str, str, float]], shares: Mapping[str, float]) -> None:
-        """Publish each class's guaranteed share and (upstream, class, bucket, part used) of the fast upstreams."""
         for cls, share in shares.items():
             self.class_share.labels(cls).set(share)
         for upstream, cls, bucket, part in used:
@@ -154,16 +122,14 @@ class Metrics:
     def reconfigure(self, models: Iterable[str], routes: Iterable[tuple[str, str, Iterable[str]]],
                     prices: Mapping[str, Priced],
                     model_prices: Mapping[tuple[str, str], Priced]) -> None:
-        """A reloaded config: the label sets and prices follow it (the families and their counts stay: a counter
-        never goes back); the new routes' series are initialised as at start-up."""
+        """The families and their counts stay: a counter never goes back."""
         self.models = frozenset(models)
         self.prices = dict(prices)
         self.model_prices = dict(model_prices)
         self._initialise(routes)
 
     def set_estimates(self, latency: Iterable[tuple[str, str, Any]]) -> None:
-        """Publish the live estimates: (upstream, model, ``gateway.observability.estimates.Latency`` or None) each;
-        unmeasured ones have no series (Prometheus: absent, not zero)."""
+        """An unmeasured estimate has no series: absent in Prometheus, not zero."""
         for gauge in (self.est_ttft, self.est_prefill, self.est_speed, self.est_samples):
             gauge.clear()
         for upstream, model, est in latency:
@@ -178,28 +144,24 @@ class Metrics:
                 self.est_speed.labels(upstream, model, "p10").set(est.speed.tail)
 
     def socket_opened(self) -> None:
-        """A WebSocket-mode socket was accepted: a fact of the socket, not of one of its requests (each message is
-        recorded by its own recorder)."""
+        """A fact of the socket, not of one of its requests: each message is recorded by its own recorder."""
         self.ws_sockets.inc()
 
     def socket_closed(self, reason: str) -> None:
-        """A WebSocket-mode socket closed, for ``reason``."""
         self.ws_sockets.dec()
         self.ws_closes.labels(reason).inc()
 
     def socket_refused(self, reason: str) -> None:
-        """A WebSocket-mode handshake was refused, for ``reason``."""
         self.ws_refusals.labels(reason).inc()
 
     def session_ended(self, steps: int, seconds: float) -> None:
-        """An agent session ended (idle past ``sessions.idle``, or pushed out of the table) after ``steps`` steps and
-        ``seconds`` of wall-clock time: a fact of the sessions table, not of one request."""
+        """A fact of the sessions table, not of one request. ``seconds``: wall-clock."""
         self.session_length.observe(steps)
         self.session_duration.observe(seconds)
 
     def child(self, metric: Any, *labels: str) -> Any:
-        """``metric.labels(*labels)``, remembered: a dict lookup instead of prometheus-client's validation and
-        lock on every request (label values are bounded, so is this cache)."""
+        """``metric.labels(*labels)``, remembered: a dict lookup instead of prometheus-client's validation and lock on
+        every request (label values are bounded, so is this cache)."""
         key = (metric, labels)
         found = self._children.get(key)
         if found is None:
@@ -207,29 +169,17 @@ class Metrics:
         return found
 
     def model_label(self, model: str | None) -> str:
-        """``model`` if it is configured, else ``other`` (bounded cardinality)."""
         return model if model in self.models else "other"
 
     def record(self, *, tier: str, upstream: str, model: str, outcome: str, stream: bool, duration: float,
                ttft: float | None = None, decode_time: float | None = None, token_chunks: int = 0,
                usage: dict[str, Any] | None = None, timings: Mapping[str, float] | None = None,
                estimated: bool = False, service_tier: str | None = None) -> float | None:
-        """Record one finished client request (called exactly once per request); returns the cost it added (USD), or
-        None (unpriced, or nothing billable).
-
-        Args:
-            duration: seconds from arrival to last byte; ttft: seconds to the first token (streams);
-            decode_time: seconds from first to last token-bearing chunk; token_chunks: how many chunks carried
-            tokens; usage: the upstream's usage object;
-            timings: the upstream's own seconds by phase (``queue``, ``prompt``, ``completion``, ``total``), as
-            its dialect reads them (``gateway.upstream.dialects``: Cerebras' ``time_info``, OpenAI's
-            ``openai-processing-ms``);
-            estimated: ``usage`` is the gateway's estimate (the relayed token chunks and the estimated prompt, for a
-            stream without the upstream's usage): counted, priced and timed as the upstream's would be, every series
-            labelled ``usage="estimated"``.
-            service_tier: the service tier billed (what the upstream said it served, else what it was asked), or
-            None (the default tier's prices).
-        """
+        """Exactly once per client request; returns the cost it added (USD), or None (unpriced, or nothing billable).
+        Seconds throughout: ``duration`` to the last byte, ``ttft`` to the first token, ``decode_time`` from the first
+        token-bearing chunk to the last. ``timings``: the upstream's own seconds by phase, as its dialect reads them;
+        ``estimated``: ``usage`` is the gateway's estimate, priced and timed as the upstream's would be;
+        ``service_tier``: the one billed (None: the default prices)."""
         labels = (tier, upstream, model if model in self.models else "other")
         self.child(self.requests, *labels, outcome).inc()
         if outcome in ("client_error",):
@@ -258,12 +208,8 @@ class Metrics:
                            duration: float, bytes_in: int, bytes_out: int,
                            usage: dict[str, Any] | None, estimated: bool = False,
                            service_tier: str | None = None) -> float | None:
-        """Record one finished passthrough request (exactly once): count, duration (seconds), body bytes each way,
-        and the tokens and cost of its ``usage`` (embeddings, legacy completions) in the families chat uses
-        (``tiergate_tokens``, ``tiergate_cost_usd``; labelled with ``model`` if it is a configured name, else
-        ``other``; priced as :meth:`_cost` says). ``estimated``: ``usage`` is the gateway's estimate (an event
-        stream's token-bearing events and the estimated prompt), labelled ``usage="estimated"`` and counted in
-        ``tiergate_usage_estimated_total``; ``service_tier``: the tier it is billed at (as :meth:`record`)."""
+        """Exactly once per passthrough request; its usage counts in the families chat uses, priced as :meth:`_cost`
+        says. ``duration`` in seconds, ``bytes_in`` / ``bytes_out`` the body bytes each way."""
         labels = (endpoint, tier, upstream)
         self.child(self.pt_requests, *labels, outcome).inc()
         if outcome == "client_error":
@@ -283,9 +229,8 @@ class Metrics:
 
     def _cost(self, labels: tuple[str, str, str], usage: dict[str, Any] | None, model: str,
               source: str, service_tier: str | None = None) -> float | None:
-        """Add the cost of ``usage`` (``source``: ``reported`` or ``estimated``) at the price of ``model`` on the
-        upstream (``model_prices``, else ``prices`` for a configured model) at ``service_tier`` and the prompt's size,
-        and return it (USD), or count the request as unpriced (None)."""
+        """USD at ``model``'s price on the upstream (``model_prices``, else ``prices`` for a configured model) at
+        ``service_tier`` and the prompt's size; None, counted as unpriced, without a price or a usage."""
         price = self.model_prices.get((labels[1], model))
         if price is None and model in self.models:
             price = self.prices.get(labels[1])
@@ -317,16 +262,15 @@ class Metrics:
 
 
 def decode_speed(decode_time: float, token_chunks: int, completion_tokens: int) -> float | None:
-    """Decode tokens/s by the module docstring's definition: 1 / time per output token, where time per output token
-    is ``decode_time * token_chunks / (completion_tokens * (token_chunks - 1))`` (= decode / (completion - 1) at one
-    token per chunk). None with fewer than 2 token-bearing chunks, fewer tokens than chunks, or no decode time."""
+    """Tokens/s: 1 / time per output token (docs/metrics.md#what-the-numbers-mean). None
+    with fewer than 2 token-bearing chunks, fewer tokens than chunks, or no decode time."""
     if token_chunks < 2 or completion_tokens < token_chunks or decode_time <= 0:
         return None
     return completion_tokens * (token_chunks - 1) / (decode_time * token_chunks)
 
 
 def _int(value: object) -> int:
-    """A token count an upstream reported: a non-negative int, else 0 (a counter only goes up)."""
+    """A non-negative int, else 0: a counter only goes up."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 

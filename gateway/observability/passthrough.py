@@ -1,7 +1,6 @@
-"""The record of a passthrough request (:class:`PassRecorder`): its own families (by endpoint, bytes each way), the
-usage its answer reports at its tail (:func:`tail_usage`), else, for an event stream that relayed tokens, an estimate
-(its token-bearing events plus the estimated prompt), so that leaving out ``stream_options.include_usage`` dodges
-neither a key's limits nor the cost."""
+"""The record of a passthrough request: its own families (by endpoint, bytes each way) and its usage, read at the
+answer's tail or, for an event stream that relayed tokens, estimated from its token-bearing events, so that leaving out
+``stream_options.include_usage`` dodges neither a key's limits nor the cost."""
 
 from __future__ import annotations
 
@@ -19,8 +18,8 @@ _TIER = re.compile(rb'"service_tier"\s*:\s*"([a-z_]{1,32})"')
 
 
 def tail_usage(tail: bytes) -> dict[str, Any] | None:
-    """The last ``"usage": {...}`` object in the end of a JSON body or event stream (embeddings and legacy
-    completions report it last: OpenAPI ``CreateEmbeddingResponse``, ``CreateCompletionResponse``), or None."""
+    """The last ``"usage"`` object: embeddings and legacy completions report it last (OpenAPI
+    ``CreateEmbeddingResponse``, ``CreateCompletionResponse``)."""
     starts = [m.end() - 1 for m in _USAGE.finditer(tail)]
     if not starts:
         return None
@@ -33,8 +32,7 @@ def tail_usage(tail: bytes) -> dict[str, Any] | None:
 
 
 class Tally(Protocol):
-    """The token-bearing events of a billed event stream, counted as they arrive (``gateway.stream.stats``'s
-    :class:`~gateway.stream.stats.EventTally` satisfies it)."""
+    """:class:`~gateway.stream.stats.EventTally` is one."""
 
     tokens: int
 
@@ -42,8 +40,7 @@ class Tally(Protocol):
 
 
 class PassRecorder(Recorder):
-    """A :class:`Recorder` of the passthrough surface (module docstring). ``endpoint``: its metric label
-    (``gateway.wire.routes``)."""
+    """``endpoint``: its metric label (``gateway.wire.routes``)."""
 
     __slots__ = ("endpoint", "keep", "bytes_in", "bytes_out", "tail", "tally")
 
@@ -57,16 +54,14 @@ class PassRecorder(Recorder):
         self.tally: Tally | None = None
 
     def received(self, n: int) -> None:
-        """``n`` more bytes of the request body went upstream."""
         self.bytes_in += n
 
     def relaying(self, keep: bool, tally: Tally | None) -> None:
-        """The answer starts: ``keep`` its tail for the usage; ``tally``: its token-bearing events, counted."""
+        """``keep``: its tail is kept for the usage; ``tally``: counts its token-bearing events."""
         self.keep, self.tally = keep, tally
 
     def relayed(self, data: bytes) -> None:
-        """``data`` of the answer arrived (counted before it is written: what arrived counts, the client gone or
-        not)."""
+        """Counted before it is written: what arrived counts, the client gone or not."""
         self.bytes_out += len(data)
         if self.keep:
             self.tail = (self.tail + data)[-USAGE_TAIL:]
@@ -74,9 +69,8 @@ class PassRecorder(Recorder):
                 self.tally.feed(data)
 
     def _emit(self, outcome: str, duration: float, kw: dict[str, Any]) -> float | None:
-        """Write the record (:meth:`Metrics.record_passthrough`) with the usage at the answer's tail, billed at the
-        ``service_tier`` the answer names (else the one it was sent with, where honoured). A client that left after
-        an event stream's ``data: [DONE]`` (SDKs stop reading there) had the whole answer: a success."""
+        """Billed at the ``service_tier`` the answer names, else the one it was sent with (where honoured). A client
+        that left after an event stream's ``data: [DONE]`` (SDKs stop reading there) had the whole answer: a success."""
         if outcome == "client_disconnect" and self.tail.endswith(b"data: [DONE]\n\n"):
             outcome = "success"
         self.outcome = outcome  # the request log says what the metrics say

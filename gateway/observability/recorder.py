@@ -1,17 +1,9 @@
-"""One request's recorder: the pipeline hands it the facts of a request as they become known, and it is the only
-caller of the metrics, the request log, the request's trace and the live estimates on behalf of a request.
-
-The lifecycle follows Envoy AI Gateway's per-request metrics (``StartRequest`` -> ``SetBackend`` ->
-``RecordTokenUsage`` -> ``RecordRequestCompletion``): made when the request arrives (:class:`Recorder`), told the
-decision (:meth:`Recorder.decided`), each attempt (:meth:`Recorder.attempting`) and what went wrong on the way
-(:meth:`Recorder.spilled`, :meth:`Recorder.upstream_failed`, :meth:`Recorder.failed_over`), the first token and the
-usage (:meth:`Recorder.first_token`, :meth:`Recorder.usage`), and finally :meth:`Recorder.record`, exactly once.
-
-A request refused before it has a recorder (no known gateway key: :func:`unauthorized`) is recorded here too.
-
-Facts of the process rather than of one request stay with their owners: the circuit breakers' state
-(``gateway.routing.health``), the shared-state link (``gateway.state.link``) and the key ledger's gauges.
-"""
+"""One request's recorder: the pipeline hands it the facts of a request as they become known, and it is the only caller
+of the metrics, the request log, the request's trace and the live estimates on behalf of a request, so that each request
+is recorded exactly once (:meth:`Recorder.record`). The lifecycle follows Envoy AI Gateway's per-request metrics
+(``StartRequest`` -> ``SetBackend`` -> ``RecordTokenUsage`` -> ``RecordRequestCompletion``). Facts of the process rather
+than of one request stay with their owners (``gateway.routing.health``, ``gateway.state.link``); a request refused
+before it has a recorder is ``gateway.observability.refused``'s."""
 
 from __future__ import annotations
 
@@ -32,12 +24,8 @@ log = logging.getLogger("tiergate")
 
 @dataclass(frozen=True, slots=True)
 class Observers:
-    """What a request's facts feed, built once by the composition root (``gateway.app.assemble``).
-
-    Attributes:
-        metrics: the process's metric families; estimates: the live TTFT, speed and length estimates routing reads;
-        clock: the estimates' time source (seconds, monotonic: ``Health.clock``).
-    """
+    """Built once by the composition root (``gateway.app.assemble``). ``clock``: the estimates' time source, monotonic
+    seconds (``Health.clock``)."""
 
     metrics: Metrics
     estimates: Estimates
@@ -45,7 +33,7 @@ class Observers:
 
 
 class Subject(Protocol):
-    """What the recorder reads of the request it records (``gateway.admission.request.Request``), never writes."""
+    """``gateway.admission.request.Request``: read here, never written."""
 
     @property
     def rid(self) -> str: ...
@@ -75,9 +63,8 @@ class Subject(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Recorded:
-    """What a request's record settled on, handed back for its reservations to be settled: the outcome, the tokens
-    its usage reports (None: no usage), its cost (USD; None: unpriced), the usage (chat shape), its duration (s) and
-    the service tier it was billed at (None: the default)."""
+    """Handed back for the request's reservations to be settled: ``tokens`` None without usage, ``cost`` in USD (None:
+    unpriced), ``duration`` in seconds, ``service_tier`` billed (None: the default)."""
 
     outcome: str
     tokens: int | None
@@ -88,16 +75,9 @@ class Recorded:
 
 
 class Recorder:
-    """The record of one request (module docstring); only its own methods write it. Times are
-    ``time.perf_counter()`` seconds.
-
-    Attributes:
-        t0: the request's arrival; request: what it is (read, never written here); tier, upstream, model: its metric
-        labels (``none`` / ``other`` until known); status: the status answered (0: none yet); rule, fallback: how it
-        was routed; upstream_model: as the upstream was asked; attempts: attempts started; outcome: as recorded;
-        recorded: :meth:`record` ran; span: its trace span, or None; billed_tier: the ``service_tier`` it is billed at
-        when the upstream names none (the one its last attempt was sent with, where the upstream honours the field).
-    """
+    """Only its own methods write it. Times are ``time.perf_counter()`` seconds; ``tier``, ``upstream``, ``model`` are
+    metric labels (``none`` / ``other`` until known); ``billed_tier``: the ``service_tier`` billed when the upstream
+    names none (its last attempt's, where the upstream honours the field)."""
 
     __slots__ = ("t0", "request", "status", "rule", "fallback", "upstream_model", "attempts", "outcome", "span",
                  "tier", "upstream", "model", "recorded", "billed_tier", "_obs", "_metrics", "_in_flight", "_pending")
@@ -129,28 +109,23 @@ class Recorder:
     # routing
 
     def decided(self, rule: str, tier: str, model: str) -> None:
-        """The policy chose ``tier`` by ``rule`` for the configured ``model`` (its label;
-        ``tiergate_routing_decisions_total``)."""
+        """``model``: the configured name, its label."""
         self.model = model
         m = self._metrics
         m.child(m.decisions, rule, tier).inc()
 
     def routed(self, rule: str, fallback: str | None) -> None:
-        """The answer says it was routed by ``rule`` with ``fallback`` (its ``x-tiergate-*`` headers)."""
         self.rule, self.fallback = rule, fallback
 
     def answered(self, status: int) -> None:
-        """``status`` is (or is about to be) the answer's status line."""
         self.status = status
 
     def chose_by_deadline(self, tier: str, upstream: str, verdict: str) -> None:
-        """Deadline routing chose ``upstream`` with ``verdict`` (``tiergate_deadline_decisions_total``)."""
         m = self._metrics
         m.child(m.deadline_decisions, tier, upstream, verdict).inc()
 
     def spilled(self, tier: str, upstream: str, why: str, *, shared: bool = False, logged: bool = True) -> None:
-        """``upstream`` was passed over before an attempt (its limits, breaker, concurrency or the shared quota
-        estimate: ``why``), counted and, with ``logged``, in the event log (``shared``: the shared estimate said so)."""
+        """``shared``: the shared quota estimate said so."""
         self._metrics.spillovers.labels(tier, upstream, why).inc()
         if logged:
             if shared:
@@ -162,10 +137,8 @@ class Recorder:
 
     def attempting(self, tier: str, upstream: str, upstream_model: str | None, tried: int, decided_tier: str,
                    reason: str | None, overhead: bool = True) -> None:
-        """Attempt ``tried`` (1-based) goes to ``upstream`` (or, without ``overhead``, a hedge that started later
-        won): the request takes its labels; the gateway's overhead so far is observed; what to count once its answer
-        starts to reach the client is kept (:meth:`answer_started`): the attempts it took, and the fallback from
-        ``decided_tier`` with ``reason`` (set only by a fallback: the tier lacks the model, spillover, failover)."""
+        """Without ``overhead``, a hedge that started later won. The attempts and the fallback (from ``decided_tier``
+        with ``reason``) are counted only once the answer starts to reach the client (:meth:`answer_started`)."""
         self.tier, self.upstream, self.upstream_model, self.attempts = tier, upstream, upstream_model, tried
         if overhead:
             m = self._metrics
@@ -173,12 +146,11 @@ class Recorder:
         self._pending = (tried, decided_tier, reason)
 
     def labelled(self, tier: str, upstream: str, upstream_model: str | None, tried: int) -> None:
-        """The request takes the labels of ``upstream``, whose attempt (``tried`` in all) failed last: no other
-        answered (a hedge race that both lost)."""
+        """Takes the labels of the attempt that failed last, when no other answered (a hedge race both lost)."""
         self.tier, self.upstream, self.upstream_model, self.attempts = tier, upstream, upstream_model, tried
 
     def answer_started(self) -> None:
-        """The answer's status line left: the request can no longer fail over; count its attempts and fallback."""
+        """The status line left: the request can no longer fail over."""
         pending, self._pending = self._pending, None
         if pending is not None:
             tried, decided_tier, reason = pending
@@ -187,87 +159,74 @@ class Recorder:
                 self._metrics.fallbacks.labels(decided_tier, self.tier, reason).inc()
 
     def attempt_ended(self, span: Any, error: BaseException | None) -> None:
-        """An attempt ended, with ``error`` or None: its span (``attempt_span``; None: not traced) ends with it."""
         if span is not None:
             tracing.end_attempt(span, error)
 
     def upstream_refused_key(self, tier: str, upstream: str, path: str, exc: UpstreamStatusError) -> None:
-        """``upstream`` answered ``exc`` (401 or 403) to the gateway's own credential for it at ``path``: the event
-        log's ``upstream_auth_failed``, with the upstream's words, keys masked (``logs.redact``)."""
+        """The upstream's words are logged with keys masked (``logs.redact``): they may echo part of the credential."""
         logs.event("upstream_auth_failed", "warning", request_id=self.rid, upstream=upstream, tier=tier, path=path,
                    status=exc.status, type=logs.redact(exc.error_type, 100),
                    code=None if exc.code is None else logs.redact(exc.code, 100), message=logs.redact(exc.message))
 
     def upstream_failed(self, tier: str, upstream: str, reason: str) -> None:
-        """An attempt on ``upstream`` failed with ``reason`` (``tiergate_upstream_errors_total``)."""
         self._metrics.upstream_errors.labels(tier, upstream, reason).inc()
 
     def failed_over(self, tier: str, upstream: str, reason: str | None) -> None:
-        """The request leaves ``upstream`` for its next candidate (the event log)."""
         logs.event("failover", request_id=self.rid, upstream=upstream, tier=tier, reason=reason)
 
     def gave_up(self, tried: int, client_caused: bool, status: int) -> None:
-        """Every candidate failed after ``tried`` attempts; ``client_caused``: alike everywhere, the request's fault."""
+        """``client_caused``: failed alike everywhere, the request's fault."""
         self._pending = None
         self._metrics.attempts.observe(tried)
         if client_caused:
             logs.event("request_failed_everywhere", request_id=self.rid, attempts=tried, status=status)
 
     def hedged(self, outcome: str) -> None:
-        """A hedge was ``won``, ``lost`` or ``cancelled`` (``tiergate_hedges_total``)."""
         self._metrics.hedges.labels(outcome).inc()
 
     def hedge_cost(self, tier: str, upstream: str, usd: float) -> None:
-        """A hedge's losing attempt on ``upstream`` cost ``usd`` (``tiergate_hedge_cost_usd_total``)."""
         self._metrics.hedge_cost.labels(tier, upstream).inc(usd)
 
     def response_kept(self, tier: str, upstream: str, bridged: bool) -> None:
-        """A Responses answer of ``upstream`` was kept for its follow-ups (``tiergate_responses_total``)."""
         self._metrics.responses.labels(tier, upstream, "bridge" if bridged else "native").inc()
 
     # what was measured of an upstream
 
     def first_token(self, span: Any, upstream: str, model: str, prompt_tokens: int, ttft: float | None) -> None:
-        """An attempt's first token arrived ``ttft`` seconds after it was sent (None: not measured): the attempt's
-        span marks it and the live TTFT estimate of ``upstream``/``model`` learns it."""
+        """``ttft`` in seconds after the attempt was sent, None: not measured."""
         if span is not None:
             tracing.first_token(span)
         if ttft is not None:
             self.waited(upstream, model, prompt_tokens, ttft)
 
     def waited(self, upstream: str, model: str, prompt_tokens: int, ttft: float) -> None:
-        """The live TTFT estimate of ``upstream``/``model`` learns ``ttft`` (seconds; a hedge's loser: a lower bound
-        of its TTFT) at a prompt of ``prompt_tokens``."""
+        """``ttft`` in seconds; a hedge's loser gives a lower bound of its TTFT."""
         self._obs.estimates.observe_ttft(upstream, model, self._obs.clock(), prompt_tokens=prompt_tokens, ttft=ttft)
 
     def usage(self, span: Any, usage: dict[str, Any] | None, response_model: Any = None) -> None:
-        """An attempt's usage (chat shape) and the model its upstream named, on its span."""
         if span is not None:
             tracing.usage(span, usage, response_model)
 
     def decoded(self, upstream: str, model: str, speed: float | None) -> None:
-        """A stream that ran to its end decoded at ``speed`` (tokens/s; None: not measurable)."""
+        """``speed`` in tokens/s; None: not measurable."""
         if speed is not None:
             self._obs.estimates.observe_speed(upstream, model, self._obs.clock(), speed)
 
     def completed(self, rule: str, model: str, completion_tokens: int) -> None:
-        """An answer without ``max_tokens`` was ``completion_tokens`` long (the length estimates of ``rule``)."""
+        """An answer without ``max_tokens``: the length estimates of ``rule`` learn it."""
         self._obs.estimates.observe_length(rule, model, self._obs.clock(), completion_tokens)
 
     def stream_broke(self, error: str) -> None:
-        """The stream failed after its first token with ``error`` (``tiergate_upstream_errors_total``)."""
         self._metrics.upstream_errors.labels(self.tier, self.upstream, error).inc()
 
     # gateway keys
 
     def key_refused(self, limit: str) -> None:
-        """The request's key was over ``limit`` (``tiergate_key_refusals_total``)."""
         key = self.request.key
         if key is not None:
             self._metrics.key_refusals.labels(key.name, limit).inc()
 
     def key_downgraded(self, why: str) -> None:
-        """The request's key moved it off the fast tier (``key_tier``, ``key_allowance``)."""
         key = self.request.key
         if key is not None:
             self._metrics.key_downgrades.labels(key.name, why).inc()
@@ -276,9 +235,8 @@ class Recorder:
 
     def session_stepped(self, tier: str, upstream: str, prompt_tokens: int, cached_tokens: int,
                         moved: str | None, fast: tuple[float, float] | None = None) -> None:
-        """A step of the request's session was served by ``upstream``: counted with its prompt and cached tokens,
-        the reason it left the session's last upstream (``moved``) and, for a fast-tier step the standard tier's
-        estimate could price, (its seconds, the standard tier's estimated seconds) as ``fast``."""
+        """``moved``: why the step left the session's last upstream; ``fast``: for a fast-tier step, (its seconds, the
+        standard tier's estimated seconds), when the estimate could price it."""
         m = self._metrics
         m.child(m.session_steps, tier, upstream).inc()
         if prompt_tokens:
@@ -292,26 +250,22 @@ class Recorder:
             m.child(m.session_fast, "standard_estimate").inc(fast[1])
 
     def session_refused(self, budget: str) -> None:
-        """The request's session had spent its ``budget`` (``tiergate_session_budget_refusals_total``)."""
         self._metrics.child(self._metrics.session_refusals, budget).inc()
 
     # the trace
 
     def trace(self, operation: str) -> None:
-        """Start the request's span when tracing is on (``gateway.observability.tracing``)."""
         if tracing.TRACING.tracer is not None:
             req = self.request
             self.span = tracing.start_request(req.headers, req.method, req.path, operation)
 
     def attempt_span(self, upstream: Any, model: str) -> tuple[Any, dict[str, str] | None]:
-        """An attempt's span under the request's and the trace context to send ``upstream`` with it; (None, None)
-        when the request is not traced."""
+        """(None, None) when the request is not traced."""
         if self.span is None:
             return None, None
         return tracing.start_attempt(self.span, "chat", upstream, model)
 
     def end_trace(self) -> None:
-        """End the request's span (with what was recorded)."""
         if self.span is not None:
             tracing.end_request(self.span, self)
 
@@ -322,22 +276,20 @@ class Recorder:
         logs.event("waited_for_fast", request_id=self.rid, **{"class": cls}, waited_s=round(seconds, 4), fast=fast)
 
     def sent_with(self, service_tier: str | None, honoured: bool) -> None:
-        """The attempt went with ``service_tier``; ``honoured``: its upstream's dialect acts on the field, so that
-        without the upstream's word it is billed at it (else at the default tier: vLLM takes and ignores it)."""
+        """``honoured``: the upstream's dialect acts on the field, so that without the upstream's word it is billed at
+        it (else at the default tier: vLLM takes and ignores it)."""
         self.billed_tier = service_tier if honoured else None
 
     def answering(self) -> None:
-        """A stream's status line is leaving: it is in flight until recorded (``tiergate_in_flight_requests``)."""
+        """In flight until recorded (``tiergate_in_flight_requests``)."""
         if not self.recorded:  # a stream that ends with nothing in it is recorded before its status line goes
             self._in_flight = self._metrics.child(self._metrics.in_flight, self.tier, self.upstream)
             self._in_flight.inc()
 
     def record(self, outcome: str, *, ended: float | None = None, **kw: Any) -> Recorded | None:
-        """Record the request once (None on a later call). ``ended``: when it ended for the client (default now);
-        ``kw`` as :meth:`Metrics.record`. Returns what it settled on, for its reservations.
-
-        A billable stream without usage (the client left, or the upstream sends none) is charged what was relayed
-        plus the estimated prompt: leaving before the usage chunk dodges neither a key's limits nor the cost."""
+        """Once: None on a later call. ``ended``: when it ended for the client (default now); ``kw`` as
+        :meth:`Metrics.record`. A billable stream without usage is charged what was relayed plus the estimated prompt:
+        leaving before the usage chunk dodges neither a key's limits nor the cost."""
         if self.recorded:
             return None
         self.recorded = True
@@ -366,19 +318,18 @@ class Recorder:
         return Recorded(outcome, tokens, cost, kw.get("usage"), duration, kw.get("service_tier"))
 
     def _downgraded(self, served: str) -> None:
-        """The upstream served the request at a slower service tier than it was sent with (counted and logged)."""
         asked = self.billed_tier or "default"
         self._metrics.tier_downgrades.labels(tier_label(asked), tier_label(served)).inc()
         logs.event("service_tier_downgraded", request_id=self.rid, upstream=self.upstream, asked=asked,
                    served=served)
 
     def _emit(self, outcome: str, duration: float, kw: dict[str, Any]) -> float | None:
-        """Write the record (:meth:`Metrics.record`); ``duration`` in seconds. Returns the cost added (USD)."""
+        """Returns the cost added (USD)."""
         return self._metrics.record(tier=self.tier, upstream=self.upstream, model=self.model, outcome=outcome,
                                     stream=self.request.stream, duration=duration, **kw)
 
     def _charge(self, outcome: str, usage: Any, cost: float | None) -> int | None:
-        """Count the request against its key's metrics; returns the tokens its usage reports (None: no usage)."""
+        """Returns the tokens its usage reports (None: no usage)."""
         tokens = prompt = completion = None
         if isinstance(usage, dict):
             prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
@@ -398,7 +349,7 @@ class Recorder:
 
     def _log(self, outcome: str, duration: float, kw: dict[str, Any], cost: float | None,
              served: str | None = None) -> None:
-        """The request's line in the request log (``gateway.observability.logs``): never its body or a credential."""
+        """Never its body or a credential."""
         usage = kw.get("usage")
         details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
         ttft = kw.get("ttft")
@@ -421,11 +372,10 @@ class Recorder:
 
 
 def slower(served: str, asked: str) -> bool:
-    """Whether service tier ``served`` is slower than ``asked`` (``gateway.config.upstreams.SPEED``; an unknown one
-    is neither)."""
+    """An unknown tier is neither (``gateway.config.upstreams.SPEED``)."""
     return SPEED.get(served, 1) < SPEED.get(asked, 1)
 
 
 def tier_label(tier: str) -> str:
-    """A service tier as a metric label: one of OpenAI's, else ``other`` (bounded)."""
+    """One of OpenAI's, else ``other``: bounded."""
     return tier if tier in SERVICE_TIERS else "other"

@@ -1,24 +1,8 @@
-"""OpenTelemetry traces, optional (``pip install 'tiergate[otel]'``), following the GenAI semantic conventions.
-
-On when ``OTEL_TRACES_EXPORTER`` is ``otlp`` or ``console`` (the standard variable; unset or ``none``: off, and a
-request pays one ``is None`` test per span it would have had). The OTLP exporter reads the other standard variables
-itself (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ``_HEADERS``, ...) and the resource
-``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES`` (``service.name`` defaults to ``tiergate``).
-
-Spans, for ``POST /v1/chat/completions`` and ``/v1/responses`` (OpenTelemetry semantic conventions for generative AI
-systems, "GenAI spans"; HTTP semantic conventions):
-
-* the request (kind ``SERVER``), continued from the client's W3C ``traceparent`` / ``tracestate`` when it sent one,
-  named ``{gen_ai.operation.name} {gen_ai.request.model}`` (``chat gpt-5.6``): ``http.request.method``,
-  ``url.path``, ``http.response.status_code``, ``gen_ai.operation.name``, ``gen_ai.request.model``, and the
-  gateway's ``tiergate.tier``, ``tiergate.upstream``, ``tiergate.rule``, ``tiergate.fallback``,
-  ``tiergate.outcome``; status ``ERROR`` with ``error.type`` unless the outcome is a success;
-* one child per upstream attempt (kind ``CLIENT``), whose context is sent upstream as ``traceparent``:
-  ``gen_ai.provider.name`` (the upstream's dialect: ``openai``, ``cerebras``), ``gen_ai.request.model`` (the id sent
-  upstream), ``gen_ai.response.model``, ``gen_ai.usage.input_tokens`` / ``output_tokens``, ``server.address`` /
-  ``server.port``, ``tiergate.upstream``, ``tiergate.tier``; an event ``gen_ai.first_token`` when the first
-  token-bearing event arrived; ``error.type`` when it failed.
-"""
+"""OpenTelemetry traces, optional (``pip install 'tiergate[otel]'``), following the GenAI semantic conventions ("GenAI
+spans") and the HTTP ones (docs/operations.md#traces): a ``SERVER`` span per chat-completions or Responses request,
+continued from the client's W3C ``traceparent``, and a ``CLIENT`` child per upstream attempt, whose context goes
+upstream. On when ``OTEL_TRACES_EXPORTER`` is ``otlp`` or ``console``; off, a request pays one ``is None`` test per span
+it would have had."""
 
 from __future__ import annotations
 
@@ -46,11 +30,8 @@ TRACING = _Tracing()
 
 
 def configure(exporter: str | None, span_exporter: Any = None) -> bool:
-    """Turn tracing on for this process with ``exporter`` (``otlp``, ``console``; None or ``none``: off), or with a
-    given ``span_exporter`` (tests: the SDK's ``InMemorySpanExporter``, exported at once). Returns whether it is on.
-
-    Without the ``otel`` extra installed, a configured exporter is logged once and tracing stays off.
-    """
+    """``span_exporter``: tests' ``InMemorySpanExporter``, exported at once. Returns whether tracing is on; without the
+    ``otel`` extra a configured exporter is logged once and tracing stays off."""
     if span_exporter is None and exporter in (None, "", "none"):
         return False
     try:
@@ -85,13 +66,12 @@ def configure(exporter: str | None, span_exporter: Any = None) -> bool:
 
 
 def shutdown() -> None:
-    """Flush and stop the exporter (at the app's shutdown)."""
     if TRACING.provider is not None:
         TRACING.provider.shutdown()
 
 
 def start_request(headers: dict[str, str], method: str, path: str, operation: str) -> Any:
-    """The request's span, continued from the client's ``traceparent`` (``headers``: lower-case names)."""
+    """``headers``: lower-case names."""
     t = TRACING
     parent = t.propagator.extract(headers)
     return t.tracer.start_span(operation, context=parent, kind=t.api.SpanKind.SERVER, attributes={
@@ -99,7 +79,7 @@ def start_request(headers: dict[str, str], method: str, path: str, operation: st
 
 
 def end_request(span: Any, ex: Any) -> None:
-    """End the request's span with what the request did (``ex``: its ``gateway.observability.recorder.Recorder``)."""
+    """``ex``: the request's ``gateway.observability.recorder.Recorder``."""
     model = ex.request.requested
     if model:
         span.update_name(f"{span.name} {model}")
@@ -119,8 +99,7 @@ def end_request(span: Any, ex: Any) -> None:
 
 
 def start_attempt(parent: Any, operation: str, upstream: Any, model: str) -> tuple[Any, dict[str, str]]:
-    """An upstream attempt's span under the request's ``parent`` span, and the W3C Trace Context headers to send
-    upstream (``traceparent``, and ``tracestate`` when the client sent one)."""
+    """Also the W3C Trace Context headers to send upstream."""
     t = TRACING
     url = urlsplit(upstream.base_url)  # validated at start-up (gateway.config.schema): its port is a port
     span = t.tracer.start_span(f"{operation} {model}", context=t.api.set_span_in_context(parent),
@@ -135,12 +114,11 @@ def start_attempt(parent: Any, operation: str, upstream: Any, model: str) -> tup
 
 
 def first_token(span: Any) -> None:
-    """The attempt's first token-bearing event arrived."""
     span.add_event("gen_ai.first_token")
 
 
 def usage(span: Any, usage: dict[str, Any] | None, response_model: Any) -> None:
-    """The attempt's usage (chat-completions terms) and the model the upstream says answered."""
+    """``usage`` in chat-completions terms."""
     if isinstance(response_model, str):
         span.set_attribute("gen_ai.response.model", response_model)
     if usage:
@@ -152,8 +130,8 @@ def usage(span: Any, usage: dict[str, Any] | None, response_model: Any) -> None:
 
 
 def end_attempt(span: Any, error: BaseException | None) -> None:
-    """End an attempt's span: a failure sets ``error.type`` and the ``ERROR`` status; a cancel (the client left, a
-    hedge lost, the drain ran out) is not the upstream's failure: ``tiergate.cancelled`` only."""
+    """A cancel (the client left, a hedge lost, the drain ran out) is not the upstream's failure: it sets
+    ``tiergate.cancelled``, not the ``ERROR`` status."""
     if isinstance(error, asyncio.CancelledError):
         span.set_attribute("tiergate.cancelled", True)
     elif error is not None:

@@ -6,9 +6,8 @@ from typing import Any
 
 
 def chat_usage(usage: dict[str, Any]) -> dict[str, Any]:
-    """Usage in chat-completions terms: a Responses API ``ResponseUsage`` (``input_tokens``, ``output_tokens``,
-    ``*_details``) is mapped to ``prompt_tokens``/``completion_tokens``/``*_tokens_details``; chat usage is
-    returned as is (OpenAPI ``CompletionUsage`` vs ``ResponseUsage``)."""
+    """A Responses API ``ResponseUsage`` (``input_tokens``, ``output_tokens``) mapped to OpenAPI ``CompletionUsage``
+    terms; chat usage as it is."""
     if "input_tokens" not in usage and "output_tokens" not in usage:
         return usage
     inp = usage.get("input_tokens_details")

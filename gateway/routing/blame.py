@@ -19,19 +19,17 @@ MAX_SOURCES = 1024  # sources whose recent request-shaped failures an upstream r
 
 
 def request_shaped(exc: GatewayError) -> bool:
-    """A 5xx (an error event's included) may be the request's doing: vLLM and llama.cpp fail that way on some
-    malformed inputs. A refused or reset connection never is."""
+    """A 5xx (an error event's included) may be the request's doing: vLLM and llama.cpp fail that way on some malformed
+    inputs. A refused or reset connection never is."""
     if isinstance(exc, UpstreamStatusError):
         return exc.status >= 500
     return exc.code in SHAPED_CODES
 
 
 class Blame:
-    """Who one request's request-shaped failures are charged to, and those it charged (``charged``: upstream, its
-    ``gateway.upstream.attempt.Verdicts``, source), so that :meth:`retract` can take them back.
-
-    ``source`` (a gateway key's name, else a digest of the body) is computed on first ask: only a failure, or an
-    upstream resting for some source, asks."""
+    """``charged``: (upstream, its ``gateway.upstream.attempt.Verdicts``, source) of each failure charged, for
+    :meth:`retract`. ``source`` (a gateway key's name, else a digest of the body) is computed on first ask: only a
+    failure, or an upstream resting for some source, asks."""
 
     __slots__ = ("_source", "_known", "charged")
 

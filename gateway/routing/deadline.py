@@ -1,11 +1,6 @@
-"""Deadline routing: among the candidates the policy allows, the cheapest predicted to meet the request's latency
-budget at the tail estimate, else the fastest (docs/deadlines.md#deadline-routing). Pure code: estimates and times
-are passed in; quota, concurrency and health spillover (``gateway.routing.failover``) apply after the choice.
-
-At the tail, TTFT = the TTFT line at the prompt size plus the p90 residual, and the whole answer = TTFT + (completion
-- 1) / p10 decode tokens/s, completion being ``max_tokens``, else the route's p90 completion length. For a step of an
-agent session, the prompt tokens an upstream's cache is believed to hold are priced at its ``cached_input`` and left
-out of its prefill (docs/sessions.md#cache-warmth-is-priced)."""
+"""Deadline routing (docs/deadlines.md#deadline-routing): among the candidates the policy allows, the cheapest predicted
+to meet the request's latency budget at the tail estimate, else the fastest. Pure code: estimates and times are passed
+in; spillover (``gateway.routing.failover``) still applies after the choice."""
 
 from __future__ import annotations
 
@@ -46,11 +41,8 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def _given(value: object, param: str) -> float | None:
-    """A budget value in milliseconds (a number, or a string of one: OpenAI's metadata values are strings), as
-    seconds.
-
-    Raises:
-        InvalidRequest: not a positive finite number (400 naming ``param``)."""
+    """Milliseconds (a number, or a string of one: OpenAI's metadata values are strings) to seconds. Raises
+    InvalidRequest (400 naming ``param``) for anything but a positive finite number."""
     if value is None:
         return None
     shown = value if isinstance(value, str) else dumps(value).decode()[:40]
@@ -65,10 +57,8 @@ def _given(value: object, param: str) -> float | None:
 
 
 def budget(facts: RequestFacts, route: RouteConfig | None) -> Budget | None:
-    """The request's budget, or None; each part from the header, else ``metadata``, else the rule.
-
-    Raises:
-        InvalidRequest: a header or metadata value is not a positive number of milliseconds."""
+    """Each part from the header, else ``metadata``, else the rule. Raises InvalidRequest for a value that is not a
+    positive number of milliseconds."""
     headers = facts.headers
     given_total, given_ttft = headers.get(DEADLINE_HEADER), headers.get(TTFT_DEADLINE_HEADER)
     meta = facts.body.get("metadata")
@@ -123,8 +113,8 @@ class Prediction:
 
 @dataclass(frozen=True, slots=True)
 class Choice:
-    """The outcome of deadline routing: the candidates reordered (the choice first, the rest behind it for failover),
-    the verdict (:data:`VERDICTS`), and each candidate's prediction in policy order."""
+    """The candidates reordered (the choice first, the rest behind it for failover) and each candidate's prediction in
+    policy order. ``fallback``: ``deadline`` when the choice left the policy's first tier, else the policy's own."""
 
     budget: Budget
     candidates: tuple[Candidate, ...]
@@ -144,11 +134,9 @@ class Choice:
 
 
 class Explorer:
-    """The only state of deadline routing: when to send a request elsewhere than its prediction says.
-
-    The ``share`` explored is a credit counter, so that it holds exactly and tests can count it. A candidate sampled
-    less than ``fresh`` seconds ago is never explored: other traffic measures it already, and exploring it would only
-    miss deadlines. ``probe``: seconds between probes of one unmeasured candidate."""
+    """The only state of deadline routing. The ``share`` explored is a credit counter, so that it holds exactly and
+    tests can count it; a candidate sampled less than ``fresh`` seconds ago is never explored: other traffic measures it
+    already, and exploring it would only miss deadlines."""
 
     def __init__(self, share: float, probe: float, fresh: float = 1.0) -> None:
         self.share = share
@@ -193,8 +181,9 @@ def price(up: UpstreamConfig, model: str, service_tier: str | None = None,
 
 def predict(c: Candidate, est: Latency | None, facts: RequestFacts, model: str, completion_tail: int,
             completion_central: int, b: Budget, now: float, cached: int = 0) -> Prediction:
-    """One candidate's prediction at ``now`` (module docstring). ``cached``: the prompt tokens its cache is believed
-    to hold for the request, billed at ``cached_input`` and not prefilled there."""
+    """At the tail: the TTFT line at the prompt size plus its p90 residual, then (completion − 1) / p10 decode tokens/s.
+    ``cached``: the prompt tokens its cache is believed to hold (docs/sessions.md#cache-warmth-is-priced), billed at
+    ``cached_input`` and not prefilled."""
     prompt = facts.prompt_tokens
     priced = price(c.upstream, model, c.upstream.asks(facts.service_tier), prompt)
     cached = min(cached, prompt)
@@ -216,7 +205,7 @@ def predict(c: Candidate, est: Latency | None, facts: RequestFacts, model: str, 
 
 def completion_tokens(facts: RequestFacts, decision: Decision, estimates: Estimates,
                       now: float) -> tuple[int, int, str]:
-    """(tail, central, source) completion tokens to predict with."""
+    """(tail, central, source): ``max_tokens``, else the route's measured lengths, else :data:`DEFAULT_COMPLETION`."""
     if facts.max_tokens is not None:
         return facts.max_tokens, facts.max_tokens, "request"
     length = estimates.completion(decision.rule, decision.model, now)
@@ -227,14 +216,9 @@ def completion_tokens(facts: RequestFacts, decision: Decision, estimates: Estima
 
 def choose(decision: Decision, facts: RequestFacts, b: Budget, estimates: Estimates, now: float,
            explorer: Explorer, warm: Mapping[str, int] | None = None) -> Choice:
-    """The deadline choice among ``decision``'s candidates; ``now`` on the estimates' clock; ``warm``: the upstreams
-    an agent session's cache is warm on and the tokens each holds (a move that saves less than the warm cache it
-    throws away is not made).
-
-    In order: a due probe of an unmeasured candidate, so that a tier is re-measured after its estimate aged out; else
-    the cheapest that meets the budget (ties: the faster); else the fastest. Then a share ``estimates.explore`` of
-    these goes to a candidate predicted too slow instead, so that a tier that recovers is noticed before its slow
-    samples age out."""
+    """``now`` on the estimates' clock; ``warm``: the upstreams an agent session's cache is warm on and the tokens each
+    holds, priced so that a move that saves less than the warm cache it throws away is not made. The verdicts, in order:
+    docs/deadlines.md#deadline-routing."""
     tail, central, source = completion_tokens(facts, decision, estimates, now)
     warm = warm or {}
     preds = tuple(predict(c, estimates.latency(c.upstream.name, bucket(c.upstream_model,
@@ -282,7 +266,7 @@ def headers(choice: Choice, upstream: str) -> list[tuple[bytes, bytes]]:
 
 
 def describe(choice: Choice) -> str:
-    """The choice in one sentence, for ``POST /v1/tiergate/route``."""
+    """For ``POST /v1/tiergate/route``."""
     p = choice.of(choice.candidates[0].upstream.name)
     assert p is not None
     b = choice.budget

@@ -57,15 +57,10 @@ class Continuation:
 
 
 class RequestFacts:
-    """What routing can read from one request, each fact computed on first use.
-
-    Args:
-        body: the parsed body, its ``model`` already checked to be a string.
-        headers: with lower-case names.
-        size: the body's length in bytes (the prompt-size estimate).
-        bridgeable: the Responses bridge's check behind :attr:`RequestFacts.unbridgeable`, passed in so that routing
-            imports no translator.
-        defaults: ``metadata`` as if the client had sent it, under what it did send (its gateway key's)."""
+    """Each fact computed on first use. ``headers`` have lower-case names; ``size``: the body's length in bytes;
+    ``bridgeable``: the Responses bridge's check behind :attr:`RequestFacts.unbridgeable`, passed in so that routing
+    imports no translator; ``defaults``: ``metadata`` read as if the client had sent it, under what it did send (its
+    gateway key's)."""
 
     def __init__(self, body: Mapping[str, Any], headers: Mapping[str, str], size: int = 0, *,
                  responses: bool = False, continuation: Continuation | None = None,
@@ -81,8 +76,7 @@ class RequestFacts:
 
     @_lazy
     def unbridgeable(self) -> tuple[str, str, str] | None:
-        """(param, why, code) of what the bridge cannot serve of a Responses request
-        (``gateway.responses.request.unbridgeable``), or None."""
+        """(param, why, code) of what the bridge cannot serve (``gateway.responses.request.unbridgeable``)."""
         return self._bridgeable(self.body) if self.responses and self._bridgeable is not None else None
 
     @_lazy
@@ -145,7 +139,7 @@ class RequestFacts:
 
     @_lazy
     def prompt_tokens(self) -> int:
-        """Request bytes / 4: cheap and offline, no tokenizer on the hot path."""
+        """Request bytes / 4, rounded up: cheap and offline, no tokenizer on the hot path."""
         return -(-self.size // BYTES_PER_TOKEN)
 
     @_lazy
@@ -173,8 +167,6 @@ class RequestFacts:
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """One upstream to try and the model id to send it."""
-
     upstream: UpstreamConfig
     upstream_model: str
 

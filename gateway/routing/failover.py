@@ -1,24 +1,6 @@
-"""Failover planning: which candidates to try now, what a failure means, and whether to go on. Pure code, no I/O.
-
-The policy (``gateway.routing.policy``) lists the candidates a request may go to; this module decides, from the
-upstreams' health read at an injected ``now`` (``gateway.routing.health``), which of them to try and in what order, and,
-after each failed attempt, whether the next one may still serve it. The caller (``gateway.pipeline.chat``) does the I/O.
-
-Rules (docs/routing.md#failover; docs/reference/wire.md#errors-the-gateway-answers-itself):
-
-* **Spillover before sending.** A candidate that is resting (breaker open or half-open with its probe out, 429
-  cooldown) is passed over; one whose quota estimate or concurrency limit is short is passed over too, unless
-  every candidate is, then the first of them is tried anyway (the upstream is the judge). With
-  ``health.queue_seconds`` a candidate at its concurrency limit is waited for instead.
-* **Refusal.** When every candidate rests: 429 ``rate_limit_exceeded`` with ``retry-after`` if each is cooling
-  down after a 429 of its own (``insufficient_quota`` and ``x-should-retry: false`` if each one's quota is
-  exhausted), else 503 ``upstreams_resting`` with ``retry-after``.
-* **Failover**, only before the first byte reached the client: after connect and timeout failures, broken or
-  silent answers, 429 and 5xx, and an upstream's 401 or 403 to the gateway's own key (``upstream_auth_failed``: that
-  key is the upstream's problem, another upstream has its own); after a context-length 400 only when the next
-  candidate is on the other tier (whose window may be larger). Any other 4xx is the request's fault and would fail
-  the same way anywhere (so is a 401 or 403 from a ``pass_client_key`` upstream: the key it refused is the client's).
-"""
+"""Failover planning: which candidates to try now, in what order, and whether a failed attempt may go on to the next
+(docs/routing.md#spillover, docs/routing.md#failover). Pure code over health read at an injected ``now``; the caller
+(``gateway.pipeline.chat``) does the I/O."""
 
 from __future__ import annotations
 
@@ -42,17 +24,9 @@ from gateway.routing.scheduling import Ask
 
 @dataclass
 class Plan:
-    """The candidates of one request, as they stand at the time it was planned.
-
-    Attributes:
-        candidates: those to try, in order (at most ``max_attempts``).
-        reason: why the first of them is not the policy's first choice (``x-tiergate-fallback``), or None; it
-            becomes the reason of the last failure as attempts fail over.
-        queued: names of the candidates to wait on for a concurrency slot (``health.queue_seconds``).
-        spilled: (candidate, why) for each candidate passed over now (``tiergate_spillovers_total``).
-        resting: when every candidate rests (then ``candidates`` is empty), their health: :func:`refusal` is the
-            answer the caller raises.
-    """
+    """``reason``: why the first candidate is not the policy's first choice (``x-tiergate-fallback``), updated as
+    attempts fail over; ``spilled``: (candidate, why) passed over; ``resting``: when every candidate rests, their
+    health, for :func:`refusal`."""
 
     candidates: list[Candidate]
     reason: str | None = None
@@ -61,8 +35,7 @@ class Plan:
     resting: list[UpstreamHealth] = field(default_factory=list)
 
     def go_on(self, failed: Candidate, exc: GatewayError) -> bool:
-        """After ``failed``'s attempt failed with ``exc``: may the next candidate still serve the request? Records
-        the failure as the fallback reason when it may."""
+        """If so, the failure becomes the fallback reason."""
         i = self.candidates.index(failed)
         if i + 1 >= len(self.candidates):
             return False
@@ -74,15 +47,10 @@ class Plan:
 
 def plan(decision: Decision, health: Health, now: float, need_tokens: int, max_attempts: int,
          blame: Blame | None = None, keep: str | None = None, ask: Ask | None = None) -> Plan:
-    """The candidates to try now for ``decision`` (module docstring: spillover and refusal).
-
-    Args:
-        now: the health clock's time (``health.clock()``); need_tokens: the request's estimated prompt plus its
-            ``max_tokens`` (for the quota estimates); blame: the request's source, for the upstreams that rest for
-            some sources alone (``gateway.routing.health``: whose fault), or None; keep: an upstream that weights
-            never move from the front of its tier's candidates (an agent session's warm one), or None; ask: the
-            request's class and warm caches, for the scheduler (``gateway.routing.scheduling``), or None.
-    """
+    """A resting candidate is passed over; one short of quota or concurrency (:data:`SOFT_REASONS`) too, unless none is
+    usable: then the first of those is tried anyway, the upstream being the judge. ``now``: the health clock's;
+    ``need_tokens``: the estimated prompt plus ``max_tokens``; ``keep``: an upstream weights never move from the front
+    of its tier (an agent session's warm one)."""
     usable: list[Candidate] = []
     soft: list[Candidate] = []
     queued: set[str] = set()
@@ -117,7 +85,7 @@ def plan(decision: Decision, health: Health, now: float, need_tokens: int, max_a
 
 
 def refusal(resting: Sequence[UpstreamHealth], now: float, source: str | None = None) -> GatewayError:
-    """The answer when every candidate rests (module docstring), for a request from ``source``."""
+    """429 when each candidate cools down after a 429 of its own, else 503 (docs/routing.md#failover)."""
     retry = max(1, math.ceil(min((h.resting_until(source) - now for h in resting), default=1.0)))
     headers = {"retry-after": str(retry)}
     if resting and all(h.open_until <= now and h.cooldown_until > now for h in resting):
@@ -131,17 +99,17 @@ def refusal(resting: Sequence[UpstreamHealth], now: float, source: str | None = 
 
 
 def retryable(exc: GatewayError, other_tier: bool) -> bool:
-    """Whether a failure before the first byte may go to the next candidate (module docstring: failover; an
-    :class:`UpstreamAuthFailed` may, as every failure that is not the upstream's own status relayed)."""
+    """Before the first byte. A relayed 4xx other than 429 would fail the same anywhere (a ``pass_client_key``
+    upstream's 401/403 too: the key is the client's), except a context overflow when the next candidate is on the other
+    tier, whose window may be larger. Every failure of the gateway's own may go on (an :class:`UpstreamAuthFailed` too:
+    another upstream has its own key)."""
     if isinstance(exc, UpstreamStatusError):
         return exc.status == 429 or exc.status >= 500 or (other_tier and exc.context_overflow)
     return True
 
 
 def reason(exc: GatewayError) -> str:
-    """The failure as a fallback reason and ``tiergate_upstream_errors_total`` label: ``context_length``,
-    ``upstream_429``, ``upstream_4xx`` / ``upstream_5xx``, or the error's own code (``upstream_timeout``,
-    ``upstream_ttft_timeout``, ``upstream_stream_interrupted``, ``upstream_auth_failed``, ...)."""
+    """A fallback reason and ``tiergate_upstream_errors_total`` label."""
     if isinstance(exc, UpstreamStatusError):
         if exc.context_overflow:
             return "context_length"
@@ -150,9 +118,8 @@ def reason(exc: GatewayError) -> str:
 
 
 def outcome(exc: GatewayError, blame: Blame | None = None, tried: int = 1) -> str:
-    """The request's outcome label when every one of its ``tried`` attempts failed with, last, ``exc``: ``client_error``
-    when each failed request-shaped on two upstreams or more (``blame``: ``gateway.routing.health``, whose fault); else
-    an upstream that answered with an error status (its own, or a refused key) is ``upstream_error``."""
+    """``client_error`` when each of the ``tried`` attempts failed request-shaped on two upstreams or more
+    (:class:`Blame`)."""
     if blame is not None and blame.everywhere(tried):
         return "client_error"
     if isinstance(exc, UpstreamTimeout):
@@ -161,6 +128,6 @@ def outcome(exc: GatewayError, blame: Blame | None = None, tried: int = 1) -> st
 
 
 def final_retry_hint(exc: GatewayError, attempts: int) -> bool:
-    """Whether the answer tells the SDK not to retry (``x-should-retry: false``): the gateway already tried several
-    upstreams (the SDK would multiply the attempts), or waiting will not help (an exhausted quota)."""
+    """``x-should-retry: false``: the gateway already tried several upstreams (the SDK's retries would multiply the
+    attempts), or waiting will not help (an exhausted quota)."""
     return attempts > 1 or (isinstance(exc, UpstreamStatusError) and exc.quota_exhausted)

@@ -1,39 +1,7 @@
-"""Per-upstream health: 429 cooldown, circuit breaker, quota estimate from rate-limit headers, concurrency.
-
-In-memory state per worker process, updated from every upstream answer; no I/O. :meth:`UpstreamHealth.unavailable`
-says why an upstream should not get a request *now*, so the request spills over to the next candidate before
-the upstream can refuse it:
-
-* ``cooldown``: it answered 429; it rests for its ``retry-after-ms`` / ``retry-after``, else for the reset of the
-  rate-limit window it exhausted (``x-ratelimit-reset-*``), capped by ``health.cooldown_max``
-  (``health.cooldown_default`` when it gave neither). A 429 that says the quota or credit is exhausted rests for
-  ``health.exhausted_cooldown`` instead: waiting seconds does not fix it.
-* ``circuit_open``: ``health.failures`` consecutive failures (connect errors, timeouts, 5xx, broken streams, a
-  refused gateway key: ``errors.UpstreamAuthFailed``) open the breaker for ``health.open_seconds``; then one probe
-  request is let through (half-open) and its success closes the breaker, its failure re-opens it. Recovery always
-  comes: an open breaker always half-opens after its time, and a probe that never reports back is forgotten after
-  ``open_seconds``.
-* ``quota_requests`` / ``quota_tokens``: the remaining requests or tokens last reported in
-  ``x-ratelimit-remaining-*`` headers (OpenAI: ``-requests``/``-tokens`` with Go-duration resets such as
-  ``6m0s``; Cerebras: ``-requests-day``/``-tokens-minute`` with resets in seconds), minus what this gateway
-  sent after the request whose answer reported them (those the upstream had not counted yet: requests still in
-  flight included), would not cover the request's estimated prompt plus ``max_tokens`` with ``quota_reserve``
-  left over. The estimate is dropped when the reported reset time passes.
-* ``concurrency``: ``max_concurrent`` requests are already in flight to it.
-
-**Whose fault.** A failure with no status line (refused, reset, connect timeout) is the upstream's. One that a
-request's own content can cause (a 5xx, a bad or broken answer, a first token that never comes: vLLM and llama.cpp
-fail that way on some malformed inputs) is *request-shaped* (:func:`request_shaped`) and is charged to the request's
-*source*: its gateway key, or, without keys, its body. One source alone can never open the breaker for everyone: each
-counts at most half of ``health.failures`` towards it, so opening takes failures from three sources at the default of
-five (or any failure with no status line). Instead, ``health.failures`` request-shaped failures in a row from one
-source rest the upstream for that source alone for ``open_seconds`` (:meth:`UpstreamHealth.unavailable` with the
-source). A request that failed that way on every upstream it tried (two or more) is the request's fault, not theirs:
-its failures are taken back (:meth:`UpstreamHealth.retract`).
-
-Replicas that share state (``gateway.state.redis``) tell each other their cooldowns and breaker transitions through a
-:class:`Listener`, and apply the others' with the ``shared_*`` methods (which tell no listener).
-"""
+"""Per-upstream health, in memory per worker and updated from every answer: why an upstream should not get a request
+*now* (:meth:`UpstreamHealth.unavailable`), so that the request spills over before the upstream can refuse it
+(docs/routing.md#spillover, docs/routing.md#circuit-breakers, docs/routing.md#cooldowns). No I/O; replicas that share
+state (``gateway.state.redis``) exchange cooldowns and breaker transitions through a :class:`Listener`."""
 
 from __future__ import annotations
 
@@ -71,14 +39,14 @@ class Listener(Protocol):
     """Told of the transitions other replicas should know (``gateway.state.redis``); times are the health clock's."""
 
     def rested(self, upstream: str, kind: str, until: float, exhausted: bool) -> None:
-        """Rests until ``until``: ``kind`` ``cooldown`` (a 429; ``exhausted``: the quota is) or ``open`` (breaker)."""
+        """``kind``: ``cooldown`` (a 429; ``exhausted``: the quota is) or ``open`` (the breaker)."""
 
     def closed(self, upstream: str) -> None:
-        """The breaker closed: a request worked."""
+        ...
 
 
 class UpstreamHealth:
-    """The state of one upstream (see the module docstring). Times are ``time.monotonic()`` seconds."""
+    """Times are ``time.monotonic()`` seconds."""
 
     def __init__(self, upstream: UpstreamConfig) -> None:
         self.name = upstream.name
@@ -106,7 +74,6 @@ class UpstreamHealth:
         self.by_source: OrderedDict[str, tuple[int, float, float]] = OrderedDict()
 
     def state(self, now: float) -> str:
-        """``closed``, ``open``, ``half_open`` or ``cooldown`` (for the state gauge)."""
         if self.open_until > now:
             return "open"
         if self.half_open or self.open_until:
@@ -116,10 +83,12 @@ class UpstreamHealth:
         return "closed"
 
     def unavailable(self, now: float, need_tokens: int, blame: Blame | None = None, cached: int = 0) -> str | None:
-        """Why this upstream should not take a request needing ``need_tokens`` (``cached`` of them believed in its
-        prompt cache, which its ``uncached`` bucket does not count) from ``blame``'s source now, or None."""
+        """The spillover reason (docs/routing.md#spillover), or None. ``need_tokens``: the estimated prompt plus
+        ``max_tokens``; ``cached``: those of them believed in its prompt cache, which its ``uncached`` bucket does not
+        count."""
         if self.open_until > now or (blame is not None and self.by_source and self.source_rests(blame.who(), now)):
             return "circuit_open"
+        # a probe that never reports back is forgotten after open_seconds: recovery always comes
         probing = self.probe_started is not None and now - self.probe_started < self.cfg.open_seconds
         if (self.open_until or self.half_open) and probing:
             return "circuit_half_open"  # one probe at a time
@@ -138,11 +107,8 @@ class UpstreamHealth:
         return None
 
     def start(self, now: float, need_tokens: int) -> Mark:
-        """A request is being sent: count it in flight and against the quota estimate; take the probe slot.
-
-        Returns:
-            its mark: what had been sent with it; give it back with its answer's headers (:meth:`observe_headers`).
-        """
+        """Count a request in flight and against the quota estimate, taking the half-open probe slot; the mark returned
+        goes back with the answer's headers (:meth:`observe_headers`)."""
         self.in_flight += 1
         self.sent = (self.sent[0] + 1, self.sent[1] + need_tokens)
         if self.open_until and self.open_until <= now:
@@ -156,7 +122,6 @@ class UpstreamHealth:
         return self.sent
 
     def finish(self) -> None:
-        """The request is over (whatever its result); wakes the first request waiting for a slot."""
         self.in_flight = max(0, self.in_flight - 1)
         while self._waiters:
             waiter = self._waiters.popleft()
@@ -165,15 +130,10 @@ class UpstreamHealth:
                 break
 
     def can_queue(self) -> bool:
-        """Whether a request may wait for a concurrency slot here (``health.queue_seconds`` is set)."""
         return self.cfg.queue_seconds is not None
 
     async def wait_for_slot(self) -> bool:
-        """Wait up to ``health.queue_seconds`` for fewer than ``max_concurrent`` requests in flight.
-
-        Returns:
-            True when a slot is free (take it with :meth:`start` at once), False when the wait timed out.
-        """
+        """Up to ``health.queue_seconds``: True when a slot is free; take it with :meth:`start` at once."""
         limit = self.cfg.max_concurrent
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.cfg.queue_seconds or 0.0)
@@ -191,18 +151,13 @@ class UpstreamHealth:
         return True
 
     def observe_headers(self, headers: Mapping[str, str], now: float, mark: Mark | None = None) -> None:
-        """Update the quota estimate from an answer's ``x-ratelimit-remaining-*`` / ``-reset-*`` headers.
-
-        The upstream counted the requests it had received when it answered (OpenAI and Cerebras count a request
-        when it arrives), so what was sent after this answer's request (``mark``, from :meth:`start`) is taken
-        off what it reports: those requests are in flight, or their answers were read already.
-        """
+        """The upstream counted the requests it had received when it answered (OpenAI and Cerebras count a request when
+        it arrives), so what was sent after ``mark``'s request (:meth:`start`) is taken off what it reports."""
         self.observe_report(quota_report(headers), now, mark)
 
     def observe_report(self, report: dict[str, Window], now: float, mark: Mark | None = None) -> None:
-        """:meth:`observe_headers` with the headers already read (:func:`quota_report`). A bucket whose limit is 0
-        makes the upstream unavailable until the report's reset, at least ``exhausted_cooldown``: no waiting makes
-        room in it."""
+        """A bucket whose limit is 0 makes the upstream unavailable until its reset, at least ``exhausted_cooldown``: no
+        waiting makes room in it."""
         if not report:
             return
         self.reports_quota = True
@@ -216,12 +171,10 @@ class UpstreamHealth:
                     logs.event("quota_unavailable", "warning", upstream=self.name, tier=self.tier, bucket=kind)
 
     def source_rests(self, source: str, now: float) -> bool:
-        """Whether the upstream rests for ``source`` alone (module docstring: whose fault)."""
         found = self.by_source.get(source)
         return found is not None and found[2] > now
 
     def success(self) -> None:
-        """An answer that shows the upstream works: close the breaker."""
         if self.open_until or self.half_open:
             logs.event("breaker_closed", upstream=self.name, tier=self.tier)
             if self.listener is not None:
@@ -233,8 +186,8 @@ class UpstreamHealth:
         self.probe_started = None
 
     def failure(self, now: float, source: str | None = None) -> None:
-        """A failure the upstream is to blame for (``source``: the request's, for a request-shaped one; module
-        docstring: whose fault); may open the breaker, or rest the upstream for that source."""
+        """``source``: the request's, when the failure is request-shaped (``gateway.routing.blame``); each source counts
+        at most half of ``health.failures``, so that one client alone never opens the breaker for everyone."""
         self.failures += 1
         if source is None:
             self.hard += 1
@@ -252,8 +205,8 @@ class UpstreamHealth:
                 self.listener.rested(self.name, "open", self.open_until, False)
 
     def _charge(self, source: str, now: float) -> None:
-        """A request-shaped failure from ``source``: counted in the run, and in the source's own, which rests the
-        upstream for it after ``health.failures`` in a row (none more than ``open_seconds`` apart)."""
+        """Also rests the upstream for ``source`` alone after ``health.failures`` in a row, none more than
+        ``open_seconds`` apart."""
         if source in self.shaped or len(self.shaped) < MAX_SOURCES:
             self.shaped[source] = self.shaped.get(source, 0) + 1
         n, last, until = self.by_source.pop(source, (0, now, 0.0))
@@ -267,8 +220,8 @@ class UpstreamHealth:
             self.by_source.popitem(last=False)
 
     def retract(self, source: str) -> None:
-        """Take back one request-shaped failure of ``source`` (the request failed that way everywhere it went: its
-        own fault). A breaker it helped open stays open: others' failures opened it with it."""
+        """The request failed that way everywhere it went: its own fault. A breaker it helped open stays open: others'
+        failures opened it with it."""
         self.failures = max(0, self.failures - 1)
         n = self.shaped.get(source, 0)
         if n > 1:
@@ -282,13 +235,9 @@ class UpstreamHealth:
             self.probe_started = None  # the probe said nothing of the upstream: the next request probes again
 
     def settle(self, exc: GatewayError | None, now: float, need_tokens: int = 0, source: str | None = None) -> None:
-        """One attempt's verdict, told once when it ends: None (it worked) or what it failed with. A 429 starts a
-        cooldown (:meth:`rate_limited`; ``need_tokens``: the attempt's estimated prompt plus ``max_tokens``); a 5xx or
-        a failure without a status of its own (connect, timeout, a broken, silent or bad answer, a 401/403 to the
-        gateway's own key: ``UpstreamAuthFailed``) counts against the breaker (a request-shaped one charged to
-        ``source``; module docstring: whose fault); any other 4xx is the request's fault, so the upstream is up (a
-        context overflow included, whatever status the upstream chose:
-        ``errors.upstream_error`` made it a 400)."""
+        """Told once per attempt (``exc`` None: it worked). Only a 5xx or a failure with no status of its own counts
+        against the breaker; any other 4xx is the request's fault and the upstream is up (a context overflow too,
+        whatever status the upstream used)."""
         if exc is None:
             self.success()
         elif isinstance(exc, UpstreamStatusError) and exc.code == "capacity_exceeded":
@@ -302,16 +251,14 @@ class UpstreamHealth:
             self.success()
 
     def resting_until(self, source: str | None = None) -> float:
-        """When the breaker or the cooldown ends (monotonic seconds), or its rest for ``source``."""
         found = self.by_source.get(source) if source is not None else None
         return max(self.open_until, self.cooldown_until, found[2] if found is not None else 0.0)
 
     def rate_limited(self, headers: Mapping[str, str], now: float, exhausted: bool = False,
                      need_tokens: int = 0, full: bool = False) -> float:
-        """A 429: rest for :func:`retry_wait` (capped), or ``exhausted_cooldown`` when the quota is ``exhausted``;
-        count no breaker failure. A 429 with no retry hint whose report still has tokens left, fewer than the
-        request's ``need_tokens``, refused that request's size (a ``max_tokens`` over what is left), not everyone's:
-        no rest (smaller requests go on, here and on the other replicas). Returns the rest in seconds."""
+        """A 429: returns the rest in seconds and counts no breaker failure. No rest (0) after a 429 with no retry hint
+        whose report has tokens left, fewer than ``need_tokens``: it refused this request's size (a ``max_tokens`` over
+        what is left), not everyone's, so smaller requests go on, here and on the other replicas."""
         wait = retry_wait(headers)
         rest = min(wait if wait is not None else self.cfg.cooldown_default, self.cfg.cooldown_max)
         left = quota_report(headers).get("tokens")
@@ -336,14 +283,12 @@ class UpstreamHealth:
     # what other replicas report (gateway.state.redis): applied without telling the listener back
 
     def shared_rest(self, kind: str, until: float, exhausted: bool) -> None:
-        """Another replica's cooldown (``kind`` ``cooldown``) or open breaker (``open``) until ``until``."""
         if kind == "cooldown" and until > self.cooldown_until:
             self.cooldown_until, self.exhausted = until, exhausted
         elif kind == "open" and until > self.open_until:
             self.open_until, self.half_open, self.probe_started = until, False, None
 
     def shared_closed(self) -> None:
-        """Another replica's request worked after its breaker opened: the upstream is up."""
         listener, self.listener = self.listener, None
         try:
             self.success()
@@ -351,27 +296,25 @@ class UpstreamHealth:
             self.listener = listener
 
     def shared_quota(self, kind: str, remaining: float, resets_at: float) -> None:
-        """The shared estimate of ``kind`` (every replica's reservations counted), void after ``resets_at``."""
         self.reports_quota = True
         self.quota[kind] = _Quota(remaining, resets_at)
 
 
 class Health:
-    """Every upstream's :class:`UpstreamHealth`, by name, and the one clock all of them are read and told with
-    (``time.monotonic`` seconds; injectable for tests)."""
+    """Every upstream's health and the one clock all of it is read and told with (``time.monotonic`` seconds; injectable
+    for tests)."""
 
     def __init__(self, upstreams: list[UpstreamConfig], clock: Callable[[], float] = time.monotonic) -> None:
         self.by_name = {u.name: UpstreamHealth(u) for u in upstreams}
         self.clock = clock
 
     def listen(self, listener: Listener | None) -> None:
-        """Tell ``listener`` every upstream's cooldowns and breaker transitions from now on (None: nobody)."""
         for h in self.by_name.values():
             h.listener = listener
 
     def carry(self, previous: Health) -> None:
-        """After a reload: each upstream that stays keeps its breaker, cooldown and quota estimate (its requests in
-        flight stay counted on the old one, which they release)."""
+        """After a reload, each upstream that stays keeps its breaker, cooldown and quota estimate; its requests in
+        flight stay counted on the old one, which they release."""
         for name, h in self.by_name.items():
             old = previous.by_name.get(name)
             if old is not None:
@@ -385,12 +328,9 @@ class Health:
         return self.by_name[name]
 
     def order(self, candidates: tuple[T, ...], keep: str | None = None) -> list[T]:
-        """Candidates with each run of same-tier upstreams shuffled by ``weight`` when weights differ; ``keep``: an
-        upstream that stays first of its run (an agent session's warm one: ``gateway.routing.sessions``).
-
-        Weighted sampling without replacement (Efraimidis & Spirakis 2006: sort by ``random() ** (1/w)``);
-        with equal weights the configured order stands.
-        """
+        """Each run of same-tier candidates shuffled by ``weight`` when weights differ: weighted sampling without
+        replacement (Efraimidis & Spirakis 2006: sort by ``random() ** (1/w)``). ``keep`` stays first of its run (an
+        agent session's warm upstream)."""
         out: list[T] = []
         i = 0
         while i < len(candidates):
@@ -412,25 +352,24 @@ def _up(candidate: Any) -> UpstreamConfig:
 
 
 class Untracked:
-    """The health of an attempt that reads and changes no upstream's: a request of the rest of /v1
-    (``gateway.pipeline.passthrough``). Its rate-limit headers are the limits of another model or endpoint (OpenAI's are
-    per model), its failures those of another endpoint, and an upload may hold a connection for minutes; none of that
-    may move the breaker, cooldown, quota estimate or concurrency count that route chat completions."""
+    """The health of a passthrough request (``gateway.pipeline.passthrough``), which must move no upstream's breaker,
+    cooldown, quota estimate or concurrency count: its rate-limit headers are another model's or endpoint's (OpenAI's
+    are per model), its failures another endpoint's, and an upload may hold a connection for minutes."""
 
     def start(self, now: float, need_tokens: int) -> None:
-        """Nothing is charged."""
+        pass
 
     def finish(self) -> None:
-        """Nothing to give back."""
+        pass
 
     def observe_report(self, report: dict[str, Window], now: float, mark: Any = None) -> None:
-        """Nothing is read."""
+        pass
 
     def settle(self, exc: GatewayError | None, now: float, need_tokens: int = 0, source: str | None = None) -> None:
-        """No verdict is kept."""
+        pass
 
     def retract(self, source: str) -> None:
-        """Nothing was charged."""
+        pass
 
 
 UNTRACKED = Untracked()

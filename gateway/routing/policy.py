@@ -1,29 +1,7 @@
-"""Routing policy: request facts in, a route decision and its explanation out. Pure code, no I/O.
-
-Rules are tried in order and the first whose conditions all hold names the tier (and optionally an upstream).
-A config without ``rules:`` gets the default policy (:func:`gateway.routing.rules.default_rules`): explicit
-signals first (the tier header, ``service_tier``, a tier-pinned alias), then the standard tier's bulk cases, then
-the workload:
-
-==============  ==========================================================  ========
-rule            matches                                                     tier
-==============  ==========================================================  ========
-header          ``x-tiergate-tier: fast`` / ``standard``                    as asked
-service_tier    ``service_tier`` ``fast``/``priority``/``ultrafast``;        fast;
-                ``flex`` (``auto``/``default``/``scale``: no rule)           standard
-model_alias     an alias pinned to a tier (``aliases.<name>.tier``)         its tier
-n_gt_1          ``n`` > 1 (several choices: bulk work)                      standard
-long_prompt     estimated prompt over ``long_prompt_tokens``                standard
-workload        ``metadata.workload`` per ``workloads``                     as mapped
-default         everything else                                             ``default_tier``
-==============  ==========================================================  ========
-
-Then candidates are listed: the chosen tier's upstreams that serve the model (the rule's upstream first),
-then, when the rule and the config allow it, the other tier's. Upstreams that cannot take the request (its
-estimated prompt plus ``max_tokens`` over their ``context_window``, or an image/audio input they lack) are
-left out and the reason is reported as the fallback. Health, quota and concurrency are failover planning's
-business (``gateway.routing.failover`` over ``gateway.routing.health``), not the policy's.
-"""
+"""Routing policy: request facts in, a route decision and its explanation out (docs/routing.md#rules). The first rule
+whose conditions all hold names the tier; without ``rules:`` the default policy (:func:`default_rules`) applies. Health,
+quota and concurrency are failover planning's business (``gateway.routing.failover``), not the policy's. Pure code, no
+I/O."""
 
 from __future__ import annotations
 
@@ -41,7 +19,8 @@ from gateway.routing.rules import Rule, default_rules, say
 
 
 class Policy:
-    """The routing table built once from a :class:`GatewayConfig`; :meth:`decide` is pure."""
+    """Built once per config: the rules compiled and the candidate lists cached, so that :meth:`decide` is pure and
+    cheap."""
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
@@ -56,13 +35,8 @@ class Policy:
                                                  tuple[Candidate, ...], bool]] = {}
 
     def decide(self, facts: RequestFacts, explain: bool = False) -> Decision:
-        """Choose a tier and list the upstreams to try; with ``explain``, also say why in words (``reason``, and
-        one ``trace`` line per earlier rule). Without it, ``reason`` and ``trace`` are empty: the hot path
-        only needs the rule's name.
-
-        Raises:
-            ModelNotFound: no upstream serves the model (after alias resolution).
-        """
+        """Without ``explain``, ``reason`` and ``trace`` stay empty: the hot path needs only the rule's name. Raises
+        ModelNotFound when no upstream serves the model (after alias resolution)."""
         alias = self.config.aliases.get(facts.model)
         model = alias.model if alias else facts.model
         if model not in self._served:
@@ -87,13 +61,8 @@ class Policy:
         return decision
 
     def decide_listed(self, facts: RequestFacts, explain: bool = False) -> Decision:
-        """The route of a chat-completions or Responses request for a model no upstream is configured for but the
-        passthrough upstream lists (``gateway.pipeline.models.UpstreamModels``): to that upstream, the model
-        unchanged (rule ``passthrough``).
-
-        Raises:
-            ModelNotFound: passthrough is off, or the upstream serves no Responses API (``responses: none``).
-        """
+        """A model the passthrough upstream lists but no upstream is configured for: there, unchanged. Raises
+        ModelNotFound when passthrough is off or that upstream serves no Responses API."""
         up = self.config.passthrough_upstream
         if up is None or (facts.responses and up.responses_mode == "none"):
             raise ModelNotFound(f"The model `{facts.model}` does not exist or you do not have access to it.",
@@ -103,17 +72,11 @@ class Policy:
 
     def decide_passthrough(self, path: str, facts: RequestFacts | None, explain: bool = False,
                            owner: str | None = None) -> Decision:
-        """The route of a request to the rest of the /v1 surface (``gateway.pipeline.passthrough``); ``path`` is under
-        /v1 (``embeddings``, ``files/file-abc``). A body with a configured ``model`` is routed by the rules, as chat
-        completions are, among the upstreams that serve ``path`` (the others are skipped: ``endpoint``); any other
-        request (object paths, no model, a model no upstream lists) goes to ``passthrough.upstream`` unchanged (rule
-        ``passthrough``). ``owner``: the upstream that made the object the path names (a response made natively:
-        rule ``response_affinity``), which alone can serve it.
-
-        Raises:
-            ModelNotFound: the model is configured but no upstream serving it serves ``path`` (404, as OpenAI
-                answers a model that lacks an endpoint); UnknownURL: passthrough is off or nobody serves ``path``.
-        """
+        """The rest of /v1 (``gateway.pipeline.passthrough``). A configured ``model`` is routed by the rules among the
+        upstreams that serve ``path``; anything else goes to ``passthrough.upstream`` unchanged. ``owner``: the upstream
+        that made the object ``path`` names, which alone can serve it. Raises ModelNotFound when no upstream serving the
+        model serves ``path`` (404, as OpenAI answers a model without the endpoint), UnknownURL when nobody serves
+        ``path``."""
         if owner is not None:
             mine = next(u for u in self.config.upstreams if u.name == owner)
             return Decision(mine.tier, "response_affinity", f"/v1/{path} was made by {owner}" if explain else "",
@@ -164,8 +127,8 @@ class Policy:
 
     def _plan(self, model: str, route: RouteConfig) -> tuple[list[UpstreamConfig], list[UpstreamConfig],
                                                              tuple[Candidate, ...], bool]:
-        """The upstreams a route considers for ``model``, in order (its tier's, then the other tier's when it
-        may fall back), all of them as candidates, and whether every one takes any request (no limits)."""
+        """The candidate lists of a route, cached: whether all of them take any request is checked once, not per
+        request."""
         first = [u for u in self._by_tier[route.tier] if model in u.models]
         if route.upstream:
             first.sort(key=lambda u: u.name != route.upstream)
@@ -178,17 +141,10 @@ class Policy:
 
 
 def _responses_route(decision: Decision, facts: RequestFacts, served: Iterable[UpstreamConfig]) -> Decision:
-    """The candidates of a Responses API request (the rules chose as for chat completions):
-
-    * a continuation of a response an upstream made natively goes back to that upstream (rule
-      ``response_affinity``): only it holds the conversation;
-    * upstreams with ``responses: none`` are left out (``no_responses_api``); bridged ones too when the request uses
-      what the bridge cannot serve (``responses_feature``) or continues a response only a native upstream may know.
-
-    Raises:
-        InvalidRequest: only bridged upstreams serve the model and the request needs the Responses API itself (400
-            naming the parameter); ModelNotFound: no upstream serves the Responses API for it.
-    """
+    """A continuation of a response made natively goes back to its upstream: only it holds the conversation. A bridged
+    upstream serves neither what the bridge lacks nor a continuation only a native upstream may know. Raises
+    InvalidRequest (400) when only bridged upstreams serve the model and the request needs the Responses API itself,
+    ModelNotFound when no upstream serves the Responses API for it."""
     cont = facts.continuation
     if cont is not None and cont.upstream is not None:
         mine = tuple(Candidate(u, u.models[decision.model]) for u in served if u.name == cont.upstream)

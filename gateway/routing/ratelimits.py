@@ -1,9 +1,6 @@
-"""Rate-limit headers, read in every form the upstreams send them (each dialect's module says which its upstreams
-send): reset durations (``6m0s``, ``120ms``, ``2m59.56s``) or float seconds (``1.5``), windows with or without a
-period suffix (``-tokens``, ``-tokens-minute``, ``-requests-day``), retry hints (``retry-after-ms``,
-``retry-after``); the tightest window of each kind an answer reports, and how long a 429 asks to wait. Pure code
-over a header mapping. One reader for every dialect, on purpose: docs/architecture.md#general-readers (the dialects
-call it, ``gateway.upstream.dialects.base.Dialect.quota_report`` and ``retry_wait``, and may override)."""
+"""Rate-limit headers, in every form the upstreams send them: Go durations (``6m0s``) or float seconds, windows with or
+without a period suffix (``-tokens-minute``), retry hints. One reader for every dialect, on purpose
+(docs/architecture.md#general-readers); a dialect may override it (``gateway.upstream.dialects.base.Dialect``)."""
 
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 
 @functools.lru_cache(maxsize=1024)  # one per answer with rate-limit headers; the values repeat ("6m0s", "1ms", ...)
 def parse_reset(value: str) -> float | None:
-    """Seconds from a rate-limit reset header: float seconds (``1.5``) or a Go-style duration (``6m0s``, ``120ms``,
-    ``1m19.156s``); None for anything else."""
+    """Seconds, or None for anything unreadable."""
     value = value.strip()
     try:
         seconds = float(value)
@@ -38,7 +34,7 @@ def parse_reset(value: str) -> float | None:
 
 
 def parse_retry_after(headers: Mapping[str, str]) -> float | None:
-    """Seconds to wait from ``retry-after-ms`` (float ms) or ``retry-after`` (float seconds), as the SDK reads them."""
+    """Seconds: ``retry-after-ms`` is float ms, ``retry-after`` float seconds, as the SDK reads them."""
     for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
         value = headers.get(name)
         if value:
@@ -59,8 +55,8 @@ BUCKETS = ("requests", "tokens", "uncached")
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    """One bucket as an answer reports it: ``remaining`` now, ``reset`` seconds until it refills, its ``limit`` (None:
-    not sent) and its ``length`` in seconds (from the header's period suffix; none: a minute, as OpenAI's are)."""
+    """``remaining`` and ``limit`` (None: not sent) in requests or tokens; ``reset`` and ``length`` in seconds, a window
+    without a period suffix being a minute, as OpenAI's are."""
 
     remaining: float
     reset: float
@@ -69,9 +65,7 @@ class Window:
 
 
 def quota_report(headers: Mapping[str, str]) -> dict[str, Window]:
-    """The tightest window of each bucket (:data:`BUCKETS`) an answer's ``x-ratelimit-remaining-*`` headers report,
-    with its ``-reset-*`` and ``-limit-*`` (``requests``, ``tokens-minute``, ``uncached-tokens-minute``,
-    ``requests-day``, ...). A window without a readable reset is taken for a minute's."""
+    """The tightest window of each of :data:`BUCKETS`; one without a readable reset is taken for a minute's."""
     seen: dict[str, Window] = {}
     for name, value in headers.items():
         if not name.startswith("x-ratelimit-remaining-"):
@@ -98,8 +92,8 @@ def quota_report(headers: Mapping[str, str]) -> dict[str, Window]:
 
 
 def zero_limit(headers: Mapping[str, str]) -> bool:
-    """A bucket whose limit is 0: the account may not use this model here at all (a 429 that never clears), which
-    is "not available", not "wait"."""
+    """A limit of 0: the account may not use this model here at all, a 429 that never clears: "not available", not
+    "wait"."""
     return any(w.limit == 0 for w in quota_report(headers).values())
 
 
@@ -107,10 +101,8 @@ def retry_wait(headers: Mapping[str, str]) -> float | None:
     """Seconds a 429 asks to wait: its retry hint, else the reset of the window it exhausted, else None.
 
     Some upstreams answer 429 with ``x-ratelimit-reset-*`` and no ``retry-after`` (Cerebras' rate-limit docs: float
-    seconds per minute and per day). The windows whose ``x-ratelimit-remaining-*`` is 0 decide (the longest
-    of them); with no remaining counts at all, the soonest reset (a daily window's reset is hours away and says
-    nothing about which window ran out).
-    """
+    seconds per minute and per day). The windows at 0 remaining decide, the longest of them; with no remaining counts at
+    all, the soonest reset (a daily window's is hours away and says nothing about which ran out)."""
     wait = parse_retry_after(headers)
     if wait is not None:
         return wait

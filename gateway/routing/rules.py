@@ -1,7 +1,5 @@
-"""Routing rules compiled from the config: one small check per condition a rule has (headers, service tier, model
-globs, metadata, flags, size ranges, user agent), each saying why it did not match for explanations; the default
-policy (:func:`default_rules`) and the start-up warnings of a rule table (:func:`config_warnings`). Pure code, no
-I/O."""
+"""Routing rules compiled from the config: one small check per condition a rule has, each saying why it did not match
+(for explanations only); the default policy and the start-up warnings of a rule table. Pure code, no I/O."""
 
 from __future__ import annotations
 
@@ -49,7 +47,6 @@ _FAILURES = {
 
 
 def say(failed: tuple[Any, ...]) -> str:
-    """A :meth:`Rule.failure` tuple in words."""
     kind, *args = failed
     if kind == "range":
         args[2] = _range_text(args[2])
@@ -116,8 +113,6 @@ def _ua_check(ua: _StrTest) -> Check:
 
 
 class Rule:
-    """A compiled :class:`RuleConfig`: its checks (:meth:`failure`) and its description."""
-
     def __init__(self, cfg: RuleConfig) -> None:
         self.name = cfg.name
         self.route: RouteConfig = cfg.route
@@ -127,11 +122,8 @@ class Rule:
         self._checks = self._compile()
 
     def failure(self, f: RequestFacts) -> tuple[Any, ...] | None:
-        """None when every condition holds, else (kind, details...) of the first failing one.
-
-        The hot path calls this: it runs only the checks of the conditions the rule has, and only
-        explanations format the details into words (``_say``).
-        """
+        """None when every condition holds, else (kind, details...) of the first failing one. The hot path calls this:
+        only explanations format the details into words (:func:`say`)."""
         for check in self._checks:
             failed = check(f)
             if failed is not None:
@@ -139,7 +131,7 @@ class Rule:
         return None
 
     def _compile(self) -> list[Check]:
-        """One small function per condition the rule has, in a fixed order (headers first: the cheapest)."""
+        """Headers first: the cheapest."""
         m = self.match
         checks = [_header_check(name, test) for name, test in self._headers.items()]
         if m.service_tier is not None:
@@ -158,7 +150,7 @@ class Rule:
         return checks
 
     def describe(self) -> str:
-        """The rule's conditions in one line, for ``tiergate check-config`` and explanations."""
+        """For ``tiergate check-config`` and explanations."""
         m = self.match
         conds = [f"header {name} {test}" for name, test in self._headers.items()]
         for fact in ("service_tier", "model", "tool_choice"):
@@ -175,7 +167,7 @@ class Rule:
 
 
 def default_rules(config: GatewayConfig) -> list[RuleConfig]:
-    """The default policy for a config that has no ``rules:`` (see the module docstring)."""
+    """The policy of a config without ``rules:`` (docs/routing.md#rules)."""
     rules: list[dict[str, Any]] = []
     for tier in TIERS:
         rules.append({"name": "header", "match": {"headers": {TIER_HEADER: {"regex": rf"(?i)^\s*{tier}\s*$"}}},
@@ -200,19 +192,10 @@ def default_rules(config: GatewayConfig) -> list[RuleConfig]:
 
 
 def config_warnings(config: GatewayConfig) -> list[str]:
-    """What ``tiergate check-config`` warns about: a config that is valid but cannot do what it says.
-
-    * a rule whose conditions can never hold: a range that no number satisfies (``n: {gt: 5, lt: 2}``), model globs
-      that match no model or alias the gateway serves;
-    * a rule's tier that no upstream serves for a model it matches (those requests always fall back:
-      ``model_not_on_<tier>_tier``);
-    * a model served on one tier only while ``fallback`` is on: failover, spillover and deadline routing can never
-      move its requests to the other tier;
-    * an alias pinned to a tier that no rule of a ``rules:`` table matches (the pin lives in the default policy's
-      ``model_alias`` rule, which ``rules:`` replaces);
-    * prices for a service tier its upstream's dialect does not act on (``DIALECT_SERVICE_TIERS``): without the
-      answer's word such requests are billed at the default prices, so those prices apply only if it names the tier.
-    """
+    """What ``tiergate check-config`` warns about: a config that is valid but cannot do what it says (a rule that can
+    never match or whose tier lacks a model it matches; a model on one tier only while ``fallback`` is on; an alias
+    pinned to a tier that ``rules:`` drops, the pin living in the default policy's ``model_alias`` rule; prices for a
+    service tier the dialect does not act on, billed at the default prices unless the answer names the tier)."""
     out: list[str] = []
     names = config.model_names()
     tiers_of = {m: {u.tier for u in config.upstreams if m in u.models} for m in {m for u in config.upstreams
@@ -253,7 +236,6 @@ def config_warnings(config: GatewayConfig) -> list[str]:
 
 
 def _unheard_tier_prices(config: GatewayConfig) -> list[str]:
-    """Prices for a service tier an upstream's dialect does not act on (see :func:`config_warnings`)."""
     out = []
     for up in config.upstreams:
         priced = [t for p in (up.prices, *up.model_prices.values()) if p is not None for t in p.service_tiers]
@@ -266,7 +248,6 @@ def _unheard_tier_prices(config: GatewayConfig) -> list[str]:
 
 
 def _empty(r: Range) -> bool:
-    """Whether no number satisfies the range."""
     lows = [(v, v == r.gt) for v in (r.gt, r.gte) if v is not None]
     highs = [(v, v == r.lt) for v in (r.lt, r.lte) if v is not None]
     if not lows or not highs:

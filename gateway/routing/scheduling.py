@@ -1,23 +1,7 @@
 """The fast tier as a scheduled resource (docs/routing.md#scheduling): which priority class may take a fast upstream's
-budget now. Pure code, no I/O; times are the health clock's seconds.
-
-Each fast upstream's budget is what its rate-limit headers report per bucket (``requests``, ``tokens``, Cerebras'
-``uncached`` tokens: ``gateway.routing.ratelimits``): its limit per window and what remains. A class is *active* on
-an upstream while it asked for it within ``scheduling.active`` seconds; each active class holds part of what remains,
-so that the others' new requests spill to the standard tier before taking it:
-
-    held = min(share × limit − used, asked / span × reset + largest)
-
-``used`` is what the class reserved in the last window (a sliding sum), ``asked`` what its requests that wanted the
-upstream would have reserved (served or spilled), over ``span``, the seconds it has been active (1 s at least, the
-window at most); ``reset`` the seconds until the bucket refills, ``largest`` its largest request in the window. The
-first term is the guarantee left; the second what the class is expected to draw before the bucket refills, and room
-for its next request. Holding the expected draw
-rather than the whole guarantee is what lends the rest: a class that asks little leaves the budget to the others,
-so the fast tier does not sit idle while someone wants it (a bucket that refills continuously loses nothing to a
-held stock). A request spills (``class_share``) when what remains after it would be less than what the *other*
-active classes hold.
-"""
+budget now. Each class active on an upstream holds ``min(share × limit − used, asked / span × reset + largest)`` of each
+bucket: its expected draw, not its whole share, so that what it leaves unused is lent to the others and the fast tier
+never sits idle while someone wants it. Pure code, no I/O; times are the health clock's seconds."""
 
 from __future__ import annotations
 
@@ -32,7 +16,7 @@ SLOTS = 12  # a window's use is summed over this many slots: the sliding sum is 
 
 
 class Use:
-    """One class's reservations in one bucket of one upstream over the last ``length`` seconds."""
+    """One class's reservations in one bucket of one upstream, a sliding sum over the last ``length`` seconds."""
 
     __slots__ = ("length", "counts", "peaks", "slot")
 
@@ -68,8 +52,8 @@ class Use:
 
 @dataclass(frozen=True, slots=True)
 class Need:
-    """What one request draws from each bucket: ``tokens`` its prompt plus output estimate, ``cached`` the prompt
-    tokens believed in the upstream's cache (not drawn from ``uncached``)."""
+    """``tokens``: the prompt plus output estimate; ``cached``: the prompt tokens believed in the upstream's cache, not
+    drawn from ``uncached``."""
 
     tokens: int
     cached: int = 0
@@ -80,8 +64,8 @@ class Need:
 
 @dataclass(frozen=True, slots=True)
 class Ask:
-    """A request's say in planning: its class, and the prompt tokens each upstream's cache is believed to hold for it
-    (an agent session's warm upstreams: ``gateway.routing.sessions.Affinity.warm``)."""
+    """``cached``: the prompt tokens each upstream's cache is believed to hold for the request (an agent session's warm
+    upstreams: ``gateway.routing.sessions.Affinity.warm``)."""
 
     scheduler: Scheduler | None
     cls: str | None
@@ -99,7 +83,7 @@ class Ask:
 
 
 class Scheduler:
-    """The classes' use of every fast upstream (module docstring). One per process; a reload keeps it."""
+    """One per process; a reload keeps the use of the classes that stay (:meth:`reconfigure`)."""
 
     def __init__(self, cfg: SchedulingConfig) -> None:
         self.cfg = cfg
@@ -108,11 +92,11 @@ class Scheduler:
         self.seen: dict[str, dict[str, tuple[float, float]]] = {}
         self.uses: dict[tuple[str, str, str], Use] = {}  # (upstream, class, bucket): reserved
         self.asks: dict[tuple[str, str, str], Use] = {}  # the same: asked for
-        # what other replicas reserved (gateway.state.redis), by the same key: (reserved in the window, at)
+        # what other replicas reserved in the window, by the same key; nothing fills it yet: each replica schedules
+        # from its own traffic (docs/routing.md#scheduling: bounds)
         self.shared: dict[tuple[str, str, str], float] = {}
 
     def reconfigure(self, cfg: SchedulingConfig) -> Scheduler:
-        """After a reload: the new classes, with the use of those that stay."""
         new = Scheduler(cfg)
         new.seen = {u: {c: t for c, t in by.items() if c in new.shares} for u, by in self.seen.items()}
         new.uses = {k: v for k, v in self.uses.items() if k[1] in new.shares}
@@ -120,15 +104,15 @@ class Scheduler:
         return new
 
     def wants(self, h: UpstreamHealth, cls: str, need: Need, now: float) -> None:
-        """A request of ``cls`` needing ``need`` has ``h`` among its candidates: the class is active there."""
+        """``h`` is among the request's candidates: the class is active there, whether it is served or spills."""
         seen = self.seen.setdefault(h.name, {})
         began, last = seen.get(cls, (now, -math.inf))
         seen[cls] = (began if now - last <= self.cfg.active else now, now)
         _add(self.asks, h, cls, need, now)
 
     def refuses(self, h: UpstreamHealth, cls: str, need: Need, now: float) -> str | None:
-        """``class_share`` when taking ``need`` from ``h`` now would eat into what other active classes hold, else
-        None. A bucket is scheduled only while its limit and a live estimate are known."""
+        """``class_share`` when taking ``need`` now would eat into what the other active classes hold. A bucket is
+        scheduled only while its limit and a live estimate are known."""
         for bucket, q in h.quota.items():
             limit = h.limits.get(bucket)
             if limit is None or limit[0] <= 0 or q.resets_at <= now:
@@ -139,7 +123,6 @@ class Scheduler:
 
     def held(self, upstream: str, cls: str, bucket: str, limit: tuple[float, float], reset: float,
              now: float) -> float:
-        """What the active classes other than ``cls`` hold of ``bucket`` (module docstring)."""
         total = 0.0
         seen = self.seen.get(upstream)
         if not seen:
@@ -157,11 +140,10 @@ class Scheduler:
         return total
 
     def took(self, h: UpstreamHealth, cls: str, need: Need, now: float) -> None:
-        """A request of ``cls`` was sent to ``h`` with ``need`` reserved."""
         _add(self.uses, h, cls, need, now)
 
     def view(self, health: Mapping[str, UpstreamHealth], now: float) -> list[dict[str, object]]:
-        """Each fast upstream's buckets and each class's use of them (``GET /v1/tiergate/capacity``)."""
+        """For ``GET /v1/tiergate/capacity``."""
         out: list[dict[str, object]] = []
         for name, h in health.items():
             if h.tier != "fast":
@@ -187,8 +169,7 @@ class Scheduler:
         return out
 
     def parts_used(self, health: Mapping[str, UpstreamHealth], now: float) -> list[tuple[str, str, str, float]]:
-        """(upstream, class, bucket, part of the limit reserved in the last window) of every fast upstream's reported
-        bucket (for the gauge)."""
+        """(upstream, class, bucket, part of the limit reserved in the last window), for the gauge."""
         out = []
         for name, h in health.items():
             for bucket, (limit, _) in h.limits.items():
@@ -199,7 +180,6 @@ class Scheduler:
         return out
 
 def _add(table: dict[tuple[str, str, str], Use], h: UpstreamHealth, cls: str, need: Need, now: float) -> None:
-    """``need`` added to ``cls``'s use of each bucket ``h`` reports a limit for."""
     for bucket, (_, length) in h.limits.items():
         use = table.get((h.name, cls, bucket))
         if use is None:

@@ -1,20 +1,7 @@
-"""Agent sessions in routing: which session a request is a step of (:func:`session_of`), and which upstream its
-prompt cache is warm on (:func:`affinity`). Pure code, no I/O; times are wall-clock seconds passed in.
-
-**Identity**, in this order (docs/sessions.md#where-a-session-id-comes-from): the ``x-tiergate-session`` header; the
-session headers agent harnesses send (``sessions.headers``: Codex CLI's ``session-id``, OpenCode's
-``x-opencode-session``, ...); the body's ``prompt_cache_key``; for a Responses request, the session of the response it
-continues (``previous_response_id``: the session recorded with it, else that response's own id, which then names the
-chain) or its ``conversation``; the gateway key's ``session.id``. An id is 1-200 printable ASCII characters as
-given; anything else names the session by its SHA-256.
-
-**Affinity.** A session's step goes to the upstream whose prompt cache holds its prefix: among the candidates on the
-tier the policy chose (affinity never changes a tier: explicit signals and rules keep theirs), the session's last
-upstream if its cache is still believed warm (its ``cache_ttl`` since the session's last step there), else the one
-it used most recently that is. Failover planning then keeps it first among its tier's upstreams (weights do not
-shuffle it away) unless it rests or is short (a spillover). Where the step goes elsewhere than the session's last
-upstream, the reason is counted (:data:`MOVE_REASONS`).
-"""
+"""Agent sessions in routing: which session a request is a step of (docs/sessions.md#where-a-session-id-comes-from) and
+which upstream its prompt cache is warm on (docs/sessions.md#affinity). Affinity picks among the candidates on the tier
+the policy chose and never changes a tier: explicit signals and rules keep theirs. Pure code, no I/O; times are
+wall-clock seconds passed in."""
 
 from __future__ import annotations
 
@@ -38,24 +25,20 @@ MOVE_REASONS = ("expired", "policy", "resting", "spillover", "failover", "hedge"
 
 @dataclass(frozen=True, slots=True)
 class SessionId:
-    """The session a request is a step of: its ``id`` and its ``source`` (``header``, a harness header's name,
-    ``prompt_cache_key``, ``previous_response``, ``conversation``, ``key``)."""
-
     id: str
     source: str
 
 
 def _bounded(value: str) -> str:
-    """An id as given when it is 1-:data:`MAX_ID` printable ASCII characters, else ``sha256:`` and its hash."""
     if 0 < len(value) <= MAX_ID and value.isascii() and value.isprintable():
         return value
     return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
 
 def session_of(facts: RequestFacts, headers: Sequence[str], key_default: str | None) -> SessionId | None:
-    """The session ``facts``' request is a step of (module docstring: identity), or None. ``headers``: the harness
-    headers to read (``sessions.headers``); ``key_default``: its gateway key's ``session.id``. A request with no signal
-    costs a few dictionary lookups."""
+    """In the order of docs/sessions.md#where-a-session-id-comes-from. ``headers``: the harness headers to read
+    (``sessions.headers``); ``key_default``: the gateway key's ``session.id``. A request with no signal costs a few
+    dictionary lookups."""
     given = facts.headers.get(SESSION_HEADER)
     if given:
         return SessionId(_bounded(given.strip()), "header")
@@ -83,13 +66,10 @@ def session_of(facts: RequestFacts, headers: Sequence[str], key_default: str | N
 
 @dataclass(frozen=True, slots=True)
 class Affinity:
-    """What a session asks of routing for one step.
-
-    target: the upstream to keep it on (warm, on the chosen tier, a candidate), or None; cached_tokens: the prompt
-    tokens its cache is believed to hold for this step (0 when cold); warm: every upstream believed warm for the
-    session (name -> prompt tokens its cache holds), for deadline routing and hedging to price; broken: when the step
-    cannot stay on the session's last upstream, why (one of :data:`MOVE_REASONS`), else None; last: that upstream.
-    """
+    """``target``: the upstream to keep the step on (warm, on the chosen tier, a candidate), or None; ``cached_tokens``:
+    what its cache is believed to hold for this step; ``warm``: every upstream believed warm (name -> prompt tokens),
+    for deadline routing and hedging to price; ``broken``: why the step cannot stay on ``last``, the session's last
+    upstream (:data:`MOVE_REASONS`)."""
 
     target: str | None
     cached_tokens: int
@@ -98,7 +78,6 @@ class Affinity:
     last: str | None
 
     def explain(self) -> str:
-        """One sentence for ``POST /v1/tiergate/route``."""
         if self.target is not None and self.target == self.last:
             return f"kept on {self.target}: its prompt cache is warm (about {self.cached_tokens} tokens)"
         if self.target is not None:
@@ -113,16 +92,16 @@ NO_AFFINITY = Affinity(None, 0, {}, None, None)
 
 
 def warm_upstreams(record: SessionRecord, ttl: Mapping[str, float], now: float, prompt: int) -> dict[str, int]:
-    """The upstreams whose prompt cache is believed warm for ``record``'s session at ``now`` (its last step there
-    less than their ``ttl`` seconds ago), each with the prompt tokens it holds for a step of ``prompt`` tokens."""
+    """Warm: the session's last step there less than the upstream's ``ttl`` seconds ago. The tokens held are capped at
+    this step's ``prompt``."""
     return {name: min(prompt, w.prompt_tokens) for name, w in record.warm.items()
             if now - w.at < ttl.get(name, 0.0)}
 
 
 def affinity(decision: Decision, record: SessionRecord | None, ttl: Mapping[str, float], now: float,
              prompt_tokens: int) -> Affinity:
-    """The session's say for this step (module docstring): ``record`` is the session (None: its first step), ``ttl``
-    each upstream's ``cache_ttl`` (seconds), ``now`` wall seconds, ``prompt_tokens`` the step's estimate."""
+    """``record`` None: the session's first step; ``ttl``: each upstream's ``cache_ttl`` in seconds; ``now``: wall
+    seconds. The session's last upstream if still warm on the chosen tier, else the warm one it used most recently."""
     if record is None or record.last_upstream is None:
         return NO_AFFINITY
     warm = warm_upstreams(record, ttl, now, prompt_tokens)
@@ -138,7 +117,7 @@ def affinity(decision: Decision, record: SessionRecord | None, ttl: Mapping[str,
 
 
 def keep_first(candidates: Sequence[Candidate], target: str | None) -> tuple[Candidate, ...]:
-    """``candidates`` with ``target`` first among the upstreams of its tier (the other tier's stay where they were)."""
+    """The other tier's candidates stay where they were: affinity never changes a tier."""
     out = list(candidates)
     i = next((i for i, c in enumerate(out) if c.upstream.name == target), None)
     if i is None:
@@ -150,9 +129,8 @@ def keep_first(candidates: Sequence[Candidate], target: str | None) -> tuple[Can
 
 
 def moved_because(fallback: str | None, affinity_broken: str | None, served: str, target: str | None) -> str:
-    """Why a step was served by ``served`` rather than its session's last upstream (``target``: where affinity sent
-    it, or None): what moved the request (its ``x-tiergate-fallback``), else why affinity was broken, else ``return``
-    (affinity sent it back to a warm upstream)."""
+    """What moved the request (its ``x-tiergate-fallback``), else why affinity was broken, else ``return``: affinity
+    sent it back to a warm upstream."""
     if fallback is not None and served != target:
         if fallback.startswith("spillover_"):
             return "resting" if fallback in ("spillover_circuit_open", "spillover_cooldown",
@@ -168,7 +146,6 @@ def moved_because(fallback: str | None, affinity_broken: str | None, served: str
 
 
 def explain(aff: Affinity, session: SessionId | None) -> dict[str, Any] | None:
-    """The session part of ``POST /v1/tiergate/route``'s answer, or None without a session."""
     if session is None:
         return None
     return {"id": session.id, "source": session.source, "affinity": aff.target, "last_upstream": aff.last,

@@ -1,35 +1,11 @@
-"""Byte-exact SSE relay of chat-completions and Responses API streams, observed once per event.
+"""Byte-exact SSE relay of chat-completions and Responses API streams, observed once per event. Events leave byte for
+byte as their blank line arrives, edited only at event boundaries and only where the wire contract requires it
+(docs/reference/wire.md#sse-framing): one ``[DONE]``, the usage chunk the client did not ask for dropped, one in-band
+error event for a failure after the first byte.
 
-Every complete event is forwarded, byte for byte, the moment its terminating blank line arrives; all the events of
-one upstream read leave in one write. The relay edits only at event boundaries and only where the wire contract
-(``docs/reference/wire.md``) requires it:
-
-* exactly one ``data: [DONE]`` ends a successful chat stream (appended when the upstream sent none, the repeats
-  dropped); none follows an error;
-* the usage-only chunk (``"choices": []``) is dropped when the client did not ask for usage (whoever asked the
-  upstream for it: the gateway, or an upstream that sends it unasked);
-* an upstream failure after the first byte becomes one in-band error event in OpenAI's shape (``{"error": {...}}``,
-  which the ``openai`` SDK raises as ``APIError``), with no ``[DONE]``, unless the upstream sent its own.
-
-**The commit point.** Nothing is written until the first token-bearing event: the events before it (the role chunk,
-``response.created``, keep-alive comments) carry no token, so holding them costs the client nothing, and until then
-every failure can still be answered with a real HTTP status or failed over: an error event (its own status), a broken
-or silent body, an oversized event, a body with no event at all, or no first token by the ``ttft`` deadline. Without a
-``ttft`` the hold is bounded by the idle timeout and by :data:`HOLD_BYTES`: past either, what is held is sent and the
-stream goes on committed (an upstream that keeps a client waiting with keep-alive comments for longer gets them
-through); one quiet for over :data:`ALIVE_WITHIN` of the bound is left to the idle watch instead, whose end before the
-first byte is a failover, not a 200 ending in an in-band error.
-
-**The end.** A stream ends at ``[DONE]`` or a Responses API terminal event, at the upstream's EOF, or, once every
-choice has its ``finish_reason``, after ``finish_grace`` seconds of waiting for the usage tail (the client's stream
-then ends with ``[DONE]``; the upstream connection is closed). An EOF before every choice finished (or before a
-Responses terminal event) is an interrupted stream, never a silent truncation. A client that leaves early gets at most
-``finish_grace`` more seconds of reading, unsent, if every choice had finished, else :data:`LEAVE_GRACE` (``tail``).
-
-**The common chunk without a parse** (``gateway.stream.template``): a read of events that fit the stream's template
-is observed by comparing bytes; anything else goes through the scanner and a JSON parse, with the same result. The
-figures fill a :class:`gateway.stream.stats.StreamStats`, from which the request is recorded once, at the end.
-"""
+Nothing is written before the first token (docs/routing.md#failover): the events before it carry none, so holding them
+costs the client nothing, and until then every failure can still be answered with a real status or failed over. How a
+stream ends: docs/routing.md#stream-end."""
 
 from __future__ import annotations
 
@@ -66,7 +42,7 @@ DONE = b"data: [DONE]\n\n"
 DONE_GRACE = 0.02  # seconds to wait for the end of the upstream's body after its [DONE]
 # seconds the upstream connection stays open after a client left before every choice finished: read, unsent, for the
 # usage of the generation it cancelled (which runs, and is billed, until the close). The gateway's own bound
-# (docs/routing.md#stream-end); design/wire-contract.md sets no figure. finish_grace is for finished streams.
+# (docs/routing.md#stream-end). finish_grace is for finished streams.
 LEAVE_GRACE = 1.0
 HOLD_BYTES = 256 * 1024  # bytes of output held before the first token at most; past it the stream commits
 ALIVE_WITHIN = 0.75  # at the hold's time bound, a stream heard from within this share of it is alive
@@ -74,19 +50,9 @@ _NO_MEMBER = "\x00"  # the member looked for when the dialect adds none: no chun
 
 
 class Relay:
-    """Relay one upstream SSE body to one client.
-
-    Class attribute ``LEARN``: how many token chunks of a stream may be tried as its :class:`Template` (0: never);
-    a read the template does not match goes the full way, and may teach a new one while tries are left.
-
-    Args:
-        strip_usage_chunk: drop the ``choices: []`` usage chunk (the client did not ask for usage).
-        max_event_bytes: largest single upstream event; past it the stream ends with an in-band error.
-        responses: the body is a Responses API event stream (ends at its terminal event, no ``[DONE]``).
-        choices: the request's ``n``: the stream is finished when each choice has its ``finish_reason``.
-        finish_grace: seconds to wait for the rest of a finished stream (see the module docstring).
-        extra: what the upstream's kind adds to OpenAI's chunks (its dialect: :class:`Extra`), or None: OpenAI's.
-    """
+    """``LEARN``: how many token chunks of a stream may be tried as its :class:`Template` (0: never); ``choices``: the
+    request's ``n``; ``finish_grace``: seconds to wait for the usage tail of a finished stream; ``hold_seconds``:
+    without a ttft deadline, the longest hold before the first token (the idle timeout)."""
 
     LEARN = 8
 
@@ -111,30 +77,15 @@ class Relay:
         self._learn = self.LEARN  # tries left to learn it (again, when the chunks change shape: a tool call's first)
 
     async def run(self, body: StreamBody, write: Write, first_token_by: float | None = None) -> StreamStats:
-        """Relay ``body`` to ``write`` until the stream ends (module docstring); returns the stats.
-
-        Args:
-            first_token_by: an ``asyncio`` loop time by which the first token must arrive, or None (then the hold
-                ends, committing the stream, after ``hold_seconds`` or :data:`HOLD_BYTES`).
-
-        Raises:
-            Before anything was written, so that the caller can answer with a status or fail over:
-            UpstreamTimeout (``upstream_ttft_timeout``, ``upstream_idle_timeout``), UpstreamUnavailable
-            (``upstream_stream_interrupted``), UpstreamBadResponse (``upstream_event_too_large``), or the
-            :class:`UpstreamStatusError` that an error event carries. After the first write, upstream trouble
-            never raises (it becomes an in-band error event); exceptions from ``write`` and cancellation
-            propagate.
-        """
+        """``first_token_by``: an ``asyncio`` loop time, or None: then the hold ends at ``hold_seconds`` or
+        :data:`HOLD_BYTES`. Raises a GatewayError only before anything was written, so that the caller can answer with a
+        status or fail over; after the first write, upstream trouble becomes an in-band error event."""
         await self.first(body, first_token_by)
         return await self.rest(write)
 
     async def first(self, body: StreamBody, first_token_by: float | None = None) -> None:
-        """The first half of :meth:`run`: read until the first token (or the stream's end), writing nothing; then
-        :meth:`rest` relays. Apart, so that two candidates can race to their first token (hedging).
-
-        Raises:
-            GatewayError: as :meth:`run`, before anything was written.
-        """
+        """Apart from :meth:`rest` so that two candidates can race to their first token (hedging). Raises as
+        :meth:`run`, before anything was written."""
         if first_token_by is None:
             body.watch_idle()
         held, ended, chunks = await self._hold(body, body.chunks(), first_token_by)
@@ -142,8 +93,7 @@ class Relay:
         self._first = (held, ended, chunks)
 
     async def release(self, write: Write) -> None:
-        """Write what :meth:`first` held, now (the first token leaves in the caller's task; :meth:`rest` then does not
-        write it again)."""
+        """Lets the first token leave in the caller's task; :meth:`rest` then does not write it again."""
         assert self._first is not None, "first() comes before release()"
         held, ended, chunks = self._first
         if held:
@@ -151,8 +101,6 @@ class Relay:
             await write(held)
 
     async def rest(self, write: Write) -> StreamStats:
-        """The second half of :meth:`run`, after :meth:`first`: write what was held (unless :meth:`release` did),
-        relay the rest, end."""
         stats = self.stats
         assert self._first is not None, "first() comes before rest()"
         held, ended, chunks = self._first
@@ -187,10 +135,9 @@ class Relay:
         return stats
 
     async def tail(self, body: StreamBody) -> None:
-        """The client left before the end: read on for at most ``finish_grace`` seconds if every choice had finished,
-        else :data:`LEAVE_GRACE` (and ``finish_grace`` after a finish that comes meanwhile), writing nothing, counting
-        token chunks and taking the usage if it comes (SDKs often ``break`` on ``finish_reason``; a long stream cut
-        short is charged what the upstream sent meanwhile). Never raises for the upstream's trouble."""
+        """The client left: read on, unsent, for at most ``finish_grace`` seconds if every choice had finished, else
+        :data:`LEAVE_GRACE`, so that the usage (and the tokens meanwhile) are still charged: SDKs often ``break`` on
+        ``finish_reason``. Never raises for the upstream's trouble."""
         stats = self.stats
         if stats.usage is not None or stats.done or stats.complete:
             return
@@ -210,14 +157,9 @@ class Relay:
 
     async def _hold(self, body: StreamBody, chunks: AsyncIterator[bytes],
                     deadline: float | None) -> tuple[bytes, bool, AsyncIterator[bytes]]:
-        """Read until the first token, the end, a failure or (without a ``deadline``) the hold's bound, writing nothing.
-
-        Returns:
-            (the held output, whether the upstream's body ended while held, the body's reads to go on with).
-
-        Raises:
-            GatewayError: see :meth:`run` (nothing was written).
-        """
+        """Returns (the held output, whether the body ended while held, the reads to go on with). Without a ``deadline``
+        a stream still heard from commits at the hold's bound; a quiet one is left to the idle watch, whose end before
+        the first byte is a failover, not a 200 ending in an in-band error."""
         stats = self.stats
         held: list[bytes] = []
         size = 0
@@ -261,11 +203,8 @@ class Relay:
         return b"".join(held), False, chunks
 
     def _check_held_end(self) -> None:
-        """The body ended before its first token: a failure (nothing was sent), unless the answer was complete.
-
-        Raises:
-            EmptyStream: it held no event; UpstreamUnavailable: it ended before every choice had finished.
-        """
+        """Raises EmptyStream (no event at all) or UpstreamUnavailable (ended before every choice finished): nothing was
+        sent yet, so the caller may still fail over."""
         if not self._events:
             raise EmptyStream("The upstream answered 200 with an empty event stream.")
         if not self.stats.finished:
@@ -274,7 +213,6 @@ class Relay:
                                       code="upstream_stream_interrupted")
 
     async def _tail(self, chunks: AsyncIterator[bytes], write: Write) -> None:
-        """Every choice has finished: relay what follows for at most ``finish_grace`` seconds, then end."""
         stats = self.stats
         try:
             async with asyncio.timeout(self._finish_grace):
@@ -292,7 +230,6 @@ class Relay:
         await self._end(write)
 
     async def _end(self, write: Write) -> None:
-        """The upstream's body ended (or went quiet after the finish) without ``[DONE]``: end the client's."""
         stats = self.stats
         if stats.error or stats.done:
             return  # the upstream's own error event ends it: nothing is added (never a second error)
@@ -306,8 +243,8 @@ class Relay:
             await write(DONE)
 
     async def _broken(self, write: Write, code: str, message: str) -> None:
-        """The upstream failed after the first byte: one in-band error event, unless the answer was already
-        complete (every choice finished: end it as a success) or the upstream sent its own error event."""
+        """One in-band error event, unless the answer was complete (then it ends as a success) or the upstream sent its
+        own."""
         stats = self.stats
         if stats.finished and not stats.error:
             await self._end(write)
@@ -318,7 +255,6 @@ class Relay:
         await write(b"data: " + error_body(message, "server_error", None, code) + b"\n\n")
 
     async def _drain(self, chunks: AsyncIterator[bytes], grace: float) -> None:
-        """Read and drop ``chunks`` until they end (``stats.complete``), fail, or ``grace`` seconds pass."""
         try:
             async with asyncio.timeout(grace):
                 async for _ in chunks:
@@ -328,8 +264,8 @@ class Relay:
             pass
 
     def _take(self, chunk: bytes) -> bytes:
-        """Observe one upstream read; return the bytes to forward. A read made only of the stream's :class:`Template`
-        events is forwarded as it came; any other goes through the scanner and :meth:`_process`."""
+        """A read made only of the stream's :class:`Template` events is forwarded as it came, without a scan or
+        parse."""
         now = time.perf_counter()
         template = self._template
         if template is not None and len(chunk) <= self._max_read and self._scanner.idle:
@@ -343,13 +279,9 @@ class Relay:
         return self._process(self._scanner.feed(chunk), now)
 
     def _process(self, events: list[SSEEvent], now: float) -> bytes:
-        """Observe one read's events; return the bytes to forward (per event: its raw bytes, or nothing).
-
-        Hot path: runs for every event. A chunk is parsed once with orjson; only chunks with a rarer key (a
-        non-null ``usage``, ``error``, or the member the upstream's dialect adds: :class:`Extra`) or an ``event:``
-        field take the complete look (:meth:`_observe`). Measured here: five dict lookups cost ~0.24 us, searching
-        the event's bytes for the same keys ~2.9 us, orjson's parse ~1.7 us.
-        """
+        """Hot path, every event: one orjson parse; only chunks with a rarer key (a non-null ``usage``, ``error``, the
+        dialect's member) or an ``event:`` field take :meth:`_observe`. Measured here: five dict lookups ~0.24 us, a
+        byte search for the same keys ~2.9 us, orjson's parse ~1.7 us."""
         stats = self.stats
         member = self._member
         out: list[bytes] = []
@@ -388,8 +320,6 @@ class Relay:
         return b"".join(out)
 
     def _choices_seen(self, chunk: dict[str, Any], choices: Any, now: float) -> None:
-        """Time a token-bearing chunk (:func:`delta_has_token` for some choice) and note each choice's
-        ``finish_reason`` (``choices``: the chunk's)."""
         if type(choices) is not list:
             return
         token = False
@@ -414,7 +344,7 @@ class Relay:
             stats.t_last_token = now
 
     def _observe(self, chunk: dict[str, Any], event: bytes | None, now: float) -> bool:
-        """The complete look at a chat chunk; return False when the chunk must not be forwarded."""
+        """Returns False when the chunk must not be forwarded."""
         stats = self.stats
         if chunk.get("error") or event == b"error":  # the SDK raises only on a non-empty error
             stats.error = "upstream_error_event"

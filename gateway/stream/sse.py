@@ -1,18 +1,9 @@
-"""Incremental Server-Sent Events scanner over bytes (WHATWG HTML §9.2.5-9.2.6 "Parsing an event stream").
+"""Incremental Server-Sent Events scanner over bytes (WHATWG HTML §9.2.5-9.2.6 "Parsing an event stream"). Only CR and
+LF end a line: U+2028/U+2029 inside JSON never split an event (unlike ``str.splitlines``).
 
-Feed it upstream reads as they arrive; it returns every event whose terminating blank line has arrived,
-with the bytes to forward. Lines end with CRLF, LF or CR (mixed, and a CR/LF pair may straddle two
-reads); a leading UTF-8 BOM is dropped; comment lines start with ``:``. Only CR and LF end a line:
-U+2028/U+2029 and other Unicode separators inside JSON never split an event (unlike ``str.splitlines``).
-
-What is forwarded (the ``openai`` SDK's parser is stricter than the spec, docs/reference/wire.md#sse-framing):
-
-* an event made only of ``data:``/``event:``/comment lines, LF-framed: its exact bytes;
-* any other event with data: rebuilt as ``event:`` (if any) and ``data:`` lines ending ``\\n\\n``
-  (``id:``, ``retry:`` and unknown fields dropped, CR/CRLF normalised to LF);
-* a comment-only event (keep-alive): its exact bytes when LF-framed, else ``:\\n\\n``;
-* an event without data (``event: ping``, ``id: 7``): nothing.
-"""
+An event of only ``data:``/``event:``/comment lines, LF-framed, is forwarded as its exact bytes; any other is rebuilt as
+``event:`` and ``data:`` lines ending ``\\n\\n``, because the ``openai`` SDK's parser is stricter than the spec
+(docs/reference/wire.md#sse-framing). An event without data (``event: ping``) is dropped."""
 
 from __future__ import annotations
 
@@ -22,11 +13,7 @@ BOM = b"\xef\xbb\xbf"
 
 
 class SSEEvent(NamedTuple):
-    """One dispatched event.
-
-    raw: bytes to forward, ending with a blank line; data: the joined ``data`` field (lines joined with
-    LF), or None for a comment-only event; event: the ``event`` field, or None.
-    """
+    """``data``: the data lines joined with LF, None for a comment-only event (a keep-alive)."""
 
     raw: bytes
     data: bytes | None
@@ -34,19 +21,13 @@ class SSEEvent(NamedTuple):
 
 
 class EventTooLarge(Exception):
-    """One event grew past the scanner's ``max_event_bytes`` without its terminating blank line."""
+    pass
 
 
 class SSEScanner:
-    """Turns a byte stream into :class:`SSEEvent` objects; keeps at most one partial event buffered.
-
-    A CR that ends a read ends its line at once (the event it completes is returned without waiting for
-    the next read); an LF opening the next read is then skipped as the second half of that CRLF.
-
-    Args:
-        max_event_bytes: largest single event accepted (its lines and their line ends, without the blank
-            line); :meth:`feed` raises :class:`EventTooLarge` past it, whether or not the event is complete.
-    """
+    """Keeps at most one partial event buffered. A CR that ends a read ends its line at once, so that the event it
+    completes is not held for the next read; an LF opening that read is then skipped as the CRLF's second half.
+    ``max_event_bytes``: an event's lines and line ends, without the blank line."""
 
     __slots__ = ("_buf", "_started", "_max", "_skip_lf")
 
@@ -58,21 +39,16 @@ class SSEScanner:
 
     @property
     def idle(self) -> bool:
-        """Between events: nothing held back, and no CR of the last read waiting for its LF (the next read may then
-        be taken without :meth:`feed`, when it starts and ends at event boundaries)."""
+        """Then the next read may skip :meth:`feed`, when it starts and ends at event boundaries."""
         return not self._buf and not self._skip_lf
 
     @property
     def pending(self) -> int:
-        """Bytes held back: the start of an event whose blank line has not arrived yet (0 between events)."""
+        """Bytes of an event whose blank line has not arrived yet."""
         return len(self._buf)
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:  # noqa: C901 - the per-read hot path, its LF case inlined
-        """Add one read; return the events it completed, in order.
-
-        Raises:
-            EventTooLarge: an event (finished or not) is over the limit; the scanner drops what it holds.
-        """
+        """Raises EventTooLarge when an event, finished or not, is over the limit; what the scanner held is dropped."""
         if self._skip_lf and chunk:
             self._skip_lf = False
             if chunk[0] == 10:
@@ -116,7 +92,6 @@ class SSEScanner:
         return EventTooLarge(f"an SSE event exceeded {self._max} bytes")
 
     def _feed_general(self, buf: bytes) -> list[SSEEvent]:
-        """Any mix of CR, LF and CRLF: split into lines by hand; a CR ending ``buf`` ends its line."""
         events: list[SSEEvent] = []
         lines: list[bytes] = []
         pos = 0
@@ -165,7 +140,6 @@ class SSEScanner:
 
 
 def _event_lf(part: bytes) -> SSEEvent | None:
-    """One LF-framed event body (no trailing blank line); leading blank lines are skipped."""
     if part.startswith(b"\n"):
         part = part.lstrip(b"\n")
         if not part:
@@ -177,7 +151,7 @@ def _event_lf(part: bytes) -> SSEEvent | None:
 
 
 def _event_lines(lines: list[bytes], *, normalise: bool, raw: bytes | None = None) -> SSEEvent | None:
-    """Interpret the field lines of one event (WHATWG §9.2.6)."""
+    """WHATWG §9.2.6."""
     data: list[bytes] = []
     event: bytes | None = None
     plain = True  # only data/event/comment lines: forward the original bytes

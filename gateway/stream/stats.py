@@ -1,10 +1,6 @@
-"""What a relayed stream is made of and what is measured of it: the body the relay reads (:class:`StreamBody`), the
-write it answers with (:data:`Write`), when a chunk carries a token (:func:`has_token`: content, refusal, reasoning or
-a tool-call delta, never a role-only chunk), the figures of one stream (:class:`StreamStats`: first and last token
-times, token-bearing chunks, usage, the upstream's own timing, how it ended; what a Responses API event adds to them:
-:func:`observe_response_event`), the token-bearing events of a stream
-relayed untouched (:class:`EventTally`: the passthrough's), and what an upstream kind adds to OpenAI's chunks
-(:class:`Extra`: its dialect's)."""
+"""What a relayed stream is made of and what is measured of it: the body the relay reads, when a chunk carries a token,
+and the figures of one stream. Apart from the relay: the passthrough, the Responses bridge and the load test read them
+too."""
 
 from __future__ import annotations
 
@@ -24,9 +20,8 @@ Write = Callable[[bytes], Awaitable[None]]
 
 
 def delta_has_token(delta: Any) -> bool:
-    """Whether a chat-completions chunk's ``delta`` carries a token: non-empty content, refusal, reasoning
-    (``reasoning`` or ``reasoning_content``) or a tool call; a role-only delta does not
-    (docs/reference/wire.md#gateway-metrics)."""
+    """A role-only delta is no token (docs/reference/wire.md#gateway-metrics): TTFT is timed from the first content,
+    refusal, reasoning or tool-call delta."""
     if type(delta) is not dict:
         return False
     if delta.get("content"):
@@ -35,77 +30,48 @@ def delta_has_token(delta: Any) -> bool:
 
 
 def served_tier(answer: dict[str, Any]) -> str | None:
-    """An answer's ``service_tier`` (a chunk's, a completion's or a Response's), or None (absent, or ``auto``: not
-    decided yet)."""
+    """``auto`` is None: not decided yet."""
     tier = answer.get("service_tier")  # bounded: it reaches the request log and a metric's label
     return tier[:32] if isinstance(tier, str) and tier != "auto" else None
 
 
 def has_token(choices: Any) -> bool:
-    """Whether some choice of a chunk's ``choices`` carries a token (:func:`delta_has_token`)."""
     return type(choices) is list and any(type(c) is dict and delta_has_token(c.get("delta")) for c in choices)
 
 
 class Extra(Protocol):
-    """What an upstream kind adds to OpenAI's chunks: the one top-level member in which its streams (and whole answers)
-    report usage or timings of their own, and what that member's value says; and the usage that any kind's member
-    reports, whatever the upstream's own kind (:meth:`vendor_usage`). The relay is given the upstream's dialect
-    (``gateway.upstream.dialects.base.Dialect``) as one; without it, a stream is read as OpenAI's."""
+    """What an upstream kind adds to OpenAI's chunks: the one top-level member in which it reports usage or timings of
+    its own. The relay is given the upstream's dialect (``gateway.upstream.dialects.base.Dialect``) as one."""
 
     @property
     def member(self) -> str | None:
-        """The member's name (each dialect's module names its own), or None: nothing beyond OpenAI's members."""
+        """None: nothing beyond OpenAI's members."""
         ...
 
     def member_facts(self, value: Any) -> tuple[dict[str, Any] | None, dict[str, float] | None]:
-        """What the member's ``value`` says: (usage in the chat shape, or None; the upstream's own seconds by phase
-        (``queue``, ``prompt``, ``completion``, ``total``), or None). Never raises for an odd value."""
+        """(usage in the chat shape, the upstream's own seconds by phase), each or None; never raises."""
         ...
 
     def vendor_usage(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
-        """The usage, in the chat shape, that the member of any upstream kind reports in ``chunk`` (Groq's
-        ``x_groq.usage`` in an upstream labelled ``openai``), or None. The relay asks only on the chunk that
-        finishes the stream, when the stream has no usage yet: never on an ordinary token chunk. Never raises for an
-        odd value."""
+        """Any kind's member (Groq's ``x_groq.usage`` behind an upstream labelled ``openai``), asked only on the chunk
+        that finishes a stream still without usage; never raises."""
         ...
 
 
 class StreamBody(Protocol):
-    """What the relay reads: an upstream response body (``gateway.upstream.client.UpstreamResponse``, or a fake)."""
-
     def chunks(self) -> AsyncIterator[bytes]:
-        """Body bytes as they arrive; raises :class:`StreamInterrupted` when the body breaks or goes silent.
-        Callable again after a cancelled iteration, going on where it stopped."""
+        """Raises :class:`StreamInterrupted` when the body breaks or goes silent. Callable again after a cancelled
+        iteration, going on where it stopped."""
         ...
 
     def watch_idle(self) -> None:
-        """From now on, bound the upstream's silence by its idle timeout."""
         ...
 
 
 class StreamStats:
-    """What one relayed stream did. Times are ``time.perf_counter()`` seconds.
-
-    Attributes:
-        t_first_token / t_last_token: arrival of the first / last token-bearing chunk, or None.
-        token_chunks: token-bearing chunks received.
-        usage: the last ``usage`` object seen (OpenAI's usage chunk, or a finish chunk that carries one), else the
-            usage its dialect's member reports, else the usage another kind's member reports on the finishing chunk
-            (:class:`Extra`), or None.
-        timings: the upstream's own seconds by phase, as its dialect's member reports them (:class:`Extra`), or
-            None.
-        done: the stream's end was sent to the client: ``[DONE]``, or a Responses API terminal event
-            (``response.completed``, ``response.incomplete``, ``response.failed``).
-        finished: every choice has its ``finish_reason`` (chat streams): the answer is complete.
-        complete: the upstream body was read to its end (its connection can be reused).
-        error: None on success; else ``upstream_error_event``, ``upstream_stream_interrupted``,
-            ``upstream_idle_timeout`` or ``upstream_event_too_large``.
-        response_id: a Responses API stream's response id (from ``response.created``), or None.
-        error_event: the last in-band error event the upstream sent (its parsed data), or None.
-        service_tier: the ``service_tier`` the upstream said it served (its chunks', or its Response's), or None.
-        left_early: the client left before every choice finished (what the relay read on after it left, in
-            ``Relay.tail``, is counted but never reached it: not a whole answer, whatever ``finished`` says).
-    """
+    """Times are ``time.perf_counter()`` seconds. ``complete``: the upstream body was read to its end (its connection
+    can be reused); ``left_early``: the client left before every choice finished, so what was read on after it never
+    reached it: not a whole answer, whatever ``finished`` says."""
 
     __slots__ = ("t_first_token", "t_last_token", "token_chunks", "usage", "timings", "done", "finished",
                  "complete", "error", "response_id", "error_event", "service_tier", "left_early")
@@ -127,10 +93,8 @@ class StreamStats:
 
 
 def observe_response_event(stats: StreamStats, chunk: dict[str, Any], now: float) -> dict[str, Any] | None:
-    """What one Responses API event (docs/reference/wire.md#responses-api-streams) adds to its stream's ``stats``
-    (``now``: its arrival): a ``*.delta`` event carries output; the terminal event carries ``response.usage``;
-    ``error`` and ``response.failed`` end the stream as an upstream error. Returns ``chunk`` when it is an error
-    event that came before any token (it can still be answered with its status), else None."""
+    """One Responses API event (docs/reference/wire.md#responses-api-streams). Returns ``chunk`` when it is an error
+    event before any token, which can still be answered with its status."""
     etype = chunk.get("type")
     if not isinstance(etype, str):
         return None
@@ -160,9 +124,8 @@ def observe_response_event(stats: StreamStats, chunk: dict[str, Any], now: float
 
 
 def event_has_token(chunk: Any) -> bool:
-    """Whether one parsed event of any OpenAI stream carries output: a ``*.delta`` event (Responses API,
-    ``transcript.text.delta``, ``speech.audio.delta``), or a chunk with a choice's non-empty ``text`` (legacy
-    completions) or a token-bearing ``delta`` (chat completions: :func:`delta_has_token`)."""
+    """Any OpenAI stream: a ``*.delta`` event, a legacy completion's non-empty ``text``, or a chat ``delta`` with a
+    token."""
     if type(chunk) is not dict:
         return False
     kind = chunk.get("type")
@@ -174,17 +137,10 @@ def event_has_token(chunk: Any) -> bool:
 
 
 class EventTally:
-    """The token-bearing events (:func:`event_has_token`) of an event stream relayed with its bytes untouched (a
-    passthrough answer), counted as it is read, so that an answer without usage is charged at least what it relayed.
-
-    Cheap by construction, and only on the passthrough's billed event streams (never on the chat relay's path): the
-    scanner splits the reads and each data event is parsed once (orjson); measured, ~4 us an event of legacy
-    completions on a loaded 2-core machine. Nothing is written. An event over ``max_event_bytes`` (a partial image's
-    base64) counts as one and is skipped to its blank line, never held.
-
-    Attributes:
-        tokens: token-bearing events so far (each at least one token).
-    """
+    """The token-bearing events of a stream relayed with its bytes untouched (a passthrough answer), so that an answer
+    without usage is charged at least what it relayed. Only on the passthrough's billed event streams, never on the chat
+    relay's path: measured ~4 us an event on a loaded 2-core machine. An event over ``max_event_bytes`` (a partial
+    image's base64) counts as one and is skipped to its blank line, never held."""
 
     __slots__ = ("tokens", "_scanner", "_skipping")
 
@@ -194,7 +150,6 @@ class EventTally:
         self._skipping = False  # inside an event over the limit: its rest is dropped up to its blank line
 
     def feed(self, data: bytes) -> None:
-        """Count the events one read completes."""
         if self._skipping:
             end = data.find(b"\n\n")
             if end < 0:

@@ -1,18 +1,9 @@
-"""The OpenAI wire shapes the gateway touches: reading a chat-completions request, and preparing the body
-sent upstream without re-serialising what it does not have to change.
+"""The OpenAI wire shapes the gateway touches: reading a request just enough to route it, and preparing the body sent
+upstream by editing the client's bytes, never re-serialising what it does not have to change
+(docs/reference/wire.md#request-bodies; each dialect's changes on top: ``gateway.upstream.dialects``).
 
-Request body rules (docs/reference/wire.md#request-bodies), OpenAI's (:func:`openai_body`; what each upstream
-dialect changes on top is in ``gateway.upstream.dialects``):
-
-* the client's bytes, except the ``model`` value (alias -> upstream id) and, when the gateway asks for usage,
-  ``stream_options.include_usage``; every other byte, unknown fields included, is kept;
-* ``stream_options`` on a request that does not stream means nothing, and strict upstreams answer it
-  with 400 (OpenAPI: "Only set this when you set ``stream: true``"), so it is dropped.
-
-Bodies are JSON as RFC 8259 defines it: a lone surrogate escape such as ``"\\ud83d"`` is valid JSON text
-(§8.2: its behaviour is unpredictable, not forbidden) that orjson refuses; the standard library's parser then
-reads it, and the client's bytes are forwarded as they came.
-"""
+Bodies are JSON as RFC 8259 defines it: a lone surrogate escape such as ``"\\ud83d"`` is valid JSON text (§8.2: its
+behaviour is unpredictable, not forbidden) that orjson refuses; the standard library's parser then reads it."""
 
 from __future__ import annotations
 
@@ -32,15 +23,8 @@ _WS = b" \t\r\n"
 
 
 def parse_chat_request(raw: bytes) -> dict[str, Any]:
-    """Parse and check a chat-completions body just enough to route it.
-
-    Returns:
-        The parsed body (a dict).
-
-    Raises:
-        InvalidRequest: not JSON, not an object, ``model`` missing or not a non-empty string,
-            ``messages`` missing or not a non-empty array, ``stream`` or ``stream_options`` of the wrong type.
-    """
+    """Raises InvalidRequest (400 naming the parameter) for a body that is not a JSON object, or whose ``model``,
+    ``messages``, ``stream``, ``stream_options``, output limits or ``service_tier`` are missing or of the wrong type."""
     body = _routable(raw)
     messages = body.get("messages")
     if messages is None:
@@ -56,15 +40,9 @@ def parse_chat_request(raw: bytes) -> dict[str, Any]:
 
 
 def parse_responses_request(raw: bytes) -> dict[str, Any]:
-    """Parse and check a Responses API body (``POST /v1/responses``) just enough to route it and to read the
-    conversation it continues (OpenAI API reference, "Create a model response"). The rest is the upstream's to
-    check, or, for a bridged upstream, ``gateway.responses.stream``'s.
-
-    Raises:
-        InvalidRequest: not a JSON object, ``model`` missing or not a non-empty string, ``stream`` not a boolean,
-            ``previous_response_id`` not a string, ``input`` not a string or a list of objects, ``store`` not a
-            boolean (``invalid_type``, naming the parameter).
-    """
+    """Just enough to route it and to read the conversation it continues (OpenAI API reference, "Create a model
+    response"); the rest is the upstream's to check, or the bridge's. Raises InvalidRequest (``invalid_type``, naming
+    the parameter)."""
     body = _routable(raw)
     for key, ok, want in (("previous_response_id", isinstance(body.get("previous_response_id"), str), "a string"),
                           ("input", isinstance(body.get("input"), str | list), "a string or an array of items"),
@@ -80,12 +58,8 @@ def parse_responses_request(raw: bytes) -> dict[str, Any]:
 
 
 def loads(raw: bytes) -> Any:
-    """Parse JSON: orjson, or, only when orjson refuses, the standard library (which reads lone surrogate
-    escapes; ``NaN`` and ``Infinity`` stay refused: they are not JSON).
-
-    Raises:
-        orjson.JSONDecodeError (a ``ValueError``): not JSON.
-    """
+    """orjson, or, only when it refuses, the standard library, which reads lone surrogate escapes; ``NaN`` and
+    ``Infinity`` stay refused: they are not JSON. Raises ``orjson.JSONDecodeError`` (a ``ValueError``)."""
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -96,8 +70,8 @@ def loads(raw: bytes) -> Any:
 
 
 def loads_exact(raw: bytes) -> Any:
-    """:func:`loads`, but integers past 64 bits stay exact (orjson reads them as floats): for a body the gateway
-    re-serialises. Only a body with a run of 19 digits pays for the standard library's parser."""
+    """Integers past 64 bits stay exact (orjson reads them as floats), for a body the gateway re-serialises. Only a body
+    with a run of 19 digits pays for the standard library's parser."""
     if _LONG_NUMBER.search(raw) is None:
         return loads(raw)
     try:
@@ -114,8 +88,8 @@ def _finite(text: str) -> float:
 
 
 def dumps(value: Any) -> bytes:
-    """Compact JSON bytes: orjson, or, for strings holding a lone surrogate (which UTF-8 cannot encode), the
-    standard library with those characters escaped as ``\\uXXXX``, as the client sent them."""
+    """A string holding a lone surrogate, which UTF-8 cannot encode, is escaped as ``\\uXXXX``, as the client sent
+    it."""
     try:
         return orjson.dumps(value)
     except TypeError:
@@ -127,14 +101,13 @@ def _no_constant(name: str) -> Any:
 
 
 def is_json_type(content_type: str) -> bool:
-    """Whether a ``content-type`` value names JSON: ``application/json`` or a ``+json`` type (RFC 6839), parameters
-    ignored (``application/jsonl`` and ``application/json-seq`` are not: they are streams of documents)."""
+    """``application/json`` or a ``+json`` type (RFC 6839); ``application/jsonl`` and ``application/json-seq`` are
+    streams of documents, not JSON."""
     media = content_type.split(";", 1)[0].strip().lower()
     return media == "application/json" or media.endswith("+json")
 
 
 def parse_request(kind: str, raw: bytes) -> dict[str, Any]:
-    """:func:`parse_chat_request` for ``kind`` ``chat``, :func:`parse_responses_request` for ``responses``."""
     return parse_chat_request(raw) if kind == "chat" else parse_responses_request(raw)
 
 
@@ -143,7 +116,6 @@ SERVICE_TIER = re.compile(r"[a-z][a-z0-9_]{0,31}")  # what check_service_tier le
 
 
 def _routable(raw: bytes) -> dict[str, Any]:
-    """A JSON object with a non-empty string ``model`` and, if present, a boolean ``stream``."""
     try:
         body = loads(raw)
     except ValueError as exc:
@@ -166,14 +138,9 @@ def _routable(raw: bytes) -> dict[str, Any]:
 
 
 def check_service_tier(body: Mapping[str, Any]) -> None:
-    """A body's ``service_tier``, when given, is a short lower-case word (OpenAI's ``auto``, ``default``, ``flex``,
-    ``scale``, ``priority``, ``fast``, ``ultrafast``; other providers' such as Groq's ``on_demand`` pass too):
-    routing, billing and the request log read it, so a 2 MB string or an object is refused, not logged twice or
-    dropped in silence.
-
-    Raises:
-        InvalidRequest: 400 ``invalid_type`` (not a string) or ``invalid_value`` naming ``service_tier``.
-    """
+    """A short lower-case word (OpenAI's, or another provider's such as Groq's ``on_demand``): routing, billing and the
+    request log read it, so a 2 MB string or an object is refused, not logged or dropped in silence. Raises
+    InvalidRequest (400 ``invalid_type`` or ``invalid_value``)."""
     tier = body.get("service_tier")
     if tier is None:
         return
@@ -187,12 +154,8 @@ def check_service_tier(body: Mapping[str, Any]) -> None:
 
 
 def check_limits(body: Mapping[str, Any]) -> None:
-    """``max_tokens``, ``max_completion_tokens`` and ``max_output_tokens``, when given, are integers >= 1, as OpenAI
-    checks them (routing, quota estimates and key limits read them; a negative one would make them negative).
-
-    Raises:
-        InvalidRequest: 400 ``invalid_type`` or ``integer_below_min_value`` naming the field.
-    """
+    """Integers >= 1, as OpenAI checks them: routing, quota estimates and key limits read them, and a negative one would
+    make those negative. Raises InvalidRequest (400 ``invalid_type`` or ``integer_below_min_value``)."""
     for name in LIMIT_FIELDS:
         value = body.get(name)
         if value is None:
@@ -206,16 +169,15 @@ def check_limits(body: Mapping[str, Any]) -> None:
 
 
 def client_wants_usage(body: Mapping[str, Any]) -> bool:
-    """True when the client itself asked for the usage chunk (``stream_options.include_usage: true``)."""
     options = body.get("stream_options")
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
 def openai_body(raw: bytes, body: Mapping[str, Any], upstream_model: str, ask_usage: bool) -> bytes:
-    """The bytes of one attempt by OpenAI's rules (module docstring): the client's ``raw`` (``body`` parsed), with
-    ``upstream_model`` as the model, ``stream_options`` dropped from a request that does not stream, and, with
-    ``ask_usage``, ``stream_options.include_usage: true``; every other byte as it came. The dialects
-    (``gateway.upstream.dialects``) start from it."""
+    """The client's ``raw`` with ``upstream_model`` as the model and, with ``ask_usage``,
+    ``stream_options.include_usage: true``; every other byte, unknown fields included, as it came. ``stream_options`` is
+    dropped from a request that does not stream: strict upstreams answer it 400 (OpenAI's API reference: "Only set this
+    when you set ``stream: true``"). The dialects start from it."""
     if body.get("stream") is not True and "stream_options" in body:
         raw = remove_top_level(raw, b"stream_options")
     if upstream_model != body["model"]:
@@ -231,8 +193,7 @@ def openai_body(raw: bytes, body: Mapping[str, Any], upstream_model: str, ask_us
 
 
 def with_service_tier(raw: bytes, body: Mapping[str, Any], tier: str | None) -> tuple[bytes, dict[str, Any]]:
-    """``raw`` and ``body`` (the same JSON object, as bytes and parsed) with ``service_tier`` set to ``tier``, or
-    removed (None); the client's other bytes as they came."""
+    """``tier`` None removes it; the client's other bytes as they came."""
     out = {k: v for k, v in body.items() if k != "service_tier"}
     if tier is None:
         return remove_top_level(raw, b"service_tier") if "service_tier" in body else raw, out
@@ -244,18 +205,12 @@ def with_service_tier(raw: bytes, body: Mapping[str, Any], tier: str | None) -> 
 
 
 def needs_exact(raw: bytes) -> bool:
-    """Whether ``raw`` may hold an integer past 64 bits (19 digits in a row): re-serialising it then needs
-    :func:`loads_exact`."""
     return _LONG_NUMBER.search(raw) is not None
 
 
 def replace_top_level(raw: bytes, key: bytes, value: bytes) -> bytes:
-    """Replace the value of top-level ``key`` in the JSON object ``raw`` with the JSON text ``value``.
-
-    Only the value's bytes change; a key given more than once has every value replaced (parsers keep
-    the last one, the scanner finds the first). Falls back to parsing and re-serialising when the key
-    cannot be located by the scanner (it is always present: callers only replace keys the parsed body holds).
-    """
+    """Only the value's bytes change. A repeated key has every value replaced: parsers keep the last one, the scanner
+    finds the first. Falls back to parsing and re-serialising when the scanner cannot locate the key."""
     spans = _value_spans(raw, key)
     if not spans:
         body = loads(raw)
@@ -267,8 +222,8 @@ def replace_top_level(raw: bytes, key: bytes, value: bytes) -> bytes:
 
 
 def remove_top_level(raw: bytes, key: bytes) -> bytes:
-    """Remove every ``"key": value`` member at the top level of the JSON object ``raw``, with one comma beside it;
-    every other byte is kept. Falls back to parsing and re-serialising when the scanner cannot locate it."""
+    """Every top-level ``"key": value``, with one comma beside it; falls back to re-serialising when the scanner cannot
+    locate it."""
     spans = _value_spans(raw, key)
     if not spans:
         body = loads(raw)
@@ -289,8 +244,7 @@ def remove_top_level(raw: bytes, key: bytes) -> bytes:
 
 
 def _value_spans(raw: bytes, key: bytes) -> list[tuple[int, int, int]]:
-    """(key start, value start, value end) byte offsets of each top-level ``key``, in order (more than one only
-    for a repeated key)."""
+    """(key start, value start, value end) byte offsets of each top-level ``key``."""
     quoted = b'"' + key + b'"'
     spans: list[tuple[int, int, int]] = []
     depth = 0

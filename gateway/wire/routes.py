@@ -1,11 +1,8 @@
-"""The OpenAI API's paths under ``/v1`` as one table: what a request to each is, read by dispatch (who answers it),
-ownership (which segments name a key's objects) and accounting (the endpoint label, whether its answer's usage is
-billed). Paths and methods from OpenAI's API reference (2026-11); the gateway's own (``/v1/tiergate/...``) beside them.
-
-A path no route matches is still the passthrough's (an endpoint newer than the table): its segments after the first
-that are no word of any route are taken for object ids (:func:`match`), so that with gateway keys an unknown path
-reaches only objects its key made, as a known one does.
-"""
+"""The OpenAI API's paths under ``/v1`` as one table, read by dispatch, ownership (which segments name a key's objects)
+and accounting (the endpoint label, whether usage is billed), so that the three never disagree. Paths and methods from
+OpenAI's API reference (2026-11). A path no route matches is still the passthrough's (an endpoint newer than the table):
+its segments that are no word of the table are taken for object ids, so that with gateway keys an unknown path reaches
+only objects its key made, as a known one does."""
 
 from __future__ import annotations
 
@@ -20,10 +17,10 @@ ID, MODEL, REST = "{id}", "{model}", "{rest}"  # an object's id; a model id (the
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """One path of the table. ``methods``: those it answers (others: 405 where the gateway answers, else the
-    upstream's); ``bills``: a ``POST`` makes something billed by the usage its answer reports; ``uploads``: it takes
-    a ``multipart/form-data`` body (a file), streamed upstream; ``objects``: its JSON answers are about a key's objects
-    (a ``POST``'s id is claimed for the key, a ``GET``'s list shows the key's own)."""
+    """``methods``: others get 405 where the gateway answers, else the upstream's answer; ``bills``: a ``POST`` makes
+    something billed by the usage its answer reports; ``uploads``: a ``multipart/form-data`` body, streamed upstream;
+    ``objects``: its JSON answers are about a key's objects (a ``POST``'s id is claimed for the key, a ``GET``'s list
+    shows the key's own)."""
 
     path: str
     methods: frozenset[str]
@@ -34,7 +31,7 @@ class Route:
 
     @property
     def endpoint(self) -> str:
-        """The metric label: the path's first segment, or its first two under ``audio``, ``images`` and ``chat``."""
+        """The metric label: the first segment, the first two under ``audio``, ``images`` and ``chat``."""
         parts = self.path.split("/")
         return "/".join(parts[:2]) if parts[0] in ("audio", "images", "chat") else parts[0]
 
@@ -164,14 +161,9 @@ ENDPOINTS = tuple(dict.fromkeys(r.endpoint for r in TABLE if r.serves != "gatewa
 
 @dataclass(frozen=True, slots=True)
 class Match:
-    """A path (under ``/v1``, no leading slash, decoded) read against the table for one method.
-
-    route: the route of that path and method; None when the table has no such path (an endpoint newer than the
-    table: the passthrough's), or the path has no route for the method (``allowed`` False). serves: who answers the
-    path (``passthrough`` for one the table does not know). ids: the object ids its
-    segments name. endpoint, bills, objects: as the route says; for a path the table does not know, those of the
-    endpoint it is under (``files/...``: ``files``, its answers about objects), else ``other``, its usage billed.
-    """
+    """``path`` is under ``/v1``, without its slash, decoded. ``route`` None: the table has no such path, or ``allowed``
+    is False for the method. A path the table does not know takes its endpoint's label and ``objects``, unbilled; under
+    no known endpoint, ``other``, billed."""
 
     route: Route | None
     ids: tuple[str, ...]
@@ -186,8 +178,8 @@ Node = dict[str, "Node | dict[str, Route]"]
 
 
 def _build() -> Node:
-    """The table as a trie of segments (a literal before ``{id}``; ``{rest}`` takes the rest of the path), each path's
-    routes by method under the key ``""``."""
+    """A trie of segments, a literal before ``{id}``, ``{rest}`` taking the rest of the path; each path's routes by
+    method under the key ``""``."""
     root: Node = {}
     for route in TABLE:
         node = root
@@ -205,7 +197,7 @@ _TRIE = _build()
 
 
 def match(method: str, path: str) -> Match:
-    """Read ``path`` for ``method`` (see :class:`Match`). ``HEAD`` is answered where ``GET`` is."""
+    """``HEAD`` is answered where ``GET`` is."""
     segments = path.split("/")
     node, ids = _TRIE, []
     for segment in segments:
@@ -230,7 +222,6 @@ def match(method: str, path: str) -> Match:
 
 
 def _unknown(segments: list[str]) -> Match:
-    """A path the table does not know: its segments that are no word of the table are taken for object ids."""
     ids = tuple(s for s in segments[1:] if s and s not in WORDS)
     label = "/".join(segments[:2]) if segments[0] in ("audio", "images", "chat") else segments[0]
     if label in ENDPOINTS:
