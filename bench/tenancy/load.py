@@ -135,7 +135,8 @@ class Soak(HostileTricks):
 
     async def run(self, workers: int, seconds: float, max_requests: int) -> None:
         deadline = time.monotonic() + seconds
-        names = [n for n, share in SHARE.items() for _ in range(share)]
+        # the keys in turn (3 interactive, 2 batch, 2 agent, 3 hostile of every 10): from 4 workers up each has one
+        names = [n for turn in range(max(SHARE.values())) for n, share in SHARE.items() if share > turn]
         timeout = aiohttp.ClientTimeout(total=60)
         async with aiohttp.ClientSession(timeout=timeout) as s:
             await self.setup(s)

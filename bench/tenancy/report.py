@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from bench.tenancy.common import KEY_EXTRA, LIMITS, Tally
+from bench.tenancy.common import KEY_EXTRA, LIMITS, MAX_STEPS, MAX_USD, Tally
 from bench.tenancy.load import TRICKS
 from bench.tenancy.phases import BURST
 
@@ -38,6 +38,18 @@ def per_key(tally: Tally, samples: list[dict[str, Any]]) -> dict[str, dict[str, 
                                                                   if k[:1] not in ("1", "2"))),
                      "tokens_charged": last[f"{name}_tokens"], "usd_charged": last[f"{name}_usd"],
                      "most_tokens_in_one_minute": per_minute(samples, name)}
+        out[name]["passed"] = passed(out[name])
+    return out
+
+
+def passed(k: dict[str, Any]) -> list[str]:
+    """The limits of key ``k`` its charges passed: the most tokens in one UTC minute over ``tokens_per_minute``, the
+    run's USD over ``usd_per_day`` (the run is within one UTC day, or two: it bounds the day's figure from above)."""
+    limits, out = k["limits"], []
+    if "tokens_per_minute" in limits and k["most_tokens_in_one_minute"] > limits["tokens_per_minute"]:
+        out.append("tokens_per_minute")
+    if "usd_per_day" in limits and k["usd_charged"] > limits["usd_per_day"]:
+        out.append("usd_per_day")
     return out
 
 
@@ -75,11 +87,12 @@ def _limits(k: dict[str, Any]) -> str:
 def markdown(result: dict[str, Any]) -> list[str]:
     md = [f"# Tenancy soak: {result['concurrency']} workers for {result['minutes']:.1f} min, seed {result['seed']}",
           "", "| key | limits | sent | admitted | refused or failed (status code: count) | tokens charged | "
-          "most tokens in a UTC minute | USD charged |", "|---|---|---:|---:|---|---:|---:|---:|"]
+          "most tokens in a UTC minute | USD charged | limits passed |", "|---|---|---:|---:|---|---:|---:|---:|---|"]
     for name, k in result["per_key"].items():
         refused = ", ".join(f"{c}: {n}" for c, n in k["refused"].items()) or "-"
         md.append(f"| {name} | {_limits(k['limits'])} | {k['sent']} | {k['admitted']} | {refused} | "
-                  f"{k['tokens_charged']:.0f} | {k['most_tokens_in_one_minute']:.0f} | {k['usd_charged']:.4f} |")
+                  f"{k['tokens_charged']:.0f} | {k['most_tokens_in_one_minute']:.0f} | {k['usd_charged']:.4f} | "
+                  f"{', '.join(k['passed']) or 'none'} |")
     md += ["", "| trick | key | tries | answers | verdict |", "|---|---|---:|---|---|"]
     for trick, v in result["tricks"].items():
         answers = ", ".join(f"{c}: {n}" for c, n in v["answers"].items())
@@ -90,7 +103,9 @@ def markdown(result: dict[str, Any]) -> list[str]:
     md += ["", f"gateway RSS (MiB): start {rss['start']}, max {rss['max']}, end {rss['end']}; over time: "
            + ", ".join(f"{t}s {m}" for t, m in rss["series"]),
            f"breakers opened: {result['breakers_opened']:.0f}; gateway alive at the end: "
-           f"{result['gateway_alive_at_end']}", f"wrong answers: {sum(result['wrong'].values())} {result['wrong']}"]
+           f"{result['gateway_alive_at_end']}", f"wrong answers: {sum(result['wrong'].values())} {result['wrong']}",
+           "not tried: " + (", ".join(t for t, v in result["tricks"].items() if v["verdict"] == "not tried")
+                            or "none")]
     md += [f"- {k}: {v}" for k, v in result["wrong_examples"].items()]
     return md
 
@@ -106,8 +121,10 @@ def _details(result: dict[str, Any]) -> list[str]:
                 if r["kind"] == kind]
         if rows:
             md.append(f"- {kind}: {len(rows)} bursts ({', '.join(sorted({r['key'] for r in rows}))}), admitted "
+                      f"(max_steps {MAX_STEPS}) "
                       f"{sorted({r['admitted'] for r in rows})}, run's USD at most "
-                      f"{max(float(r['run_usd'] or 0) for r in rows):.6f} of a bound of {rows[0]['bound_usd']}, "
+                      f"{max(float(r['run_usd'] or 0) for r in rows):.6f} (max_usd {MAX_USD}, bound "
+                      f"{rows[0]['bound_usd']}), "
                       f"refusals {_merged(r['refused'] for r in rows)}, next step "
                       f"{sorted({r['next_step'] for r in rows})}, held {sum(r['held'] for r in rows)}/{len(rows)}")
     t = result.get("tier_drop", {})
