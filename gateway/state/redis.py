@@ -188,7 +188,7 @@ class SharedState(RedisLink):
                 self._failed("subscribe" if self.up else "ping", exc)
             finally:
                 with contextlib.suppress(*FAILURES):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis-py 8.2
             await asyncio.sleep(self.cfg.retry)
 
     async def _resync(self) -> None:
