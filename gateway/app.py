@@ -166,8 +166,6 @@ def assemble(loaded: LoadedConfig, metrics: Metrics, transport: Transport, *, po
         health.carry(previous.health)
         shared, store, ledger, owners = previous.shared, previous.store, previous.ledger, previous.owners
         estimates, explorer, table = previous.estimates, previous.explorer, previous.sessions.table
-    if shared is not None:
-        shared.attach(health)
     policy = policy if policy is not None else Policy(config)
     frame = Frame()
     bodies = BodyBudget(config.limits.max_bytes_in_flight, config.limits.key_share)  # request bytes held
@@ -176,6 +174,8 @@ def assemble(loaded: LoadedConfig, metrics: Metrics, transport: Transport, *, po
     conversations = Conversations(store)
     delivery = Delivery(config, conversations)
     scheduler = _scheduler(config, previous)
+    if shared is not None:
+        shared.attach(health, scheduler)
     attempts = Attempts(config, transport, health, shared, budgets, delivery, scheduler)
     hedging = Hedging(attempts, estimates, health)
     listed = UpstreamModels(config, transport, health.clock)

@@ -53,14 +53,36 @@ def test_a_class_alone_takes_the_whole_budget_and_an_active_one_holds_its_expect
     for _ in range(5):  # batch alone: nothing is held for anyone
         s.wants(h, "batch", need, 1.0)
         assert s.refuses(h, "batch", need, 1.0) is None
-    s.wants(h, "interactive", need, 1.0)  # interactive asks: 100 tokens in its first second
-    s.took(h, "interactive", need, 1.0)
-    held = s.held("fast-1", "batch", "tokens", (10_000, 60.0), 29.0, 1.0)  # the report's reset: 30 s at 0
-    assert held == pytest.approx(100 / 1.0 * 29 + 100)  # its rate times the time to the refill, plus one request
+    for at in (1.0, 2.0):  # interactive asks 100 tokens a second
+        s.wants(h, "interactive", need, at)
+        s.took(h, "interactive", need, at)
+    # not yet measured (asking for under MEASURED_S): its whole guarantee, less what it used
+    assert s.held("fast-1", "batch", "tokens", (10_000, 60.0), 28.0, 2.0) == pytest.approx(0.6 * 10_000 - 200)
+    held = s.held("fast-1", "batch", "tokens", (10_000, 60.0), 27.0, 3.0)  # the report's reset: 30 s at 0
+    assert held == pytest.approx(200 / 2.0 * 27 + 100)  # its rate times the time to the refill, plus one request
     h.quota["tokens"].remaining = held + 50  # batch may not eat into it; interactive itself may
-    assert s.refuses(h, "batch", need, 1.0) == "class_share"
-    assert s.refuses(h, "interactive", need, 1.0) is None
-    assert s.refuses(h, "batch", need, 1.0 + 61) is None  # interactive went quiet: its share is lent again
+    assert s.refuses(h, "batch", need, 3.0) == "class_share"
+    assert s.refuses(h, "interactive", need, 3.0) is None
+    assert s.refuses(h, "batch", need, 3.0 + 61) is None  # interactive went quiet: its share is lent again
+
+
+def test_a_starved_class_is_held_at_its_busiest_rate_until_the_refill() -> None:
+    """An agent fleet asked 10 times in its first slot, then (spilled to the slow tier) once: refused under its share,
+    it is held at the first slot's rate, not its mean."""
+    s, h = Scheduler(SchedulingConfig.model_validate(CLASSES)), _health(remaining=3_000)
+    need = Need(100)
+    for i in range(10):
+        s.wants(h, "agent", need, 0.5 * i / 10)
+    s.wants(h, "agent", need, 20.0)
+    mean = s.held("fast-1", "batch", "tokens", (10_000, 60.0), 10.0, 20.0)
+    assert mean == pytest.approx(1100 / 20.0 * 10 + 100)
+    h.quota["tokens"].remaining = 50  # short for the agent, under its share: starved
+    h.quota["tokens"].resets_at = 30.0
+    assert s.refuses(h, "agent", need, 20.0) == "class_share"
+    busiest = s.held("fast-1", "batch", "tokens", (10_000, 60.0), 10.0, 20.0)
+    assert busiest == pytest.approx(min(0.3 * 10_000, 1000 / 5.0 * 10 + 100))  # a slot is 5 s of the minute
+    # refilled at 21 (a window of 60 s ending in 50): the mean again, 1,100 asked over 31 s
+    assert s.held("fast-1", "batch", "tokens", (10_000, 60.0), 50.0, 31.0) == pytest.approx(1100 / 31 * 50 + 100)
 
 
 def test_a_guarantee_caps_what_is_held() -> None:
@@ -439,3 +461,31 @@ def test_ultrafasts_own_limits_are_not_read_into_the_upstreams_budget(tmp_path: 
         proc.stop()
         up_fast.stop()
         up_std.stop()
+
+
+def test_a_hedge_to_a_fast_upstream_is_held_to_the_class_shares_too() -> None:
+    """The second candidate of a hedged route is asked again when the hedge would start: passed at planning, it is
+    refused once an interactive class holds the budget left (before, only its health was asked)."""
+    from types import SimpleNamespace
+
+    from gateway.pipeline.hedging import Hedging
+    from gateway.routing.health import Health
+    from gateway.routing.scheduling import Ask
+
+    now = [0.0]
+    health = Health([UpstreamConfig(name="fast-1", tier="fast", base_url="http://127.0.0.1:9/v1", models={"m": "m"})],
+                    clock=lambda: now[0])
+    h = health["fast-1"]
+    h.observe_headers({"x-ratelimit-limit-tokens-minute": "10000", "x-ratelimit-remaining-tokens-minute": "10000",
+                       "x-ratelimit-reset-tokens-minute": "60"}, 0.0)
+    s = Scheduler(SchedulingConfig.model_validate(CLASSES))
+    hedging = Hedging(None, None, health)  # type: ignore[arg-type]  # takes() reads the health alone
+    second: Any = SimpleNamespace(upstream=SimpleNamespace(name="fast-1"))
+    turn: Any = SimpleNamespace(ask=Ask(s, "batch", {}), need=100, ex=SimpleNamespace(blame=None))
+    assert hedging.takes(turn, second)
+    s.wants(h, "interactive", Need(100), 0.0)  # interactive starts asking: unmeasured, it holds its whole share
+    now[0] = 1.0
+    h.quota["tokens"].remaining = 6000
+    assert not hedging.takes(turn, second)
+    turn.ask = None  # without scheduling, the health alone
+    assert hedging.takes(turn, second)

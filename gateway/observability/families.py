@@ -189,7 +189,8 @@ FAMILIES: tuple[Family, ...] = (
            (), multiprocess_mode="livemin"),
     Family('shared_errors', Counter, 'shared_state_errors',
            'Redis operations that failed or outlasted state.timeout, by operation (admit, observe, rest, store, '
-           'subscribe, ping): the gateway went on with its local state.',
+           'subscribe, ping, classes: a priority-class report that does not parse): the gateway went on with its '
+           'local state.',
            ('op',)),
     Family('tier_downgrades', Counter, 'service_tier_downgrades',
            'Requests the upstream said it served at a slower service_tier than the gateway asked for (asked, '

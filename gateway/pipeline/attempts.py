@@ -25,7 +25,7 @@ from gateway.routing.facts import Candidate, Decision, RequestFacts
 from gateway.routing.failover import Plan
 from gateway.routing.health import Health
 from gateway.routing.ratelimits import Window
-from gateway.routing.scheduling import Need, Scheduler
+from gateway.routing.scheduling import Ask, Need, Scheduler
 from gateway.state.quota import SharedVerdicts
 from gateway.state.redis import Admission, SharedState
 from gateway.stream.relay import Relay
@@ -51,6 +51,7 @@ class Turn:
     admitted: dict[str, Admission | None] = field(default_factory=dict)
     tried: int = 0
     last: GatewayError | None = None
+    ask: Ask | None = None  # the scheduler's say (gateway.routing.scheduling), asked again before a hedge
 
 
 class Claim(Protocol):

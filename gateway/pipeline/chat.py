@@ -112,7 +112,8 @@ class ChatPipeline:
         if not plan.candidates:
             raise failover.refusal(plan.resting, self.health.clock(), ex.blame.who() if ex.blame else None)
         strip_usage = ex.request.kind == "chat" and ex.request.stream and not client_wants_usage(facts.body)
-        return Turn(ex, ex.request.raw or b"", facts, decision, plan, need, strip_usage, run, admitted_by)
+        return Turn(ex, ex.request.raw or b"", facts, decision, plan, need, strip_usage, run, admitted_by,
+                    ask=ask)
 
     def need(self, facts: RequestFacts, decision: Decision) -> int:
         """Tokens reserved against an upstream's budget: the prompt estimate plus ``max_tokens``, else the output

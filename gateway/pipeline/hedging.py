@@ -109,7 +109,7 @@ class Hedging:
                 async with asyncio.timeout(self.moving_delay(turn, first, second)):
                     await race.settled.wait()  # a first token, or a failure
             if race.winner is None and not race.failures:
-                if self.health[second.upstream.name].unavailable(self.health.clock(), turn.need, ex.blame) is None:
+                if self.takes(turn, second):
                     hedged = race.hedged = True  # no token within the delay: hedge
                     race.start(second, hedge=True)
                 else:
@@ -125,6 +125,15 @@ class Hedging:
                 ex.rec.hedged("cancelled")
             raise
         return self._after(turn, race, hedged)
+
+    def takes(self, turn: Turn, second: Candidate) -> bool:
+        """The second's health would take the request now, and so would the scheduler: a hedge to a fast upstream
+        draws on its budget like any attempt, so a class's share holds against hedges too."""
+        h, now = self.health[second.upstream.name], self.health.clock()
+        if turn.ask is not None and turn.ask.refuses(h, turn.need, now) is not None:
+            return False
+        cached = turn.ask.cached.get(h.name, 0) if turn.ask is not None else 0
+        return h.unavailable(now, turn.need, turn.ex.blame, cached) is None
 
     def _after(self, turn: Turn, race: Race, hedged: bool) -> list[Candidate]:
         if race.winner is not None:

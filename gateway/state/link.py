@@ -48,6 +48,13 @@ class _Ask:
     then: Callable[[Any], None] | None = None
 
 
+@dataclass
+class _Every:
+    seconds: float
+    callback: Callable[[], None]
+    due: float = 0.0  # time.monotonic()
+
+
 class _Failed(Exception):
     """Counted where the pipeline failed."""
 
@@ -93,6 +100,7 @@ class RedisLink:
         self.on_deleted: list[Callable[[str], None]] = []  # told the ids other replicas deleted
         self.on_restored: list[Callable[[], None]] = []  # called each time Redis answers again
         self.on_tick: list[Callable[[], None]] = []  # called about every TICK_S seconds while Redis answers
+        self._every: list[_Every] = []
         self._next_tick = 0.0  # time.monotonic() of the next tick
         self._asks: list[_Ask] = []  # commands for the next pipeline (one per event-loop turn)
         self._flushes: set[asyncio.Task[None]] = set()
@@ -195,10 +203,25 @@ class RedisLink:
         self.up = False
         self.metrics.shared_up.set(0)
 
+    def every(self, seconds: float, callback: Callable[[], None]) -> None:
+        """``callback`` about every ``seconds`` (under :data:`TICK_S`) while Redis answers."""
+        self._every.append(_Every(seconds, callback))
+
+    @property
+    def poll(self) -> float:
+        """Seconds the subscriber may wait for a message before it must :meth:`tick`."""
+        return min([TICK_S, *(e.seconds for e in self._every)])
+
     def tick(self) -> None:
-        """The subscriber calls this between messages, at least once a second."""
+        """The subscriber calls this between messages, at least every :attr:`poll` seconds."""
         now = time.monotonic()
-        if now < self._next_tick or not self.up:
+        if not self.up:
+            return
+        for entry in self._every:
+            if now >= entry.due:
+                entry.due = now + entry.seconds
+                entry.callback()
+        if now < self._next_tick:
             return
         self._next_tick = now + TICK_S
         for callback in self.on_tick:

@@ -29,6 +29,8 @@ from gateway.observability import logs
 from gateway.observability.metrics import Metrics
 from gateway.routing.health import Health, Mark, UpstreamHealth
 from gateway.routing.ratelimits import Window
+from gateway.routing.scheduling import Scheduler
+from gateway.state.classes import SharedClasses
 from gateway.state.link import DAY_MS, FAILURES, RedisLink, number
 from gateway.state.scripts import QUOTA_KEYS, SEP
 
@@ -61,14 +63,16 @@ class SharedState(RedisLink):
                  wall: Callable[[], float] = time.time) -> None:
         super().__init__(url, cfg, metrics, wall=wall)
         self.health: Health | None = None
+        self.classes = SharedClasses(self)
 
     # lifecycle
 
-    def attach(self, health: Health) -> None:
+    def attach(self, health: Health, scheduler: Scheduler | None = None) -> None:
         if self.health is not None:
             self.health.listen(None)
         self.health = health
         health.listen(self)
+        self.classes.health, self.classes.scheduler = health, scheduler
 
     async def start(self) -> None:
         """The subscriber connects in the background: start-up never waits for Redis."""
@@ -180,7 +184,7 @@ class SharedState(RedisLink):
                         await self.redis.connection_pool.disconnect()
                 self._restored()
                 while self.up:
-                    message = await pubsub.get_message(timeout=1.0)
+                    message = await pubsub.get_message(timeout=self.poll)
                     if message is not None and message.get("type") == "message":
                         self._apply(message["data"])
                     self.tick()
