@@ -55,7 +55,7 @@ class Sizes:
     agents: int = 3  # agent loops
     think: float = 0.25  # seconds an agent thinks between steps
     batch: int = 16  # batch loops at once
-    max_tokens: int = 64
+    max_tokens: int = 200  # the CLI's --max-tokens default
     fast_tps: float = 2000.0
     fast_ttft: float = 0.02
     timeout: float = 30.0
@@ -91,13 +91,14 @@ class Mode:
     budget: int = 0
     seconds: float = 0.0  # the load's span: requests start only within it
 
-    def fast_tokens(self) -> int:
-        return sum(s.charge for s in self.sent if s.fast)
+    def fast_tokens(self, cls: str | None = None) -> int:
+        return sum(s.charge for s in self.sent if s.fast and cls in (None, s.cls))
 
-    def budget_used(self) -> float:
+    def budget_used(self, cls: str | None = None) -> float:
+        """Of the budget, by every class or ``cls``."""
         # the windows the load's span opened (the last requests' tails run past it, into no new window's budget)
         windows = max(1, math.ceil(self.seconds / WINDOW - 1e-9))
-        return self.fast_tokens() / (self.budget * windows) if self.budget else 0.0
+        return self.fast_tokens(cls) / (self.budget * windows) if self.budget else 0.0
 
 
 def _free_port() -> int:
