@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from test_scheduling import BUDGET, KEYS, _config, _post
 
@@ -112,14 +113,32 @@ async def test_a_batch_flood_on_another_replica_cannot_push_an_interactive_key_o
         redis.kill()
 
 
-@pytest.mark.parametrize("garbage", [b"not json", b'{"at": "x", "c": {}}', b'{"at": 1e300, "c": {"agent": 3}}'])
-def test_a_report_the_gateway_never_writes_is_counted_and_skipped(garbage: bytes) -> None:
+WALL = 1_000_000.0  # the wall clock the test's link reads: a report written "now" stays fresh however late it runs
+
+
+def _report(at: Any = None, **field: Any) -> bytes:
+    """A report as another replica writes it, with ``field`` put in its one class (``b``, ``l`` or a bucket's)."""
+    cls = {"b": 1.0, "l": 0.1, "s": None, "u": {"tokens": 10.0}, "a": {"tokens": 0.0}, "g": {"tokens": 0.0},
+           "p": {"tokens": 0.0}}
+    for k, v in field.items():
+        cls[k] = {"tokens": v} if k in ("u", "a", "g", "p") else v
+    return orjson.dumps({"at": WALL if at is None else at, "c": {"agent": cls}})
+
+
+@pytest.mark.parametrize("garbage", [
+    b"not json", b'{"at": "x", "c": {}}', b'{"at": 1e300, "c": {"agent": 3}}',
+    # each would parse with float(): a negative use held every replica back, a NaN time was never stale
+    _report(u=-1e300), _report(a="1e300"), _report(at="nan"), _report(b=-1.0),
+    _report(g=True), _report(l="0.1"),
+    None,  # the control: a report as the gateway writes it is read, and nothing counted
+])
+def test_a_report_the_gateway_never_writes_is_counted_and_skipped(garbage: bytes | None) -> None:
     from gateway.config.scheduling import SchedulingConfig
     from gateway.routing.scheduling import Scheduler
     from gateway.state.classes import SharedClasses
 
     class Link:  # what SharedClasses uses of the RedisLink
-        prefix, replica, metrics, wall = "t", "me", None, staticmethod(time.time)
+        prefix, replica, metrics, wall = "t", "me", None, staticmethod(lambda: WALL)
 
         def every(self, seconds: float, callback: Any) -> None: ...
 
@@ -143,6 +162,10 @@ def test_a_report_the_gateway_never_writes_is_counted_and_skipped(garbage: bytes
     classes.scheduler = Scheduler(SchedulingConfig.model_validate(
         {"classes": [{"name": "agent", "share": 0.5}, {"name": "batch", "share": 0}], "default_class": "agent"}))
     classes.health = Health()
-    classes._read("fast-1", "t:{fast-1}:classes", {b"other": garbage, b"me": b"mine is skipped"})
-    assert Errors.n == 1
-    assert classes.scheduler.others["fast-1"] == {}
+    classes._read("fast-1", "t:{fast-1}:classes", {b"other": garbage or _report(), b"me": b"mine is skipped"})
+    if garbage is None:
+        assert Errors.n == 0
+        assert classes.scheduler.others["fast-1"]["agent"].used == {"tokens": 10.0}
+    else:
+        assert Errors.n == 1
+        assert classes.scheduler.others["fast-1"] == {}

@@ -8,6 +8,7 @@ reads the others' in the same pipeline, off the request path: nothing awaits it.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import orjson
@@ -59,7 +60,7 @@ class SharedClasses:
                 continue
             try:
                 report = orjson.loads(raw)
-                late = max(0.0, wall - float(report["at"]))
+                late = max(0.0, wall - _num(report["at"]))
                 if late > STALE_S:
                     stale.append(replica)
                     continue
@@ -71,9 +72,21 @@ class SharedClasses:
             link.queue("classes", lambda pipe: pipe.hdel(key, *stale))
 
 
+def _num(v: Any) -> float:
+    """A number as :meth:`Scheduler.export` writes it: a JSON number, finite and not negative. Raises ValueError for
+    anything else: a string ``float()`` would take ("1e300", "nan"), a negative use that would make every replica
+    hold back, a NaN time that is never stale."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError(f"not a number: {v!r}")
+    f = float(v)
+    if not math.isfinite(f) or f < 0:
+        raise ValueError(f"not a finite, non-negative number: {v!r}")
+    return f
+
+
 def _class(r: dict[str, Any], late: float) -> dict[str, Any]:
     """One class of a report, every number checked and its ages counted to now (``late``: seconds since it was
     written). Raises ValueError, TypeError, KeyError or AttributeError for what the gateway never writes."""
-    buckets = {k: {str(b): float(v) for b, v in r[k].items()} for k in ("u", "a", "g", "p")}
-    return {"b": float(r["b"]) + late, "l": float(r["l"]) + late,
-            "s": float(r["s"]) + late if r.get("s") is not None else None, **buckets}
+    buckets = {k: {str(b): _num(v) for b, v in r[k].items()} for k in ("u", "a", "g", "p")}
+    return {"b": _num(r["b"]) + late, "l": _num(r["l"]) + late,
+            "s": _num(r["s"]) + late if r.get("s") is not None else None, **buckets}
