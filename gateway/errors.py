@@ -53,7 +53,14 @@ class InvalidRequest(GatewayError):
 
     status = 400
     error_type = "invalid_request_error"
-    code = "invalid_request"
+    code: str | None = "invalid_request"
+
+
+class NoToolCall(InvalidRequest):
+    """400, no code: a Responses tool output (``function_call_output``, ``custom_tool_call_output``) answers no tool
+    call in the input or in the conversation it continues, as OpenAI answers it."""
+
+    code = None
 
 
 class PayloadTooLarge(InvalidRequest):

@@ -87,3 +87,50 @@ def test_emulated_responses_api_stream_and_whole(stack: Stack) -> None:
     assert final.usage.output_tokens == 5
     whole = client.responses.create(model="gpt-5.6", input=prompt)
     assert whole.output_text == " Every token leaves the gateway" and whole.usage.output_tokens == 5
+
+
+TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+@pytest.mark.parametrize("model", ["gpt-5.6-sol-fast", "gpt-5.6"])  # the bridge, and a native upstream
+def test_a_tool_output_that_answers_no_call_is_a_400_as_openai_answers_it(stack: Stack, model: str) -> None:
+    """OpenAI answers 400 ("No tool call found for function call output with call_id ..."); before, the bridge sent
+    a chat upstream a ``tool`` message that followed no ``tool_calls``. A matching output, in the conversation the
+    gateway holds or in the same input, still goes through."""
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+    first = client.responses.create(model=model, input="What is the weather in Paris?", tools=[TOOL],  # type: ignore[list-item]
+                                    tool_choice="required")
+    call = next(item for item in first.output if item.type == "function_call")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=model, previous_response_id=first.id, tools=[TOOL],  # type: ignore[list-item]
+                                input=[{"type": "function_call_output", "call_id": "call_nowhere", "output": "x"}])
+    assert err.value.body == {"message": "No tool call found for function call output with call_id call_nowhere.",
+                              "type": "invalid_request_error", "param": "input", "code": None}
+    with pytest.raises(openai.BadRequestError):  # no conversation at all
+        client.responses.create(model=model, input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                     "output": "sunny"}])
+    answered = client.responses.create(model=model, previous_response_id=first.id, tools=[TOOL],  # type: ignore[list-item]
+                                       input=[{"type": "function_call_output", "call_id": call.call_id,
+                                               "output": "sunny"}])
+    assert answered.status == "completed"
+    inline = client.responses.create(model=model, tools=[TOOL], input=[  # type: ignore[list-item]
+        {"role": "user", "content": "weather?"}, {"type": "function_call", "call_id": "c1", "name": "get_weather",
+                                                  "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}])
+    assert inline.status == "completed"
+
+
+def test_a_warm_up_over_http_is_answered_by_the_gateway_and_continued_on_the_fast_tier(stack: Stack) -> None:
+    """``generate: false`` whole over HTTP: the gateway's own empty Response (upstream ``none``, usage zero); the
+    turn continuing it goes where its rules say (the bridged fast tier), with the warm-up's input in its prompt."""
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+    raw = client.responses.with_raw_response.create(model="gpt-5.6-sol-fast", input="context " * 50,
+                                                    extra_body={"generate": False})
+    warm = raw.parse()
+    assert (raw.headers["x-tiergate-tier"], raw.headers["x-tiergate-upstream"]) == ("fast", "none")
+    assert warm.output == [] and warm.usage is not None and warm.usage.total_tokens == 0
+    then = client.responses.with_raw_response.create(model="gpt-5.6-sol-fast", previous_response_id=warm.id,
+                                                     input="go on")
+    assert then.headers["x-tiergate-tier"] == "fast" and then.headers["x-tiergate-upstream"] != "none"
+    assert then.parse().usage.input_tokens > 50  # type: ignore[union-attr]

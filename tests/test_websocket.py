@@ -142,29 +142,53 @@ def test_store_false_is_continued_from_the_sockets_memory_only(stack: tuple[Proc
         client(gw.port).responses.retrieve(made)
 
 
-def test_a_warm_up_pinned_to_the_fast_tier_moves_to_a_native_upstream(stack: tuple[Proc, EmulatorThread,
-                                                                                    EmulatorThread]) -> None:
-    """``generate: false`` (a warm-up: OpenAI's WebSocket mode guide) is not the bridge's to serve: a message pinned
-    to the fast tier goes to the native standard upstream (``fallback=responses_feature`` in its log line), whose
-    answer is a response without output; the next turn continues it."""
+def test_a_warm_up_is_answered_by_the_gateway_and_the_turn_after_it_stays_on_the_fast_tier(
+        stack: tuple[Proc, EmulatorThread, EmulatorThread]) -> None:
+    """``generate: false`` (a warm-up: OpenAI's WebSocket mode guide; Codex CLI's first message on a socket) reaches
+    no upstream: the gateway answers an empty lifecycle at the tier the rules pick (upstream ``none``, nothing
+    billed) and holds its input, so the real turn that continues it is routed by its own rules: the bridged fast
+    tier, with the warm-up's input in its conversation."""
     gw, fast, standard = stack
     fast_before, std_before = len(fast.requests), len(standard.requests)
     with client(gw.port).responses.connect() as conn:
-        conn.send({"type": "response.create", "model": "gpt-5.6-sol-fast", "input": "the instructions",
-                   "generate": False})  # type: ignore[arg-type]
+        conn.send({"type": "response.create", "model": "gpt-5.6-sol-fast", "input": "the warm-up's instructions",
+                   "instructions": "be brief", "generate": False, "store": False})  # type: ignore[arg-type]
         warm = until_done(conn)
-        conn.response.create(model="gpt-5.6", input="now [[emulate tokens=3]]",
+        assert len(fast.requests) == fast_before and len(standard.requests) == std_before  # nothing went upstream
+        conn.response.create(model="gpt-5.6-sol-fast", input="now [[emulate tokens=3]]", store=False,
                              previous_response_id=warm[-1].response.id)
         answered = until_done(conn)
-    assert [e.type for e in warm] == ["response.created", "response.completed"]
-    assert warm[-1].response.output == [] and warm[-1].response.usage.output_tokens == 0
+    assert [e.type for e in warm] == ["response.created", "response.in_progress", "response.completed"]
+    done = warm[-1].response
+    assert done.output == [] and done.status == "completed" and done.usage is not None
+    assert (done.usage.input_tokens, done.usage.output_tokens) == (0, 0)
+    assert done.instructions == "be brief" and done.model == "gpt-5.6-sol-fast"
     assert answered[-1].type == "response.completed"
-    assert len(fast.requests) == fast_before
-    sent = [json.loads(r.body) for r in standard.requests[std_before:] if r.method == "WS"]
-    assert sent[0]["generate"] is False and len(sent) == 2
+    assert len(standard.requests) == std_before
+    sent = json.loads(fast.requests[-1].body)
+    assert "the warm-up's instructions" in json.dumps(sent["messages"])
     log = [json.loads(line) for line in gw.log.read_text().splitlines() if line.startswith("{")]
-    line = next(r for r in reversed(log) if r.get("method") == "WS" and r.get("model") == "gpt-5.6-sol-fast")
-    assert line["tier"] == "standard" and line["fallback"] == "responses_feature"
+    lines = [r for r in log if r.get("method") == "WS" and r.get("model") == "gpt-5.6-sol-fast"][-2:]
+    assert [(r["tier"], r["upstream"], r["status"]) for r in lines] == [("fast", "none", 200),
+                                                                         ("fast", "emu-fast", 200)]
+    assert lines[0]["cost_usd"] in (None, 0) and lines[0]["fallback"] is None
+
+
+def test_a_warm_up_after_a_native_response_goes_to_the_upstream_that_holds_it(
+        stack: tuple[Proc, EmulatorThread, EmulatorThread]) -> None:
+    """The gateway cannot hold what follows from a conversation only a native upstream holds: that warm-up goes to
+    it (``response_affinity``), which answers it as OpenAI does."""
+    gw, _, standard = stack
+    with client(gw.port).responses.connect() as conn:
+        conn.response.create(model="gpt-5.6", input="first [[emulate tokens=2]]", store=False)
+        first = until_done(conn)
+        before = len(standard.requests)
+        conn.send({"type": "response.create", "model": "gpt-5.6", "input": "more context", "generate": False,
+                   "previous_response_id": first[-1].response.id, "store": False})  # type: ignore[arg-type]
+        warm = until_done(conn)
+    assert warm[-1].type == "response.completed" and warm[-1].response.output == []
+    sent = [json.loads(r.body) for r in standard.requests[before:] if r.method == "WS"]
+    assert len(sent) == 1 and sent[0]["generate"] is False
 
 
 def test_lanes_are_served_side_by_side_each_in_order(stack: tuple[Proc, EmulatorThread, EmulatorThread]) -> None:
@@ -673,3 +697,25 @@ def test_a_socket_that_never_reads_is_aborted_when_its_close_cannot_flush() -> N
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_a_failed_turn_is_evicted_from_its_socket_and_an_orphan_tool_output_refused(
+        stack: tuple[Proc, EmulatorThread, EmulatorThread]) -> None:
+    """As OpenAI's WebSocket mode: continuing a turn that failed is ``previous_response_not_found`` on the socket
+    (before, the bridge continued it), and a tool output answering no call is a 400; the socket lives on."""
+    gw, _, _ = stack
+    with client(gw.port).responses.connect() as conn:
+        conn.response.create(model="gpt-5.6-sol-fast", input="hi [[emulate tokens=20 drop_after=4]]", store=True)
+        failed = until_done(conn)[-1]
+        assert failed.type == "response.failed", failed
+        conn.response.create(model="gpt-5.6-sol-fast", input="go on", previous_response_id=failed.response.id)
+        refused = until_done(conn)[-1]
+        assert refused.type == "error" and refused.status == 400
+        assert refused.error.code == "previous_response_not_found"
+        conn.response.create(model="gpt-5.6-sol-fast", input=[
+            {"type": "function_call_output", "call_id": "call_nowhere", "output": "sunny"}])
+        orphan = until_done(conn)[-1]
+        assert orphan.type == "error" and orphan.status == 400 and orphan.error.param == "input"
+        assert orphan.error.message == "No tool call found for function call output with call_id call_nowhere."
+        first, second = tool_loop(conn, "gpt-5.6-sol-fast", store=False)  # and the socket still serves
+        assert second[-1].type == "response.completed"

@@ -7,10 +7,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from gateway.errors import InvalidRequest, ModelNotFound
+from gateway.errors import InvalidRequest, ModelNotFound, NoToolCall
 from gateway.observability.estimates import Estimates
 from gateway.responses.ids import ID_PREFIX
-from gateway.responses.request import unbridgeable
+from gateway.responses.request import orphan_output, unbridgeable
 from gateway.responses.store import Bridged, Native, ResponseStore
 from gateway.routing import deadline
 from gateway.routing.facts import Continuation, Decision, RequestFacts
@@ -42,11 +42,16 @@ class Classify:
     async def facts(self, kind: str, body: dict[str, Any], headers: dict[str, str], size: int, key: Key | None,
                     refresh: bool = True, store: ResponseStore | None = None) -> RequestFacts:
         """``store``: a WebSocket-mode socket's own, else the gateway's; ``refresh``: continuing a conversation makes
-        it live another ttl (the route endpoint's look does not). Raises as :meth:`continuation`."""
+        it live another ttl (the route endpoint's look does not). Raises as :meth:`continuation`, and InvalidRequest
+        NoToolCall (400) for a tool output that answers no call (``orphan_output``)."""
         defaults = key.cfg.metadata if key is not None else None
         if kind != "responses":
             return RequestFacts(body, headers, size, defaults=defaults)
         cont = await self.continuation(body, refresh, key, store)
+        if cont is None or cont.held:  # else a native upstream holds the conversation: it judges
+            orphan = orphan_output(cont.history if cont is not None else (), body)
+            if orphan is not None:
+                raise NoToolCall(f"No tool call found for function call output with call_id {orphan}.", param="input")
         if cont is not None and cont.history:
             size += len(dumps(list(cont.history)))  # the conversation goes upstream too: routing counts it
         return RequestFacts(body, headers, size, responses=True, continuation=cont, bridgeable=unbridgeable,

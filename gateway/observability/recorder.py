@@ -120,6 +120,11 @@ class Recorder:
     def answered(self, status: int) -> None:
         self.status = status
 
+    def served_by_gateway(self, tier: str) -> None:
+        """Answered without an upstream (a Responses warm-up, ``gateway.pipeline.warmup``): counted at the tier the
+        rules picked, upstream ``none``, so that nothing is billed or measured as an upstream's latency."""
+        self.tier = tier
+
     def chose_by_deadline(self, tier: str, upstream: str, verdict: str) -> None:
         m = self._metrics
         m.child(m.deadline_decisions, tier, upstream, verdict).inc()

@@ -26,6 +26,7 @@ from gateway.pipeline.attempts import Attempts, Turn, give_up
 from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.hedging import Hedging, may_race
 from gateway.pipeline.waiting import Waiting
+from gateway.pipeline.warmup import answers_itself, warm_up
 from gateway.routing import deadline, failover
 from gateway.routing.blame import Blame
 from gateway.routing.facts import Candidate, Decision, RequestFacts
@@ -51,8 +52,12 @@ class ChatPipeline:
         self.waiting = Waiting(config.scheduling) if config.scheduling is not None else None
 
     async def serve(self, ex: Exchange, admitted: Admitted) -> None:
-        """Failover happens only before the first byte reached the client: the relay commits at the first token."""
+        """Failover happens only before the first byte reached the client: the relay commits at the first token. A
+        Responses warm-up is the gateway's own answer (``gateway.pipeline.warmup``)."""
         req = ex.request
+        if answers_itself(admitted.facts):
+            assert admitted.facts is not None
+            return await warm_up(ex, admitted.facts, admitted.decision, self.attempts.delivery.conversations)
         ex.blame = Blame(functools.partial(blame_source, req.key, req.raw or b""))
         try:
             turn = await self.plan(ex, admitted)

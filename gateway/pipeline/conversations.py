@@ -67,9 +67,11 @@ class Conversations:
 
     async def keep(self, facts: RequestFacts, response_id: str, record: Bridged | Native,
                    memory: SocketStore | None = None) -> None:
-        """Always in ``memory`` (the WebSocket-mode socket that made it); in the gateway's store unless the request
-        said ``store: false``."""
-        if memory is not None and not await memory.put(response_id, record):
+        """Always in ``memory`` (the WebSocket-mode socket that made it), unless it failed there; in the gateway's
+        store unless the request said ``store: false``."""
+        if memory is not None and isinstance(record, Bridged) and record.response.get("status") == "failed":
+            memory.evict(response_id)
+        elif memory is not None and not await memory.put(response_id, record):
             log.warning("response %s is larger than its socket's memory (limits.websocket.memory_bytes): not kept",
                         response_id)
         if facts.body.get("store") is not False and not await self.store.put(response_id, record):

@@ -23,6 +23,8 @@ _BRIDGED_FIELDS = frozenset({
     # reference, Create a model response): the bridge runs no built-in tool (a request offering one is not
     # bridged), so the limit has nothing to limit; echoed in the Response, not sent
     "max_tool_calls",
+    # WebSocket mode's warm-up (``generate: false``): answered by the gateway itself (gateway.pipeline.warmup)
+    "generate",
 })
 
 
@@ -60,7 +62,8 @@ _SHAPES: tuple[tuple[str, type | tuple[type, ...], str], ...] = (
      "object"), ("text", dict, "an object"), ("reasoning", dict, "an object"), ("include", list, "an array"),
     ("metadata", dict, "an object"), ("parallel_tool_calls", bool, "a boolean"), ("max_output_tokens", int,
                                                                                    "an integer"),
-    ("max_tool_calls", int, "an integer"), ("presence_penalty", (int, float), "a number"),
+    ("max_tool_calls", int, "an integer"), ("generate", bool, "a boolean"),
+    ("presence_penalty", (int, float), "a number"),
     ("frequency_penalty", (int, float), "a number"))
 
 
@@ -166,6 +169,31 @@ def input_items(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         item.setdefault("id", new_id({"message": "msg_tg", "function_call": "fc_tg"}.get(item["type"], "it_tg")))
         out.append(item)
     return out
+
+
+_CALLS = {"function_call_output": "function_call", "custom_tool_call_output": "custom_tool_call"}
+
+
+def orphan_output(history: Iterable[Mapping[str, Any]], body: Mapping[str, Any]) -> str | None:
+    """The ``call_id`` of the first tool output in the input that answers no call before it (in the conversation or
+    this input), or None. OpenAI answers such a request 400 ("No tool call found for function call output with
+    call_id ..."); a chat upstream would be sent a ``tool`` message that follows no ``tool_calls``. Input holding an
+    ``item_reference`` is not judged: what it names is the upstream's."""
+    raw = body.get("input")
+    if not isinstance(raw, list) or not any(isinstance(i, dict) and i.get("type") in _CALLS for i in raw):
+        return None  # the common turn: no tool output in it, nothing to scan
+    called: set[Any] = set()
+    for item in [*history, *raw]:
+        if not isinstance(item, Mapping):
+            continue
+        kind = item.get("type")
+        if kind == "item_reference":
+            return None
+        if kind in ("function_call", "custom_tool_call"):
+            called.add(item.get("call_id"))
+        elif kind in _CALLS and item.get("call_id") not in called:
+            return str(item.get("call_id"))
+    return None
 
 
 OWN_ITEM_PREFIXES = ("msg_tg", "fc_tg", "rs_tg", "it_tg")  # ids of the output items the gateway made (new_id)

@@ -257,6 +257,9 @@ class SocketMemory:
             self.by_key.pop(owner, None)
 
 
+EVICTED_MAX = 1024  # failed turns a socket remembers as evicted; past it, one more is only dropped from its memory
+
+
 class SocketStore:
     """What the socket made is kept in its own memory whatever ``store`` said, as OpenAI's WebSocket mode
     keeps the previous response on the connection (docs/websocket.md#memory); anything else is looked up in ``shared``,
@@ -269,8 +272,17 @@ class SocketStore:
         self.memory = memory
         self.owner = owner
         self.counted = 0  # local.bytes as memory last counted them
+        self.evicted: set[str] = set()  # failed turns' ids (:meth:`evict`), at most EVICTED_MAX
         if memory is not None:
             memory.sockets.setdefault(owner, set()).add(self)
+
+    def evict(self, response_id: str) -> None:
+        """A turn that failed: continuing it on this socket is ``previous_response_not_found``, as OpenAI's WebSocket
+        mode evicts a failed turn from the connection's cache (also when the gateway's store keeps it)."""
+        self.local.forget(response_id)
+        self._count()
+        if len(self.evicted) < EVICTED_MAX:
+            self.evicted.add(response_id)
 
     def _count(self) -> None:
         """``local`` also shrinks by itself: expired records, its own bounds."""
@@ -296,10 +308,14 @@ class SocketStore:
         return True
 
     async def get(self, response_id: str, owner: str | None) -> Record | None:
+        if response_id in self.evicted:
+            return None
         found = await self.local.get(response_id, owner)
         return found if found is not None else await self.shared.get(response_id, owner)
 
     async def history(self, response_id: str, owner: str | None, refresh: bool = True) -> list[dict[str, Any]] | None:
+        if response_id in self.evicted:
+            return None
         chain, missing = self.local.chain(response_id, owner, refresh)
         if missing is None:
             return items_of(chain)

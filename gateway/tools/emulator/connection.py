@@ -20,7 +20,7 @@ from gateway.tools.emulator.faults import ANSWERS, FAULTS, bent
 from gateway.tools.emulator.generation import SSE, Generation
 from gateway.tools.emulator.plans import Plan, Received
 from gateway.tools.emulator.profiles import PROFILES
-from gateway.tools.emulator.responses import final_response, response_events
+from gateway.tools.emulator.responses import final_response, orphan, response_events
 from gateway.tools.emulator.schedule import Schedule
 from gateway.tools.emulator.shared import Emulator
 from gateway.tools.emulator.websocket import EmulatorSocket, wants_socket
@@ -203,11 +203,9 @@ class EmulatorProtocol(asyncio.Protocol):
             return
         if self.cfg.tokens_per_minute and not self._charge(body):
             return
-        previous = body.get("previous_response_id")
-        if path.endswith(b"/responses") and previous is not None and previous not in self.emulator.responses_made:
-            self.reply(400, orjson.dumps({"error": {"message": f"Previous response with id '{previous}' not found.",
-                                                    "type": "invalid_request_error", "param": "previous_response_id",
-                                                    "code": "previous_response_not_found"}}))
+        refused = self._continuation_refused(body) if path.endswith(b"/responses") else None
+        if refused is not None:
+            self.reply(400, orjson.dumps(refused))
             return
         if "transcript" in d:
             self._replay(d["transcript"], d, stream=body.get("stream") is True)
@@ -219,6 +217,15 @@ class EmulatorProtocol(asyncio.Protocol):
         if gen.responses and body.get("store") is not False:  # OpenAI keeps no store: false response
             self.emulator.made(final_response(gen))
         self.answer(gen)
+
+    def _continuation_refused(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """OpenAI's 400 for a ``previous_response_id`` it does not hold, or a tool output that answers no call."""
+        previous = body.get("previous_response_id")
+        if previous is not None and previous not in self.emulator.responses_made:
+            return {"error": {"message": f"Previous response with id '{previous}' not found.",
+                              "type": "invalid_request_error", "param": "previous_response_id",
+                              "code": "previous_response_not_found"}}
+        return orphan(body, self.emulator.responses_made)
 
     def _stored_response(self, method: bytes, under: str) -> bool:
         """OpenAI API reference: retrieve and delete a model response. False for any other request."""

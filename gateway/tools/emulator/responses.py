@@ -7,6 +7,7 @@ from typing import Any
 
 import orjson
 
+from gateway.responses.request import orphan_output
 from gateway.responses.whole import Draft
 from gateway.tools.emulator.generation import Generation
 
@@ -18,8 +19,31 @@ def output_item(gen: Generation, status: str, sent: int | None = None) -> dict[s
         name, call_id = gen.tool
         return {"id": "fc_emu", "type": "function_call", "status": status, "call_id": call_id, "name": name,
                 "arguments": text}
-    content = [{"type": "output_text", "text": text, "annotations": []}] if status != "in_progress" else []
+    # ``logprobs`` is required on output text (OpenAI's OpenAPI ``ResponseOutputText``): empty unless asked for
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] \
+        if status != "in_progress" else []
     return {"id": "msg_emu", "type": "message", "status": status, "role": "assistant", "content": content}
+
+
+CHAIN = 64  # earlier responses an orphan check walks at most
+
+
+def orphan(body: dict[str, Any], *kept: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """OpenAI's 400 for a tool output in ``input`` that answers no call in it or in the outputs of the responses it
+    continues (``kept``: where made responses are held), as its error body; None when every output has its call."""
+    history: list[Any] = []
+    previous = body.get("previous_response_id")
+    for _ in range(CHAIN):
+        found = next((k[previous] for k in kept if isinstance(previous, str) and previous in k), None)
+        if found is None:
+            break
+        history[:0] = found.get("output") or []
+        previous = found.get("previous_response_id")
+    call_id = orphan_output(history, body)
+    if call_id is None:
+        return None
+    return {"error": {"message": f"No tool call found for function call output with call_id {call_id}.",
+                      "type": "invalid_request_error", "param": "input", "code": None}}
 
 
 def fails_at(gen: Generation) -> int | None:

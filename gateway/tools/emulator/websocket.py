@@ -24,7 +24,7 @@ from websockets.server import ServerProtocol
 from gateway.tools.emulator.directives import directives
 from gateway.tools.emulator.generation import Generation
 from gateway.tools.emulator.plans import Received
-from gateway.tools.emulator.responses import final_response, response_events, warm_up_events, warmed_up
+from gateway.tools.emulator.responses import final_response, orphan, response_events, warm_up_events, warmed_up
 from gateway.tools.emulator.schedule import Line, Schedule
 from gateway.tools.emulator.shared import Emulator
 
@@ -148,6 +148,10 @@ class EmulatorSocket:
         if previous is not None and previous not in self.memory and previous not in emu.responses_made:
             self.send(error_event(400, f"Previous response with id '{previous}' not found.",
                                   "previous_response_not_found", "previous_response_id", self.lane))
+            return
+        refused = orphan(body, self.memory, emu.responses_made)
+        if refused is not None:
+            self.send(error_event(400, refused["error"]["message"], None, "input", self.lane))
             return
         gen = Generation(emu, body, d, self.loop.time(), responses=True)
         warm_up = body.get("generate") is False
