@@ -36,6 +36,7 @@ FAILURES = (RedisError, OSError, TimeoutError)
 
 DAY_MS = 86_400_000
 MAX_PENDING = 10_000  # commands asked in one event-loop turn; past it they are dropped (and counted)
+STOP_S = 5.0  # seconds stop() waits for its cancelled tasks
 TICK_S = 1.0  # seconds between the calls of ``on_tick`` while Redis answers
 
 @dataclass
@@ -105,6 +106,7 @@ class RedisLink:
         self._asks: list[_Ask] = []  # commands for the next pipeline (one per event-loop turn)
         self._flushes: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
+        self.stopping = False  # stop() began: a failure its cancel caused ends the loops, not retried
         self._said_down = False
         metrics.shared_up.set(0)
 
@@ -238,11 +240,16 @@ class RedisLink:
             callback()
 
     async def stop(self) -> None:
-        """Updates still queued are dropped."""
+        """Updates still queued are dropped. Waits at most :data:`STOP_S` for the cancelled tasks: a shutdown never
+        hangs on Redis."""
+        self.stopping = True
         tasks = [*self._tasks, *self._flushes]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=STOP_S)
+            if late:
+                log.warning("shared state: %d Redis task(s) did not stop within %g s", len(late), STOP_S)
         self._tasks = []
         with contextlib.suppress(*FAILURES):
             await self.redis.aclose()

@@ -189,6 +189,12 @@ class SharedState(RedisLink):
                         self._apply(message["data"])
                     self.tick()
             except Exception as exc:  # noqa: BLE001 - whatever went wrong, the subscriber lives on and tries again
+                if self.stopping:
+                    # stop() cancelled it while a timeout (ours, or redis-py's in get_message) was due too: Python
+                    # 3.11's asyncio.timeout can turn that cancel into TimeoutError, and looping on made stop() wait
+                    # for ever (seen: a test's teardown hung after Redis had been paused). Task.cancelling() cannot
+                    # tell: a timeout that fired before leaves it set
+                    raise asyncio.CancelledError from exc
                 self._failed("subscribe" if self.up else "ping", exc)
             finally:
                 with contextlib.suppress(*FAILURES):
