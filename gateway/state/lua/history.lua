@@ -15,9 +15,11 @@ if tonumber(ARGV[4]) > 0 then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local idx = ARGV[1] .. ':index:' .. ARGV[2]
-  for _, link in ipairs(ids) do
+  local top = redis.pcall('ZREVRANGE', idx, 0, 0, 'WITHSCORES')
+  if type(top) == 'table' and top[2] and tonumber(top[2]) >= now then now = tonumber(top[2]) + 0.001 end
+  for i, link in ipairs(ids) do  -- the newest link scored highest: the index stays in the order they were made
     redis.call('PEXPIRE', ARGV[1] .. ':record:' .. link, ARGV[4])
-    redis.pcall('ZADD', idx, 'XX', now, link)
+    redis.pcall('ZADD', idx, 'XX', string.format('%.3f', now + (#ids - i) * 0.001), link)
   end
 end
 return out

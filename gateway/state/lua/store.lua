@@ -59,6 +59,11 @@ local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
+local function after_newest(o, now)  -- a score above every other in o's index: puts within one ms keep their order
+  local top = redis.call('ZREVRANGE', index(o), 0, 0, 'WITHSCORES')[2]  -- (ties would sort by id, not by time)
+  if top and tonumber(top) >= now then return tonumber(top) + 0.001 end
+  return now
+end
 local function prune(o, now, ttl)  -- o's records that expired leave its count; how many did
   local old = redis.call('ZRANGEBYSCORE', index(o), '-inf', '(' .. string.format('%d', now - ttl), 'LIMIT', 0, 1000)
   for _, id in ipairs(old) do evict(o, id) end

@@ -13,7 +13,7 @@ if was then forget(was, id) end  -- put again (an id an upstream gave twice, may
 redis.call('DEL', rec)
 redis.call('HSET', rec, 'data', ARGV[6], 'previous', ARGV[7], 'o', o)
 redis.call('PEXPIRE', rec, ttl)
-redis.call('ZADD', index(o), now, id)
+redis.call('ZADD', index(o), string.format('%.3f', after_newest(o, now)), id)
 redis.call('HSET', sizes(o), id, string.format('%d', size))
 account(o, 1, size)
 prune(o, now, ttl)
