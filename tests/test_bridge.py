@@ -21,7 +21,14 @@ from pydantic import TypeAdapter
 
 from gateway.errors import GatewayError
 from gateway.responses.ids import ID_PREFIX, new_id
-from gateway.responses.request import as_input, chat_request, input_items, native_input, unbridgeable
+from gateway.responses.request import (
+    as_input,
+    chat_request,
+    droppable_tools,
+    input_items,
+    native_input,
+    unbridgeable,
+)
 from gateway.responses.stream import BridgeRelay, _Item
 from gateway.responses.whole import Draft, response_usage, whole_response
 from gateway.wire.body import loads
@@ -134,6 +141,26 @@ def test_a_named_tool_choice_and_json_object() -> None:
 def test_what_the_bridge_cannot_serve_is_named(extra: dict[str, Any], param: str) -> None:
     found = unbridgeable({"model": "m", "input": "x", **extra})
     assert found is not None and found[0] == param
+
+
+@pytest.mark.parametrize(("extra", "dropped"), [
+    ({"tools": [TOOL, {"type": "web_search"}]}, ("web_search",)),  # Codex CLI's default tools
+    ({"tools": [{"type": "web_search"}, {"type": "file_search", "vector_store_ids": []}]}, ("file_search",
+                                                                                          "web_search")),
+    ({"tools": [TOOL], "input": [{"type": "additional_tools", "tools": [{"type": "web_search"}]}]}, ("web_search",)),
+    ({"tools": [TOOL, {"type": "web_search"}], "tool_choice": "required"}, ("web_search",)),
+    ({"tools": [TOOL, {"type": "web_search"}], "tool_choice": {"type": "web_search"}}, ()),  # forced
+    ({"tools": [{"type": "web_search"}], "tool_choice": "required"}, ()),  # nothing left to call
+    ({"tools": [TOOL, {"type": "web_search"}], "background": True}, ()),  # bridged without it: still not
+    ({"tools": [TOOL]}, ()),  # nothing to drop
+])
+def test_which_hosted_tools_may_be_dropped(extra: dict[str, Any], dropped: tuple[str, ...]) -> None:
+    body = {"model": "m", "input": "x", **extra}
+    assert droppable_tools(body) == dropped
+    if dropped:
+        chat = chat_request(body, [])
+        assert [t["function"]["name"] for t in chat.get("tools", [])] == (["get_weather"] if TOOL in body["tools"]
+                                                                         else [])
 
 
 def test_max_tool_calls_is_accepted_echoed_and_not_sent() -> None:

@@ -9,6 +9,7 @@ that "works" because the gateway silently started afresh fails here.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -210,14 +211,39 @@ def test_what_the_bridge_cannot_serve_goes_native_or_is_refused(gw: Proc, ups: d
     resp = _create(gw, model=FAST, input="Find news", tools=[{"type": "web_search"}])
     assert resp.status_code == 200
     assert (resp.headers["x-tiergate-tier"], resp.headers["x-tiergate-fallback"]) == ("standard", "responses_feature")
-    resp = _create(gw, model="wse-only", input="Find news", tools=[{"type": "web_search"}])
+    resp = _create(gw, model="wse-only", input="Find news", tools=[{"type": "web_search"}],
+                   tool_choice={"type": "web_search"})  # forced: no upstream of the model runs it
     assert resp.status_code == 400
     err = resp.json()["error"]
     assert (err["param"], err["code"], err["type"]) == ("tools", "unsupported_parameter", "invalid_request_error")
     assert "web_search" in err["message"]
+    resp = _create(gw, model="wse-only", input="Find news", tools=[{"type": "file_search", "vector_store_ids": []}],
+                   tool_choice="required")  # required, and nothing would be left to call
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "tools"
     resp = _create(gw, model="wse-only", input="Later", background=True)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "background"
     assert len(ups["fast"].requests) == n  # nothing was sent half-translated
+
+
+def test_a_hosted_tool_only_offered_on_a_bridge_only_model_is_dropped_and_said_so(
+        gw: Proc, ups: dict[str, EmulatorThread]) -> None:
+    """Codex CLI offers ``web_search`` beside its function tools for any model: on a model only bridged upstreams
+    serve, the request is served without it (``x-tiergate-tools-dropped``, and ``tools_dropped`` in its log line)
+    rather than refused; the chat upstream is offered the function tools alone, and the Response echoes what was
+    served."""
+    fn = {"type": "function", "name": "shell", "parameters": {"type": "object", "properties": {}}}
+    resp = _create(gw, model="wse-only", input="Find news", tools=[fn, {"type": "web_search"}])
+    assert resp.status_code == 200, resp.text
+    assert (resp.headers["x-tiergate-tier"], resp.headers["x-tiergate-tools-dropped"]) == ("fast", "web_search")
+    sent = json.loads(ups["fast"].requests[-1].body)
+    assert [t["function"]["name"] for t in sent["tools"]] == ["shell"]
+    assert [t["type"] for t in resp.json()["tools"]] == ["function"]
+    log = [json.loads(line) for line in gw.log.read_text().splitlines() if line.startswith("{")]
+    line = next(r for r in log if r.get("request_id") == resp.headers["x-request-id"])
+    assert line["tools_dropped"] == ["web_search"] and line["upstream"] == "emu-fast"
+    native = _create(gw, model=FAST, input="Find news", tools=[fn, {"type": "web_search"}])
+    assert "x-tiergate-tools-dropped" not in native.headers  # an upstream of the model runs it: it goes there
+    assert native.headers["x-tiergate-fallback"] == "responses_feature"
 
 
 def test_a_foreign_previous_response_id_never_reaches_a_chat_upstream(gw: Proc, ups: dict[str, EmulatorThread]) -> None:

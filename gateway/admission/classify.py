@@ -10,7 +10,7 @@ from typing import Any, Protocol
 from gateway.errors import InvalidRequest, ModelNotFound, NoToolCall
 from gateway.observability.estimates import Estimates
 from gateway.responses.ids import ID_PREFIX
-from gateway.responses.request import orphan_output, unbridgeable
+from gateway.responses.request import droppable_tools, orphan_output, unbridgeable
 from gateway.responses.store import Bridged, Native, ResponseStore
 from gateway.routing import deadline
 from gateway.routing.facts import Continuation, Decision, RequestFacts
@@ -55,7 +55,7 @@ class Classify:
         if cont is not None and cont.history:
             size += len(dumps(list(cont.history)))  # the conversation goes upstream too: routing counts it
         return RequestFacts(body, headers, size, responses=True, continuation=cont, bridgeable=unbridgeable,
-                            defaults=defaults)
+                            droppable=droppable_tools, defaults=defaults)
 
     async def continuation(self, body: dict[str, Any], refresh: bool, key: Key | None,
                            store: ResponseStore | None = None) -> Continuation | None:

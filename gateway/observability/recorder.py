@@ -80,7 +80,8 @@ class Recorder:
     names none (its last attempt's, where the upstream honours the field)."""
 
     __slots__ = ("t0", "request", "status", "rule", "fallback", "upstream_model", "attempts", "outcome", "span",
-                 "tier", "upstream", "model", "recorded", "billed_tier", "_obs", "_metrics", "_in_flight", "_pending")
+                 "tier", "upstream", "model", "recorded", "billed_tier", "dropped", "_obs", "_metrics", "_in_flight",
+                 "_pending")
 
     def __init__(self, observers: Observers, request: Subject) -> None:
         self.t0 = time.perf_counter()
@@ -97,6 +98,7 @@ class Recorder:
         self.model = "other"
         self.recorded = False
         self.billed_tier: str | None = None
+        self.dropped: tuple[str, ...] = ()
         self._obs = observers
         self._metrics = observers.metrics
         self._in_flight: Any = None
@@ -124,6 +126,11 @@ class Recorder:
         """Answered without an upstream (a Responses warm-up, ``gateway.pipeline.warmup``): counted at the tier the
         rules picked, upstream ``none``, so that nothing is billed or measured as an upstream's latency."""
         self.tier = tier
+
+    def tools_dropped(self, tools: tuple[str, ...]) -> None:
+        """Hosted tools only offered, which no upstream of the model runs, left out (``gateway.routing.policy``): in
+        the request log line."""
+        self.dropped = tools
 
     def chose_by_deadline(self, tier: str, upstream: str, verdict: str) -> None:
         m = self._metrics
@@ -373,7 +380,8 @@ class Recorder:
             "cached_tokens": details.get("cached_tokens") if isinstance(details, dict) else None,
             "service_tier": kw.get("service_tier"), "service_tier_asked": self.billed_tier,
             "service_tier_echoed": served is not None,
-            "usage_estimated": bool(kw.get("estimated")), "cost_usd": None if cost is None else round(cost, 9)})
+            "usage_estimated": bool(kw.get("estimated")), "cost_usd": None if cost is None else round(cost, 9),
+            "tools_dropped": list(self.dropped) or None})
 
 
 def slower(served: str, asked: str) -> bool:

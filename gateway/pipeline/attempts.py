@@ -217,6 +217,9 @@ class Attempts:
         run = ex.reserved.run
         if run is not None:
             out += session_headers(run, up.name)
+        if decision.dropped_tools and up.responses_mode == "bridge":
+            out.append((b"x-tiergate-tools-dropped", ",".join(decision.dropped_tools).encode()))
+            ex.rec.tools_dropped(decision.dropped_tools)
         return [*out, *((k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items())]
 
 

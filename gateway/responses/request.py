@@ -136,6 +136,36 @@ def _tool_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
     return None
 
 
+def droppable_tools(body: Mapping[str, Any]) -> tuple[str, ...]:
+    """The types of the hosted tools (``web_search``, ...) the request offers, when none is forced and the bridge
+    could serve it without them; else ``()``. Codex CLI offers ``web_search`` beside its function tools for any
+    model; on a model only bridged upstreams serve, the tool is dropped rather than the request refused
+    (docs/responses.md#hosted-tools). Forced (a ``tool_choice`` naming it, or ``required`` with no other tool left):
+    not droppable, the request stays a 400."""
+    hosted = sorted({str(_dict(t).get("type")) for t in offered_tools(body, flat=False)
+                     if _dict(t).get("type") not in _TOOLS})
+    if not hosted:
+        return ()
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") not in ("function", "custom"):
+        return ()
+    rest = without_hosted_tools(body)
+    if choice == "required" and not offered_tools(rest):
+        return ()
+    return tuple(hosted) if unbridgeable(rest) is None else ()
+
+
+def without_hosted_tools(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``body`` offering only the tools the bridge serves (in ``tools`` and in ``additional_tools`` items)."""
+    out = dict(body)
+    if isinstance(body.get("tools"), list):
+        out["tools"] = [t for t in body["tools"] if _dict(t).get("type") in _TOOLS]
+    if isinstance(body.get("input"), list):
+        out["input"] = [{**i, "tools": [t for t in _list(i.get("tools")) if _dict(t).get("type") in _TOOLS]}
+                        if isinstance(i, dict) and i.get("type") == "additional_tools" else i for i in body["input"]]
+    return out
+
+
 def _input_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
     for i, item in enumerate(_list(body.get("input"))):
         if not isinstance(item, dict):
@@ -229,7 +259,8 @@ def chat_request(body: Mapping[str, Any], history: list[dict[str, Any]]) -> dict
         messages.append({"role": "system", "content": body["instructions"]})
     messages += _messages([*history, *input_items(body)])
     chat: dict[str, Any] = {"model": body["model"], "messages": messages}
-    tools = [_chat_tool(t) for t in offered_tools(body)]
+    # a hosted tool here was only offered and is dropped (droppable_tools): the bridge offers what it serves
+    tools = [_chat_tool(t) for t in offered_tools(body) if t.get("type") in _TOOLS]
     if tools:
         chat["tools"] = tools
     choice = body.get("tool_choice")

@@ -93,7 +93,8 @@ class Draft:
             "frequency_penalty": _number(b.get("frequency_penalty"), 0.0),
             "top_logprobs": b.get("top_logprobs") if isinstance(b.get("top_logprobs"), int) else 0,
             "text": {"format": text.get("format") or {"type": "text"}, "verbosity": text.get("verbosity") or "medium"},
-            "tool_choice": b.get("tool_choice") or "auto", "tools": [_tool(t) for t in _list(b.get("tools"))],
+            "tool_choice": b.get("tool_choice") or "auto",
+            "tools": [_tool(t) for t in _list(b.get("tools")) if _served_tool(t)],
             "truncation": b.get("truncation", "disabled"), "usage": usage, "user": b.get("user"),
             "metadata": b.get("metadata") or {},
         }
@@ -101,6 +102,11 @@ class Draft:
 
 def _number(value: Any, default: float) -> float:
     return value if isinstance(value, int | float) and not isinstance(value, bool) else default
+
+
+def _served_tool(tool: Any) -> bool:
+    """Echoed: what the bridge served; a hosted tool it dropped (``droppable_tools``) was not offered to the model."""
+    return not isinstance(tool, dict) or tool.get("type") in ("function", "custom", "namespace")
 
 
 def _tool(tool: Any) -> Any:

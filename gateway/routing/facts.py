@@ -24,6 +24,7 @@ _AUDIO_PARTS = frozenset({"input_audio", "audio"})
 
 
 Bridgeable = Callable[[Mapping[str, Any]], "tuple[str, str, str] | None"]
+Droppable = Callable[[Mapping[str, Any]], "tuple[str, ...]"]
 
 
 class _lazy:  # noqa: N801 - a decorator, named like functools.cached_property
@@ -59,13 +60,15 @@ class Continuation:
 class RequestFacts:
     """Each fact computed on first use. ``headers`` have lower-case names; ``size``: the body's length in bytes;
     ``bridgeable``: the Responses bridge's check behind :attr:`RequestFacts.unbridgeable`, passed in so that routing
-    imports no translator; ``defaults``: ``metadata`` read as if the client had sent it, under what it did send (its
-    gateway key's)."""
+    imports no translator (``droppable`` likewise, behind :attr:`RequestFacts.droppable_tools`); ``defaults``:
+    ``metadata`` read as if the client had sent it, under what it did send (its gateway key's)."""
 
     def __init__(self, body: Mapping[str, Any], headers: Mapping[str, str], size: int = 0, *,
                  responses: bool = False, continuation: Continuation | None = None,
-                 defaults: Mapping[str, str] | None = None, bridgeable: Bridgeable | None = None) -> None:
+                 defaults: Mapping[str, str] | None = None, bridgeable: Bridgeable | None = None,
+                 droppable: Droppable | None = None) -> None:
         self._bridgeable = bridgeable
+        self._droppable = droppable
         self.defaults = defaults
         self.body = body
         self.headers = headers
@@ -78,6 +81,12 @@ class RequestFacts:
     def unbridgeable(self) -> tuple[str, str, str] | None:
         """(param, why, code) of what the bridge cannot serve (``gateway.responses.request.unbridgeable``)."""
         return self._bridgeable(self.body) if self.responses and self._bridgeable is not None else None
+
+    @_lazy
+    def droppable_tools(self) -> tuple[str, ...]:
+        """The hosted tools offered, none forced, without which the bridge could serve it
+        (``gateway.responses.request.droppable_tools``)."""
+        return self._droppable(self.body) if self.responses and self._droppable is not None else ()
 
     @_lazy
     def stream(self) -> bool:
@@ -189,3 +198,4 @@ class Decision:
     index: int = 0
     route: RouteConfig | None = None
     deadline: Any = None
+    dropped_tools: tuple[str, ...] = ()  # hosted tools a bridged upstream is served without (x-tiergate-tools-dropped)

@@ -142,7 +142,8 @@ class Policy:
 
 def _responses_route(decision: Decision, facts: RequestFacts, served: Iterable[UpstreamConfig]) -> Decision:
     """A continuation of a response made natively goes back to its upstream: only it holds the conversation. A bridged
-    upstream serves neither what the bridge lacks nor a continuation only a native upstream may know. Raises
+    upstream serves neither what the bridge lacks nor a continuation only a native upstream may know, except that
+    hosted tools only offered, which no upstream of the model runs, are dropped (docs/responses.md#hosted-tools). Raises
     InvalidRequest (400) when only bridged upstreams serve the model and the request needs the Responses API itself,
     ModelNotFound when no upstream serves the Responses API for it."""
     cont = facts.continuation
@@ -165,6 +166,11 @@ def _responses_route(decision: Decision, facts: RequestFacts, served: Iterable[U
             skipped.append((c.upstream.name, "no_responses_api" if mode == "none" else why))
         else:
             kept.append(c)
+    if not kept and facts.unbridgeable is not None and facts.droppable_tools and (cont is None or cont.held):
+        # only offered hosted tools stood in the way, and no upstream of the model runs them: served without them
+        bridged = tuple(c for c in decision.candidates if c.upstream.responses_mode == "bridge")
+        if bridged:
+            return dataclasses.replace(decision, candidates=bridged, dropped_tools=facts.droppable_tools)
     if not kept:
         if native_only and any(c.upstream.responses_mode == "bridge" for c in decision.candidates):
             if facts.unbridgeable is not None:
