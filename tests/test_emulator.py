@@ -66,6 +66,15 @@ def test_schema_instances_validate(schema: dict[str, Any]) -> None:
     jsonschema.validate(schema_instance(schema), schema)
 
 
+def test_a_whole_number_is_written_as_an_integer_for_a_client_that_parses_one() -> None:
+    """Codex CLI declares ``timeout_ms`` a ``number`` and parses an integer: ``7.0`` made it log a parse error."""
+    args = json.dumps(schema_instance({"type": "object", "properties": {
+        "timeout_ms": {"type": "number"}, "count": {"type": "integer", "minimum": 2}, "ratio": {
+            "type": "number", "minimum": 0, "maximum": 1}}}))
+    assert json.loads(args) == {"timeout_ms": 7, "count": 3, "ratio": 0.5}
+    assert '"timeout_ms": 7,' in args  # not 7.0
+
+
 def test_chat_calls_the_tool_then_answers_after_its_result(emu: dict[str, EmulatorThread]) -> None:
     for dialect, up in emu.items():
         msgs = [{"role": "user", "content": "weather?"}]

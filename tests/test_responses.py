@@ -134,3 +134,16 @@ def test_a_warm_up_over_http_is_answered_by_the_gateway_and_continued_on_the_fas
                                                      input="go on")
     assert then.headers["x-tiergate-tier"] == "fast" and then.headers["x-tiergate-upstream"] != "none"
     assert then.parse().usage.input_tokens > 50  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("model", ["gpt-5.6-sol-fast", "gpt-5.6"])  # the gateway's store, and a native upstream's
+def test_a_responses_input_items_are_listed_on_both_paths(stack: Stack, model: str) -> None:
+    """OpenAI API reference, "List input items": newest first by default, ``order``, ``limit`` and ``has_more``."""
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+    made = client.responses.create(model=model, input=[
+        {"role": "user", "content": "first"}, {"role": "user", "content": "second [[emulate tokens=2]]"}])
+    page = client.responses.input_items.list(made.id)
+    texts = [item.content[0].text for item in page.data]  # type: ignore[union-attr]
+    assert texts == ["second [[emulate tokens=2]]", "first"] and all(item.id for item in page.data)
+    one = client.responses.input_items.list(made.id, order="asc", limit=1)
+    assert [i.content[0].text for i in one.data] == ["first"] and one.has_more  # type: ignore[union-attr]

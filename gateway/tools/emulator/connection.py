@@ -8,11 +8,13 @@ import re
 import socket
 import struct
 import time
+import urllib.parse
 from typing import Any
 
 import httptools
 import orjson
 
+from gateway.responses.request import input_items
 from gateway.tools.emulator.budget import TokenBudget
 from gateway.tools.emulator.config import EmulatorConfig
 from gateway.tools.emulator.directives import directives
@@ -181,7 +183,7 @@ class EmulatorProtocol(asyncio.Protocol):
             self._admin(req)
             return
         under = path.split(b"/v1/", 1)[-1].decode("latin-1")
-        if self._stored_response(req.method, under):
+        if self._stored_response(req.method, under, req.url):
             return
         if under not in ("chat/completions", "responses") and self.emulator.surface.handle(
                 self, req.method.decode(), under, req.headers, b"".join(req.body)):
@@ -215,7 +217,7 @@ class EmulatorProtocol(asyncio.Protocol):
             return
         gen = Generation(self.emulator, body, d, self.loop.time(), responses=path.endswith(b"/responses"))
         if gen.responses and body.get("store") is not False:  # OpenAI keeps no store: false response
-            self.emulator.made(final_response(gen))
+            self.emulator.made(final_response(gen), inputs=input_items(body))
         self.answer(gen)
 
     def _continuation_refused(self, body: dict[str, Any]) -> dict[str, Any] | None:
@@ -227,9 +229,12 @@ class EmulatorProtocol(asyncio.Protocol):
                               "code": "previous_response_not_found"}}
         return orphan(body, self.emulator.responses_made)
 
-    def _stored_response(self, method: bytes, under: str) -> bool:
-        """OpenAI API reference: retrieve and delete a model response. False for any other request."""
+    def _stored_response(self, method: bytes, under: str, url: bytes) -> bool:
+        """OpenAI API reference: retrieve and delete a model response, list its input items. False for any other
+        request."""
         response_id = under.removeprefix("responses/")
+        listing = response_id.endswith("/input_items") and method == b"GET"
+        response_id = response_id.removesuffix("/input_items") if listing else response_id
         if response_id == under or "/" in response_id or method not in (b"GET", b"DELETE"):
             return False
         made = self.emulator.responses_made
@@ -238,10 +243,13 @@ class EmulatorProtocol(asyncio.Protocol):
             self.reply(404, orjson.dumps({"error": {"message": f"No response found with id '{response_id}'.",
                                                     "type": "invalid_request_error", "param": "response_id",
                                                     "code": "response_not_found"}}))
+        elif listing:
+            self.reply(200, orjson.dumps(_items_page(self.emulator.inputs_made.get(response_id, []), url)))
         elif method == b"GET":
             self.reply(200, orjson.dumps(found))
         else:
             del made[response_id]
+            self.emulator.inputs_made.pop(response_id, None)
             self.reply(200, orjson.dumps({"id": response_id, "object": "response", "deleted": True}))
         return True
 
@@ -389,6 +397,19 @@ class EmulatorProtocol(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+def _items_page(items: list[dict[str, Any]], url: bytes) -> dict[str, Any]:
+    """A page of "List input items" by its ``order`` (default ``desc``), ``limit`` (default 20) and ``after``."""
+    query = urllib.parse.parse_qs(url.partition(b"?")[2].decode("latin-1"))
+    order, after = query.get("order", ["desc"])[0], query.get("after", [None])[0]
+    limit = int(query.get("limit", ["20"])[0]) if query.get("limit", ["20"])[0].isdigit() else 20
+    ordered = items if order == "asc" else items[::-1]
+    ids = [i.get("id") for i in ordered]
+    rest = ordered[ids.index(after) + 1:] if after in ids else ordered
+    page = rest[:max(1, min(limit, 100))]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(rest) > len(page)}
 
 
 def _header(headers: dict[str, Any], name: str) -> str | None:

@@ -123,7 +123,8 @@ def response_events(gen: Generation) -> list[tuple[float, bytes]]:
                 + event("response.content_part.done", item_id="msg_emu", output_index=0, content_index=0,
                         part={**part, "text": text}))
     else:
-        tail = event("response.function_call_arguments.done", item_id="fc_emu", output_index=0, arguments=text)
+        tail = event("response.function_call_arguments.done", item_id="fc_emu", output_index=0,
+                     name=gen.tool[0], arguments=text)  # ``name``: OpenAI's event carries it (OpenAPI schema)
     tail += (event("response.output_item.done", output_index=0, item=done["output"][0])
              + event(f"response.{status}", response=done))
     items.append((items[-1][0], tail))

@@ -61,7 +61,9 @@ def _typed_instance(schema: dict[str, Any], root: Any, depth: int) -> Any:
 
 
 def _number(schema: dict[str, Any], integer: bool) -> int | float:
-    """The middle of both bounds, else one past the one given (7 when unbounded)."""
+    """The middle of both bounds, else one past the one given (7 when unbounded). A ``number`` that is whole is
+    written as an integer (``7``, not ``7.0``: both are JSON numbers, but a client that declares ``number`` and
+    parses an integer, as Codex CLI does ``timeout_ms``, fails on ``7.0``)."""
     low = schema.get("minimum", schema.get("exclusiveMinimum"))
     high = schema.get("maximum", schema.get("exclusiveMaximum"))
     if low is not None and high is not None:
@@ -73,7 +75,7 @@ def _number(schema: dict[str, Any], integer: bool) -> int | float:
     else:
         value = 7
     if not integer:
-        return float(value)
+        return int(value) if float(value).is_integer() else float(value)
     whole = int(math.floor(value))
     if low is not None and (whole < low or (whole == low and "exclusiveMinimum" in schema)):
         whole += 1  # e.g. between 1 and 2 exclusive of 1: no integer fits, and none can

@@ -34,18 +34,27 @@ class Emulator:
         # (or continues a store: false one over HTTP) is caught; GET and DELETE /v1/responses/{id} read and remove
         # them, as OpenAI's do
         self.responses_made: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        # their input items, each with an id, for GET /v1/responses/{id}/input_items (OpenAI API reference, "List
+        # input items"); forgotten with their response
+        self.inputs_made: dict[str, list[dict[str, Any]]] = {}
         self.surface = Surface()  # files, batches, ... (the rest of the /v1 surface)
         self.budget = TokenBudget()  # config.tokens_per_minute's window (gateway.tools.emulator.budget)
         self.cache: PromptCache | None = None  # made when config.cache_ttl is first set (it may come from the admin)
         self._log: TextIO | None = timing_log.open("a", buffering=1) if timing_log else None
 
-    def made(self, response: dict[str, Any], kept: OrderedDict[str, dict[str, Any]] | None = None) -> None:
+    def made(self, response: dict[str, Any], kept: OrderedDict[str, dict[str, Any]] | None = None,
+             inputs: list[dict[str, Any]] | None = None) -> None:
         """``kept``: :attr:`responses_made` by default, or a WebSocket's own memory; the oldest is forgotten past
-        10,000."""
+        10,000. ``inputs``: its input items, kept with a stored response."""
+        stored = kept is None
         kept = self.responses_made if kept is None else kept
         kept[response["id"]] = response
+        if stored and inputs is not None:
+            self.inputs_made[response["id"]] = inputs
         if len(kept) > 10_000:
-            kept.popitem(last=False)
+            gone, _ = kept.popitem(last=False)
+            if stored:
+                self.inputs_made.pop(gone, None)
 
     def cached(self, body: dict[str, Any], prompt: bytes, now: float) -> int:
         """0 without ``cache_ttl``; keyed by the body's ``prompt_cache_key``
