@@ -25,6 +25,7 @@ from gateway.errors import InvalidRequest, ModelNotFound, ResponseNotFound, Sess
 from gateway.http import entrances, explain
 from gateway.http.errors import error_response, install_error_handlers
 from gateway.pipeline.gateway import Gateway
+from gateway.responses.request import listed_item
 from gateway.responses.store import Bridged, Native
 
 
@@ -184,7 +185,7 @@ def _input_items_page(record: Bridged, response_id: str, order: str, limit: int,
     if bad is not None:
         return error_response(InvalidRequest(f"Invalid value for '{bad[0]}': {bad[1]}.", param=bad[0],
                                              code="invalid_value"), {})
-    items = record.input if order == "asc" else list(reversed(record.input))
+    items = [listed_item(i) for i in (record.input if order == "asc" else reversed(record.input))]
     if after is not None:
         ids = [i.get("id") for i in items]
         if after not in ids:

@@ -201,6 +201,18 @@ def input_items(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def listed_item(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item as "List input items" answers it (OpenAI API reference): a message's string content as one text
+    part, and its ``status``."""
+    if item.get("type") != "message":
+        return item
+    content = item.get("content")
+    if isinstance(content, str):
+        kind = "output_text" if item.get("role") == "assistant" else "input_text"
+        content = [{"type": kind, "text": content}]
+    return {**item, "content": content, "status": item.get("status", "completed")}
+
+
 _CALLS = {"function_call_output": "function_call", "custom_tool_call_output": "custom_tool_call"}
 
 

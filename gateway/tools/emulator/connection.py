@@ -14,7 +14,7 @@ from typing import Any
 import httptools
 import orjson
 
-from gateway.responses.request import input_items
+from gateway.responses.request import input_items, listed_item
 from gateway.tools.emulator.budget import TokenBudget
 from gateway.tools.emulator.config import EmulatorConfig
 from gateway.tools.emulator.directives import directives
@@ -217,7 +217,7 @@ class EmulatorProtocol(asyncio.Protocol):
             return
         gen = Generation(self.emulator, body, d, self.loop.time(), responses=path.endswith(b"/responses"))
         if gen.responses and body.get("store") is not False:  # OpenAI keeps no store: false response
-            self.emulator.made(final_response(gen), inputs=input_items(body))
+            self.emulator.made(final_response(gen), inputs=[listed_item(i) for i in input_items(body)])
         self.answer(gen)
 
     def _continuation_refused(self, body: dict[str, Any]) -> dict[str, Any] | None:

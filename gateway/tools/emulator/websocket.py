@@ -21,7 +21,7 @@ from websockets.http11 import Request
 from websockets.protocol import State
 from websockets.server import ServerProtocol
 
-from gateway.responses.request import input_items
+from gateway.responses.request import input_items, listed_item
 from gateway.tools.emulator.directives import directives
 from gateway.tools.emulator.generation import Generation
 from gateway.tools.emulator.plans import Received
@@ -160,7 +160,7 @@ class EmulatorSocket:
         final = warmed_up(gen) if warm_up else final_response(gen)
         emu.made(final, self.memory)
         if body.get("store") is not False:
-            emu.made(final, inputs=input_items(body))
+            emu.made(final, inputs=[listed_item(i) for i in input_items(body)])
         self.busy = True
         Schedule(self, events, d).start()
 
