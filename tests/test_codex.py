@@ -72,8 +72,12 @@ def gateway(tmp_path: Path) -> Iterator[tuple[Proc, EmulatorThread, EmulatorThre
     standard.stop()
 
 
+@pytest.mark.parametrize("websocket", [False, True], ids=["http", "websocket"])
 def test_codex_exec_runs_its_tool_loop_on_the_fast_tier(gateway: tuple[Proc, EmulatorThread, EmulatorThread],
-                                                        codex: Path, tmp_path: Path) -> None:
+                                                        codex: Path, tmp_path: Path, websocket: bool) -> None:
+    """Over WebSocket mode (``supports_websockets = true``) Codex opens the socket without ``?model=`` and begins
+    it with a ``generate: false`` warm-up: answered by the gateway (upstream ``none``), so that every step stays on
+    the fast tier instead of following the warm-up to a native upstream."""
     proc, fast, standard = gateway
     home, work = tmp_path / "codex-home", tmp_path / "work"
     home.mkdir()
@@ -81,7 +85,8 @@ def test_codex_exec_runs_its_tool_loop_on_the_fast_tier(gateway: tuple[Proc, Emu
     (home / "config.toml").write_text(
         'model = "gpt-5.6-sol-fast"\nmodel_provider = "tiergate"\napproval_policy = "never"\n'
         'sandbox_mode = "read-only"\n\n[model_providers.tiergate]\nname = "Tiergate"\n'
-        f'base_url = "http://127.0.0.1:{proc.port}/v1"\nenv_key = "TIERGATE_TEST_KEY"\nwire_api = "responses"\n')
+        f'base_url = "http://127.0.0.1:{proc.port}/v1"\nenv_key = "TIERGATE_TEST_KEY"\nwire_api = "responses"\n'
+        + ("supports_websockets = true\n" if websocket else ""))
     env = {**os.environ, "CODEX_HOME": str(home), "TIERGATE_TEST_KEY": "unused", "NO_COLOR": "1"}
     done = subprocess.run([str(codex), "exec", "--skip-git-repo-check", "Say hi in one word. [[emulate tokens=9]]"],
                           cwd=work, env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
@@ -104,6 +109,12 @@ def test_codex_exec_runs_its_tool_loop_on_the_fast_tier(gateway: tuple[Proc, Emu
     assert "Every token leaves the gateway" in done.stdout, done.stdout[-2000:]
     assert not standard.requests
 
+    log = [orjson.loads(line) for line in proc.log.read_text().splitlines() if line.startswith("{")]
+    steps = [(r["method"], r["tier"], r["upstream"]) for r in log if r.get("event") == "request"]
+    if websocket:  # the warm-up, answered by the gateway, then the two steps, all on one socket
+        assert steps[0] == ("WS", "fast", "none") and steps[1:] == [("WS", "fast", "emu-fast")] * 2, steps
+    else:
+        assert steps == [("POST", "fast", "emu-fast")] * 2, steps
     metrics = scraped(proc.port)
     assert sample(metrics, "tiergate_responses_api_requests_total", tier="fast", mode="bridge") == 2
     assert sample(metrics, "tiergate_responses_api_requests_total", tier="standard") == 0
