@@ -46,6 +46,13 @@ class Request:
     priority: str | None = None
 
     @property
+    def compact(self) -> bool:
+        """``POST /v1/responses/compact`` (OpenAI API reference, "Compact a response"): a Responses request whose
+        answer is a ``response.compaction`` (``gateway.responses.compaction``)."""
+        route = self.route.route
+        return route is not None and route.path == "responses/compact"
+
+    @property
     def owner(self) -> str | None:
         """Whose objects and responses it reaches (None without ``auth:``)."""
         return self.key.name if self.key is not None else None

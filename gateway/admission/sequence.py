@@ -86,6 +86,8 @@ class Admission:
         try:
             body = parse_request(req.kind, raw)
             check_depth(raw, body)
+            if req.compact and body.get("stream") is not None:  # OpenAI's compact answers one JSON object
+                raise InvalidRequest("Unknown parameter: 'stream'.", param="stream", code="unknown_parameter")
             if req.key is not None:  # what goes upstream is what the ownership check reads (admission.body)
                 raw = canonical(loads_exact(raw) if needs_exact(raw) else body)
             req.raw, req.body, req.requested, req.stream = raw, body, body["model"], body.get("stream") is True

@@ -19,6 +19,7 @@ from gateway.config.upstreams import UpstreamConfig
 from gateway.errors import GatewayError, RateLimited, UpstreamsResting, UpstreamUnavailable
 from gateway.pipeline.delivery import Delivery
 from gateway.pipeline.exchange import Exchange, Headers
+from gateway.responses import compaction
 from gateway.responses.request import as_input, chat_request, input_items, native_input
 from gateway.routing import deadline, failover
 from gateway.routing.facts import Candidate, Decision, RequestFacts
@@ -32,6 +33,8 @@ from gateway.stream.relay import Relay
 from gateway.upstream import dialects
 from gateway.upstream.attempt import Answer, Attempt, Transport, Verdicts
 from gateway.wire.body import dumps, with_service_tier
+
+_SEALED = compaction.PREFIX.encode()  # the gateway's compaction content, read back as a message
 
 
 @dataclass(slots=True)
@@ -172,8 +175,11 @@ class Attempts:
                                   cache_key), "/chat/completions"
         cont = turn.facts.continuation
         history = list(cont.history) if cont is not None and cont.held else []
+        compacting = ex.request.compact
         if up.responses_mode == "bridge":
-            chat = chat_request(body, history)
+            # compaction: the summary asked of the chat upstream (gateway.responses.compaction)
+            chat = chat_request(compaction.request(body, [*history, *input_items(body)]), []) if compacting \
+                else chat_request(body, history)
             if cache_key is not None:
                 chat["prompt_cache_key"] = cache_key
             return dialect.body(dumps(chat), chat, cand.upstream_model, ex.request.stream), "/chat/completions"
@@ -181,10 +187,11 @@ class Attempts:
             body = {**{k: v for k, v in body.items() if k != "previous_response_id"},
                     "input": as_input([*history, *input_items(body)])}
             raw = dumps(body)
-        elif b"_tg" in raw and (own := native_input(body)) is not None:  # the bytes test spares a scan
+        elif (b"_tg" in raw or _SEALED in raw) and (own := native_input(body)) is not None:  # bytes spare a scan
             body = {**body, "input": own}
             raw = dumps(body)
-        return with_cache_key(dialect.body(raw, body, cand.upstream_model, False), cache_key), "/responses"
+        return (with_cache_key(dialect.body(raw, body, cand.upstream_model, False), cache_key),
+                "/responses/compact" if compacting else "/responses")
 
     def cache_key(self, ex: Exchange, run: Run | None, body: Mapping[str, Any]) -> str | None:
         """For a session step the client sent none for (``sessions.prompt_cache_key: derive``): ``tgs-`` and the

@@ -5,6 +5,7 @@ raises for the upstream's trouble once the first byte left."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import orjson
 
@@ -16,7 +17,9 @@ from gateway.observability.metrics import decode_speed
 from gateway.observability.usage import chat_usage
 from gateway.pipeline.conversations import Conversations
 from gateway.pipeline.exchange import Exchange, Headers
+from gateway.responses import compaction
 from gateway.responses.ids import ID_PREFIX, new_id
+from gateway.responses.request import input_items
 from gateway.responses.stream import BridgeRelay
 from gateway.responses.whole import Draft, whole_response
 from gateway.routing.facts import Decision, RequestFacts
@@ -38,6 +41,15 @@ def draft(ex: Exchange, up: UpstreamConfig, facts: RequestFacts) -> Draft | None
     else:
         body["service_tier"] = billed
     return Draft(body, new_id(ID_PREFIX))
+
+
+def compacted(facts: RequestFacts, response: dict[str, Any]) -> dict[str, Any]:
+    """A bridged compaction's answer: the summary the chat upstream wrote, as OpenAI's ``response.compaction``."""
+    cont = facts.continuation
+    items = [*(cont.history if cont is not None and cont.held else ()), *input_items(facts.body)]
+    summary = "".join(part.get("text", "") for item in response["output"] if item.get("type") == "message"
+                      for part in item.get("content") or () if part.get("type") == "output_text")
+    return compaction.compacted(items, summary, response.get("usage"))
 
 
 def series(ex: Exchange, up: UpstreamConfig, decision: Decision, stats: StreamStats) -> str:
@@ -146,17 +158,20 @@ class Delivery:
             raise UpstreamBadResponse("The upstream answered 200 with a body that is not a JSON object.")
         up, made = attempt.upstream, draft(ex, attempt.upstream, facts)
         response = whole_response(parsed, made) if made else None  # UpstreamBadResponse: no completion
+        compacting = ex.request.compact
+        if response is not None and compacting:
+            response = compacted(facts, response)
         attempt.ok()
         usage, dialect = parsed.get("usage"), attempt.dialect
         usage = chat_usage(usage) if isinstance(usage, dict) else None
         _, timings = dialect.member_facts(parsed.get(dialect.member)) if dialect.member else (None, None)
         ex.rec.usage(attempt.span, usage, parsed.get("model"))
-        if facts.max_tokens is None and usage is not None and isinstance(completion := usage.get("completion_tokens"),
-                                                                          int):
+        if facts.max_tokens is None and not compacting and usage is not None and isinstance(
+                completion := usage.get("completion_tokens"), int):  # a summary's length predicts no answer
             ex.rec.completed(decision.rule, decision.model, completion)
         ex.rec.answered(200)  # before the record: the log line names the status answered
         ex.record("success", usage=usage, timings=timings or dialect.answer_timings(answer.headers),
                   served_tier=served_tier(parsed))
-        if ex.request.kind == "responses":  # kept before the answer leaves: the client's next turn may follow at once
+        if ex.request.kind == "responses" and not compacting:  # kept before the answer leaves: a next turn is quick
             await self.conversations.keep_whole(ex, facts, up, parsed, response)
         await ex.whole(200, data if response is None else dumps(response), headers)

@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 
+from gateway.responses import compaction
 from gateway.responses.ids import new_id
 
 # fields of a Responses request the bridge maps or may drop (docs/responses.md#request); anything else is not bridged
@@ -37,7 +38,7 @@ _INCLUDES = frozenset({"message.output_text.logprobs", "message.input_image.imag
 
 
 _ITEMS = frozenset({"message", "function_call", "function_call_output", "reasoning", "custom_tool_call",
-                    "custom_tool_call_output", "additional_tools"})
+                    "custom_tool_call_output", "additional_tools", "compaction"})
 # tool types the bridge offers a chat upstream: functions, freeform ``custom`` tools (as a function taking one string,
 # ``input``), and ``namespace`` groups of those (Codex CLI sends its tools so, in an ``additional_tools`` input item)
 _TOOLS = frozenset({"function", "custom", "namespace"})
@@ -175,6 +176,8 @@ def _input_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
             return "input", f"input items of type `{kind}` need the Responses API itself"
         if kind == "reasoning":
             continue  # dropped whole, whatever it holds (a client sends back the reasoning it was given)
+        if kind == "compaction" and compaction.summary_of(item) is None:
+            return "input", "a compaction item another upstream made can be read only by that upstream"
         output = item.get("output")
         if kind == "function_call_output" and isinstance(output, list) and any(
                 _dict(p).get("type") not in ("input_text", "output_text", "text") for p in output):
@@ -238,14 +241,16 @@ def orphan_output(history: Iterable[Mapping[str, Any]], body: Mapping[str, Any])
     return None
 
 
-OWN_ITEM_PREFIXES = ("msg_tg", "fc_tg", "rs_tg", "it_tg")  # ids of the output items the gateway made (new_id)
+# ids of the items the gateway made (new_id)
+OWN_ITEM_PREFIXES = ("msg_tg", "fc_tg", "rs_tg", "it_tg", compaction.ITEM_PREFIX)
 
 
 def native_input(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     """None when it holds nothing of the gateway's. A client that resends a bridged conversation in full
     sends back the gateway's item ids, which the upstream never issued; items the upstream made keep theirs."""
     items = _list(body.get("input"))
-    own = [isinstance(i, dict) and str(i.get("id", "")).startswith(OWN_ITEM_PREFIXES) for i in items]
+    own = [isinstance(i, dict) and (str(i.get("id", "")).startswith(OWN_ITEM_PREFIXES)
+                                    or compaction.summary_of(i) is not None) for i in items]
     if not any(own):
         return None
     return [cleaned for item, mine in zip(items, own, strict=True)
@@ -259,6 +264,7 @@ def as_input(items: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     for item in items:
         if item.get("type") == "reasoning":
             continue
+        item = compaction.as_message(item) or item  # the gateway's compaction: the summary it holds, as a message
         out.append({k: v for k, v in item.items() if k not in ("id", "status")})
     return out
 
@@ -350,6 +356,8 @@ def _messages(items: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     assistant_open = False  # the last message is an assistant turn that tool calls may still join
     for item in items:
         kind = item.get("type", "message")
+        if kind == "compaction":  # only the gateway's reach here (_input_problem): the summary it holds
+            item, kind = compaction.as_message(item) or {"role": "user", "content": ""}, "message"
         if kind == "message":
             msg = _message(item)
             if msg["role"] == "assistant" and msg["content"] is None and "refusal" not in msg:

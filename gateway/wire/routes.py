@@ -53,7 +53,7 @@ TABLE: tuple[Route, ...] = (
     _r("GET POST DELETE", f"chat/completions/{_I}", objects=True),
     _r("GET", f"chat/completions/{_I}/messages", objects=True),
     _r("POST GET", "responses", "responses"),  # GET: the WebSocket mode's upgrade
-    _r("POST", "responses/compact", bills=True),
+    _r("POST", "responses/compact", "responses", bills=True),  # compaction: native, or on the bridge
     _r("POST", "responses/input_tokens"),
     _r("GET DELETE", f"responses/{_I}", "response"),
     _r("POST", f"responses/{_I}/cancel", "response"),

@@ -22,7 +22,7 @@ from gateway.tools.emulator.faults import ANSWERS, FAULTS, bent
 from gateway.tools.emulator.generation import SSE, Generation
 from gateway.tools.emulator.plans import Plan, Received
 from gateway.tools.emulator.profiles import PROFILES
-from gateway.tools.emulator.responses import final_response, orphan, response_events
+from gateway.tools.emulator.responses import compacted, final_response, foreign_compaction, orphan, response_events
 from gateway.tools.emulator.schedule import Schedule
 from gateway.tools.emulator.shared import Emulator
 from gateway.tools.emulator.websocket import EmulatorSocket, wants_socket
@@ -188,14 +188,14 @@ class EmulatorProtocol(asyncio.Protocol):
         if under not in ("chat/completions", "responses") and self.emulator.surface.handle(
                 self, req.method.decode(), under, req.headers, b"".join(req.body)):
             return  # the rest of the /v1 surface (gateway.tools.emulator.surface)
-        if not path.endswith((b"/chat/completions", b"/responses")) or req.method != b"POST":
+        if not path.endswith((b"/chat/completions", *_RESPONSES)) or req.method != b"POST":
             self.reply(404, b'{"error":{"message":"Unknown request URL","type":"invalid_request_error",'
                             b'"param":null,"code":"unknown_url"}}')
             return
         raw = b"".join(req.body)
         body = orjson.loads(raw)
         d = directives(raw)
-        if path.endswith(b"/responses") and not PROFILES[d.get("dialect", self.cfg.dialect)].responses:
+        if path.endswith(_RESPONSES) and not PROFILES[d.get("dialect", self.cfg.dialect)].responses:
             # Cerebras' API serves chat completions only, and the others' Responses API is partial: the gateway
             # bridges the Responses API to them (gateway.config.upstreams.DIALECT_SURFACES)
             self.reply(404, _NOT_FOUND)
@@ -205,9 +205,7 @@ class EmulatorProtocol(asyncio.Protocol):
             return
         if self.cfg.tokens_per_minute and not self._charge(body):
             return
-        refused = self._continuation_refused(body) if path.endswith(b"/responses") else None
-        if refused is not None:
-            self.reply(400, orjson.dumps(refused))
+        if path.endswith(_RESPONSES) and self._answered_here(path, body, raw):
             return
         if "transcript" in d:
             self._replay(d["transcript"], d, stream=body.get("stream") is True)
@@ -220,14 +218,26 @@ class EmulatorProtocol(asyncio.Protocol):
             self.emulator.made(final_response(gen), inputs=[listed_item(i) for i in input_items(body)])
         self.answer(gen)
 
+    def _answered_here(self, path: bytes, body: dict[str, Any], raw: bytes) -> bool:
+        """A Responses request refused as OpenAI refuses it, or a compaction (answered whole, at once)."""
+        refused = self._continuation_refused(body)
+        if refused is not None:
+            self.reply(400, orjson.dumps(refused))
+            return True
+        if path.endswith(b"/compact"):
+            self.reply(200, orjson.dumps(compacted(body, raw, self.emulator.inputs_made, self.emulator.responses_made)))
+            return True
+        return False
+
     def _continuation_refused(self, body: dict[str, Any]) -> dict[str, Any] | None:
-        """OpenAI's 400 for a ``previous_response_id`` it does not hold, or a tool output that answers no call."""
+        """OpenAI's 400 for a ``previous_response_id`` it does not hold, a tool output that answers no call, or a
+        compaction item it did not make (the gateway's own must reach it as the message it stands for)."""
         previous = body.get("previous_response_id")
         if previous is not None and previous not in self.emulator.responses_made:
             return {"error": {"message": f"Previous response with id '{previous}' not found.",
                               "type": "invalid_request_error", "param": "previous_response_id",
                               "code": "previous_response_not_found"}}
-        return orphan(body, self.emulator.responses_made)
+        return foreign_compaction(body) or orphan(body, self.emulator.responses_made)
 
     def _stored_response(self, method: bytes, under: str, url: bytes) -> bool:
         """OpenAI API reference: retrieve and delete a model response, list its input items. False for any other
@@ -397,6 +407,9 @@ class EmulatorProtocol(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+_RESPONSES = (b"/responses", b"/responses/compact")
 
 
 def _items_page(items: list[dict[str, Any]], url: bytes) -> dict[str, Any]:

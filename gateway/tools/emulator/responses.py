@@ -3,11 +3,13 @@ starts and as it ends, its stream of named, numbered events, and a warm-up's (``
 
 from __future__ import annotations
 
+import base64
+import time
 from typing import Any
 
 import orjson
 
-from gateway.responses.request import orphan_output
+from gateway.responses.request import input_items, listed_item, orphan_output
 from gateway.responses.whole import Draft
 from gateway.tools.emulator.generation import Generation
 
@@ -44,6 +46,42 @@ def orphan(body: dict[str, Any], *kept: dict[str, dict[str, Any]]) -> dict[str, 
         return None
     return {"error": {"message": f"No tool call found for function call output with call_id {call_id}.",
                       "type": "invalid_request_error", "param": "input", "code": None}}
+
+
+COMPACTION = "emu1."  # the emulator's compaction content: what it made, and alone can read
+
+
+def compacted(body: dict[str, Any], raw: bytes, inputs: dict[str, list[dict[str, Any]]],
+              made: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``POST /v1/responses/compact`` (OpenAI API reference, "Compact a response"): every user message of the
+    conversation (the responses it continues, then its input), then one compaction item only the emulator reads."""
+    chain: list[dict[str, Any]] = []
+    previous = body.get("previous_response_id")
+    for _ in range(CHAIN):
+        if not isinstance(previous, str) or previous not in made:
+            break
+        chain[:0] = inputs.get(previous, [])
+        previous = made[previous].get("previous_response_id")
+    items = [*chain, *(listed_item(i) for i in input_items(body))]
+    users = [i for i in items if i.get("type") == "message" and i.get("role", "user") == "user"]
+    prompt = max(1, len(raw) // 4)
+    summary = base64.urlsafe_b64encode(f"{len(items)} items summarised".encode()).decode()
+    return {"id": f"resp_emu{int(time.time() * 1e6)}", "object": "response.compaction", "created_at": int(time.time()),
+            "output": [*users, {"id": "cmp_emu", "type": "compaction", "encrypted_content": COMPACTION + summary}],
+            "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 32,
+                      "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + 32}}
+
+
+def foreign_compaction(body: dict[str, Any]) -> dict[str, Any] | None:
+    """OpenAI's 400 for a compaction item whose content it cannot read (another's, or the gateway's own sent on)."""
+    given = body.get("input")
+    for i, item in enumerate(given if isinstance(given, list) else []):
+        if isinstance(item, dict) and item.get("type") == "compaction" and not str(
+                item.get("encrypted_content", "")).startswith(COMPACTION):
+            return {"error": {"message": f"The encrypted content for item input[{i}] could not be verified.",
+                              "type": "invalid_request_error", "param": f"input[{i}]",
+                              "code": "invalid_encrypted_content"}}
+    return None
 
 
 def fails_at(gen: Generation) -> int | None:

@@ -25,7 +25,14 @@ from gateway.responses.request import input_items, listed_item
 from gateway.tools.emulator.directives import directives
 from gateway.tools.emulator.generation import Generation
 from gateway.tools.emulator.plans import Received
-from gateway.tools.emulator.responses import final_response, orphan, response_events, warm_up_events, warmed_up
+from gateway.tools.emulator.responses import (
+    final_response,
+    foreign_compaction,
+    orphan,
+    response_events,
+    warm_up_events,
+    warmed_up,
+)
 from gateway.tools.emulator.schedule import Line, Schedule
 from gateway.tools.emulator.shared import Emulator
 
@@ -150,9 +157,10 @@ class EmulatorSocket:
             self.send(error_event(400, f"Previous response with id '{previous}' not found.",
                                   "previous_response_not_found", "previous_response_id", self.lane))
             return
-        refused = orphan(body, self.memory, emu.responses_made)
+        refused = foreign_compaction(body) or orphan(body, self.memory, emu.responses_made)
         if refused is not None:
-            self.send(error_event(400, refused["error"]["message"], None, "input", self.lane))
+            err = refused["error"]
+            self.send(error_event(400, err["message"], err["code"], err["param"], self.lane))
             return
         gen = Generation(emu, body, d, self.loop.time(), responses=True)
         warm_up = body.get("generate") is False
