@@ -119,6 +119,9 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
                        "sequential steps per run, each sending the conversation so far plus a new turn, one "
                        "x-tiergate-session per run; reports run time, step TTFT and the session's cost per tier")
     bench.add_argument("--runs", type=int, default=3, help="with --agent-loop: runs per --mix model (default 3)")
+    bench.add_argument("--context-tokens", type=int, default=0, help="with --agent-loop: about this many tokens of "
+                       "context (a repository map) in the system prompt, as an agent's tools and files make it long "
+                       "(default 0)")
     _contention_flags(bench)
 
 

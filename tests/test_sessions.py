@@ -292,8 +292,12 @@ def test_replicas_sharing_redis_keep_a_run_on_one_upstream(tmp_path: Path) -> No
             time.sleep(0.05)  # the step's record reaches Redis in the next loop turn of its replica
         assert len({u for u, _ in seen}) == 1, seen
         assert [a for _, a in seen] == ["new"] + ["kept"] * 5  # the second replica knew the first's step
-        for i in (0, 1):
-            assert _session(w, "shared", i=i).json()["steps"] == 6
+        views = [_session(w, "shared", i=i).json() for i in (0, 1)]
+        assert [v["steps"] for v in views] == [6, 6]
+        # what the fast tier saved crosses Redis too: six fast steps, unpriced (non-streamed: no standard samples)
+        assert views[0]["steps_by_tier"] == {"fast": 6}, views[0]
+        assert [(v["fast_tier_saved"]["priced_steps"], v["fast_tier_saved"]["unpriced_steps"]) for v in views] == [
+            (0, 6), (0, 6)]
     finally:
         w.stop()
         redis.kill()

@@ -29,7 +29,7 @@ from gateway.routing import deadline
 from gateway.routing.facts import Candidate, Decision, RequestFacts
 from gateway.routing.sessions import NO_AFFINITY, Affinity, SessionId, affinity, keep_first, moved_because, session_of
 from gateway.tenancy.keys import Key
-from gateway.tenancy.sessions import Bounds, Hold, SessionRecord, SessionTable, Step, Tally, scope
+from gateway.tenancy.sessions import MIN_SAMPLES, Bounds, Hold, Payoff, SessionRecord, SessionTable, Step, Tally, scope
 
 BUDGET_HEADERS = {  # request header -> (budget field, scale: the header's unit in the field's)
     "x-tiergate-session-max-steps": ("max_steps", 1.0),
@@ -247,24 +247,29 @@ class Sessions:
         moved = None
         if record.last_upstream is not None and rec.upstream != record.last_upstream:
             moved = moved_because(rec.fallback, run.affinity.broken, rec.upstream, run.affinity.target)
-        standard = self._standard_estimate(rec, run, prompt or rec.request.prompt_tokens, output)
-        step = Step(rec.upstream, rec.tier, duration, done.cost or 0.0, prompt, cached, output,
-                    None if standard is None else standard - duration, moved)
+        saved = self._payoff(rec, run, output, duration)
+        step = Step(rec.upstream, rec.tier, duration, done.cost or 0.0, prompt, cached, output, saved, moved)
         self.table.settle(run.key, record, run.hold, step, now, self.cfg.max_moves)
         rec.session_stepped(rec.tier, rec.upstream, prompt, cached, moved,
-                            None if standard is None else (duration, standard))
+                            None if saved is None or saved.central is None else (duration, duration + saved.central))
 
-    def _standard_estimate(self, rec: Recorder, run: Run, prompt: int, output: int) -> float | None:
-        """What the step would have taken on the standard tier (seconds, its central live estimate), or None."""
+    def _payoff(self, rec: Recorder, run: Run, output: int, duration: float) -> Payoff | None:
+        """What a fast-tier step saved against the standard tier's live estimate (seconds), None for any other step.
+        Priced at the prompt the step would have sent uncached there: had the run been on the standard tier, its cache
+        would hold what it holds here, the longest prefix of this run any upstream is warm with (the TTFT line is
+        fitted in the same unit, ``Delivery.deliver``). Without :data:`MIN_SAMPLES` behind the estimate: unpriced."""
         std = run.standard
-        if rec.tier != "fast" or std is None or output <= 0:
+        if rec.tier != "fast":
             return None
-        est = self.estimates.latency(std.upstream.name, bucket(std.upstream_model, std.upstream.asks(None)),
-                                     self.clock())
-        decode = est.decode(output, tail=False) if est is not None else None
-        if est is None or decode is None:
-            return None
-        return est.ttft(prompt, tail=False) + decode
+        est = None if std is None or output <= 0 else self.estimates.latency(
+            std.upstream.name, bucket(std.upstream_model, std.upstream.asks(None)), self.clock())
+        samples = 0 if est is None or est.speed is None else min(est.samples, est.speed.samples)
+        uncached = max(0, rec.request.prompt_tokens - max(run.affinity.warm.values(), default=0))
+        took = est.took(uncached, output) if est is not None and samples >= MIN_SAMPLES else None
+        if took is None:
+            return Payoff(None, samples=samples)
+        quick, central, slow = took
+        return Payoff(central - duration, quick - duration, slow - duration, samples)
 
 
 def refusal(run: Run, budget: str, said: str) -> SessionBudgetExceeded:

@@ -35,12 +35,15 @@ def quantile(ordered: Sequence[float], q: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Spread:
-    """``newest``: on the estimates' clock; a summary is cached, so its age is read against a time (:meth:`age`)."""
+    """``tail``: the slow side (p90 of a time, p10 of a speed), ``best`` the quick side (p10 of a time, p90 of a
+    speed): with ``central``, an interval; ``newest``: on the estimates' clock; a summary is cached, so its age is read
+    against a time (:meth:`age`)."""
 
     central: float
     tail: float
     samples: int
     newest: float
+    best: float = 0.0
 
     def age(self, now: float) -> float:
         return max(0.0, now - self.newest)
@@ -69,6 +72,17 @@ class Latency:
         """Seconds, never below 0."""
         r = self.residual.tail if tail else self.residual.central
         return max(0.0, self.base + self.per_token * prompt_tokens + r)
+
+    def took(self, prompt_tokens: int, output_tokens: int) -> tuple[float, float, float] | None:
+        """Seconds a streamed answer of ``output_tokens`` to ``prompt_tokens`` (uncached) takes, first byte to last:
+        (quick side, central, slow side), from the TTFT residuals' p10, p50, p90 and the decode speed's p90, p50,
+        p10. None while the speed is unmeasured."""
+        if self.speed is None or min(self.speed.central, self.speed.tail, self.speed.best) <= 0:
+            return None
+        line, n = self.base + self.per_token * prompt_tokens, max(0, output_tokens - 1)
+        r, v = self.residual, self.speed
+        return (max(0.0, line + r.best) + n / v.best, max(0.0, line + r.central) + n / v.central,
+                max(0.0, line + r.tail) + n / v.tail)
 
     def ttft_p95(self, prompt_tokens: int) -> float:
         """The ``hedge: p95`` delay, in seconds."""
@@ -189,7 +203,7 @@ class Estimates:
         speed = _spread(speed_series, now, self.window, low_tail=True) if speed_series is not None else None
         ordered = sorted(resid)
         found = Latency(base, slope, Spread(quantile(ordered, 0.5), quantile(ordered, 0.9), len(ordered),
-                                            points[-1][0]), speed, quantile(ordered, 0.95))
+                                            points[-1][0], quantile(ordered, 0.1)), speed, quantile(ordered, 0.95))
         # valid until the oldest sample (of either series) ages out; new samples shorten it (_Series.stale)
         oldest = points[0][0]
         if speed_series is not None and speed_series.points:
@@ -231,7 +245,7 @@ def _spread(series: _Series, now: float, window: float, low_tail: bool = False) 
         return None
     ordered = sorted(p[2] for p in points)
     found = Spread(quantile(ordered, 0.5), quantile(ordered, 0.1 if low_tail else 0.9), len(ordered),
-                   points[-1][0])
+                   points[-1][0], quantile(ordered, 0.9 if low_tail else 0.1))
     series.keep(found, now, points[0][0] + window)
     return found
 

@@ -218,9 +218,10 @@ FAMILIES: tuple[Family, ...] = (
            "Wall-clock time from an agent session's first step to the end of its last, observed when it ends.",
            (), buckets=(1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400)),
     Family('session_fast', Counter, 'session_fast_tier_seconds',
-           "Agent sessions' fast-tier steps that the standard tier's live estimate could price: their seconds "
-           '(kind actual) and what the standard tier was estimated to take for the same tokens (kind '
-           'standard_estimate); the difference is the time the fast tier saved.',
+           "Agent sessions' fast-tier steps that the standard tier's live estimate could price (8 samples or "
+           'more): their seconds (kind actual) and what the standard tier was estimated to take for the same '
+           'output and the prompt it would have had uncached (kind standard_estimate); the difference is the time '
+           'the fast tier saved.',
            ('kind',)),
     Family('ws_sockets', Gauge, 'websocket_sockets',
            'Client sockets open in the Responses API WebSocket mode (GET /v1/responses upgraded).',

@@ -95,7 +95,7 @@ class SharedSessions:
         args: list[str | int] = [
             self.ttl_ms, repr(now), record.owner or "", record.id, record.source, repr(record.started),
             step.upstream, step.tier, repr(step.duration), repr(step.usd), step.prompt_tokens, step.cached_tokens,
-            step.output_tokens, "" if step.saved is None else repr(step.saved),
+            step.output_tokens, "" if step.saved is None else step.saved.wire(),
             "" if move is None else f"{move.at!r}|{move.source}|{move.target}|{move.reason}", max_moves, member]
         script = self.shared.session_step
         self.shared.queue("session", lambda pipe: pipe.evalsha(
@@ -133,7 +133,9 @@ def decode(fields: Any, moves: Any, holds: Any = ()) -> SessionRecord | None:
     record = SessionRecord(f.get("o") or None, f["i"], f.get("src", ""), started, last, int(steps),
                            number(f.get("u")) or 0.0, int(number(f.get("pi")) or 0), int(number(f.get("pc")) or 0),
                            int(number(f.get("po")) or 0), f.get("lu") or None, saved=number(f.get("sv")) or 0.0,
-                           saved_steps=int(number(f.get("svn")) or 0), moved=int(number(f.get("mv")) or 0))
+                           saved_steps=int(number(f.get("svn")) or 0), saved_low=number(f.get("svl")) or 0.0,
+                           saved_high=number(f.get("svh")) or 0.0, saved_samples=int(number(f.get("svm")) or 0),
+                           unpriced_steps=int(number(f.get("svu")) or 0), moved=int(number(f.get("mv")) or 0))
     for name, value in f.items():
         kind, _, rest = name.partition(":")
         if not rest:

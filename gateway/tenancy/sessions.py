@@ -45,10 +45,31 @@ class Move:
     reason: str
 
 
+# samples the standard tier's estimate must rest on (the fewer of its TTFT and decode-speed samples) before the
+# seconds a fast-tier step saved are priced with it: one sample is one answer's luck, not the tier's speed
+MIN_SAMPLES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Payoff:
+    """Seconds a fast-tier step saved against the standard tier's live estimate for the same output and the prompt it
+    would have had uncached there: ``central`` from the estimate's medians, ``low`` and ``high`` from its quick and
+    slow sides; ``samples``: the fewer of its TTFT and speed samples. ``central`` None: not enough data (fewer than
+    :data:`MIN_SAMPLES`, or the standard tier unmeasured), and no number is claimed."""
+
+    central: float | None
+    low: float = 0.0
+    high: float = 0.0
+    samples: int = 0
+
+    def wire(self) -> str:
+        """``central|low|high|samples``, or ``u`` (unpriced): its argument to ``session_step.lua``."""
+        return "u" if self.central is None else f"{self.central!r}|{self.low!r}|{self.high!r}|{self.samples}"
+
+
 @dataclass(frozen=True, slots=True)
 class Step:
-    """``duration`` and ``saved`` in seconds (``saved``: against the standard tier's live estimate for the same tokens;
-    None: nothing to compare with); ``usd``: 0 when unpriced."""
+    """``duration`` in seconds; ``saved`` None: not a fast-tier step; ``usd``: 0 when unpriced."""
 
     upstream: str
     tier: str
@@ -57,7 +78,7 @@ class Step:
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
-    saved: float | None = None
+    saved: Payoff | None = None
     move: str | None = None
 
 
@@ -126,8 +147,12 @@ class SessionRecord:
     seconds_by_tier: dict[str, float] = field(default_factory=dict)
     seconds_by_upstream: dict[str, float] = field(default_factory=dict)
     steps_by_tier: dict[str, int] = field(default_factory=dict)
-    saved: float = 0.0
+    saved: float = 0.0  # seconds, over the priced fast-tier steps (Payoff); saved_low, saved_high: its interval
     saved_steps: int = 0
+    saved_low: float = 0.0
+    saved_high: float = 0.0
+    saved_samples: int = 0  # the fewest samples a priced step's estimate rested on
+    unpriced_steps: int = 0  # fast-tier steps with not enough data to price
     moves: list[Move] = field(default_factory=list)
     moved: int = 0
     holds: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -173,10 +198,37 @@ class SessionRecord:
         self.seconds_by_tier[step.tier] = self.seconds_by_tier.get(step.tier, 0.0) + step.duration
         self.seconds_by_upstream[step.upstream] = self.seconds_by_upstream.get(step.upstream, 0.0) + step.duration
         self.steps_by_tier[step.tier] = self.steps_by_tier.get(step.tier, 0) + 1
-        if step.saved is not None:
-            self.saved += step.saved
-            self.saved_steps += 1
+        self.paid(step.saved)
         return move
+
+    def paid(self, p: Payoff | None) -> None:
+        if p is None:
+            return
+        if p.central is None:
+            self.unpriced_steps += 1
+            return
+        self.saved_samples = p.samples if not self.saved_steps else min(self.saved_samples, p.samples)
+        self.saved += p.central
+        self.saved_low += p.low
+        self.saved_high += p.high
+        self.saved_steps += 1
+
+    def payoff(self) -> dict[str, object]:
+        """What the fast tier saved the run, as the session view shows it: a number only with data behind it."""
+        fast = self.saved_steps + self.unpriced_steps
+        out: dict[str, object] = {"seconds": None, "interval_seconds": None, "priced_steps": self.saved_steps,
+                                  "unpriced_steps": self.unpriced_steps, "samples": self.saved_samples or None}
+        if not fast:
+            out["note"] = "no fast-tier step yet"
+        elif not self.saved_steps:
+            out["note"] = (f"not enough data: the standard tier's live estimate had fewer than {MIN_SAMPLES} "
+                           "streamed samples at each step")
+        else:
+            out["seconds"] = round(self.saved, 6)
+            out["interval_seconds"] = [round(self.saved_low, 6), round(self.saved_high, 6)]
+            if self.unpriced_steps:
+                out["note"] = f"covers {self.saved_steps} of the {fast} fast-tier steps (the rest: not enough data)"
+        return out
 
     def as_dict(self) -> dict[str, object]:
         """As ``GET /v1/tiergate/sessions/{id}`` shows it."""
@@ -193,6 +245,7 @@ class SessionRecord:
             "last_upstream": self.last_upstream,
             "fast_tier_saved_seconds": round(self.saved, 6) if self.saved_steps else None,
             "fast_tier_saved_steps": self.saved_steps,
+            "fast_tier_saved": self.payoff(),
             "moves": [{"at": round(m.at, 3), "from": m.source, "to": m.target, "reason": m.reason} for m in self.moves],
             "moves_total": self.moved,
         }

@@ -49,6 +49,18 @@ TOOL_RESULTS = (
 )
 
 
+def context(tokens: int) -> str:
+    """About ``tokens`` tokens (4 bytes each) of a repository map, the same for every run: the long, cacheable system
+    prompt an agent sends (its tools, files and rules)."""
+    lines, size, i = [], 0, 0
+    while size < tokens * 4:
+        line = f"src/pkg_{i // 8}/module_{i}.py: def handle_{i}(request, *, timeout=30): returns Result[{i}]"
+        lines.append(line)
+        size += len(line) + 1
+        i += 1
+    return "\n\nRepository map:\n" + "\n".join(lines) if lines else ""
+
+
 @dataclass
 class Run:
     """``wall``: seconds from sending its first step to the end of its last; ``record``: the gateway's (None: not
@@ -78,11 +90,11 @@ def turn(k: int, session: str) -> str:
 
 
 async def agent_run(session: aiohttp.ClientSession, base_url: str, model: str, steps: int, max_tokens: int,
-                    timeout: float) -> Run:
+                    timeout: float, system: str = AGENT_SYSTEM) -> Run:
     """Stops at a failed step."""
     run = Run(model, f"tiergate-bench-{secrets.token_hex(8)}")
     url = base_url.rstrip("/") + "/chat/completions"
-    messages: list[dict[str, str]] = [{"role": "system", "content": AGENT_SYSTEM}]
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}]
     t0 = time.perf_counter()
     for k in range(steps):
         messages.append({"role": "user", "content": turn(k, run.session)})
@@ -121,11 +133,12 @@ async def fetch_record(session: aiohttp.ClientSession, base_url: str, session_id
 
 
 async def run_all(base_url: str, api_key: str, models: list[str], runs: int, steps: int, concurrency: int,
-                  max_tokens: int, timeout: float) -> list[Run]:
+                  max_tokens: int, timeout: float, context_tokens: int = 0) -> list[Run]:
     """Interleaved; progress on stderr."""
     headers = {"authorization": f"Bearer {api_key}", "content-type": "application/json",
                "user-agent": "tiergate-bench"}
-    todo = [m for _ in range(runs) for m in models]
+    todo = [m for _ in range(runs) for m in models]  # in --mix order, a run of each model in turn
+    system = AGENT_SYSTEM + context(context_tokens)
     done: list[Run] = []
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(headers=headers, connector=connector) as session:
@@ -133,7 +146,7 @@ async def run_all(base_url: str, api_key: str, models: list[str], runs: int, ste
 
         async def worker() -> None:
             while queue:
-                done.append(await agent_run(session, base_url, queue.pop(), steps, max_tokens, timeout))
+                done.append(await agent_run(session, base_url, queue.pop(), steps, max_tokens, timeout, system))
 
         await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, len(todo))))))
     return done
@@ -177,18 +190,63 @@ def figures(rs: list[Run]) -> dict[str, Any]:
         "cost_usd": sum(costs) if costs else None, "cost_per_run_usd": _mean(costs),
         "cache_hit_ratio": sum(rec.get("tokens", {}).get("cached", 0) for rec in records) / prompt if prompt else None,
         "steps_by_tier": tiers,
+        "estimate": estimate(records),
         "sessions": [{"id": r.session, "wall_s": r.wall, "record": r.record} for r in rs],
     }
 
 
-def premium(tiers: dict[str, Any]) -> str:
+def estimate(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What the gateway's own session records said the fast tier saved each run (``fast_tier_saved``), over the runs
+    it priced every fast-tier step of (seconds per run, mean, and the mean of their intervals); None when no run had a
+    fast-tier step. ``runs_priced`` of ``runs``: a run with a step the estimate had too few samples for is left out, so
+    that a partial sum is never compared with a whole run."""
+    views = [r["fast_tier_saved"] for r in records if isinstance(r.get("fast_tier_saved"), dict)]
+    fast = [v for v in views if v.get("priced_steps", 0) + v.get("unpriced_steps", 0) > 0]
+    if not fast:
+        return None
+    whole = [v for v in fast if not v.get("unpriced_steps") and isinstance(v.get("seconds"), int | float)]
+    samples = [v["samples"] for v in whole if isinstance(v.get("samples"), int)]
+    return {"runs": len(fast), "runs_priced": len(whole),
+            "seconds_per_run": _mean([float(v["seconds"]) for v in whole]),
+            "interval_seconds_per_run": [_mean([float(v["interval_seconds"][0]) for v in whole]),
+                                         _mean([float(v["interval_seconds"][1]) for v in whole])] if whole else None,
+            "fewest_samples": min(samples) if samples else None,
+            "steps_priced": sum(v.get("priced_steps", 0) for v in fast),
+            "steps": sum(v.get("priced_steps", 0) + v.get("unpriced_steps", 0) for v in fast)}
+
+
+def measured_saving(tiers: dict[str, Any]) -> float | None:
+    """Seconds per run: the standard tier's mean run minus the fast tier's, both measured here."""
     fast, std = tiers.get("fast"), tiers.get("standard")
     if not fast or not std or fast["run_wall_mean_s"] is None or std["run_wall_mean_s"] is None:
+        return None
+    return float(std["run_wall_mean_s"] - fast["run_wall_mean_s"])
+
+
+def premium(tiers: dict[str, Any]) -> str:
+    fast, std, saved = tiers.get("fast"), tiers.get("standard"), measured_saving(tiers)
+    if not fast or not std or saved is None:
         return "premium: n/a (the run needs agent runs answered by both tiers)"
-    text = f"premium: the fast tier saved {std['run_wall_mean_s'] - fast['run_wall_mean_s']:.2f} s per run"
+    text = f"premium: the fast tier saved {saved:.2f} s per run"
     if fast["cost_per_run_usd"] is None or std["cost_per_run_usd"] is None:
         return text + "; cost n/a (no session record)"
     return text + f" for {fast['cost_per_run_usd'] - std['cost_per_run_usd']:+.6f} USD per run"
+
+
+def estimate_line(tiers: dict[str, Any]) -> str:
+    """The gateway's estimate beside the measured difference (the two should agree: docs/sessions.md#payoff)."""
+    est, saved = (tiers.get("fast") or {}).get("estimate"), measured_saving(tiers)
+    if est is None:
+        return "estimate: n/a (no fast-tier run with a session record)"
+    if not est["runs_priced"]:
+        return (f"estimate: not enough data ({est['steps_priced']} of {est['steps']} fast-tier steps priced; the "
+                "standard tier's live estimate needs streamed samples first: put its model first in --mix)")
+    lo, hi = est["interval_seconds_per_run"]
+    text = (f"estimate: the gateway's session records said {est['seconds_per_run']:.2f} s per run ({lo:.2f} to "
+            f"{hi:.2f}; {est['runs_priced']} of {est['runs']} runs priced whole, on {est['fewest_samples']}+ samples)")
+    if saved is not None and saved > 0:
+        text += f": {est['seconds_per_run'] / saved:.2f}x the measured {saved:.2f} s"
+    return text
 
 
 def table(tiers: dict[str, Any], steps: int) -> str:
@@ -213,7 +271,7 @@ def table(tiers: dict[str, Any], steps: int) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
              for r in rows]
-    return "\n".join([f"agent loop: {steps} steps per run", *lines, premium(tiers)])
+    return "\n".join([f"agent loop: {steps} steps per run", *lines, premium(tiers), estimate_line(tiers)])
 
 
 def main(args: Any) -> int:
@@ -223,22 +281,31 @@ def main(args: Any) -> int:
     except ValueError as exc:
         print(f"tiergate bench: {exc}", file=sys.stderr)
         return 2
-    if args.agent_loop < 1 or args.runs < 1 or args.concurrency < 1 or args.max_tokens < 1:
-        print("tiergate bench: --agent-loop, --runs, --concurrency and --max-tokens must be at least 1",
-              file=sys.stderr)
+    if args.agent_loop < 1 or args.runs < 1 or args.concurrency < 1 or args.max_tokens < 1 or args.context_tokens < 0:
+        print("tiergate bench: --agent-loop, --runs, --concurrency and --max-tokens must be at least 1, "
+              "--context-tokens at least 0", file=sys.stderr)
         return 2
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or "unused"
     print(f"tiergate bench: {args.runs} agent runs of {args.agent_loop} steps per model ({', '.join(models)}), "
           f"{args.concurrency} at once, max {args.max_tokens} tokens a step -> {args.base_url}", file=sys.stderr)
     started = time.monotonic()
     runs = asyncio.run(run_all(args.base_url, api_key, models, args.runs, args.agent_loop, args.concurrency,
-                               args.max_tokens, args.timeout))
+                               args.max_tokens, args.timeout, args.context_tokens))
     tiers = summary(runs)
     print(table(tiers, args.agent_loop))
     if args.json:
         meta = {"agent_loop": args.agent_loop, "runs": args.runs, "concurrency": args.concurrency, "mix": args.mix,
-                "max_tokens": args.max_tokens, "base_url": args.base_url, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "max_tokens": args.max_tokens, "context_tokens": args.context_tokens, "base_url": args.base_url,
+                "when": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "elapsed": time.monotonic() - started}
-        Path(args.json).write_bytes(orjson.dumps({"meta": meta, "tiers": tiers, "premium": premium(tiers)},
-                                                 option=orjson.OPT_INDENT_2))
+        Path(args.json).write_bytes(orjson.dumps({"meta": meta, "tiers": tiers, "premium": premium(tiers),
+                                                  "measured_saving_s": measured_saving(tiers),
+                                                  "estimate": estimate_line(tiers)}, option=orjson.OPT_INDENT_2))
+    out = "tiergate-bench.html" if args.out is None else args.out
+    if out:
+        from gateway.tools.loadtest.chart import render_agent_html
+
+        Path(out).write_text(render_agent_html(tiers, args.agent_loop, premium(tiers), estimate_line(tiers)),
+                             encoding="utf-8")
+        print(f"chart: {out}")
     return 1 if runs and all(r.failed for r in runs) else 0

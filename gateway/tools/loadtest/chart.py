@@ -92,23 +92,30 @@ def _strip_svg(title: str, unit: str, series: list[tuple[str, str, list[float]]]
     return "".join(parts)
 
 
-def _bars_svg(title: str, unit: str, bars: list[tuple[str, str, float | None]]) -> str:
-    """A horizontal bar per tier (linear scale from 0); a missing value is written as n/a."""
+def _bars_svg(title: str, unit: str, bars: list[tuple[str, str, float | None]], better: str = "lower is cheaper",
+              missing: str = "n/a (unpriced)", whiskers: dict[str, tuple[float, float]] | None = None) -> str:
+    """A horizontal bar per row (linear scale from 0); a missing value is written as ``missing``; ``whiskers``: an
+    interval drawn over the row's bar."""
     w, row_h, left, right, top = 560, 40, 92, 90, 44
     h = top + row_h * max(1, len(bars)) + 30
-    top_value = max((v for _, _, v in bars if v), default=0.0)
+    top_value = max([v for _, _, v in bars if v] + [hi for _, hi in (whiskers or {}).values()], default=0.0)
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" '
              f'aria-label="{html.escape(title)}">', f'<text x="{left}" y="20" class="t">{html.escape(title)}</text>',
-             f'<text x="{w - 10}" y="20" class="n" text-anchor="end">lower is cheaper</text>']
+             f'<text x="{w - 10}" y="20" class="n" text-anchor="end">{html.escape(better)}</text>']
     for i, (name, colour, v) in enumerate(bars):
         y = top + row_h * i
         parts.append(f'<text x="{left - 10}" y="{y + 20}" class="l" text-anchor="end">{html.escape(name)}</text>')
-        if v is None or top_value <= 0:
-            parts.append(f'<text x="{left}" y="{y + 20}" class="n">n/a (unpriced)</text>')
+        if v is None or v < 0 or top_value <= 0:
+            parts.append(f'<text x="{left}" y="{y + 20}" class="n">{html.escape(missing)}</text>')
             continue
-        length = (w - left - right) * v / top_value
+        scale = (w - left - right) / top_value
+        length = scale * v
         parts.append(f'<rect x="{left}" y="{y + 6}" width="{length:.1f}" height="20" fill="{colour}" '
                      f'fill-opacity="0.8"/><text x="{left + length + 6:.1f}" y="{y + 20}" class="n">{v:.4g}</text>')
+        if whiskers and name in whiskers:
+            lo, hi = (max(0.0, b) * scale + left for b in whiskers[name])
+            parts.append(f'<path d="M{lo:.1f} {y + 16}H{hi:.1f}M{lo:.1f} {y + 10}V{y + 22}M{hi:.1f} {y + 10}V{y + 22}" '
+                         'stroke="#222" fill="none"/>')
     parts.append(f'<text x="{left}" y="{h - 10}" class="n">{html.escape(unit)}</text></svg>')
     return "".join(parts)
 
@@ -158,5 +165,83 @@ td, th {{ border: 1px solid #ddd; padding: 4px 8px; text-align: right; }} td:fir
 <table><tr>{head}</tr>{"".join(rows)}</table>
 <p class="m">Each dot is one request; solid mark p50, dashed p95. TTFT: request sent to first token-bearing chunk.
 Decode speed: 1 / ((t_last - t_first) / (completion tokens - first chunk's tokens)), from the stream's usage.</p>
+</body></html>
+"""
+
+
+def _steps_svg(title: str, unit: str, series: list[tuple[str, str, list[float | None]]]) -> str:
+    """A line per tier over the step index (linear scale from 0): how a value moves as the run's prompt grows."""
+    values = [v for _, _, vs in series for v in vs if v is not None]
+    w, h, left, right, top, bottom = 560, 240, 60, 24, 44, 36
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" '
+             f'aria-label="{html.escape(title)}">', f'<text x="{left}" y="20" class="t">{html.escape(title)}</text>']
+    steps = max((len(vs) for _, _, vs in series), default=0)
+    if not values or steps < 1:
+        parts.append(f'<text x="{left}" y="{top + 24}" class="n">no data</text></svg>')
+        return "".join(parts)
+    top_value = _nice(max(values), down=False) if max(values) > 0 else 1.0
+
+    def xy(i: int, v: float) -> tuple[float, float]:
+        x = left + (w - left - right) * (i / (steps - 1) if steps > 1 else 0.5)
+        return x, h - bottom - (h - top - bottom) * v / top_value
+
+    for t in (0.0, top_value / 2, top_value):
+        _, y = xy(0, t)
+        parts.append(f'<line x1="{left}" x2="{w - right}" y1="{y:.1f}" y2="{y:.1f}" class="g"/>'
+                     f'<text x="{left - 6}" y="{y + 4:.1f}" class="n" text-anchor="end">{t:.3g}</text>')
+    for i in range(steps):
+        x, _ = xy(i, 0.0)
+        parts.append(f'<text x="{x:.1f}" y="{h - bottom + 16}" class="n" text-anchor="middle">{i + 1}</text>')
+    for k, (name, colour, vs) in enumerate(series):
+        points = [xy(i, v) for i, v in enumerate(vs) if v is not None]
+        parts.append(f'<polyline points="{" ".join(f"{x:.1f},{y:.1f}" for x, y in points)}" fill="none" '
+                     f'stroke="{colour}" stroke-width="2"/>')
+        parts.append(f'<text x="{w - right}" y="{34 + 14 * k}" class="l" fill="{colour}" text-anchor="end">'
+                     f'{html.escape(name)}</text>')
+    parts.append(f'<text x="{left}" y="{h - 6}" class="n">{html.escape(unit)}</text></svg>')
+    return "".join(parts)
+
+
+def render_agent_html(tiers: dict[str, Any], steps: int, premium_text: str, estimate_text: str) -> str:
+    """``tiergate bench --agent-loop``'s chart: run time per tier, step TTFT by step index, and the seconds saved per
+    run as measured beside the gateway's own estimate (with its interval)."""
+    colours = {name: _colour(name, i) for i, name in enumerate(tiers)}
+    walls = _bars_svg("Agent run, mean wall time", "seconds per run (client side)",
+                      [(n, colours[n], t["run_wall_mean_s"]) for n, t in tiers.items()], "lower is better", "n/a")
+    ttft = _steps_svg("Step TTFT p50 by step", "step of the run; seconds (client side)",
+                      [(n, colours[n], t["step_ttft_p50_by_step_s"]) for n, t in tiers.items()])
+    fast, std = tiers.get("fast"), tiers.get("standard")
+    measured = (std["run_wall_mean_s"] - fast["run_wall_mean_s"] if fast and std and fast["run_wall_mean_s"]
+                is not None and std["run_wall_mean_s"] is not None else None)
+    est = (fast or {}).get("estimate") or {}
+    interval = est.get("interval_seconds_per_run")
+    saved = _bars_svg("Seconds the fast tier saved per run", "measured here; the gateway's estimate, with its interval",
+                      [("measured", "#555555", measured),
+                       ("estimate", TIER_COLOURS["fast"], est.get("seconds_per_run"))],
+                      "should agree", "n/a (not enough data)",
+                      {"estimate": (interval[0], interval[1])} if interval else None)
+    rows = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in (
+        n, t["runs"], t["failed_runs"], as_num(t["run_wall_mean_s"]), as_ms(t["step_ttft_p50_s"]),
+        "-" if t["cache_hit_ratio"] is None else f"{t['cache_hit_ratio']:.1%}", as_usd(t["cost_per_run_usd"])))
+        + "</tr>" for n, t in tiers.items())
+    head = "".join(f"<th>{h}</th>" for h in ("tier", "runs", "failed", "run s mean", "step TTFT p50 ms", "cache hit",
+                                              "USD per run"))
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>tiergate bench --agent-loop</title>
+<style>
+body {{ font: 14px/1.4 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px; color: #222; }}
+h1 {{ font-size: 20px; margin: 0 0 4px; }} p.p {{ font-weight: 600; margin: 8px 0 0; }}
+.charts {{ display: flex; flex-wrap: wrap; gap: 16px; }}
+svg {{ background: #fafafa; border: 1px solid #ddd; }}
+svg .t {{ font-size: 15px; font-weight: 600; }} svg .l {{ font-size: 13px; font-weight: 600; }}
+svg .n {{ font-size: 11px; fill: #555; }} svg .g {{ stroke: #e3e3e3; }}
+table {{ border-collapse: collapse; margin-top: 16px; }}
+td, th {{ border: 1px solid #ddd; padding: 4px 8px; text-align: right; }} td:first-child {{ text-align: left; }}
+</style></head><body>
+<h1>tiergate bench: agent runs of {steps} steps, fast tier vs standard tier</h1>
+<div class="charts">{walls}{ttft}{saved}</div>
+<p class="p">{html.escape(premium_text)}</p>
+<p class="p">{html.escape(estimate_text)}</p>
+<table><tr>{head}</tr>{rows}</table>
 </body></html>
 """
