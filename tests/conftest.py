@@ -371,6 +371,7 @@ class RedisServer:
     again on the same port for the fault tests. ``args``: more of its options (``--maxmemory``, ...)."""
 
     def __init__(self, tmp: Path, args: tuple[str, ...] = ()) -> None:
+        need("redis-server", "apt-get install redis-server")
         self.port = free_port()
         self.tmp = tmp
         self.args = args
@@ -410,6 +411,18 @@ class RedisServer:
     def resume(self) -> None:
         assert self.popen is not None
         self.popen.send_signal(signal.SIGCONT)
+
+
+def need(program: str, how: str) -> str:
+    """The path of ``program``; without it the test is skipped, except in CI (env ``CI``, which ``.ci/run`` sets),
+    where a missing tool is a failure: a laptop without it runs the rest, CI runs everything."""
+    found = shutil.which(program)
+    if found is None:
+        message = f"{program} is not installed ({how}; .ci/run installs or checks it)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return found
 
 
 needs_redis = pytest.mark.skipif(

@@ -5,7 +5,6 @@ is valid."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, need
 
 DEPLOY = ROOT / "deploy" / "kubernetes"
 KUSTOMIZATIONS = sorted(p.parent for p in DEPLOY.glob("*/kustomization.yaml"))
@@ -24,8 +23,7 @@ CRDS = {("monitoring.coreos.com/v1", "PodMonitor")}  # the Prometheus Operator's
 
 
 def render(path: Path) -> list[dict[str, Any]]:
-    kubectl = shutil.which("kubectl")
-    assert kubectl, "kubectl is needed to render the kustomizations (.ci/run checks that it is installed)"
+    kubectl = need("kubectl", "kubectl 1.27 or newer renders the kustomizations")
     out = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "Warning" not in out.stderr, out.stderr  # e.g. a deprecated field (bases, commonLabels): kustomize 5 syntax
