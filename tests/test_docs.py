@@ -273,6 +273,61 @@ def test_every_config_section_opens_with_its_own_words(hooks: Any) -> None:
         assert "docstring" not in lead, f"config section {path!r} opens with {lead!r}"
 
 
+# --- diagrams drawn by the site itself -----------------------------------------------------------------------------
+# A ```mermaid fence is rendered by pymdownx.superfences (mkdocs.yml) as <pre class="mermaid"><code>...</code></pre>,
+# which the theme's Mermaid draws in the browser: no image file to go stale beside the prose.
+
+MERMAID_BLOCK = re.compile(r'<(pre|div) class="mermaid">(?:<code>)?(.*?)(?:</code>)?</\1>', re.DOTALL)
+DIAGRAM_TYPES = frozenset({  # the first word of a Mermaid diagram
+    "flowchart", "graph", "sequenceDiagram", "stateDiagram", "stateDiagram-v2", "classDiagram", "erDiagram", "gantt",
+    "pie", "journey", "gitGraph", "mindmap", "timeline", "quadrantChart", "sankey-beta", "xychart-beta", "block-beta",
+})
+DIAGRAM_PAGES = ("architecture", "routing", "responses", "websocket", "sessions", "operations", "bench")
+
+
+def mermaid_blocks(page: str) -> list[str]:
+    """The source of each diagram of a built page, as Mermaid will read it."""
+    return [html.unescape(m[2]).strip() for m in MERMAID_BLOCK.finditer(page)]
+
+
+def bad_diagrams(blocks: list[str]) -> list[str]:
+    """The first line of each block that does not open with a known diagram type."""
+    firsts = [block.splitlines()[0].strip() if block else "" for block in blocks]
+    return [first for first in firsts if (first.split() or [""])[0] not in DIAGRAM_TYPES]
+
+
+def test_the_guide_pages_draw_their_diagrams(site: Path) -> None:
+    """Each page of the request's story has a diagram, every ```mermaid fence of its source is rendered as one (none
+    left as a plain code block), and each opens with a diagram type Mermaid knows."""
+    for name in DIAGRAM_PAGES:
+        blocks = mermaid_blocks(_page(site, name))
+        assert blocks, f"docs/{name}.md renders no mermaid diagram"
+        fences = re.findall(r"^```mermaid$", (ROOT / "docs" / f"{name}.md").read_text("utf-8"), re.MULTILINE)
+        assert len(blocks) == len(fences), f"docs/{name}.md: {len(fences)} mermaid fences, {len(blocks)} rendered"
+        assert not bad_diagrams(blocks), f"docs/{name}.md: not a Mermaid diagram type: {bad_diagrams(blocks)}"
+
+
+def test_the_benchmark_charts_draw_the_figures_on_their_page(site: Path) -> None:
+    """A bar of a chart on the benchmarks page is a figure its tables print, as printed."""
+    text = (ROOT / "docs" / "bench.md").read_text("utf-8")
+    prose = re.sub(r"^```mermaid$.*?^```$", "", text, flags=re.MULTILINE | re.DOTALL)
+    charts = [b for b in mermaid_blocks(_page(site, "bench")) if b.startswith("xychart-beta")]
+    assert charts, "docs/bench.md has no xychart-beta chart"
+    for chart in charts:
+        bars = [v.strip() for line in chart.splitlines() if line.strip().startswith("bar")
+                for v in line.split("[", 1)[1].rstrip("] ").split(",")]
+        assert bars and all(re.search(rf"(?<![\d.]){re.escape(v)}(?![\d.])", prose) for v in bars), chart
+
+
+def test_a_page_without_a_diagram_or_with_an_unknown_one_is_caught() -> None:
+    """The checks themselves: a plain code block is no diagram, an unknown first word is caught."""
+    plain = '<div class="language-text highlight"><pre><code>flowchart TB</code></pre></div>'
+    assert mermaid_blocks(plain) == []
+    drawn = '<pre class="mermaid"><code>flowchart TB\n  A --&gt; B</code></pre><div class="mermaid">flowchat LR</div>'
+    assert mermaid_blocks(drawn) == ["flowchart TB\n  A --> B", "flowchat LR"]
+    assert bad_diagrams(mermaid_blocks(drawn)) == ["flowchat LR"]
+
+
 # --- the hook's own checks -----------------------------------------------------------------------------------------
 
 class _Page:
