@@ -31,7 +31,7 @@ from gateway.http.admin import admin_app
 from gateway.http.dispatch import HotPath
 from gateway.http.server import configure as configure_client_limits
 from gateway.http.server import drain_on_exit, reload_on_hup
-from gateway.observability import logs, tracing
+from gateway.observability import genai, logs, tracing
 from gateway.observability.estimates import Estimates
 from gateway.observability.metrics import Metrics
 from gateway.observability.recorder import Observers
@@ -127,6 +127,7 @@ def _lifespan(pool: Transport, shared: SharedState | None, kept: LedgerFile | No
             if shared is not None:
                 await shared.stop()
             tracing.shutdown()  # flush the spans still batched
+            genai.shutdown()  # and export the metrics not yet exported
             logs.flush()  # and the request lines of this last loop turn
             if multiprocess_dir:
                 multiprocess.mark_process_dead(os.getpid(), multiprocess_dir)  # type: ignore[no-untyped-call]
@@ -170,6 +171,8 @@ def assemble(loaded: LoadedConfig, metrics: Metrics, transport: Transport, *, po
     frame = Frame()
     bodies = BodyBudget(config.limits.max_bytes_in_flight, config.limits.key_share)  # request bytes held
     observers = Observers(metrics, estimates, health.clock)  # what each request's recorder feeds
+    if genai.GENAI.on is not None:
+        genai.GENAI.on.configure(config.upstreams)  # each upstream's attributes, as this config names them
     budgets = KeyBudgets(ledger)
     conversations = Conversations(store)
     delivery = Delivery(config, conversations)
@@ -240,6 +243,7 @@ def serve_app(loaded: LoadedConfig, settings: Settings, multiprocess_dir: str | 
     configure_client_limits(settings)
     logs.configure(settings.log_format or "json", settings.log_level, settings.log_sample)
     tracing.configure(settings.otel_traces_exporter)
+    genai.configure(settings.otel_metrics_exporter)
     app = create_app(loaded, multiprocess_dir=multiprocess_dir, state_dir=settings.state_dir)
     cfg = loaded.config
     logs.event("config_loaded", path=str(loaded.path), upstreams=[u.name for u in cfg.upstreams],

@@ -73,6 +73,8 @@ class Settings(BaseSettings):
     drain_idle_grace: float = Field(5.0, ge=0)
     # OpenTelemetry's own variable (gateway.observability.tracing): otlp, console, or none/unset (no traces)
     otel_traces_exporter: str | None = Field(None, validation_alias="OTEL_TRACES_EXPORTER")
+    # and for the GenAI metrics (gateway.observability.genai): otlp, console, or none/unset (none)
+    otel_metrics_exporter: str | None = Field(None, validation_alias="OTEL_METRICS_EXPORTER")
 
 
     @field_validator("state_dir", mode="before")

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from gateway.config.upstreams import SERVICE_TIERS, SPEED
 from gateway.errors import UpstreamStatusError
-from gateway.observability import logs, tracing
+from gateway.observability import genai, logs, tracing
 from gateway.observability.estimates import Estimates
 from gateway.observability.metrics import BILLABLE, Metrics
 
@@ -81,7 +81,7 @@ class Recorder:
 
     __slots__ = ("t0", "request", "status", "rule", "fallback", "upstream_model", "attempts", "outcome", "span",
                  "tier", "upstream", "model", "recorded", "billed_tier", "dropped", "_obs", "_metrics", "_in_flight",
-                 "_pending")
+                 "_pending", "sent_at", "response_model")
 
     def __init__(self, observers: Observers, request: Subject) -> None:
         self.t0 = time.perf_counter()
@@ -103,6 +103,8 @@ class Recorder:
         self._metrics = observers.metrics
         self._in_flight: Any = None
         self._pending: tuple[int, str, str | None] | None = None  # what an answer's start counts (attempting)
+        self.sent_at: float | None = None  # when the attempt whose labels it has was sent upstream
+        self.response_model: str | None = None  # as the answer names it
 
     @property
     def rid(self) -> str:
@@ -152,9 +154,10 @@ class Recorder:
         """Without ``overhead``, a hedge that started later won. The attempts and the fallback (from ``decided_tier``
         with ``reason``) are counted only once the answer starts to reach the client (:meth:`answer_started`)."""
         self.tier, self.upstream, self.upstream_model, self.attempts = tier, upstream, upstream_model, tried
+        self.sent_at = now = time.perf_counter()
         if overhead:
             m = self._metrics
-            m.child(m.overhead, tier).observe(time.perf_counter() - self.t0)
+            m.child(m.overhead, tier).observe(now - self.t0)
         self._pending = (tried, decided_tier, reason)
 
     def labelled(self, tier: str, upstream: str, upstream_model: str | None, tried: int) -> None:
@@ -216,6 +219,8 @@ class Recorder:
         self._obs.estimates.observe_ttft(upstream, model, self._obs.clock(), prompt_tokens=prompt_tokens, ttft=ttft)
 
     def usage(self, span: Any, usage: dict[str, Any] | None, response_model: Any = None) -> None:
+        if isinstance(response_model, str):
+            self.response_model = response_model
         if span is not None:
             tracing.usage(span, usage, response_model)
 
@@ -337,8 +342,11 @@ class Recorder:
 
     def _emit(self, outcome: str, duration: float, kw: dict[str, Any]) -> float | None:
         """Returns the cost added (USD)."""
-        return self._metrics.record(tier=self.tier, upstream=self.upstream, model=self.model, outcome=outcome,
+        cost = self._metrics.record(tier=self.tier, upstream=self.upstream, model=self.model, outcome=outcome,
                                     stream=self.request.stream, duration=duration, **kw)
+        if genai.GENAI.on is not None:
+            genai.GENAI.on.record(self, self.outcome or outcome, duration, kw)
+        return cost
 
     def _charge(self, outcome: str, usage: Any, cost: float | None) -> int | None:
         """Returns the tokens its usage reports (None: no usage)."""

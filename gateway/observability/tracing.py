@@ -36,7 +36,6 @@ def configure(exporter: str | None, span_exporter: Any = None) -> bool:
         return False
     try:
         from opentelemetry import trace
-        from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -44,9 +43,7 @@ def configure(exporter: str | None, span_exporter: Any = None) -> bool:
         log.warning("OTEL_TRACES_EXPORTER=%s but the otel extra is not installed (pip install 'tiergate[otel]'): "
                     "no traces", exporter)
         return False
-    # service.name tiergate unless OTEL_SERVICE_NAME (or service.name in OTEL_RESOURCE_ATTRIBUTES) says otherwise:
-    # Resource.create merges the environment's over the attributes given
-    provider = TracerProvider(resource=Resource.create({"service.name": "tiergate"}))
+    provider = TracerProvider(resource=resource())
     if span_exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(span_exporter))
     elif exporter == "console":
@@ -63,6 +60,18 @@ def configure(exporter: str | None, span_exporter: Any = None) -> bool:
     TRACING.propagator = TraceContextTextMapPropagator()
     TRACING.api = trace
     return True
+
+
+def resource(**attributes: str) -> Any:
+    """The OpenTelemetry resource: ``service.name`` tiergate unless ``OTEL_SERVICE_NAME`` (or ``service.name`` in
+    ``OTEL_RESOURCE_ATTRIBUTES``) names another. ``Resource.create`` puts the attributes given over the environment's,
+    so the default is merged in only where the environment named none (the SDK's own is ``unknown_service:...``)."""
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+
+    found = Resource.create(attributes)
+    if str(found.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        found = found.merge(Resource({SERVICE_NAME: "tiergate"}))
+    return found
 
 
 def shutdown() -> None:

@@ -108,7 +108,7 @@ class Delivery:
 
     def ended(self, ex: Exchange, attempt: Attempt, decision: Decision, facts: RequestFacts,
               stats: StreamStats) -> None:
-        ex.rec.usage(attempt.span, stats.usage)
+        ex.rec.usage(attempt.span, stats.usage, stats.model)
         if stats.error:
             self.broke(ex, attempt, stats)
         else:

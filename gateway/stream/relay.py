@@ -354,6 +354,8 @@ class Relay:
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             stats.usage = usage
+            model = chunk.get("model")  # read once, from the usage chunk: the model the answer names
+            stats.model = model if isinstance(model, str) else stats.model
         if self._extra is not None and (value := chunk.get(self._member)) is not None:
             reported, timings = self._extra.member_facts(value)
             if reported is not None and not isinstance(usage, dict):  # OpenAI's usage, where both are, counts

@@ -74,7 +74,7 @@ class StreamStats:
     reached it: not a whole answer, whatever ``finished`` says."""
 
     __slots__ = ("t_first_token", "t_last_token", "token_chunks", "usage", "timings", "done", "finished",
-                 "complete", "error", "response_id", "error_event", "service_tier", "left_early")
+                 "complete", "error", "response_id", "error_event", "service_tier", "left_early", "model")
 
     def __init__(self) -> None:
         self.t_first_token: float | None = None
@@ -90,6 +90,7 @@ class StreamStats:
         self.error_event: dict[str, Any] | None = None
         self.service_tier: str | None = None
         self.left_early = False
+        self.model: str | None = None  # as the usage chunk (or the terminal Response) names it
 
 
 def observe_response_event(stats: StreamStats, chunk: dict[str, Any], now: float) -> dict[str, Any] | None:
@@ -114,6 +115,8 @@ def observe_response_event(stats: StreamStats, chunk: dict[str, Any], now: float
             stats.usage = chat_usage(usage)
         if isinstance(response, dict):
             stats.service_tier = served_tier(response) or stats.service_tier
+            model = response.get("model")
+            stats.model = model if isinstance(model, str) else stats.model
         stats.done = True  # the Responses API's end of stream (no [DONE]): end here, as after [DONE]
     if etype in ("error", "response.failed"):
         stats.error = "upstream_error_event"
