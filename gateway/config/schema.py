@@ -22,6 +22,7 @@ and the problem; the process stops before it serves anything.
 
 from __future__ import annotations
 
+from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
@@ -48,6 +49,19 @@ class ResponseStore(Strict):
     max_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     ttl: float = Field(3600.0, gt=0)
     key_share: float = Field(0.25, gt=0, le=1)
+
+
+class AnswersConfig(Strict):
+    """What the gateway adds to an answer so that the client's own trackers (LiteLLM's cost callbacks, Langfuse) can
+    name and price it (docs/metrics.md#cost-in-answers). model: ``upstream`` names the model as the upstream did (the
+    answer untouched, the default), ``requested`` as the client asked for it (an alias such as ``gpt-5.6-sol-fast``),
+    in whole answers and in every chunk of a stream; cost: ``header`` sends the USD the gateway computed as
+    ``x-tiergate-cost-usd`` and LiteLLM's ``x-litellm-response-cost`` on whole answers (the default), ``usage`` also
+    writes it as ``usage.cost`` in whole answers and in a stream's final usage chunk where the client asked for usage,
+    as OpenRouter does, ``off`` neither. Unpriced answers carry no cost."""
+
+    model: Literal["upstream", "requested"] = "upstream"
+    cost: Literal["off", "header", "usage"] = "header"
 
 
 class WebSocketLimits(Strict):
@@ -181,6 +195,7 @@ class GatewayConfig(Strict):
     limits: Limits = Limits()
     passthrough: PassthroughConfig = PassthroughConfig()
     response_store: ResponseStore = ResponseStore()
+    answers: AnswersConfig = AnswersConfig()
     estimates: EstimatesConfig = EstimatesConfig()
     state: StateConfig = StateConfig()
     auth: AuthConfig | None = None

@@ -25,7 +25,8 @@ async def hot(gw: Gateway, scope: Scope, receive: Receive, send: Send, kind: Kin
         raw = await read_body(ex.request.headers, receive, gw.config.limits.max_request_bytes,
                               held=ex.reserved.body)
     except ClientGone:
-        return ex.record("client_disconnect")  # gone while sending its body: counted, nothing to answer
+        ex.record("client_disconnect")  # gone while sending its body: counted, nothing to answer
+        return
     except GatewayError as exc:
         # the body was not read to its end: close the connection after the answer, so that its rest can never be
         # read as the next request (one request, one response)
@@ -62,7 +63,8 @@ async def passthrough(gw: Gateway, scope: Scope, receive: Receive, send: Send, o
             raw = await read_body(request.headers, receive, limits.max_request_bytes, json_only=False,
                                   held=ex.reserved.body)
         except ClientGone:
-            return ex.record("client_disconnect")
+            ex.record("client_disconnect")
+            return
         except GatewayError as exc:
             return await ex.error(exc, "client_error", [(b"x-request-id", ex.rid.encode()), CLOSE])
         rec.received(len(raw))

@@ -231,20 +231,27 @@ class Metrics:
               source: str, service_tier: str | None = None) -> float | None:
         """USD at ``model``'s price on the upstream (``model_prices``, else ``prices`` for a configured model) at
         ``service_tier`` and the prompt's size; None, counted as unpriced, without a price or a usage."""
-        price = self.model_prices.get((labels[1], model))
-        if price is None and model in self.models:
-            price = self.prices.get(labels[1])
-        if price is None or usage is None:
+        cost = self.price(labels[1], model, usage, service_tier)
+        if cost is None:
             self.child(self.unpriced, *labels).inc()
+            return None
+        if cost > 0:
+            self.child(self.cost, *labels, source).inc(cost)
+        return cost
+
+    def price(self, upstream: str, model: str, usage: dict[str, Any] | None,
+              service_tier: str | None = None) -> float | None:
+        """USD of ``usage`` (chat-completions terms) on ``upstream``, counting nothing; None: unpriced."""
+        price = self.model_prices.get((upstream, model))
+        if price is None and model in self.models:
+            price = self.prices.get(upstream)
+        if price is None or usage is None:
             return None
         prompt = _int(usage.get("prompt_tokens"))
         completion = _int(usage.get("completion_tokens"))
         cached = min(prompt, _detail(usage, "prompt_tokens_details", "cached_tokens"))
         p_in, p_cached, p_out = price if isinstance(price, tuple) else price.per_token(service_tier, prompt)
-        cost = (prompt - cached) * p_in + cached * p_cached + completion * p_out
-        if cost > 0:
-            self.child(self.cost, *labels, source).inc(cost)
-        return cost
+        return float((prompt - cached) * p_in + cached * p_cached + completion * p_out)
 
     def _tokens(self, labels: tuple[str, str, str], usage: dict[str, Any], decode_time: float | None,
                 chunks: int, source: str) -> None:

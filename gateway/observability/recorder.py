@@ -224,6 +224,11 @@ class Recorder:
         if span is not None:
             tracing.usage(span, usage, response_model)
 
+    def price(self, usage: dict[str, Any] | None, served_tier: str | None) -> float | None:
+        """USD of ``usage`` (chat-completions terms) at the upstream and model the request has, at the tier served
+        (else billed), counting nothing: what an answer tells its client (``answers.cost``); None: unpriced."""
+        return self._metrics.price(self.upstream, self.model, usage, served_tier or self.billed_tier)
+
     def decoded(self, upstream: str, model: str, speed: float | None) -> None:
         """``speed`` in tokens/s; None: not measurable."""
         if speed is not None:

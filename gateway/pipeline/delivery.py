@@ -29,9 +29,9 @@ from gateway.upstream.attempt import Answer, Attempt
 from gateway.wire.body import dumps
 
 
-def draft(ex: Exchange, up: UpstreamConfig, facts: RequestFacts) -> Draft | None:
+def draft(ex: Exchange, up: UpstreamConfig, facts: RequestFacts, named: bool = False) -> Draft | None:
     """None when not bridged. Until the upstream says which ``service_tier`` it served, the Response carries the one
-    it is billed at (``Recorder.billed_tier``)."""
+    it is billed at (``Recorder.billed_tier``); ``named``: the client's model name throughout (``answers.model``)."""
     if ex.request.kind != "responses" or up.responses_mode != "bridge":
         return None
     body = dict(facts.body)
@@ -40,7 +40,7 @@ def draft(ex: Exchange, up: UpstreamConfig, facts: RequestFacts) -> Draft | None
         body.pop("service_tier", None)
     else:
         body["service_tier"] = billed
-    return Draft(body, new_id(ID_PREFIX))
+    return Draft(body, new_id(ID_PREFIX), named)
 
 
 def compacted(facts: RequestFacts, response: dict[str, Any]) -> dict[str, Any]:
@@ -50,6 +50,13 @@ def compacted(facts: RequestFacts, response: dict[str, Any]) -> dict[str, Any]:
     summary = "".join(part.get("text", "") for item in response["output"] if item.get("type") == "message"
                       for part in item.get("content") or () if part.get("type") == "output_text")
     return compaction.compacted(items, summary, response.get("usage"))
+
+
+def cost_headers(cost: float) -> Headers:
+    """The USD the gateway computed, as its own header and as LiteLLM's (which its cost callbacks read from an
+    upstream's answer before their price map: ``llm_provider-x-litellm-response-cost``)."""
+    value = repr(round(cost, 12)).encode()
+    return [(b"x-tiergate-cost-usd", value), (b"x-litellm-response-cost", value)]
 
 
 def series(ex: Exchange, up: UpstreamConfig, decision: Decision, stats: StreamStats) -> str:
@@ -67,13 +74,17 @@ class Delivery:
     def relay(self, ex: Exchange, attempt: Attempt, strip_usage: bool, facts: RequestFacts) -> Relay:
         """A bridged Responses request gets the bridge's translating relay."""
         up, limit = attempt.upstream, self.config.limits.max_event_bytes
-        made = draft(ex, up, facts)
+        made = draft(ex, up, facts, self.config.answers.model == "requested")
         hold = None if attempt.first_token_by is not None else up.timeouts.idle  # no ttft: idle bounds the hold
         if made:
             return BridgeRelay(made, max_event_bytes=limit, finish_grace=up.timeouts.finish_grace, hold_seconds=hold,
                                extra=attempt.dialect)
-        return Relay(strip_usage_chunk=strip_usage, max_event_bytes=limit, responses=ex.request.kind == "responses",
-                     choices=facts.n, finish_grace=up.timeouts.finish_grace, hold_seconds=hold, extra=attempt.dialect)
+        answers, responses = self.config.answers, ex.request.kind == "responses"
+        rename = ex.request.requested if answers.model == "requested" else None
+        price = ex.rec.price if answers.cost == "usage" and not strip_usage and not responses else None
+        return Relay(strip_usage_chunk=strip_usage, max_event_bytes=limit, responses=responses,
+                     choices=facts.n, finish_grace=up.timeouts.finish_grace, hold_seconds=hold, extra=attempt.dialect,
+                     rename=rename, price=price)
 
     async def deliver(self, ex: Exchange, attempt: Attempt, answer: Answer, headers: Headers, relay: Relay,
                       decision: Decision, facts: RequestFacts) -> None:
@@ -156,7 +167,7 @@ class Delivery:
             parsed = None
         if not isinstance(parsed, dict):
             raise UpstreamBadResponse("The upstream answered 200 with a body that is not a JSON object.")
-        up, made = attempt.upstream, draft(ex, attempt.upstream, facts)
+        up, made = attempt.upstream, draft(ex, attempt.upstream, facts, self.config.answers.model == "requested")
         response = whole_response(parsed, made) if made else None  # UpstreamBadResponse: no completion
         compacting = ex.request.compact
         if response is not None and compacting:
@@ -170,8 +181,19 @@ class Delivery:
                 completion := usage.get("completion_tokens"), int):  # a summary's length predicts no answer
             ex.rec.completed(decision.rule, decision.model, completion)
         ex.rec.answered(200)  # before the record: the log line names the status answered
-        ex.record("success", usage=usage, timings=timings or dialect.answer_timings(answer.headers),
-                  served_tier=served_tier(parsed))
+        done = ex.record("success", usage=usage, timings=timings or dialect.answer_timings(answer.headers),
+                         served_tier=served_tier(parsed))
         if ex.request.kind == "responses" and not compacting:  # kept before the answer leaves: a next turn is quick
             await self.conversations.keep_whole(ex, facts, up, parsed, response)
+        answers = self.config.answers
+        cost = done.cost if done is not None and answers.cost != "off" else None
+        if cost is not None:
+            headers = [*headers, *cost_headers(cost)]
+        if (cost is not None and answers.cost == "usage") or answers.model == "requested":
+            shown = response if response is not None else parsed
+            if cost is not None and answers.cost == "usage" and isinstance(shown.get("usage"), dict):
+                shown["usage"] = {**shown["usage"], "cost": cost}  # OpenRouter's field, which LiteLLM reads
+            if answers.model == "requested" and "model" in shown:
+                shown["model"] = ex.request.requested
+            response = shown
         await ex.whole(200, data if response is None else dumps(response), headers)

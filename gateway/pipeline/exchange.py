@@ -14,7 +14,7 @@ from gateway.admission.body import BodyBudget
 from gateway.admission.request import Request
 from gateway.admission.reserve import Reserved
 from gateway.errors import GatewayError, error_body
-from gateway.observability.recorder import Observers, Recorder
+from gateway.observability.recorder import Observers, Recorded, Recorder
 from gateway.responses.store import SocketStore
 from gateway.routing.blame import Blame
 from gateway.stream.relay import Relay
@@ -63,11 +63,12 @@ class Exchange:
     def rid(self) -> str:
         return self.request.rid
 
-    def record(self, outcome: str, *, ended: float | None = None, **kw: Any) -> None:
-        """Once (later calls do nothing), settling what it holds."""
+    def record(self, outcome: str, *, ended: float | None = None, **kw: Any) -> Recorded | None:
+        """Once (later calls do nothing and return None), settling what it holds."""
         done = self.rec.record(outcome, ended=ended, **kw)
         if done is not None:
             self.reserved.settle(self.rec, done)
+        return done
 
     # answering
 

@@ -74,14 +74,16 @@ class Passthrough:
                 except GatewayError as exc:
                     if upload is not None and upload.error is not None:
                         if isinstance(upload.error, ClientGone) or ex.answered:
-                            return ex.record("client_disconnect")
+                            ex.record("client_disconnect")
+                            return
                         return await ex.error(upload.error, "client_error", closing(ex, raw, upload=upload))
                     last = attempt.failed(exc)
                     ex.rec.upstream_failed(up.tier, up.name, failover.reason(last))
                     if ex.answered:  # broke off after its first bytes: the connection is cut (answers.relay)
                         log.warning("request %s: the upstream %s broke off its answer: %s", ex.rid, up.name,
                                     exc.message)
-                        return ex.record("stream_error")
+                        ex.record("stream_error")
+                        return
             if not plan.go_on(cand, last):
                 break
         await give_up(ex, decision, plan.reason, last, tried, closing(ex, raw, [], upload))

@@ -142,7 +142,7 @@ class BridgeRelay(Relay):
                     continue
             if type(chunk) is not dict:
                 continue
-            if not self._started and isinstance(chunk.get("model"), str):
+            if not self._started and not self.draft.named and isinstance(chunk.get("model"), str):
                 self.draft.model = chunk["model"]  # one name throughout: the one its first chunk gives (the rule)
             self._start(out)
             had_error = stats.error

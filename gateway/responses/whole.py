@@ -61,11 +61,13 @@ class Draft:
     requires, a sampling setting the client left out as the default the upstream applied. ``model`` is the upstream's
     once its answer names it, as OpenAI names the snapshot it resolved an alias to; until then, the client's."""
 
-    def __init__(self, body: dict[str, Any], response_id: str) -> None:
+    def __init__(self, body: dict[str, Any], response_id: str, named: bool = False) -> None:
+        """``named``: the client's model name stays (``answers.model: requested``)."""
         self.id = response_id
         self.body = body
         self.created_at = int(time.time())
         self.model: str = body["model"]
+        self.named = named
         self.custom = custom_tool_names(body)  # calls of these are custom_tool_call items
         self.served: str | None = None  # the service tier the upstream said it served, once it did
 
@@ -127,7 +129,7 @@ def whole_response(completion: dict[str, Any], draft: Draft) -> dict[str, Any]:
     message = choice.get("message")
     if "error" in completion or not isinstance(message, dict):
         raise UpstreamBadResponse("The upstream answered 200 without a chat completion message.")
-    if isinstance(completion.get("model"), str):
+    if isinstance(completion.get("model"), str) and not draft.named:
         draft.model = completion["model"]
     draft.served = served_tier(completion)
     incomplete = _INCOMPLETE.get(str(choice.get("finish_reason")))

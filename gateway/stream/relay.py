@@ -10,11 +10,12 @@ stream ends: docs/routing.md#stream-end."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from orjson import JSONDecodeError, loads
+from orjson import JSONDecodeError, dumps, loads
 
 from gateway.errors import (
     EmptyStream,
@@ -39,6 +40,8 @@ from gateway.stream.stats import (
 from gateway.stream.template import Template
 
 DONE = b"data: [DONE]\n\n"
+_MODEL = re.compile(rb'"model":"(?:[^"\\]|\\.)*"')  # a chunk's model member, as compact JSON writes it
+Price = Callable[[dict[str, Any], str | None], float | None]  # (usage, served tier) -> USD, None: unpriced
 DONE_GRACE = 0.02  # seconds to wait for the end of the upstream's body after its [DONE]
 # seconds the upstream connection stays open after a client left before every choice finished: read, unsent, for the
 # usage of the generation it cancelled (which runs, and is billed, until the close). The gateway's own bound
@@ -57,8 +60,15 @@ class Relay:
     LEARN = 8
 
     def __init__(self, *, strip_usage_chunk: bool, max_event_bytes: int, responses: bool = False, choices: int = 1,
-                 finish_grace: float = 2.0, hold_seconds: float | None = None, extra: Extra | None = None) -> None:
+                 finish_grace: float = 2.0, hold_seconds: float | None = None, extra: Extra | None = None,
+                 rename: str | None = None, price: Price | None = None) -> None:
+        """``rename``: the model name the client asked for, put in place of the upstream's in every chunk
+        (``answers.model: requested``); ``price``: the USD of a usage, written as ``usage.cost`` into the usage chunk
+        the client gets (``answers.cost: usage``). Both off by default: the relay is then byte for byte."""
         self.stats = StreamStats()
+        self._rename = None if rename is None else b'"model":' + dumps(rename)
+        self._renamed: bytes | None = None  # the upstream's ``"model":"..."``, from its first chunk that names one
+        self._price = price
         member = extra.member if extra is not None else None
         self._extra = extra if member is not None else None  # what reads the member's value, when there is one
         self._member = member if member is not None else _NO_MEMBER
@@ -275,8 +285,20 @@ class Relay:
                     stats = self.stats
                     stats.token_chunks += tokens
                     stats.t_last_token = now  # t_first_token is set: the template was learned from a token chunk
-                return chunk
-        return self._process(self._scanner.feed(chunk), now)
+                return chunk if self._rename is None else self._named(chunk)
+        out = self._process(self._scanner.feed(chunk), now)
+        return out if self._rename is None else self._named(out)
+
+    def _named(self, out: bytes) -> bytes:
+        """``out`` with the client's model name for the upstream's (the upstream's compact JSON, as OpenAI's,
+        Cerebras' and vLLM's is: ``"model":"..."``)."""
+        assert self._rename is not None
+        if self._renamed is None:
+            found = _MODEL.search(out)
+            if found is None:
+                return out
+            self._renamed = found.group(0)
+        return out.replace(self._renamed, self._rename)
 
     def _process(self, events: list[SSEEvent], now: float) -> bytes:
         """Hot path, every event: one orjson parse; only chunks with a rarer key (a non-null ``usage``, ``error``, the
@@ -307,8 +329,10 @@ class Relay:
             if self._responses:
                 self._error_event = observe_response_event(stats, chunk, now) or self._error_event
             elif event is not None or chunk.get("usage") is not None or "error" in chunk or member in chunk:
-                if not self._observe(chunk, event, now):
+                kept = self._rare(chunk, event, now, raw, data)
+                if kept is None:
                     continue
+                raw = kept
             elif choices := chunk.get("choices"):
                 stats.service_tier = stats.service_tier or served_tier(chunk)  # every chunk says it: read until known
                 self._choices_seen(chunk, choices, now)
@@ -318,6 +342,23 @@ class Relay:
                     self._template = Template.learn(raw, data, chunk) or self._template
             out.append(raw)
         return b"".join(out)
+
+    def _rare(self, chunk: dict[str, Any], event: bytes | None, now: float, raw: bytes, data: bytes) -> bytes | None:
+        """A chunk with a rarer key: None when it must not be forwarded, else its bytes (priced, with ``price``)."""
+        if not self._observe(chunk, event, now):
+            return None
+        if self._price is not None and isinstance(usage := chunk.get("usage"), dict):
+            return self._priced(raw, data, chunk, usage)
+        return raw
+
+    def _priced(self, raw: bytes, data: bytes, chunk: dict[str, Any], usage: dict[str, Any]) -> bytes:
+        """The usage chunk with the cost the gateway computed as ``usage.cost`` (OpenRouter's field); as it came when
+        unpriced, or when its data is split over several ``data:`` lines."""
+        assert self._price is not None
+        cost = self._price(usage, self.stats.service_tier)
+        if cost is None or data not in raw:
+            return raw
+        return raw.replace(data, dumps({**chunk, "usage": {**usage, "cost": cost}}), 1)
 
     def _choices_seen(self, chunk: dict[str, Any], choices: Any, now: float) -> None:
         if type(choices) is not list:
