@@ -33,6 +33,7 @@ from gateway.http.server import configure as configure_client_limits
 from gateway.http.server import drain_on_exit, reload_on_hup
 from gateway.observability import genai, logs, tracing
 from gateway.observability.estimates import Estimates
+from gateway.observability.looplag import LoopLag
 from gateway.observability.metrics import Metrics
 from gateway.observability.recorder import Observers
 from gateway.pipeline.attempts import Attempts
@@ -117,12 +118,15 @@ def _lifespan(pool: Transport, shared: SharedState | None, kept: LedgerFile | No
             kept.load()  # before the first request: a restart counts on from what the keys had spent
             writer = asyncio.get_running_loop().create_task(kept.run())
         freeze_startup_objects()
+        lag = LoopLag(hot[0].gateway.metrics.loop_lag.observe)  # the gateway's added per-chunk wait, live
+        lag.start()
         try:
             yield
         finally:
             if writer is not None:
                 writer.cancel()  # it writes once more as it ends
                 await asyncio.gather(writer, return_exceptions=True)
+            lag.stop()
             await hot[0].stop()
             if shared is not None:
                 await shared.stop()

@@ -6,7 +6,7 @@ model is ``other``), outcome from a fixed set."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -33,6 +33,8 @@ class Metrics:
     tps: Histogram
     duration: Histogram
     overhead: Histogram
+    added: Histogram
+    loop_lag: Histogram
     tokens: Counter
     usage_missing: Counter
     usage_estimated: Counter
@@ -174,13 +176,21 @@ class Metrics:
     def record(self, *, tier: str, upstream: str, model: str, outcome: str, stream: bool, duration: float,
                ttft: float | None = None, decode_time: float | None = None, token_chunks: int = 0,
                usage: dict[str, Any] | None = None, timings: Mapping[str, float] | None = None,
-               estimated: bool = False, service_tier: str | None = None) -> float | None:
+               estimated: bool = False, service_tier: str | None = None, first_byte_added: float | None = None,
+               chunk_added: Sequence[float] = ()) -> float | None:
         """Exactly once per client request; returns the cost it added (USD), or None (unpriced, or nothing billable).
         Seconds throughout: ``duration`` to the last byte, ``ttft`` to the first token, ``decode_time`` from the first
         token-bearing chunk to the last. ``timings``: the upstream's own seconds by phase, as its dialect reads them;
         ``estimated``: ``usage`` is the gateway's estimate, priced and timed as the upstream's would be;
-        ``service_tier``: the one billed (None: the default prices)."""
+        ``service_tier``: the one billed (None: the default prices); ``first_byte_added``, ``chunk_added``: the
+        gateway's own seconds to the first byte and per sampled chunk."""
         labels = (tier, upstream, model if model in self.models else "other")
+        if first_byte_added is not None:
+            self.child(self.added, tier, "first_byte").observe(first_byte_added)
+        if chunk_added:
+            observe = self.child(self.added, tier, "chunk").observe
+            for seconds in chunk_added:
+                observe(seconds)
         self.child(self.requests, *labels, outcome).inc()
         if outcome in ("client_error",):
             return None

@@ -136,10 +136,15 @@ class Exchange:
             return {}
         stats = self.relay.stats
         first, last = stats.t_first_token, stats.t_last_token
+        sent, written = self.rec.sent_at, stats.t_first_written
+        # the gateway's own part of the time to first byte: before the upstream request left, and from the first
+        # token's read to its write done (metrics' gateway_added_seconds)
+        added = (sent - self.rec.t0) + (written - first) if first is not None and written is not None and \
+            sent is not None else None
         return {"ttft": first - self.rec.t0 if first is not None else None,
                 "decode_time": last - first if first is not None and last is not None else None,
                 "token_chunks": stats.token_chunks, "usage": stats.usage, "timings": stats.timings,
-                "served_tier": stats.service_tier}
+                "served_tier": stats.service_tier, "first_byte_added": added, "chunk_added": stats.added}
 
     def route_headers(self, tier: str, upstream: str, rule: str, fallback: str | None) -> Headers:
         self.rec.routed(rule, fallback)

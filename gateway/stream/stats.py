@@ -74,7 +74,8 @@ class StreamStats:
     reached it: not a whole answer, whatever ``finished`` says."""
 
     __slots__ = ("t_first_token", "t_last_token", "token_chunks", "usage", "timings", "done", "finished",
-                 "complete", "error", "response_id", "error_event", "service_tier", "left_early", "model")
+                 "complete", "error", "response_id", "error_event", "service_tier", "left_early", "model",
+                 "added", "t_first_written")
 
     def __init__(self) -> None:
         self.t_first_token: float | None = None
@@ -91,6 +92,8 @@ class StreamStats:
         self.service_tier: str | None = None
         self.left_early = False
         self.model: str | None = None  # as the usage chunk (or the terminal Response) names it
+        self.added: list[float] = []  # seconds from an upstream read to its write done, sampled (Relay.rest)
+        self.t_first_written: float | None = None  # when the write of the first token was done
 
 
 def observe_response_event(stats: StreamStats, chunk: dict[str, Any], now: float) -> dict[str, Any] | None:

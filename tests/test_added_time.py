@@ -1,0 +1,61 @@
+"""The gateway's own time, measured live (docs/metrics.md#gateway-added-time), over real sockets: a stream is
+observed once to its first byte and at one read in 16 from the read to its write done, by tier; the event loop's lag
+is probed all along, 200 times a second."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.observability.looplag import INTERVAL
+from gateway.stream.relay import SAMPLE_EVERY
+
+from conftest import Stack, sample, scraped, start_stack
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack(tmp_path_factory.mktemp("added"))
+    yield s
+    s.stop()
+
+
+def _stream(base: str, model: str, tokens: int) -> int:
+    """The reads the client saw (each a chunk the gateway wrote)."""
+    with httpx.Client(timeout=30) as client, client.stream("POST", f"{base}/chat/completions", json={
+            "model": model, "stream": True, "max_completion_tokens": tokens,
+            "messages": [{"role": "user", "content": f"[[emulate tokens={tokens} tps=400]]"}]}) as resp:
+        assert resp.status_code == 200
+        return sum(1 for _ in resp.iter_raw())
+
+
+def test_a_stream_is_timed_to_its_first_byte_and_at_sampled_reads(stack: Stack, tmp_path: Path) -> None:
+    before = scraped(stack.gateway.port)
+    reads = _stream(stack.base_url, "gpt-5.6-sol-fast", 96)
+    assert reads >= 2 * SAMPLE_EVERY  # 400 tokens/s: about one read per token
+    after = scraped(stack.gateway.port)
+
+    def count(phase: str, text: str) -> float:
+        return sample(text, "tiergate_gateway_added_seconds_count", tier="fast", phase=phase)
+    assert count("first_byte", after) - count("first_byte", before) == 1
+    sampled = count("chunk", after) - count("chunk", before)
+    assert reads // SAMPLE_EVERY - 2 <= sampled <= reads // SAMPLE_EVERY + 1, (reads, sampled)
+    # what the gateway itself takes per read is far below the 2.5 ms between this stream's tokens
+    total = sample(after, "tiergate_gateway_added_seconds_sum", tier="fast", phase="chunk") - sample(
+        before, "tiergate_gateway_added_seconds_sum", tier="fast", phase="chunk")
+    assert 0 < total / sampled < 0.0025
+
+
+def test_the_loop_lag_is_probed_and_sees_a_busy_loop(stack: Stack) -> None:
+    """Idle or not, the probe's count rises by about 200 a second (a quiet loop runs each probe at once; a loaded
+    machine may stretch the intervals, hence the floor's slack)."""
+    first = sample(scraped(stack.gateway.port), "tiergate_event_loop_lag_seconds_count", missing_ok=False)
+    t0 = time.monotonic()
+    time.sleep(0.5)
+    second = sample(scraped(stack.gateway.port), "tiergate_event_loop_lag_seconds_count", missing_ok=False)
+    waited = time.monotonic() - t0
+    assert 0.3 * waited / INTERVAL <= second - first <= waited / INTERVAL + 5, (first, second, waited)
