@@ -50,8 +50,6 @@ _INSTRUMENTS = {  # name: (unit, description, buckets)
     SERVER_TTFT: ("s", "Time to the first token the gateway relayed, from the request's arrival.", _FIRST),
     SERVER_TPOT: ("s", "Time per output token after the first, a stream's mean.", _PER_TOKEN),
 }
-# gen_ai.provider.name per dialect: the conventions' well-known values where there is one
-PROVIDERS = {"openai": "openai", "groq": "groq", "cerebras": "cerebras", "vllm": "vllm"}
 OPERATION = "chat"  # chat completions and the Responses API alike (gen_ai.operation.name)
 
 
@@ -96,7 +94,9 @@ class GenAIMetrics:
         out: dict[str, tuple[tuple[str, Any], ...]] = {}
         for up in upstreams:
             url = urlsplit(up.base_url)
-            out[up.name] = (("gen_ai.provider.name", PROVIDERS.get(up.dialect, up.dialect)),
+            # gen_ai.provider.name: the dialect's name, the conventions' well-known value where there is one
+            # (openai, groq; tests/test_otel_metrics.py)
+            out[up.name] = (("gen_ai.provider.name", up.dialect),
                             ("server.address", url.hostname or ""),
                             ("server.port", url.port or (443 if url.scheme == "https" else 80)),
                             ("tiergate.upstream", up.name))
