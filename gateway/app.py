@@ -118,7 +118,8 @@ def _lifespan(pool: Transport, shared: SharedState | None, kept: LedgerFile | No
             kept.load()  # before the first request: a restart counts on from what the keys had spent
             writer = asyncio.get_running_loop().create_task(kept.run())
         freeze_startup_objects()
-        lag = LoopLag(hot[0].gateway.metrics.loop_lag.observe)  # the gateway's added per-chunk wait, live
+        lag = LoopLag(hot[0].gateway.metrics.loop_lag.observe,  # the added wait, live (looplag)
+                      lambda: hot[0].gateway.frame.in_flight() > 0)
         lag.start()
         try:
             yield

@@ -103,7 +103,9 @@ def _emulate_flags(emulate: argparse.ArgumentParser) -> None:
 
 
 def _bench_flags(bench: argparse.ArgumentParser) -> None:
-    bench.add_argument("--base-url", default="http://127.0.0.1:8080/v1", help="OpenAI base URL of the gateway")
+    bench.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL") or "http://127.0.0.1:8080/v1",
+                       help="OpenAI base URL of the gateway (default: env OPENAI_BASE_URL, else "
+                       "http://127.0.0.1:8080/v1)")
     bench.add_argument("--requests", type=int, default=40, help="requests to send in all (default 40)")
     bench.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (default 4)")
     bench.add_argument("--mix", default="gpt-5.6-sol-fast:0.5,gpt-5.6:0.5",

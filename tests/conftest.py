@@ -418,11 +418,16 @@ def need(program: str, how: str) -> str:
     where a missing tool is a failure: a laptop without it runs the rest, CI runs everything."""
     found = shutil.which(program)
     if found is None:
-        message = f"{program} is not installed ({how}; .ci/run installs or checks it)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        lacking(f"{program} is not installed ({how}; .ci/run installs or checks it)")
+    assert found is not None
     return found
+
+
+def lacking(message: str) -> None:
+    """A tool the test needs is missing or too old: skipped, except in CI, where it fails (see :func:`need`)."""
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
 
 
 needs_redis = pytest.mark.skipif(

@@ -99,7 +99,7 @@ def test_a_native_compaction_is_relayed_and_its_item_goes_only_where_it_can_be_r
 
 def test_a_compaction_continues_a_held_conversation_and_takes_no_stream(
         stack: tuple[Proc, EmulatorThread, EmulatorThread]) -> None:
-    gw, _, _ = stack
+    gw, fast, standard = stack
     client = _client(gw)
     first = client.responses.create(model="gpt-5.6-sol-fast", input="The first thing I asked. [[emulate tokens=3]]")
     done = client.responses.compact(model="gpt-5.6-sol-fast", previous_response_id=first.id,
@@ -109,6 +109,11 @@ def test_a_compaction_continues_a_held_conversation_and_takes_no_stream(
     bad = httpx.post(f"http://127.0.0.1:{gw.port}/v1/responses/compact", timeout=10,
                      json={"model": "gpt-5.6-sol-fast", "input": "x", "stream": True})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream"
+    before = len(fast.requests) + len(standard.requests)
+    empty = httpx.post(f"http://127.0.0.1:{gw.port}/v1/responses/compact", timeout=10,
+                       json={"model": "gpt-5.6-sol-fast"})  # nothing to compact: no upstream is asked to summarise
+    assert empty.status_code == 400 and empty.json()["error"]["code"] == "missing_required_parameter"
+    assert len(fast.requests) + len(standard.requests) == before
     with pytest.raises(openai.BadRequestError) as err:  # garbage that looks like the gateway's is not read as ours:
         client.responses.create(model="gpt-5.6-sol-fast", input=[  # the native upstream judges it, as OpenAI would
             {"type": "compaction", "encrypted_content": PREFIX + "not-base64!"}, {"role": "user", "content": "hi"}])

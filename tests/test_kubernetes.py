@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from conftest import ROOT, need
+from conftest import ROOT, lacking, need
 
 DEPLOY = ROOT / "deploy" / "kubernetes"
 KUSTOMIZATIONS = sorted(p.parent for p in DEPLOY.glob("*/kustomization.yaml"))
@@ -24,6 +24,9 @@ CRDS = {("monitoring.coreos.com/v1", "PodMonitor")}  # the Prometheus Operator's
 
 def render(path: Path) -> list[dict[str, Any]]:
     kubectl = need("kubectl", "kubectl 1.27 or newer renders the kustomizations")
+    version = subprocess.run([kubectl, "version", "--client"], capture_output=True, text=True, timeout=30).stdout
+    if "Kustomize Version: v5" not in version:  # Debian's kubectl 1.20 has kustomize 2, which cannot render them
+        lacking(f"kubectl 1.27 or newer (kustomize v5) renders the kustomizations; found: {version.strip()[:80]}")
     out = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "Warning" not in out.stderr, out.stderr  # e.g. a deprecated field (bases, commonLabels): kustomize 5 syntax

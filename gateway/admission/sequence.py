@@ -70,6 +70,17 @@ class Admitted:
     run: Run | None = None
 
 
+def compact_problem(body: dict[str, Any]) -> None:
+    """``POST /v1/responses/compact`` answers one JSON object (OpenAI's compact takes no ``stream``), and compacts a
+    conversation: with neither ``input`` nor ``previous_response_id`` there is none, and no upstream is asked to
+    summarise nothing. Raises InvalidRequest."""
+    if body.get("stream") is not None:
+        raise InvalidRequest("Unknown parameter: 'stream'.", param="stream", code="unknown_parameter")
+    if body.get("input") in (None, "", []) and not body.get("previous_response_id"):
+        raise InvalidRequest("Missing required parameter: 'input' (or 'previous_response_id'): there is no "
+                             "conversation to compact.", param="input", code="missing_required_parameter")
+
+
 class Admission:
 
     def __init__(self, config: GatewayConfig, classify: Classify, ownership: Ownership, sessions: Sessions,
@@ -86,8 +97,8 @@ class Admission:
         try:
             body = parse_request(req.kind, raw)
             check_depth(raw, body)
-            if req.compact and body.get("stream") is not None:  # OpenAI's compact answers one JSON object
-                raise InvalidRequest("Unknown parameter: 'stream'.", param="stream", code="unknown_parameter")
+            if req.compact:
+                compact_problem(body)
             if req.key is not None:  # what goes upstream is what the ownership check reads (admission.body)
                 raw = canonical(loads_exact(raw) if needs_exact(raw) else body)
             req.raw, req.body, req.requested, req.stream = raw, body, body["model"], body.get("stream") is True

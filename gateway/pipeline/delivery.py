@@ -52,10 +52,15 @@ def compacted(facts: RequestFacts, response: dict[str, Any]) -> dict[str, Any]:
     return compaction.compacted(items, summary, response.get("usage"))
 
 
+def usd_text(cost: float) -> str:
+    """Fixed-point, to the 1e-12 USD (``0.00005``, not ``5e-05``): what a header and a log reader parse alike."""
+    return f"{cost:.12f}".rstrip("0").rstrip(".") or "0"
+
+
 def cost_headers(cost: float) -> Headers:
     """The USD the gateway computed, as its own header and as LiteLLM's (which its cost callbacks read from an
     upstream's answer before their price map: ``llm_provider-x-litellm-response-cost``)."""
-    value = repr(round(cost, 12)).encode()
+    value = usd_text(cost).encode()
     return [(b"x-tiergate-cost-usd", value), (b"x-litellm-response-cost", value)]
 
 
@@ -192,7 +197,7 @@ class Delivery:
         if (cost is not None and answers.cost == "usage") or answers.model == "requested":
             shown = response if response is not None else parsed
             if cost is not None and answers.cost == "usage" and isinstance(shown.get("usage"), dict):
-                shown["usage"] = {**shown["usage"], "cost": cost}  # OpenRouter's field, which LiteLLM reads
+                shown["usage"] = {**shown["usage"], "cost": round(cost, 12)}  # OpenRouter's field, LiteLLM reads it
             if answers.model == "requested" and "model" in shown:
                 shown["model"] = ex.request.requested
             response = shown

@@ -378,7 +378,7 @@ class Relay:
         cost = self._price(usage, self.stats.service_tier)
         if cost is None or data not in raw:
             return raw
-        return raw.replace(data, dumps({**chunk, "usage": {**usage, "cost": cost}}), 1)
+        return raw.replace(data, dumps({**chunk, "usage": {**usage, "cost": round(cost, 12)}}), 1)
 
     def _choices_seen(self, chunk: dict[str, Any], choices: Any, now: float) -> None:
         if type(choices) is not list:

@@ -222,7 +222,7 @@ class SessionRecord:
             out["note"] = "no fast-tier step yet"
         elif not self.saved_steps:
             out["note"] = (f"not enough data: the standard tier's live estimate had fewer than {MIN_SAMPLES} "
-                           "streamed samples at each step")
+                           "streamed answers behind it at each step (streamed traffic on the standard tier teaches it)")
         else:
             out["seconds"] = round(self.saved, 6)
             out["interval_seconds"] = [round(self.saved_low, 6), round(self.saved_high, 6)]

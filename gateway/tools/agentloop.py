@@ -271,7 +271,8 @@ def table(tiers: dict[str, Any], steps: int) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
              for r in rows]
-    return "\n".join([f"agent loop: {steps} steps per run", *lines, premium(tiers), estimate_line(tiers)])
+    errors = [f"errors: {name}: {', '.join(t['error_kinds'])}" for name, t in tiers.items() if t["error_kinds"]]
+    return "\n".join([f"agent loop: {steps} steps per run", *lines, *errors, premium(tiers), estimate_line(tiers)])
 
 
 def main(args: Any) -> int:
