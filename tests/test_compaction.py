@@ -118,3 +118,41 @@ def test_a_compaction_continues_a_held_conversation_and_takes_no_stream(
         client.responses.create(model="gpt-5.6-sol-fast", input=[  # the native upstream judges it, as OpenAI would
             {"type": "compaction", "encrypted_content": PREFIX + "not-base64!"}, {"role": "user", "content": "hi"}])
     assert err.value.code == "invalid_encrypted_content"
+
+
+def test_compaction_items_cannot_inflate_a_request(stack: tuple[Proc, EmulatorThread, EmulatorThread]) -> None:
+    """Forged items that look like the gateway's: one that inflates past what the gateway writes (a zlib bomb of
+    ~1 KB to 1 MiB, or a summary past 64 KiB) is not the gateway's, so the bridge cannot read it and it goes to the
+    native upstream, which refuses it as OpenAI does; many that each pass but together expand past 1 MiB are a 400
+    before any upstream is asked."""
+    import base64
+    import os
+    import zlib
+
+    import orjson
+
+    from gateway.responses.compaction import MAX_EXPANDED, SUMMARY_BYTES, seal
+
+    gw, fast, standard = stack
+    url = f"http://127.0.0.1:{gw.port}/v1/responses"
+    bomb = PREFIX + base64.urlsafe_b64encode(zlib.compress(orjson.dumps({"s": "a" * (1 << 20)}), 9)).decode()
+    assert len(bomb) < 4096
+    before = len(fast.requests)
+    r = httpx.post(url, timeout=10, json={"model": "gpt-5.6-sol-fast", "input": [
+        {"type": "compaction", "encrypted_content": bomb}, {"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_encrypted_content"  # the native one's
+    assert len(fast.requests) == before  # the bridge did not read it as a summary
+    # each under the bounds (text that does not compress away), together past MAX_EXPANDED
+    summary = base64.b64encode(os.urandom(SUMMARY_BYTES * 3 // 4 - 16)).decode()
+    item = {"type": "compaction", "encrypted_content": seal(summary)}
+    n = MAX_EXPANDED // len(summary) + 1
+    seen = len(fast.requests) + len(standard.requests)
+    r = httpx.post(url, timeout=10, json={"model": "gpt-5.6-sol-fast", "input": [
+        *([item] * n), {"role": "user", "content": "hi"}]})
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("compaction_too_large", "input")
+    assert len(fast.requests) + len(standard.requests) == seen
+    # one such item is read, as the gateway's own
+    r = httpx.post(url, timeout=10, json={"model": "gpt-5.6-sol-fast", "input": [
+        item, {"role": "user", "content": "hi [[emulate tokens=2]]"}]})
+    assert r.status_code == 200 and r.headers["x-tiergate-tier"] == "fast"

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from gateway.errors import InvalidRequest, ModelNotFound, NoToolCall
 from gateway.observability.estimates import Estimates
+from gateway.responses import compaction
 from gateway.responses.ids import ID_PREFIX
 from gateway.responses.request import droppable_tools, orphan_output, unbridgeable
 from gateway.responses.store import Bridged, Native, ResponseStore
@@ -54,8 +55,26 @@ class Classify:
                 raise NoToolCall(f"No tool call found for function call output with call_id {orphan}.", param="input")
         if cont is not None and cont.history:
             size += len(dumps(list(cont.history)))  # the conversation goes upstream too: routing counts it
+        size += self._compacted(cont, body)
         return RequestFacts(body, headers, size, responses=True, continuation=cont, bridgeable=unbridgeable,
                             droppable=droppable_tools, defaults=defaults)
+
+    @staticmethod
+    def _compacted(cont: Continuation | None, body: dict[str, Any]) -> int:
+        """Bytes the gateway's compaction items add as they expand into summaries (routing counts them). Raises
+        InvalidRequest past ``compaction.MAX_EXPANDED``: a conversation of many small items that each inflate would
+        cost the gateway memory and time for every request that replays it."""
+        raw = body.get("input")
+        held = cont.history if cont is not None and cont.held else ()
+        if not held and not (isinstance(raw, list) and any(isinstance(i, dict) and i.get("type") == "compaction"
+                                                              for i in raw)):
+            return 0
+        expanded = compaction.expanded_bytes([*held, *(raw if isinstance(raw, list) else ())])
+        if expanded > compaction.MAX_EXPANDED:
+            raise InvalidRequest(f"The compaction items of this conversation expand to {expanded} bytes, more than "
+                                 f"the {compaction.MAX_EXPANDED} the gateway takes.", param="input",
+                                 code="compaction_too_large")
+        return expanded
 
     async def continuation(self, body: dict[str, Any], refresh: bool, key: Key | None,
                            store: ResponseStore | None = None) -> Continuation | None:

@@ -67,6 +67,7 @@ class _Series:
         self.buckets = [0] * (size + 1)
 
 
+SHUTDOWN_S = 2.0  # seconds the last export and the exporter's shutdown may take at most
 MAX_SERIES = 10_000  # attribute sets kept at most (each bounded: configured models, known tiers); past it, dropped
 
 
@@ -183,10 +184,14 @@ class GenAIMetrics:
         return MetricsData(resource_metrics=[ResourceMetrics(resource=self.resource, scope_metrics=[scope],
                                                              schema_url="")])
 
-    def export(self) -> None:
+    def export(self, timeout_ms: float | None = None) -> None:
+        """``timeout_ms``: the exporter's bound (its default, ``OTEL_EXPORTER_OTLP_TIMEOUT``, is 10 s)."""
         if self.series:
             try:
-                self.exporter.export(self.collect())
+                if timeout_ms is None:
+                    self.exporter.export(self.collect())
+                else:
+                    self.exporter.export(self.collect(), timeout_millis=timeout_ms)
             except Exception:  # an exporter that fails (a Collector away) never stops the next export
                 log.warning("exporting the OpenTelemetry metrics failed", exc_info=True)
 
@@ -195,11 +200,16 @@ class GenAIMetrics:
             self.export()
 
     def shutdown(self) -> None:
-        """Exports what is held, once more, and stops the thread (within one export's time)."""
+        """Exports what is held, once more, and stops the thread, within :data:`SHUTDOWN_S` seconds however the
+        Collector answers (it runs on the event loop at the drain's end: a hung Collector must not take the time the
+        drain left for the logs and the process's end)."""
         self.stopping.set()
-        self.thread.join(timeout=self.interval + 10)
-        self.export()
-        self.exporter.shutdown()
+        self.thread.join(timeout=SHUTDOWN_S / 2)
+        self.export(timeout_ms=SHUTDOWN_S * 500)
+        try:
+            self.exporter.shutdown(timeout_millis=SHUTDOWN_S * 500)
+        except TypeError:  # an exporter whose shutdown takes no bound
+            self.exporter.shutdown()
 
 
 def _tier(value: str | None) -> str:

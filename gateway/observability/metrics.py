@@ -257,6 +257,9 @@ class Metrics:
             price = self.prices.get(upstream)
         if price is None or usage is None:
             return None
+        counts = (usage.get("prompt_tokens"), usage.get("completion_tokens"))
+        if not any(isinstance(n, int) and not isinstance(n, bool) for n in counts):
+            return None  # no count to price: unpriced, not a cost of 0 a client's tracker would log
         prompt = _int(usage.get("prompt_tokens"))
         completion = _int(usage.get("completion_tokens"))
         cached = min(prompt, _detail(usage, "prompt_tokens_details", "cached_tokens"))

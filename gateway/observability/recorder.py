@@ -81,7 +81,7 @@ class Recorder:
 
     __slots__ = ("t0", "request", "status", "rule", "fallback", "upstream_model", "attempts", "outcome", "span",
                  "tier", "upstream", "model", "recorded", "billed_tier", "dropped", "_obs", "_metrics", "_in_flight",
-                 "_pending", "sent_at", "response_model")
+                 "_pending", "sent_at", "first_sent_at", "response_model")
 
     def __init__(self, observers: Observers, request: Subject) -> None:
         self.t0 = time.perf_counter()
@@ -104,6 +104,7 @@ class Recorder:
         self._in_flight: Any = None
         self._pending: tuple[int, str, str | None] | None = None  # what an answer's start counts (attempting)
         self.sent_at: float | None = None  # when the attempt whose labels it has was sent upstream
+        self.first_sent_at: float | None = None  # when its first attempt was: the gateway's own time ends there
         self.response_model: str | None = None  # as the answer names it
 
     @property
@@ -155,6 +156,8 @@ class Recorder:
         with ``reason``) are counted only once the answer starts to reach the client (:meth:`answer_started`)."""
         self.tier, self.upstream, self.upstream_model, self.attempts = tier, upstream, upstream_model, tried
         self.sent_at = now = time.perf_counter()
+        if self.first_sent_at is None:
+            self.first_sent_at = now
         if overhead:
             m = self._metrics
             m.child(m.overhead, tier).observe(now - self.t0)

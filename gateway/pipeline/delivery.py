@@ -44,11 +44,14 @@ def draft(ex: Exchange, up: UpstreamConfig, facts: RequestFacts, named: bool = F
 
 
 def compacted(facts: RequestFacts, response: dict[str, Any]) -> dict[str, Any]:
-    """A bridged compaction's answer: the summary the chat upstream wrote, as OpenAI's ``response.compaction``."""
+    """A bridged compaction's answer: the summary the chat upstream wrote, as OpenAI's ``response.compaction``. Raises
+    UpstreamBadResponse for an empty or cut summary (no content, a tool call, the token limit), before anything left."""
     cont = facts.continuation
     items = [*(cont.history if cont is not None and cont.held else ()), *input_items(facts.body)]
     summary = "".join(part.get("text", "") for item in response["output"] if item.get("type") == "message"
                       for part in item.get("content") or () if part.get("type") == "output_text")
+    if not summary.strip() or response.get("status") != "completed":  # a client would replace its context with it
+        raise UpstreamBadResponse("The upstream wrote no whole summary to compact the conversation into.")
     return compaction.compacted(items, summary, response.get("usage"))
 
 

@@ -136,9 +136,9 @@ class Exchange:
             return {}
         stats = self.relay.stats
         first, last = stats.t_first_token, stats.t_last_token
-        sent, written = self.rec.sent_at, stats.t_first_written
-        # the gateway's own part of the time to first byte: before the upstream request left, and from the first
-        # token's read to its write done (metrics' gateway_added_seconds)
+        sent, written = self.rec.first_sent_at, stats.t_first_written
+        # the gateway's own part of the time to first byte: before its first upstream request left (a failed attempt's
+        # wait is the upstream's), and from the first token's read to its write done (metrics' gateway_added_seconds)
         added = (sent - self.rec.t0) + (written - first) if first is not None and written is not None and \
             sent is not None else None
         return {"ttft": first - self.rec.t0 if first is not None else None,

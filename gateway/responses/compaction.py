@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import time
 import zlib
 from collections.abc import Iterable, Mapping
@@ -25,6 +26,11 @@ PREFIX = "tgc1."  # the gateway's compaction content, version 1
 ITEM_PREFIX = "cmp_tg"  # its items' ids
 SUMMARY_TOKENS = 4096  # the summary's most tokens (max_output_tokens of the bridged request)
 MAX_CONTENT = 1 << 20  # bytes of a compaction item's content read back at most (a summary is far smaller)
+# what the gateway's own summaries stay within: SUMMARY_TOKENS tokens are ~16-20 KB of text, which zlib shrinks ~3x;
+# an item past either bound is not one the gateway made
+SUMMARY_BYTES = 64 * 1024  # decompressed, at most
+RATIO = 8  # decompressed bytes per compressed byte, at most (plus 4 KiB)
+MAX_EXPANDED = 1 << 20  # bytes a request's conversation (held and sent) may expand to from compaction items
 INSTRUCTIONS = (
     "You are compacting a conversation between a user and an AI assistant (an agent that may call tools) so that it "
     "can continue in a smaller context. Write a summary that lets the assistant carry on as if it had the whole "
@@ -41,18 +47,37 @@ def seal(summary: str) -> str:
 
 def summary_of(item: Mapping[str, Any]) -> str | None:
     """The summary a compaction item made by the gateway holds; None for any other item (another upstream's, or what
-    does not parse as ours)."""
+    does not parse as ours, or inflates past what the gateway writes: :data:`SUMMARY_BYTES`, :data:`RATIO`)."""
     if item.get("type") != "compaction":
         return None
     content = item.get("encrypted_content")
     if not isinstance(content, str) or not content.startswith(PREFIX) or len(content) > MAX_CONTENT:
         return None
+    return _opened(content)
+
+
+@functools.lru_cache(maxsize=256)  # a conversation's items are read at admission and again as the request is built
+def _opened(content: str) -> str | None:
     try:
-        data = zlib.decompressobj().decompress(base64.urlsafe_b64decode(content[len(PREFIX):]), MAX_CONTENT)
+        packed = base64.urlsafe_b64decode(content[len(PREFIX):])
+        inflate = zlib.decompressobj()
+        data = inflate.decompress(packed, SUMMARY_BYTES + 1)
+        if len(data) > SUMMARY_BYTES or inflate.unconsumed_tail or len(data) > RATIO * len(packed) + 4096:
+            return None  # not what the gateway writes: a bomb would cost every request that expands it
         summary = orjson.loads(data).get("s")
     except (ValueError, binascii.Error, zlib.error, AttributeError):
         return None
     return summary if isinstance(summary, str) else None
+
+
+def expanded_bytes(items: Iterable[Any]) -> int:
+    """The bytes the gateway's compaction items among ``items`` expand to (their summaries, UTF-8)."""
+    total = 0
+    for item in items:
+        if isinstance(item, dict) and item.get("type") == "compaction":
+            summary = summary_of(item)
+            total += len(summary.encode()) if summary is not None else 0
+    return total
 
 
 def as_message(item: Mapping[str, Any]) -> dict[str, Any] | None:

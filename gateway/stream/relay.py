@@ -40,7 +40,7 @@ from gateway.stream.stats import (
 from gateway.stream.template import Template
 
 DONE = b"data: [DONE]\n\n"
-_MODEL = re.compile(rb'"model":"(?:[^"\\]|\\.)*"')  # a chunk's model member, as compact JSON writes it
+_MODEL = re.compile(rb'"model"\s*:\s*"(?:[^"\\]|\\.)*"')  # a chunk's model member (a string's quotes are escaped)
 Price = Callable[[dict[str, Any], str | None], float | None]  # (usage, served tier) -> USD, None: unpriced
 DONE_GRACE = 0.02  # seconds to wait for the end of the upstream's body after its [DONE]
 # seconds the upstream connection stays open after a client left before every choice finished: read, unsent, for the
@@ -69,7 +69,6 @@ class Relay:
         the client gets (``answers.cost: usage``). Both off by default: the relay is then byte for byte."""
         self.stats = StreamStats()
         self._rename = None if rename is None else b'"model":' + dumps(rename)
-        self._renamed: bytes | None = None  # the upstream's ``"model":"..."``, from its first chunk that names one
         self._price = price
         member = extra.member if extra is not None else None
         self._extra = extra if member is not None else None  # what reads the member's value, when there is one
@@ -310,15 +309,10 @@ class Relay:
         return out if self._rename is None else self._named(out)
 
     def _named(self, out: bytes) -> bytes:
-        """``out`` with the client's model name for the upstream's (the upstream's compact JSON, as OpenAI's,
-        Cerebras' and vLLM's is: ``"model":"..."``)."""
+        """``out`` with the client's model name for every ``"model": "..."`` member the upstream wrote (whatever it
+        named, empty or changing mid-stream); inside a JSON string the quotes are escaped, so content never matches."""
         assert self._rename is not None
-        if self._renamed is None:
-            found = _MODEL.search(out)
-            if found is None:
-                return out
-            self._renamed = found.group(0)
-        return out.replace(self._renamed, self._rename)
+        return _MODEL.sub(self._rename, out) if b'"model"' in out else out
 
     def _process(self, events: list[SSEEvent], now: float) -> bytes:
         """Hot path, every event: one orjson parse; only chunks with a rarer key (a non-null ``usage``, ``error``, the
@@ -378,7 +372,8 @@ class Relay:
         cost = self._price(usage, self.stats.service_tier)
         if cost is None or data not in raw:
             return raw
-        return raw.replace(data, dumps({**chunk, "usage": {**usage, "cost": round(cost, 12)}}), 1)
+        priced = {**chunk, "usage": {**usage, "cost": round(cost, 12)}}
+        return raw.replace(data, dumps(priced), 1)
 
     def _choices_seen(self, chunk: dict[str, Any], choices: Any, now: float) -> None:
         if type(choices) is not list:

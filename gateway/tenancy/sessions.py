@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,7 +65,9 @@ class Payoff:
 
     def wire(self) -> str:
         """``central|low|high|samples``, or ``u`` (unpriced): its argument to ``session_step.lua``."""
-        return "u" if self.central is None else f"{self.central!r}|{self.low!r}|{self.high!r}|{self.samples}"
+        if self.central is None or not all(math.isfinite(v) for v in (self.central, self.low, self.high)):
+            return "u"  # Redis' HINCRBYFLOAT refuses a non-finite number, and the script would overwrite the total
+        return f"{self.central!r}|{self.low!r}|{self.high!r}|{self.samples}"
 
 
 @dataclass(frozen=True, slots=True)
