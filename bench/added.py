@@ -22,21 +22,9 @@ from pathlib import Path
 
 import httpx
 
-from bench import loadgen
+from bench import loadgen, procs
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = """default_tier: fast
-fallback: false
-max_attempts: 1
-upstreams:
-  - name: bench
-    tier: fast
-    base_url: http://127.0.0.1:{port}/v1
-    api_key_env: null
-    dialect: openai
-    timeouts: {{connect: 5, idle: 120, total: 120}}
-    models: {{bench: bench}}
-"""
 
 
 def _free() -> int:
@@ -94,20 +82,20 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0)
     args = ap.parse_args()
     up_port, gw_port = _free(), _free()
-    procs = []
+    children: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory() as tmp:
         try:
             up = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-m", "bench.upstream", "--port",
                                    str(up_port)], stdout=subprocess.PIPE, cwd=ROOT)
-            procs.append(up)
+            children.append(up)
             assert up.stdout is not None
             up.stdout.readline()  # READY <port>
             cfg = Path(tmp) / "gateway.yaml"
-            cfg.write_text(CONFIG.format(port=up_port))
+            cfg.write_text(procs.gateway_config(up_port))
             gw = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-m", "gateway", "serve", "--config",
                                    str(cfg), "--port", str(gw_port), "--log-level", "warning"], cwd=ROOT,
                                   env={**os.environ, "GATEWAY_LOG_SAMPLE": "0"})
-            procs.append(gw)
+            children.append(gw)
             deadline = time.monotonic() + 20
             while True:
                 try:
@@ -121,7 +109,7 @@ def main() -> int:
             tallies = asyncio.run(_load(up_port, gw_port, args.streams, args.seconds))
             figures = live(httpx.get(f"http://127.0.0.1:{gw_port}/metrics", timeout=5).text)
         finally:
-            for p in procs:
+            for p in children:
                 p.terminate()
                 p.wait(10)
     d, g = tallies["direct"], tallies["gateway"]

@@ -25,18 +25,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s.stop()
 
 
-def _stream(base: str, model: str, tokens: int) -> int:
-    """The reads the client saw (each a chunk the gateway wrote)."""
+def _stream(base: str, model: str, tokens: int) -> tuple[int, float]:
+    """The reads the client saw (each a chunk the gateway wrote), and the seconds from the first to the last."""
     with httpx.Client(timeout=30) as client, client.stream("POST", f"{base}/chat/completions", json={
             "model": model, "stream": True, "max_completion_tokens": tokens,
             "messages": [{"role": "user", "content": f"[[emulate tokens={tokens} tps=400]]"}]}) as resp:
         assert resp.status_code == 200
-        return sum(1 for _ in resp.iter_raw())
+        times = [time.perf_counter() for _ in resp.iter_raw()]
+        return len(times), times[-1] - times[0]
 
 
 def test_a_stream_is_timed_to_its_first_byte_and_at_sampled_reads(stack: Stack, tmp_path: Path) -> None:
     before = scraped(stack.gateway.port)
-    reads = _stream(stack.base_url, "gpt-5.6-sol-fast", 96)
+    reads, took = _stream(stack.base_url, "gpt-5.6-sol-fast", 96)
     assert reads >= 2 * SAMPLE_EVERY  # 400 tokens/s: about one read per token
     after = scraped(stack.gateway.port)
 
@@ -45,10 +46,10 @@ def test_a_stream_is_timed_to_its_first_byte_and_at_sampled_reads(stack: Stack, 
     assert count("first_byte", after) - count("first_byte", before) == 1
     sampled = count("chunk", after) - count("chunk", before)
     assert reads // SAMPLE_EVERY - 2 <= sampled <= reads // SAMPLE_EVERY + 1, (reads, sampled)
-    # what the gateway itself takes per read is far below the 2.5 ms between this stream's tokens
+    # what the gateway itself takes per read is well below the gap between reads the client saw, in the same run
     total = sample(after, "tiergate_gateway_added_seconds_sum", tier="fast", phase="chunk") - sample(
         before, "tiergate_gateway_added_seconds_sum", tier="fast", phase="chunk")
-    assert 0 < total / sampled < 0.0025
+    assert 0 < total / sampled < 0.5 * took / (reads - 1)
 
 
 def test_the_loop_lag_is_probed_while_requests_are_in_flight_and_rarely_when_idle(stack: Stack) -> None:
@@ -62,7 +63,7 @@ def test_the_loop_lag_is_probed_while_requests_are_in_flight_and_rarely_when_idl
     idle = count() - first
     assert idle <= (time.monotonic() - t0) / IDLE_INTERVAL + 2, idle
     done: list[int] = []
-    streaming = threading.Thread(target=lambda: done.append(_stream(stack.base_url, "gpt-5.6-sol-fast", 600)))
+    streaming = threading.Thread(target=lambda: done.append(_stream(stack.base_url, "gpt-5.6-sol-fast", 600)[0]))
     first = count()
     streaming.start()
     t0 = time.monotonic()

@@ -25,7 +25,9 @@ from gateway.responses.ids import ID_PREFIX, new_id
 PREFIX = "tgc1."  # the gateway's compaction content, version 1
 ITEM_PREFIX = "cmp_tg"  # its items' ids
 SUMMARY_TOKENS = 4096  # the summary's most tokens (max_output_tokens of the bridged request)
-MAX_CONTENT = 1 << 20  # bytes of a compaction item's content read back at most (a summary is far smaller)
+# characters of a compaction item's content read back at most: a SUMMARY_BYTES summary that does not compress at all,
+# sealed (base64 adds a third); also what bounds the decode cache's keys
+MAX_CONTENT = 96 * 1024
 # what the gateway's own summaries stay within: SUMMARY_TOKENS tokens are ~16-20 KB of text, which zlib shrinks ~3x;
 # an item past either bound is not one the gateway made
 SUMMARY_BYTES = 64 * 1024  # decompressed, at most
@@ -56,7 +58,9 @@ def summary_of(item: Mapping[str, Any]) -> str | None:
     return _opened(content)
 
 
-@functools.lru_cache(maxsize=256)  # a conversation's items are read at admission and again as the request is built
+# a conversation's items are read at admission and again as the request is built; keys of at most MAX_CONTENT
+# characters: the cache holds at most 64 x 96 KiB, whatever a tenant sends
+@functools.lru_cache(maxsize=64)
 def _opened(content: str) -> str | None:
     try:
         packed = base64.urlsafe_b64decode(content[len(PREFIX):])

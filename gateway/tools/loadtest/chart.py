@@ -19,6 +19,16 @@ from gateway.tools.loadtest.figures import (
     summary,
 )
 
+# both pages' stylesheet (render_html, render_agent_html)
+STYLE = """body { font: 14px/1.4 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px; color: #222; }
+h1 { font-size: 20px; margin: 0 0 4px; } p.m { color: #555; margin: 0 0 16px; }
+p.p { font-weight: 600; margin: 16px 0 0; }
+.charts { display: flex; flex-wrap: wrap; gap: 16px; }
+svg { background: #fafafa; border: 1px solid #ddd; }
+svg .t { font-size: 15px; font-weight: 600; } svg .l { font-size: 13px; font-weight: 600; }
+svg .n { font-size: 11px; fill: #555; } svg .g { stroke: #e3e3e3; }
+table { border-collapse: collapse; margin-top: 16px; }
+td, th { border: 1px solid #ddd; padding: 4px 8px; text-align: right; } td:first-child { text-align: left; }"""
 TIER_COLOURS = {"fast": "#e4572e", "standard": "#3a7ca5"}
 OTHER_COLOURS = ("#6a994e", "#8e6c8a", "#bc6c25", "#577590")
 
@@ -148,15 +158,7 @@ def render_html(stats: list[TierStats], cost: dict[str, float] | None, meta: dic
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>tiergate bench</title>
 <style>
-body {{ font: 14px/1.4 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px; color: #222; }}
-h1 {{ font-size: 20px; margin: 0 0 4px; }} p.m {{ color: #555; margin: 0 0 16px; }}
-p.p {{ font-weight: 600; margin: 16px 0 0; }}
-.charts {{ display: flex; flex-wrap: wrap; gap: 16px; }}
-svg {{ background: #fafafa; border: 1px solid #ddd; }}
-svg .t {{ font-size: 15px; font-weight: 600; }} svg .l {{ font-size: 13px; font-weight: 600; }}
-svg .n {{ font-size: 11px; fill: #555; }} svg .g {{ stroke: #e3e3e3; }}
-table {{ border-collapse: collapse; margin-top: 16px; }}
-td, th {{ border: 1px solid #ddd; padding: 4px 8px; text-align: right; }} td:first-child {{ text-align: left; }}
+{STYLE}
 </style></head><body>
 <h1>tiergate bench: fast tier vs standard tier</h1>
 <p class="m">{info}</p>
@@ -229,14 +231,7 @@ def render_agent_html(tiers: dict[str, Any], steps: int, premium_text: str, esti
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>tiergate bench --agent-loop</title>
 <style>
-body {{ font: 14px/1.4 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px; color: #222; }}
-h1 {{ font-size: 20px; margin: 0 0 4px; }} p.p {{ font-weight: 600; margin: 8px 0 0; }}
-.charts {{ display: flex; flex-wrap: wrap; gap: 16px; }}
-svg {{ background: #fafafa; border: 1px solid #ddd; }}
-svg .t {{ font-size: 15px; font-weight: 600; }} svg .l {{ font-size: 13px; font-weight: 600; }}
-svg .n {{ font-size: 11px; fill: #555; }} svg .g {{ stroke: #e3e3e3; }}
-table {{ border-collapse: collapse; margin-top: 16px; }}
-td, th {{ border: 1px solid #ddd; padding: 4px 8px; text-align: right; }} td:first-child {{ text-align: left; }}
+{STYLE}
 </style></head><body>
 <h1>tiergate bench: agent runs of {steps} steps, fast tier vs standard tier</h1>
 <div class="charts">{walls}{ttft}{saved}</div>
