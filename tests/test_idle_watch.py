@@ -1,6 +1,8 @@
-"""The streamed body's idle timeout (``gateway.upstream.client.IdleWatch``): silence from the upstream ends the stream
+"""The streamed body's idle timeout (``gateway.upstream.response.IdleWatch``): silence from the upstream ends the stream
 after between ``idle`` and ``1.25 * idle`` seconds; bytes that keep coming, or that arrived and wait to be read
-(a slow client), never do; a body that ended is never failed afterwards.
+(a slow client), never do; a body that ended is never failed afterwards. The same for a whole answer and for the wait
+for any status line (``AnswerWatch``, in place of aiohttp's ``sock_read`` and ``total``), and a whole answer's
+``total`` on time however its bytes come.
 
 Real HTTP over loopback: the gateway's ``UpstreamPool`` (aiohttp) against the emulator playing scripted plans, reading
 with ``UpstreamResponse.chunks()`` the way the relay does. The end-to-end cases (a stalled upstream gives the
@@ -48,6 +50,12 @@ PLANS: dict[str, Plan] = {
     # ... and one far larger than anyone needs for a message
     "error_huge": Plan(status=500, headers={"content-type": "application/json"},
                        parts=[(0, b"x" * 65536) for _ in range(16)]),
+    # whole answers: no status line for far past the idle timeout; a body that trickles for 3 idle periods, never
+    # silent for long; one that stalls after its first bytes
+    "late_head": Plan(headers={"content-type": "application/json"}, head_delay=5.0, parts=[(0, b"{}")]),
+    "whole_trickle": Plan(headers={"content-type": "application/json"},
+                          parts=[(0 if i == 0 else IDLE * 0.4, b" " * 8) for i in range(8)] + [(0, b"{}")]),
+    "whole_stall": Plan(headers={"content-type": "application/json"}, parts=[(0, b'{"id": '), (5.0, b'"x"}')]),
 }
 
 
@@ -62,11 +70,12 @@ def fake() -> Iterator[EmulatorThread]:
     up.stop()
 
 
-@pytest.fixture
-async def pool(fake: EmulatorThread) -> AsyncIterator[tuple[UpstreamPool, UpstreamConfig]]:
+@pytest.fixture(params=[10.0], ids=["total10"])
+async def pool(fake: EmulatorThread,
+               request: pytest.FixtureRequest) -> AsyncIterator[tuple[UpstreamPool, UpstreamConfig]]:
     cfg = UpstreamConfig.model_validate({"name": "fake", "tier": "fast", "base_url": fake.base_url,
                                          "api_key_env": None, "models": {"m": "m"},
-                                         "timeouts": {"connect": 1, "idle": IDLE, "total": 10}})
+                                         "timeouts": {"connect": 1, "idle": IDLE, "total": request.param}})
     p = UpstreamPool([cfg], {})
     await p.start()
     yield p, cfg
@@ -156,3 +165,55 @@ async def test_an_error_body_is_cut_at_its_limit(pool: tuple[UpstreamPool, Upstr
     body = await resp.read_error()
     resp.close()
     assert body == b"x" * ERROR_BODY_LIMIT
+
+
+async def _whole(pool: tuple[UpstreamPool, UpstreamConfig], plan: str, stream: bool = False) -> bytes:
+    p, cfg = pool
+    resp = await p.send(cfg, b'{"model":"m"}', stream=stream, request_id=plan)
+    try:
+        return await resp.read()
+    finally:
+        resp.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_no_status_line_ends_the_request_after_the_idle_timeout(pool: tuple[UpstreamPool, UpstreamConfig],
+                                                                      stream: bool) -> None:
+    async with LoopLag() as lag:
+        t0 = time.monotonic()
+        with pytest.raises(UpstreamTimeout):
+            await asyncio.wait_for(_whole(pool, "late_head", stream), 5)
+        waited = time.monotonic() - t0
+    assert IDLE * 0.9 <= waited <= IDLE * 1.25 + REACT + lag.seconds, (waited, lag.seconds)
+
+
+async def test_a_whole_answer_that_keeps_coming_is_read_whole(pool: tuple[UpstreamPool, UpstreamConfig]) -> None:
+    t0 = time.monotonic()
+    assert await _whole(pool, "whole_trickle") == b" " * 64 + b"{}"
+    assert time.monotonic() - t0 >= IDLE * 2.5  # it did take longer than the idle timeout
+
+
+async def test_a_stalled_whole_answer_ends_after_the_idle_timeout(pool: tuple[UpstreamPool, UpstreamConfig]) -> None:
+    p, cfg = pool
+    resp = await p.send(cfg, b'{"model":"m"}', stream=False, request_id="whole_stall")
+    async with LoopLag() as lag:
+        t0 = time.monotonic()
+        with pytest.raises(UpstreamTimeout):
+            await asyncio.wait_for(resp.read(), 5)
+        waited = time.monotonic() - t0
+    resp.close()
+    assert IDLE * 0.9 <= waited <= IDLE * 1.25 + REACT + lag.seconds, (waited, lag.seconds)
+
+
+TOTAL = IDLE * 2
+
+
+@pytest.mark.parametrize("pool", [TOTAL], ids=["total"], indirect=True)
+async def test_the_total_timeout_ends_a_whole_answer_on_time_however_its_bytes_come(
+        pool: tuple[UpstreamPool, UpstreamConfig]) -> None:
+    async with LoopLag() as lag:
+        t0 = time.monotonic()
+        with pytest.raises(UpstreamTimeout):  # never silent for long, but 3 idle periods in all: past the total
+            await asyncio.wait_for(_whole(pool, "whole_trickle"), 5)
+        waited = time.monotonic() - t0
+    assert TOTAL * 0.95 <= waited <= TOTAL + REACT + lag.seconds, (waited, lag.seconds)

@@ -140,14 +140,19 @@ class Attempt:
         passthrough not a 2xx), UpstreamAuthFailed (a 401 or 403 to the gateway's own key), UpstreamBadResponse (a 3xx,
         or JSON or HTML holding no error to a stream request)."""
         self.sent_at = time.perf_counter()
-        try:
-            async with asyncio.timeout_at(self.first_token_by):
-                answer = self.answer = await self._transport.send(
-                    self.upstream, body, stream=self._stream, request_id=self._rid, path=self._path,
-                    method=self._method, forward=self._forward, client_key=self._client_key, trace=self._trace)
-        except TimeoutError as err:
-            raise UpstreamTimeout(f"No first token from the upstream within {self.upstream.timeouts.ttft:g} s.",
-                                  code="upstream_ttft_timeout") from err
+        if self.first_token_by is None:  # no asyncio.timeout at all: ~1.5 us a request, when there is nothing to bound
+            answer = self.answer = await self._transport.send(
+                self.upstream, body, stream=self._stream, request_id=self._rid, path=self._path, method=self._method,
+                forward=self._forward, client_key=self._client_key, trace=self._trace)
+        else:
+            try:
+                async with asyncio.timeout_at(self.first_token_by):
+                    answer = self.answer = await self._transport.send(
+                        self.upstream, body, stream=self._stream, request_id=self._rid, path=self._path,
+                        method=self._method, forward=self._forward, client_key=self._client_key, trace=self._trace)
+            except TimeoutError as err:
+                raise UpstreamTimeout(f"No first token from the upstream within {self.upstream.timeouts.ttft:g} s.",
+                                      code="upstream_ttft_timeout") from err
         self.health.observe_report(self.dialect.quota_report(answer.headers), self._clock(), self._mark)
         if answer.status != 200 and not (self._forward is not None and 200 <= answer.status < 300):
             if 300 <= answer.status < 400:  # a redirect to the upstream's own hosts, or a 304 to a request never

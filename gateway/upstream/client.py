@@ -29,7 +29,7 @@ from gateway.upstream.headers import (
     USER_AGENT,
     forward_headers,
 )
-from gateway.upstream.response import UpstreamResponse, map_errors
+from gateway.upstream.response import AnswerWatch, UpstreamResponse, map_errors
 
 LARGE_BODY = 256 * 1024  # bytes: a body held whole but larger than this goes in PIECE pieces, its writing watched
 
@@ -58,6 +58,9 @@ _REUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("tiergate_connect
 _TRANSPORT: contextvars.ContextVar[Any] = contextvars.ContextVar("tiergate_connection_transport", default=None)
 
 
+_WATCH: contextvars.ContextVar[AnswerWatch | None] = contextvars.ContextVar("tiergate_answer_watch", default=None)
+
+
 _STALE_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
 
 
@@ -72,6 +75,9 @@ class _Connector(aiohttp.TCPConnector):
         _TRANSPORT.set(proto.transport if proto is not None else None)
         if proto is not None:
             setattr(proto, "tiergate_used", True)  # noqa: B010 - ResponseHandler declares no such attribute
+            watch = _WATCH.get()
+            if watch is not None:
+                watch.proto = proto
         return conn
 
 
@@ -87,15 +93,14 @@ class UpstreamPool:
 
     def __init__(self, upstreams: list[UpstreamConfig], keys: Mapping[str, SecretStr]) -> None:
         self._auth = {name: f"Bearer {key.get_secret_value()}" for name, key in keys.items()}
-        # non-streaming: total and sock_read (silence) bound the answer. Streams: no total; the status line's wait is
-        # bounded by sock_read = idle, or, with a ttft, by the caller's first-token deadline alone (ttft governs until
-        # the first token: tests/test_faults.py::test_ttft_above_idle_governs_until_the_first_token); after the status
-        # line send() turns sock_read off and the body's silences are IdleWatch's (sock_read re-arms a timer on every
-        # read and counts a slow client's unread bytes as the upstream's silence)
-        self._timeouts = {(u.name, stream): aiohttp.ClientTimeout(
-            total=None if stream else u.timeouts.total, sock_connect=u.timeouts.connect,
-            sock_read=None if stream and u.timeouts.ttft else u.timeouts.idle)
-            for u in upstreams for stream in (True, False)}
+        # non-streaming: total and idle (silence) bound the answer. Streams: no total; the status line's wait is
+        # bounded by idle, or, with a ttft, by the caller's first-token deadline alone (ttft governs until the first
+        # token: tests/test_faults.py::test_ttft_above_idle_governs_until_the_first_token); after the status line the
+        # body's silences are IdleWatch's. Both are AnswerWatch's, not aiohttp's total and sock_read (sock_read re-arms
+        # a timer on every read and counts a slow client's unread bytes as the upstream's silence)
+        # aiohttp times only the connect; the rest is the request's AnswerWatch (a tenth of aiohttp's CPU for it)
+        self._timeouts = {u.name: aiohttp.ClientTimeout(total=None, sock_connect=u.timeouts.connect)
+                          for u in upstreams}
         self._forward_timeouts = {u.name: aiohttp.ClientTimeout(total=None, sock_connect=u.timeouts.connect,
                                                                  sock_read=u.timeouts.idle) for u in upstreams}
         self._session: aiohttp.ClientSession | None = None
@@ -103,7 +108,7 @@ class UpstreamPool:
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(connector=_Connector(**CONNECTOR_OPTIONS), **SESSION_OPTIONS)
-        self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0),
+        self._fresh = aiohttp.ClientSession(connector=_Connector(force_close=True, limit=0),
                                             **SESSION_OPTIONS)
 
     async def stop(self) -> None:
@@ -127,6 +132,8 @@ class UpstreamPool:
                                                  timeout=timeout, allow_redirects=False, auto_decompress=decode,
                                                  skip_auto_headers=skip)
             except TimeoutError as exc:
+                if not window.expired():  # the answer's wait (AnswerWatch), not the body's
+                    raise
                 raise UpstreamTimeout(f"The upstream took no request body for {idle:g} s.") from exc
         except BaseException:
             _abort()
@@ -150,34 +157,42 @@ class UpstreamPool:
         skip = SKIP_FORWARDED if forward is not None else None  # no content type or accept of aiohttp's own making
         large = isinstance(body, bytes) and len(body) > LARGE_BODY
         retried = False
-        sent = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
         decode = None if forward is None else False  # a passthrough answer's bytes go to the client as they came
-        with map_errors():
-            try:
-                if large:
-                    resp = await self._request(self._session, method, url, body, headers, timeout, decode, skip,
-                                               upstream.timeouts.idle)
-                else:  # inline: the hot path's one request (a coroutine between costs each of its resumptions)
-                    _TRANSPORT.set(None)
-                    try:
-                        resp = await self._session.request(method, url, data=body, headers=headers, timeout=timeout,
-                                                           allow_redirects=False, auto_decompress=decode,
-                                                           skip_auto_headers=skip)
-                    except BaseException:
-                        _abort()
+        watch = None
+        if forward is None and not (stream and upstream.timeouts.ttft):  # ttft: the caller's deadline bounds it
+            watch = AnswerWatch(None if stream else upstream.timeouts.total, upstream.timeouts.idle)
+        _WATCH.set(watch)
+        try:
+            with map_errors():
+                try:
+                    if large:
+                        resp = await self._request(self._session, method, url, body, headers, timeout, decode, skip,
+                                                   upstream.timeouts.idle)
+                    else:  # inline: the hot path's one request (a coroutine between costs each of its resumptions)
+                        _TRANSPORT.set(None)
+                        try:
+                            resp = await self._session.request(method, url, data=body, headers=headers,
+                                                               timeout=timeout, allow_redirects=False,
+                                                               auto_decompress=decode, skip_auto_headers=skip)
+                        except BaseException:
+                            _abort()
+                            raise
+                except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+                    if not (isinstance(body, bytes) and _REUSED.get() and _stale(exc)
+                            and loop.time() - sent < STALE_RACE):
                         raise
-            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
-                if not (isinstance(body, bytes) and _REUSED.get() and _stale(exc)
-                        and asyncio.get_running_loop().time() - sent < STALE_RACE):
-                    raise
-                retried = True
-                resp = await self._again(method, url, body, headers, timeout, decode, skip)
+                    retried = True
+                    resp = await self._again(method, url, body, headers, timeout, decode, skip)
+        except BaseException:
+            if watch is not None:
+                watch.stop()
+            raise
         if not stream:
-            return UpstreamResponse(resp, stale_retried=retried, encoded=decode is False)
-        conn = resp.connection
-        if conn is not None and conn.protocol is not None:
-            conn.protocol.read_timeout = None  # aiohttp's ResponseHandler: no sock_read for the body...
-            conn.protocol.start_timeout()  # ...and the timer armed by the status line's read is cancelled
+            return UpstreamResponse(resp, stale_retried=retried, encoded=decode is False, watch=watch)
+        if watch is not None:
+            watch.stop()  # the body's silences are IdleWatch's, armed by the caller (watch_idle)
         return UpstreamResponse(resp, upstream.timeouts.idle, stale_retried=retried, encoded=decode is False)
 
     def _headers(self, upstream: UpstreamConfig, body: Body, stream: bool, request_id: str,
@@ -186,7 +201,7 @@ class UpstreamPool:
         """A passthrough request has no total timeout, only connect and silence: an upload of hundreds of MB or a long
         audio answer is bounded by its progress."""
         if forward is None:
-            timeout = self._timeouts[upstream.name, stream]
+            timeout = self._timeouts[upstream.name]
             headers = {"Content-Type": "application/json", "Accept": "text/event-stream" if stream else
                        "application/json", "Accept-Encoding": "identity", "User-Agent": USER_AGENT,
                        "X-Client-Request-Id": request_id}
@@ -231,11 +246,17 @@ class UpstreamPool:
 
 
 async def _pieces(data: bytes, window: asyncio.Timeout, idle: float) -> AsyncIterator[bytes]:
-    loop = asyncio.get_running_loop()
+    """While the body goes out, the request's silence (AnswerWatch) counts from its last piece."""
+    loop, watch = asyncio.get_running_loop(), _WATCH.get()
     for at in range(0, len(data), PIECE):
-        window.reschedule(loop.time() + idle)
+        now = loop.time()
+        window.reschedule(now + idle)
+        if watch is not None:
+            watch.quiet_since = now
         yield data[at:at + PIECE]
-    window.reschedule(None)  # all of it is with the upstream: the wait for the answer is sock_read's or ttft's
+    window.reschedule(None)  # all of it is with the upstream: the wait for the answer is AnswerWatch's or ttft's
+    if watch is not None:
+        watch.quiet_since = loop.time()
 
 
 def _abort() -> None:
