@@ -193,3 +193,35 @@ def test_every_family_of_the_table_is_an_attribute_of_its_kind() -> None:
         assert Metrics.__annotations__[family.attr] == family.kind.__name__
         assert f"{PREFIX}_{family.name}" in names
     assert len({f.attr for f in FAMILIES}) == len(FAMILIES) == len(Metrics.__annotations__)
+
+
+def test_the_lock_free_families_expose_what_prometheus_clients_own_do() -> None:
+    """``gateway.observability.values``: the same observations through prometheus-client's Histogram, Counter and Gauge
+    and through the gateway's lock-free ones give the same exposition, bucket bounds, NaN and refusals included."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from gateway.observability import values
+
+    assert values.kind(Histogram) is values.LoopHistogram  # this process is not in multiprocess mode
+    buckets = (0.001, 0.01, 0.1, 1.0)
+    seen = [0.0, -1.0, 0.001, 0.0010001, 0.01, 0.5, 1.0, 1.5, 1e9, float("inf"), float("nan"), 0.0999]
+    texts = []
+    for hist, counter, gauge in ((Histogram, Counter, Gauge),
+                                 (values.LoopHistogram, values.LoopCounter, values.LoopGauge)):
+        reg = CollectorRegistry()
+        h = hist("t_seconds", "h", ("tier",), buckets=buckets, registry=reg).labels("fast")
+        c = counter("t_requests", "c", ("tier",), registry=reg).labels("fast")
+        g = gauge("t_in_flight", "g", ("tier",), registry=reg).labels("fast")
+        for x in seen:
+            h.observe(x)
+        c.inc()
+        c.inc(2.5)
+        with pytest.raises(ValueError):
+            c.inc(-1)
+        g.inc(3)
+        g.dec()
+        g.set(7)
+        g.inc(0.5)
+        texts.append(b"\n".join(line for line in generate_latest(reg).splitlines() if b"_created" not in line))
+    assert texts[0] == texts[1]
+    assert b't_seconds_bucket{le="0.001",tier="fast"} 3.0' in texts[1]  # 0, -1 and the bound itself

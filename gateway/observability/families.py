@@ -12,6 +12,8 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from gateway.observability import values
+
 PREFIX = "tiergate"
 TPOT_BUCKETS = (0.0005, 0.00075, 0.001, 0.00125, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02,
                 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5)
@@ -49,7 +51,7 @@ class Family:
             extra["buckets"] = self.buckets
         if self.multiprocess_mode is not None:
             extra["multiprocess_mode"] = self.multiprocess_mode
-        return self.kind(f"{PREFIX}_{self.name}", self.help, self.labels, registry=registry, **extra)
+        return values.kind(self.kind)(f"{PREFIX}_{self.name}", self.help, self.labels, registry=registry, **extra)
 
 
 FAMILIES: tuple[Family, ...] = (
