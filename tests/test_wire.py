@@ -376,3 +376,18 @@ def test_a_body_nested_past_the_parsers_depth_is_a_400_not_a_crash() -> None:
         with pytest.raises(InvalidRequest) as info:
             parse(deep)
         assert info.value.code == "invalid_json"
+
+
+def test_route_matches_are_remembered_only_for_the_tables_own_paths() -> None:
+    """``gateway.wire.routes.match`` keeps a path without ids: a client's ids and paths under ``{rest}`` never grow
+    it."""
+    from gateway.wire import routes
+
+    first = routes.match("POST", "chat/completions")
+    assert routes.match("POST", "chat/completions") is first and first.serves == "chat"
+    size = len(routes._FIXED)
+    for i in range(50):
+        assert routes.match("GET", f"files/file-{i}").ids == (f"file-{i}",)
+        assert routes.match("GET", f"tiergate/sessions/run-{i}/x").route is not None
+        assert routes.match("GET", f"nothing-{i}").endpoint == "other"
+    assert len(routes._FIXED) == size
