@@ -29,7 +29,7 @@ def _pytest(tmp: Path, ci: bool) -> subprocess.CompletedProcess[str]:
     env["PATH"] = str(bare)
     if ci:
         env["CI"] = "1"
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-cov",
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-cov", "-n", "0",
                            "--durations=0", "-rs", *NEEDING], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
 
