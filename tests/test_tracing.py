@@ -162,3 +162,31 @@ async def test_a_client_that_left_is_a_cancelled_attempt_not_an_error(spans: InM
     assert client.status.status_code != StatusCode.ERROR
     server = next(s for s in spans.get_finished_spans() if s.kind == SpanKind.SERVER)
     assert dict(server.attributes or {})["tiergate.outcome"] == "client_disconnect"
+
+
+def test_a_sampler_that_drops_the_trace_still_serves_every_request(tmp_path: Any) -> None:
+    """``OTEL_TRACES_SAMPLER`` (the SDK's own variable) dropping a request's span: it is served as ever, and the
+    upstream is told the trace is not sampled (the W3C trace flags' sampled bit off). It once failed every request
+    that was not sampled."""
+    up = EmulatorThread(lambda req: Plan(parts=[(0, OK)]) if b'"stream":true' in req.body else Plan(
+        headers={"content-type": "application/json"}, chunked=False,
+        parts=[(0, b'{"id":"c","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,'
+                   b'"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}]}')]))
+    try:
+        cfg = default_config(up.base_url, up.base_url)
+        proc, _ = start_gateway(cfg, tmp_path, env={"OTEL_TRACES_EXPORTER": "console",
+                                                     "OTEL_TRACES_SAMPLER": "always_off"})
+        try:
+            for stream in (True, False):
+                r = httpx.post(f"http://127.0.0.1:{proc.port}/v1/chat/completions", timeout=5,
+                               json={"model": "gpt-5.6", "stream": stream,
+                                     "messages": [{"role": "user", "content": "x"}]})
+                assert r.status_code == 200, r.text
+                assert r.text.rstrip().endswith("data: [DONE]") if stream else r.json()["object"] == "chat.completion"
+                flags = int(up.requests[-1].headers["traceparent"].rsplit("-", 1)[1], 16)
+                assert flags & 1 == 0  # the sampled bit (W3C Trace Context: 02 is "random" alone)
+        finally:
+            proc.stop()
+        assert "Traceback" not in proc.log.read_text()
+    finally:
+        up.stop()

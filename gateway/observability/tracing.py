@@ -88,7 +88,11 @@ def start_request(headers: dict[str, str], method: str, path: str, operation: st
 
 
 def end_request(span: Any, ex: Any) -> None:
-    """``ex``: the request's ``gateway.observability.recorder.Recorder``."""
+    """``ex``: the request's ``gateway.observability.recorder.Recorder``. A span the sampler dropped
+    (``OTEL_TRACES_SAMPLER``) is a ``NonRecordingSpan``, without a name or attributes: it only ends."""
+    if not span.is_recording():
+        span.end()
+        return
     model = ex.request.requested
     if model:
         span.update_name(f"{span.name} {model}")
