@@ -56,6 +56,10 @@ REFERENCES: dict[str, str] = {
     "keys": "Tiergate itself with gateway keys on: one key with per-minute limits, sent by every target's load "
             "(--variants keys)",
     "redis": "Tiergate itself with state.redis_url: replicas' shared state in a local redis-server (--redis)",
+    "traced": "Tiergate itself with OpenTelemetry traces exported (OTEL_TRACES_EXPORTER=otlp, to bench/otlpsink.py; "
+              "--variants traced)",
+    "otelmetrics": "Tiergate itself with OpenTelemetry GenAI metrics exported (OTEL_METRICS_EXPORTER=otlp, to "
+                   "bench/otlpsink.py; --variants otelmetrics)",
 }
 
 

@@ -35,7 +35,7 @@ from bench.loadgen import Tally
 
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("ttft", "chunks", "rps", "rss", "sweep")
-VARIANTS = ("nolog", "keys", "redis")  # --variants: the gateway again, one setting changed (report.REFERENCES)
+VARIANTS = ("nolog", "keys", "redis", "traced", "otelmetrics")  # --variants: one setting changed (report.REFERENCES)
 
 
 @dataclass(frozen=True)
@@ -432,11 +432,22 @@ def run_once(args: argparse.Namespace, sizes: Sizes, out: Path, idx: int, pin: b
                 "redis-server", "--port", str(rd_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
                 out / f"redis{suffix}.log")
             started.append(f"redis-server :{rd_port} (pid {rd.pid})")
+        otlp = None
+        if {"traced", "otelmetrics"} & set(args.variants):  # their exports go to a sink beside the upstream (CPU 0)
+            sink_port = procs.free_port()
+            sink = kids.start("otlpsink", procs.pin_prefix(0 if pin else None) + [
+                py, "-m", "bench.otlpsink", "--port", str(sink_port)], out / f"otlpsink{suffix}.log", cwd=ROOT)
+            procs.wait_http_ready(sink, f"http://127.0.0.1:{sink_port}/healthz")
+            otlp = f"http://127.0.0.1:{sink_port}"
+            started.append(f"otlpsink :{sink_port} (pid {sink.pid})")
         for name in args.variants:  # the same gateway again, one setting changed (report.REFERENCES says which)
             vcfg = out / f"gateway-{name}{suffix}.yaml"
             vcfg.write_text(procs.gateway_config(up_port, f"redis://127.0.0.1:{rd_port}/0" if name == "redis" else None,
                                                  keys=name == "keys"))
-            venv = {**env, "GATEWAY_LOG_SAMPLE": "0"} if name == "nolog" else env
+            venv = {**env, "GATEWAY_LOG_SAMPLE": "0"} if name == "nolog" else dict(env)
+            if name in ("traced", "otelmetrics"):
+                venv["OTEL_EXPORTER_OTLP_ENDPOINT"] = str(otlp)
+                venv["OTEL_TRACES_EXPORTER" if name == "traced" else "OTEL_METRICS_EXPORTER"] = "otlp"
             v_port = procs.free_port()
             vg = kids.start(f"tiergate-{name}", procs.pin_prefix(1 if pin else None) + [
                 py, "-m", "gateway", "serve", "--config", str(vcfg), "--host", "127.0.0.1", "--port", str(v_port),
