@@ -126,6 +126,13 @@ def start_attempt(parent: Any, operation: str, upstream: Any, model: str) -> tup
     return span, carrier
 
 
+def context_headers(span: Any) -> dict[str, str]:
+    """The W3C Trace Context headers of ``span`` (a dropped one's too: its trace id, the sampled bit off)."""
+    carrier: dict[str, str] = {}
+    TRACING.propagator.inject(carrier, context=TRACING.api.set_span_in_context(span))
+    return carrier
+
+
 def first_token(span: Any) -> None:
     span.add_event("gen_ai.first_token")
 
