@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 
@@ -217,3 +218,57 @@ async def test_the_total_timeout_ends_a_whole_answer_on_time_however_its_bytes_c
             await asyncio.wait_for(_whole(pool, "whole_trickle"), 5)
         waited = time.monotonic() - t0
     assert TOTAL * 0.95 <= waited <= TOTAL + REACT + lag.seconds, (waited, lag.seconds)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_the_silence_counts_from_the_connection_not_from_its_setup(
+        fake: EmulatorThread, monkeypatch: pytest.MonkeyPatch, stream: bool) -> None:
+    """A connect that takes longer than the idle timeout (``timeouts.connect`` bounds it), then a prompt answer: served,
+    as under aiohttp's ``sock_read``, whose clock started with the request."""
+    import aiohttp
+
+    setup = aiohttp.TCPConnector._create_direct_connection
+
+    async def slow(self: Any, *args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(IDLE * 1.5)
+        return await setup(self, *args, **kwargs)
+
+    monkeypatch.setattr(aiohttp.TCPConnector, "_create_direct_connection", slow)
+    cfg = UpstreamConfig.model_validate({"name": "fake", "tier": "fast", "base_url": fake.base_url,
+                                         "api_key_env": None, "models": {"m": "m"},
+                                         "timeouts": {"connect": 5, "idle": IDLE, "total": 10}})
+    p = UpstreamPool([cfg], {})
+    await p.start()
+    try:
+        got = await asyncio.wait_for(_whole((p, cfg), "whole_trickle" if not stream else "done", stream), 5)
+    finally:
+        await p.stop()
+    assert got.endswith(b"{}") if not stream else got == b"data: a\n\ndata: [DONE]\n\n"
+
+
+async def test_the_total_timeout_bounds_a_name_lookup_that_hangs(fake: EmulatorThread,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """aiohttp's ``sock_connect`` does not time the name lookup; a whole answer's ``total`` does, as aiohttp's own
+    total did."""
+    import aiohttp
+
+    async def hang(self: Any, *args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(30)
+
+    monkeypatch.setattr(aiohttp.TCPConnector, "_resolve_host", hang)
+    cfg = UpstreamConfig.model_validate({"name": "fake", "tier": "fast",
+                                         "base_url": fake.base_url.replace("127.0.0.1", "localhost"),
+                                         "api_key_env": None, "models": {"m": "m"},
+                                         "timeouts": {"connect": 5, "idle": IDLE, "total": TOTAL}})
+    p = UpstreamPool([cfg], {})
+    await p.start()
+    try:
+        async with LoopLag() as lag:
+            t0 = time.monotonic()
+            with pytest.raises(UpstreamTimeout):
+                await asyncio.wait_for(_whole((p, cfg), "done"), 5)
+            waited = time.monotonic() - t0
+    finally:
+        await p.stop()
+    assert TOTAL * 0.95 <= waited <= TOTAL + REACT + lag.seconds, (waited, lag.seconds)
+    assert asyncio.current_task().cancelling() == 0  # the watch's cancel was taken back

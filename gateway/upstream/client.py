@@ -77,7 +77,7 @@ class _Connector(aiohttp.TCPConnector):
             setattr(proto, "tiergate_used", True)  # noqa: B010 - ResponseHandler declares no such attribute
             watch = _WATCH.get()
             if watch is not None:
-                watch.proto = proto
+                watch.connected(proto)
         return conn
 
 
@@ -185,9 +185,11 @@ class UpstreamPool:
                         raise
                     retried = True
                     resp = await self._again(method, url, body, headers, timeout, decode, skip)
-        except BaseException:
+        except BaseException as exc:
             if watch is not None:
                 watch.stop()
+                if isinstance(exc, asyncio.CancelledError):
+                    _expired(watch, exc)
             raise
         if not stream:
             return UpstreamResponse(resp, stale_retried=retried, encoded=decode is False, watch=watch)
@@ -257,6 +259,14 @@ async def _pieces(data: bytes, window: asyncio.Timeout, idle: float) -> AsyncIte
     window.reschedule(None)  # all of it is with the upstream: the wait for the answer is AnswerWatch's or ttft's
     if watch is not None:
         watch.quiet_since = loop.time()
+
+
+def _expired(watch: AnswerWatch, exc: asyncio.CancelledError) -> None:
+    """Raises UpstreamTimeout when the cancel was ``watch``'s own (no connection within the total timeout); a cancel of
+    someone else's (the client left, the drain ran out) is left to go on."""
+    task = asyncio.current_task()
+    if watch.expired is not None and task is not None and task.uncancel() == 0:
+        raise UpstreamTimeout("The upstream did not answer in time (no connection within its total timeout).") from exc
 
 
 def _abort() -> None:

@@ -158,17 +158,21 @@ class IdleWatch:
 
 
 class AnswerWatch:
-    """Bounds one upstream request from its send to its answer's end: ``total`` seconds in all (None: unbounded) and
-    ``idle`` seconds of silence, on one loop timer checked every ``idle / 4`` (silence caught within ``1.25 * idle``,
-    the total on time). aiohttp's own ``total`` and ``sock_read`` cost ~10 us of CPU per non-streaming request
-    (measured: ``bench.layers``' client rows): a TimerHandle and a TimerContext per request, a timer re-armed on every
-    socket read. It fails the request the way aiohttp's read timeout does (``ResponseHandler._on_read_timeout``): a
-    ``SocketTimeoutError`` (a TimeoutError, :class:`map_errors`' UpstreamTimeout) set on the connection's protocol,
-    which the wait for the status line raises, and on the body's reader. ``proto`` is set when the connection is had
-    (``gateway.upstream.client``), ``content`` when the answer's head arrived (:class:`UpstreamResponse`); bytes
-    received but not yet read are not silence."""
+    """Bounds one upstream request from its send to its answer's end: ``total`` seconds in all (None: unbounded),
+    from the send, connecting included; and ``idle`` seconds of silence, from the connection on (its setup is
+    ``timeouts.connect``'s); on one loop timer checked every ``idle / 4`` (silence caught within ``1.25 * idle``, the
+    total on time). aiohttp's own ``total`` and ``sock_read`` cost ~10 us of CPU per non-streaming request (measured:
+    ``bench.layers``' client rows): a TimerHandle and a TimerContext per request, a timer re-armed on every socket
+    read. With a connection it fails the request the way aiohttp's read timeout does
+    (``ResponseHandler._on_read_timeout``): a ``SocketTimeoutError`` (a TimeoutError, :class:`map_errors`'
+    UpstreamTimeout) set on the connection's protocol, which the wait for the status line raises, and on the body's
+    reader; before one (a name lookup that hangs) it cancels the sending task, which raises UpstreamTimeout
+    (``expired``). :meth:`connected` is called when the connection is had (``gateway.upstream.client``), ``content``
+    set when the answer's head arrived (:class:`UpstreamResponse`); bytes received but not yet read are not
+    silence."""
 
-    __slots__ = ("loop", "total_by", "idle", "step", "quiet_since", "seen", "proto", "content", "handle")
+    __slots__ = ("loop", "total_by", "idle", "step", "quiet_since", "seen", "proto", "content", "handle", "task",
+                 "expired")
 
     def __init__(self, total: float | None, idle: float) -> None:
         self.loop = loop = asyncio.get_running_loop()
@@ -180,10 +184,16 @@ class AnswerWatch:
         self.seen = 0
         self.proto: Any = None
         self.content: aiohttp.StreamReader | None = None
+        self.task = asyncio.current_task()
+        self.expired: BaseException | None = None
         self.handle: asyncio.TimerHandle | None = loop.call_at(self._next(now), self._check)
 
+    def connected(self, proto: Any) -> None:
+        self.proto = proto
+        self.quiet_since = self.loop.time()
+
     def _next(self, now: float) -> float:
-        due = min(now + self.step, self.quiet_since + self.idle)
+        due = now + self.step if self.proto is None else min(now + self.step, self.quiet_since + self.idle)
         return due if self.total_by is None else min(due, self.total_by)
 
     def _check(self) -> None:
@@ -196,18 +206,21 @@ class AnswerWatch:
                 self.seen, self.quiet_since = content.total_bytes, now
         if self.total_by is not None and now >= self.total_by:
             return self._fail("The upstream did not answer within its total timeout.")
-        if now - self.quiet_since >= self.idle:
+        if self.proto is not None and now - self.quiet_since >= self.idle:
             return self._fail(f"No bytes from the upstream for {self.idle:g} s.")
         self.handle = self.loop.call_at(self._next(now), self._check)
 
     def _fail(self, message: str) -> None:
         exc = aiohttp.SocketTimeoutError(message)
+        if self.proto is None and self.content is None:  # still connecting: the request's own task is stopped
+            self.expired = exc
+            if self.task is not None:
+                self.task.cancel()
+            return
         if self.proto is not None:
             self.proto.set_exception(exc)
         if self.content is not None:
             self.content.set_exception(exc)
-        if self.proto is None and self.content is None:  # no connection yet: sock_connect bounds that; look again
-            self.handle = self.loop.call_at(self.loop.time() + self.step, self._check)
 
     def stop(self) -> None:
         if self.handle is not None:
