@@ -224,4 +224,7 @@ def test_the_lock_free_families_expose_what_prometheus_clients_own_do() -> None:
         g.inc(0.5)
         texts.append(b"\n".join(line for line in generate_latest(reg).splitlines() if b"_created" not in line))
     assert texts[0] == texts[1]
+    for gauge in (Gauge, values.LoopGauge):  # a mostrecent gauge is only set, in one process as under --workers
+        with pytest.raises(RuntimeError):
+            gauge("t_est", "g", registry=CollectorRegistry(), multiprocess_mode="mostrecent").inc()
     assert b't_seconds_bucket{le="0.001",tier="fast"} 3.0' in texts[1]  # 0, -1 and the bound itself

@@ -55,9 +55,13 @@ class LoopGauge(Gauge):
         self._value = LoopValue()
 
     def inc(self, amount: float = 1) -> None:
+        if self._is_most_recent:  # prometheus-client refuses it: so here, not first under --workers
+            return super().inc(amount)
         self._value._value += amount
 
     def dec(self, amount: float = 1) -> None:
+        if self._is_most_recent:
+            return super().dec(amount)
         self._value._value -= amount
 
     def set(self, value: float) -> None:
