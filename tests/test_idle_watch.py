@@ -246,10 +246,11 @@ async def test_the_silence_counts_from_the_connection_not_from_its_setup(
     assert got.endswith(b"{}") if not stream else got == b"data: a\n\ndata: [DONE]\n\n"
 
 
-async def test_the_total_timeout_bounds_a_name_lookup_that_hangs(fake: EmulatorThread,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """aiohttp's ``sock_connect`` does not time the name lookup; a whole answer's ``total`` does, as aiohttp's own
-    total did."""
+@pytest.mark.parametrize("stream", [False, True], ids=["whole-total", "stream-connect"])
+async def test_a_name_lookup_that_hangs_is_bounded(fake: EmulatorThread, monkeypatch: pytest.MonkeyPatch,
+                                                   stream: bool) -> None:
+    """aiohttp's ``sock_connect`` does not time the name lookup: a whole answer's ``total`` does (as aiohttp's own
+    total did), and ``connect`` does for any request, a stream's too."""
     import aiohttp
 
     async def hang(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -259,14 +260,15 @@ async def test_the_total_timeout_bounds_a_name_lookup_that_hangs(fake: EmulatorT
     cfg = UpstreamConfig.model_validate({"name": "fake", "tier": "fast",
                                          "base_url": fake.base_url.replace("127.0.0.1", "localhost"),
                                          "api_key_env": None, "models": {"m": "m"},
-                                         "timeouts": {"connect": 5, "idle": IDLE, "total": TOTAL}})
+                                         "timeouts": {"connect": TOTAL if stream else 5, "idle": IDLE,
+                                                      "total": TOTAL}})
     p = UpstreamPool([cfg], {})
     await p.start()
     try:
         async with LoopLag() as lag:
             t0 = time.monotonic()
             with pytest.raises(UpstreamTimeout):
-                await asyncio.wait_for(_whole((p, cfg), "done"), 5)
+                await asyncio.wait_for(_whole((p, cfg), "done", stream), 5)
             waited = time.monotonic() - t0
     finally:
         await p.stop()

@@ -15,7 +15,7 @@ from gateway.config.base import Strict, Tier
 class Timeouts(Strict):
     """Per-upstream timeouts in seconds.
 
-    connect: TCP connect (and TLS) to the upstream.
+    connect: TCP connect (and TLS) to the upstream; for chat and Responses requests the name lookup too.
     ttft: streams only: longest wait from sending the request to the first token-bearing event (status line
         included); past it, with nothing yet sent to the client, the next candidate is tried. When set, it and
         not ``idle`` bounds the silence before the first token (a model may think longer than ``idle`` allows

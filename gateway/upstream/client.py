@@ -164,7 +164,8 @@ class UpstreamPool:
         decode = None if forward is None else False  # a passthrough answer's bytes go to the client as they came
         watch = None
         if forward is None and not (stream and upstream.timeouts.ttft):  # ttft: the caller's deadline bounds it
-            watch = AnswerWatch(None if stream else upstream.timeouts.total, upstream.timeouts.idle)
+            watch = AnswerWatch(None if stream else upstream.timeouts.total, upstream.timeouts.idle,
+                                upstream.timeouts.connect)
         _WATCH.set(watch)
         try:
             with map_errors():
@@ -264,11 +265,11 @@ async def _pieces(data: bytes, window: asyncio.Timeout, idle: float) -> AsyncIte
 
 
 def _expired(watch: AnswerWatch, exc: asyncio.CancelledError) -> None:
-    """Raises UpstreamTimeout when the cancel was ``watch``'s own (no connection within the total timeout); a cancel of
-    someone else's (the client left, the drain ran out) is left to go on."""
+    """Raises UpstreamTimeout when the cancel was ``watch``'s own (no connection within the connect or total timeout);
+    a cancel of someone else's (the client left, the drain ran out) is left to go on."""
     task = asyncio.current_task()
     if watch.expired is not None and task is not None and task.uncancel() == 0:
-        raise UpstreamTimeout("The upstream did not answer in time (no connection within its total timeout).") from exc
+        raise UpstreamTimeout(f"The upstream did not answer in time ({watch.expired}).") from exc
 
 
 def _abort() -> None:

@@ -159,25 +159,26 @@ class IdleWatch:
 
 class AnswerWatch:
     """Bounds one upstream request from its send to its answer's end: ``total`` seconds in all (None: unbounded),
-    from the send, connecting included; and ``idle`` seconds of silence, from the connection on (its setup is
-    ``timeouts.connect``'s); on one loop timer checked every ``idle / 4`` (silence caught within ``1.25 * idle``, the
-    total on time). aiohttp's own ``total`` and ``sock_read`` cost ~10 us of CPU per non-streaming request (measured:
-    ``bench.layers``' client rows): a TimerHandle and a TimerContext per request, a timer re-armed on every socket
-    read. With a connection it fails the request the way aiohttp's read timeout does
-    (``ResponseHandler._on_read_timeout``): a ``SocketTimeoutError`` (a TimeoutError, :class:`map_errors`'
-    UpstreamTimeout) set on the connection's protocol, which the wait for the status line raises, and on the body's
-    reader; before one (a name lookup that hangs) it cancels the sending task, which raises UpstreamTimeout
-    (``expired``). :meth:`connected` is called when the connection is had (``gateway.upstream.client``), ``content``
-    set when the answer's head arrived (:class:`UpstreamResponse`); bytes received but not yet read are not
-    silence."""
+    from the send, connecting included; ``connect`` seconds to have a connection, name lookup included (aiohttp's
+    ``sock_connect`` times only the TCP connect); and ``idle`` seconds of silence, from the connection on. One loop
+    timer, checked every ``idle / 4`` (silence caught within ``1.25 * idle``, the total on time). aiohttp's own
+    ``total`` and ``sock_read`` cost ~10 us of CPU per non-streaming request (measured: ``bench.layers``' client rows):
+    a TimerHandle and a TimerContext per request, a timer re-armed on every socket read. With a connection it fails
+    the request the way aiohttp's read timeout does (``ResponseHandler._on_read_timeout``): a ``SocketTimeoutError``
+    (a TimeoutError, :class:`map_errors`' UpstreamTimeout) set on the connection's protocol, which the wait for the
+    status line raises, and on the body's reader; before one (a name lookup that hangs) it cancels the sending task,
+    which raises UpstreamTimeout (``expired``). :meth:`connected` is called when the connection is had
+    (``gateway.upstream.client``), ``content`` set when the answer's head arrived (:class:`UpstreamResponse`); bytes
+    received but not yet read are not silence."""
 
-    __slots__ = ("loop", "total_by", "idle", "step", "quiet_since", "seen", "proto", "content", "handle", "task",
-                 "expired")
+    __slots__ = ("loop", "total_by", "connect_by", "idle", "step", "quiet_since", "seen", "proto", "content",
+                 "handle", "task", "expired")
 
-    def __init__(self, total: float | None, idle: float) -> None:
+    def __init__(self, total: float | None, idle: float, connect: float | None = None) -> None:
         self.loop = loop = asyncio.get_running_loop()
         now = loop.time()
         self.total_by = None if total is None else now + total
+        self.connect_by = None if connect is None else now + connect  # name lookup included (sock_connect is not)
         self.idle = idle
         self.step = idle / 4
         self.quiet_since = now
@@ -193,7 +194,10 @@ class AnswerWatch:
         self.quiet_since = self.loop.time()
 
     def _next(self, now: float) -> float:
-        due = now + self.step if self.proto is None else min(now + self.step, self.quiet_since + self.idle)
+        if self.proto is None:
+            due = now + self.step if self.connect_by is None else min(now + self.step, self.connect_by)
+        else:
+            due = min(now + self.step, self.quiet_since + self.idle)
         return due if self.total_by is None else min(due, self.total_by)
 
     def _check(self) -> None:
@@ -206,6 +210,8 @@ class AnswerWatch:
                 self.seen, self.quiet_since = content.total_bytes, now
         if self.total_by is not None and now >= self.total_by:
             return self._fail("The upstream did not answer within its total timeout.")
+        if self.proto is None and self.content is None and self.connect_by is not None and now >= self.connect_by:
+            return self._fail("No connection to the upstream within its connect timeout.")
         if self.proto is not None and now - self.quiet_since >= self.idle:
             return self._fail(f"No bytes from the upstream for {self.idle:g} s.")
         self.handle = self.loop.call_at(self._next(now), self._check)
