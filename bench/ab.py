@@ -1,11 +1,15 @@
 """Interleaved A/B of gateway variants: CPU per 1,000 relayed chunks and per plain request, next to minproxy.
 
-    .venv/bin/python -m bench.ab [--rounds N] [--phases chunks,rps] [--tokens 300] [--keys] NAME=SPEC [NAME=SPEC ...]
+    .venv/bin/python -m bench.ab [--rounds N] [--phases chunks,rps] [--tokens 300] [--keys] [--latency] NAME=SPEC ...
 
 Each ``NAME=SPEC`` is one process on CPU 1 (the bench upstream and this load generator on CPU 0, as ``bench.run``):
 ``minproxy`` (``bench/minproxy.py``), ``NAME=`` (the gateway of this tree), ``NAME=@DIR`` (the gateway of another
 checkout, e.g. a ``git worktree`` of an older commit), or ``NAME=VAR=VALUE[,VAR=VALUE]`` (this tree with those
-environment variables, e.g. ``nolog=GATEWAY_LOG_SAMPLE=0``). Every round measures every process in turn (32 streams of
+environment variables, e.g. ``nolog=GATEWAY_LOG_SAMPLE=0``), or ``direct`` (no proxy: the bench upstream itself).
+With ``--latency`` the chunks phase also keeps each chunk's delay and reports its p50 and p99 per round, and with a
+``direct`` target each one's added p50 and p99 (its percentile minus direct's of the same round): the per-chunk
+latency judged like the CPU, interleaved, instead of from one run whose slow minute may land on one target. Every
+round measures every process in turn (32 streams of
 ``--tokens`` tokens at 750 tokens/s for 6 s, then 64 concurrent plain requests for 4 s), so that a slow minute of a
 shared machine lands on all of them; the summary is the median over rounds [min, max]. For deciding whether a change
 to the hot path pays (bench.run's single figures move by ~10 % run to run on this VM); bench.run makes the table.
@@ -21,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import loadgen, procs
+from bench import loadgen, procs, report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=300, help="tokens per stream in the chunks phase (default 300)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "ab", help="where the process logs go")
     p.add_argument("--keys", action="store_true", help="gateway keys on, as bench.run's keys variant")
+    p.add_argument("--latency", action="store_true", help="also each chunk's delay: p50 and p99 per round (ms)")
     a = p.parse_args(argv)
     phases = {x.strip() for x in a.phases.split(",") if x.strip()}
     if not phases <= {"chunks", "rps"} or a.rounds < 1 or a.tokens < 2:
@@ -51,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         targets: dict[str, tuple[int, str]] = {}
         for spec in a.targets:
             name, _, rest = spec.partition("=")
+            if name == "direct":
+                targets[name] = (0, f"http://127.0.0.1:{up_port}/v1/chat/completions")  # no process of its own
+                continue
             env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
             cwd = ROOT
             if rest.startswith("@"):
@@ -70,17 +78,24 @@ def main(argv: list[str] | None = None) -> int:
             targets[name] = (child.pid, f"http://127.0.0.1:{port}/v1/chat/completions")
         import uvloop
 
-        results = uvloop.run(_measure(targets, phases, a.rounds, a.tokens))
+        results = uvloop.run(_measure(targets, phases, a.rounds, a.tokens, a.latency))
+    if "direct" in results:
+        base = results["direct"]
+        for cells in results.values():
+            for q in ("p50", "p99"):
+                if cells.get(q) and base.get(q) and cells is not base:
+                    cells[f"{q} added"] = [x - d for x, d in zip(cells[q], base[q], strict=True)]
     for name, cells in results.items():
-        print(name, "  ".join(f"{k}: median {statistics.median(v):.2f} [{min(v):.2f}, {max(v):.2f}]"
-                              for k, v in cells.items() if v))
+        print(name, "  ".join(f"{k}: median {statistics.median(v):.{d}f} [{min(v):.{d}f}, {max(v):.{d}f}]"
+                              for k, v in cells.items() if v for d in [3 if k.startswith("p") else 2]))
     return 0
 
 
 async def _measure(targets: dict[str, tuple[int, str]], phases: set[str], rounds: int,
-                   tokens: int) -> dict[str, dict[str, list[float]]]:
-    """Per target: "chunks" (CPU us per relayed chunk = ms per 1,000) and "rps" (CPU us per plain request)."""
-    out: dict[str, dict[str, list[float]]] = {n: {"chunks": [], "rps": []} for n in targets}
+                   tokens: int, latency: bool = False) -> dict[str, dict[str, list[float]]]:
+    """Per target: "chunks" (CPU us per relayed chunk = ms per 1,000) and "rps" (CPU us per plain request); with
+    ``latency``, "p50" and "p99" of the chunks' delays (ms). A pid of 0 (``direct``) has no CPU figures."""
+    out: dict[str, dict[str, list[float]]] = {n: {"chunks": [], "rps": [], "p50": [], "p99": []} for n in targets}
     sess = loadgen.session()
     try:
         for r in range(rounds):
@@ -88,20 +103,25 @@ async def _measure(targets: dict[str, tuple[int, str]], phases: set[str], rounds
                 if "chunks" in phases:
                     await loadgen.closed_loop_streams(sess, url, conc=32, tokens=tokens, tps=750, duration=1.0,
                                                       max_requests=64, stagger=0.4, keep_delays=False)
-                    c0 = procs.cpu_seconds(pid)
+                    c0 = procs.cpu_seconds(pid) if pid else 0.0
                     tally, _ = await loadgen.closed_loop_streams(sess, url, conc=32, tokens=tokens, tps=750,
                                                                  duration=6.0, max_requests=5000, stagger=0.4,
-                                                                 keep_delays=False)
+                                                                 keep_delays=latency)
                     _check(name, tally)
-                    out[name]["chunks"].append((procs.cpu_seconds(pid) - c0) * 1e6 / max(1, tally.chunks))
-                if "rps" in phases:
+                    if pid:
+                        out[name]["chunks"].append((procs.cpu_seconds(pid) - c0) * 1e6 / max(1, tally.chunks))
+                    if latency:
+                        delays = [ns / 1e6 for ns in tally.delays_ns]
+                        out[name]["p50"].append(report.pct(delays, 50) or 0.0)
+                        out[name]["p99"].append(report.pct(delays, 99) or 0.0)
+                if "rps" in phases and pid:
                     await loadgen.closed_loop_requests(sess, url, conc=64, duration=0.5, max_requests=100_000)
                     c0 = procs.cpu_seconds(pid)
                     tally, _ = await loadgen.closed_loop_requests(sess, url, conc=64, duration=4.0,
                                                                   max_requests=200_000)
                     _check(name, tally)
                     out[name]["rps"].append((procs.cpu_seconds(pid) - c0) * 1e6 / max(1, tally.ok))
-            print(f"round {r + 1}/{rounds}:", {n: {k: round(v[-1], 2) for k, v in d.items() if v}
+            print(f"round {r + 1}/{rounds}:", {n: {k: round(v[-1], 3) for k, v in d.items() if v}
                                                for n, d in out.items()}, flush=True)
     finally:
         await sess.close()
