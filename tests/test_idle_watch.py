@@ -12,6 +12,7 @@ client an in-band ``upstream_idle_timeout``) are in test_conformance.py and test
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -71,16 +72,25 @@ def fake() -> Iterator[EmulatorThread]:
     up.stop()
 
 
+@contextlib.asynccontextmanager
+async def _started(base_url: str, **timeouts: float) -> AsyncIterator[tuple[UpstreamPool, UpstreamConfig]]:
+    """A pool for one upstream at ``base_url``: idle IDLE, connect 5 s and total 10 s unless ``timeouts`` say."""
+    cfg = UpstreamConfig.model_validate({"name": "fake", "tier": "fast", "base_url": base_url, "api_key_env": None,
+                                         "models": {"m": "m"},
+                                         "timeouts": {"connect": 5, "idle": IDLE, "total": 10, **timeouts}})
+    p = UpstreamPool([cfg], {})
+    await p.start()
+    try:
+        yield p, cfg
+    finally:
+        await p.stop()
+
+
 @pytest.fixture(params=[10.0], ids=["total10"])
 async def pool(fake: EmulatorThread,
                request: pytest.FixtureRequest) -> AsyncIterator[tuple[UpstreamPool, UpstreamConfig]]:
-    cfg = UpstreamConfig.model_validate({"name": "fake", "tier": "fast", "base_url": fake.base_url,
-                                         "api_key_env": None, "models": {"m": "m"},
-                                         "timeouts": {"connect": 1, "idle": IDLE, "total": request.param}})
-    p = UpstreamPool([cfg], {})
-    await p.start()
-    yield p, cfg
-    await p.stop()
+    async with _started(fake.base_url, connect=1, total=request.param) as started:
+        yield started
 
 
 async def _open(pool: tuple[UpstreamPool, UpstreamConfig], plan: str) -> tuple[UpstreamResponse, AsyncIterator[bytes]]:
@@ -234,15 +244,8 @@ async def test_the_silence_counts_from_the_connection_not_from_its_setup(
         return await setup(self, *args, **kwargs)
 
     monkeypatch.setattr(aiohttp.TCPConnector, "_create_direct_connection", slow)
-    cfg = UpstreamConfig.model_validate({"name": "fake", "tier": "fast", "base_url": fake.base_url,
-                                         "api_key_env": None, "models": {"m": "m"},
-                                         "timeouts": {"connect": 5, "idle": IDLE, "total": 10}})
-    p = UpstreamPool([cfg], {})
-    await p.start()
-    try:
-        got = await asyncio.wait_for(_whole((p, cfg), "whole_trickle" if not stream else "done", stream), 5)
-    finally:
-        await p.stop()
+    async with _started(fake.base_url) as started:
+        got = await asyncio.wait_for(_whole(started, "whole_trickle" if not stream else "done", stream), 5)
     assert got.endswith(b"{}") if not stream else got == b"data: a\n\ndata: [DONE]\n\n"
 
 
@@ -257,20 +260,11 @@ async def test_a_name_lookup_that_hangs_is_bounded(fake: EmulatorThread, monkeyp
         await asyncio.sleep(30)
 
     monkeypatch.setattr(aiohttp.TCPConnector, "_resolve_host", hang)
-    cfg = UpstreamConfig.model_validate({"name": "fake", "tier": "fast",
-                                         "base_url": fake.base_url.replace("127.0.0.1", "localhost"),
-                                         "api_key_env": None, "models": {"m": "m"},
-                                         "timeouts": {"connect": TOTAL if stream else 5, "idle": IDLE,
-                                                      "total": TOTAL}})
-    p = UpstreamPool([cfg], {})
-    await p.start()
-    try:
-        async with LoopLag() as lag:
-            t0 = time.monotonic()
-            with pytest.raises(UpstreamTimeout):
-                await asyncio.wait_for(_whole((p, cfg), "done", stream), 5)
-            waited = time.monotonic() - t0
-    finally:
-        await p.stop()
+    async with _started(fake.base_url.replace("127.0.0.1", "localhost"), connect=TOTAL if stream else 5,
+                        total=TOTAL) as started, LoopLag() as lag:
+        t0 = time.monotonic()
+        with pytest.raises(UpstreamTimeout):
+            await asyncio.wait_for(_whole(started, "done", stream), 5)
+        waited = time.monotonic() - t0
     assert TOTAL * 0.95 <= waited <= TOTAL + REACT + lag.seconds, (waited, lag.seconds)
     assert asyncio.current_task().cancelling() == 0  # the watch's cancel was taken back

@@ -95,12 +95,11 @@ class UpstreamPool:
 
     def __init__(self, upstreams: list[UpstreamConfig], keys: Mapping[str, SecretStr]) -> None:
         self._auth = {name: f"Bearer {key.get_secret_value()}" for name, key in keys.items()}
-        # non-streaming: total and idle (silence) bound the answer. Streams: no total; the status line's wait is
-        # bounded by idle, or, with a ttft, by the caller's first-token deadline alone (ttft governs until the first
-        # token: tests/test_faults.py::test_ttft_above_idle_governs_until_the_first_token); after the status line the
-        # body's silences are IdleWatch's. Both are AnswerWatch's, not aiohttp's total and sock_read (sock_read re-arms
-        # a timer on every read and counts a slow client's unread bytes as the upstream's silence)
-        # aiohttp times only the connect; the rest is the request's AnswerWatch (a tenth of aiohttp's CPU for it)
+        # aiohttp times only the TCP connect; the rest is the request's AnswerWatch (send): non-streaming, total and
+        # idle (silence) bound the answer; streams have no total, the status line's wait is bounded by idle or, with a
+        # ttft, by the caller's first-token deadline alone (tests/test_faults.py::
+        # test_ttft_above_idle_governs_until_the_first_token), and the body's silences are IdleWatch's (aiohttp's
+        # sock_read re-arms a timer on every read and counts a slow client's unread bytes as the upstream's silence)
         self._timeouts = {u.name: aiohttp.ClientTimeout(total=None, sock_connect=u.timeouts.connect)
                           for u in upstreams}
         self._forward_timeouts = {u.name: aiohttp.ClientTimeout(total=None, sock_connect=u.timeouts.connect,
