@@ -237,6 +237,7 @@ class UpstreamPool:
         """Text frames are read as bytes: relayed as they came, never re-encoded. Raises aiohttp.WSServerHandshakeError
         (another ``status``), else aiohttp.ClientError, OSError or TimeoutError (unreachable in time)."""
         assert self._session is not None, "UpstreamPool.start() was not called"
+        _WATCH.set(None)  # the socket's connection is no earlier request's to watch (_Connector.connect)
         headers = {"User-Agent": USER_AGENT, "X-Client-Request-Id": request_id}
         auth = client_key if upstream.pass_client_key else self._auth.get(upstream.name)
         if auth:
