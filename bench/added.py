@@ -1,9 +1,12 @@
-"""The gateway's live figures of its own time against the benchmark's added per-chunk delay, in one run
-(docs/metrics.md#gateway-added-time): the bench upstream on CPU 0, the gateway alone on CPU 1, N streams at 750
-tokens/s straight to the upstream and then through the gateway; then the gateway's ``tiergate_gateway_added_seconds``
-and ``tiergate_event_loop_lag_seconds`` quantiles from its ``/metrics``. Bounded: two phases of ``--seconds`` each.
+"""The gateway's live figures of its own time against the benchmark's added per-chunk delay, interleaved
+(docs/metrics.md#gateway-added-time): the bench upstream on CPU 0, the gateway alone on CPU 1; each round N streams
+at 750 tokens/s straight to the upstream, then through the gateway with its ``/metrics`` scraped before and after, so
+that each round's live quantiles (``tiergate_gateway_added_seconds`` and ``tiergate_event_loop_lag_seconds``) are of
+that round's load only. A round's benchmark figure is the gateway's percentile minus direct's of the same round; the
+closing line gives the medians over the rounds (one slow minute of the VM moves one round, not the verdict).
+Bounded: 2 x ROUNDS phases of ``--seconds`` each.
 
-    .venv/bin/python -m bench.added --streams 32 --seconds 5
+    .venv/bin/python -m bench.added --streams 32 --seconds 8 --rounds 4
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ import argparse
 import asyncio
 import math
 import os
+import random
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,15 +67,54 @@ def live(metrics: str) -> dict[str, list[tuple[float, float]]]:
     return {k: sorted(v) for k, v in found.items()}
 
 
-async def _load(up: int, gw: int, streams: int, seconds: float) -> dict[str, loadgen.Tally]:
-    sess = loadgen.session()
+def draw(buckets: list[tuple[float, float]], n: int, rng: random.Random) -> list[float]:
+    """``n`` values drawn from a histogram's cumulative (le, count) buckets, uniform inside a bucket (as
+    ``histogram_quantile`` interpolates), in seconds; the +Inf bucket's values at its lower bound."""
+    bounds, weights, prev_le, prev_count = [], [], 0.0, 0.0
+    for le, count in buckets:
+        if count > prev_count:
+            bounds.append((prev_le, prev_le if math.isinf(le) else le))
+            weights.append(count - prev_count)
+        prev_le, prev_count = le, count
+    return [rng.uniform(*b) for b in rng.choices(bounds, weights, k=n)]
+
+
+def predicted(direct_ns: list[int], chunk: list[tuple[float, float]], lag: list[tuple[float, float]],
+              rng: random.Random, n: int = 200_000) -> list[int]:
+    """The delays a client would see through the gateway if the gateway added what its live figures say, each
+    independent of the client's own: a direct delay of the round plus a loop wait plus a chunk's own time, ``n``
+    draws (ns). Percentiles of a sum are not sums of percentiles: this is the like-for-like comparison."""
+    waits, own = draw(lag, n, rng), draw(chunk, n, rng)
+    return [rng.choice(direct_ns) + int((w + c) * 1e9) for w, c in zip(waits, own, strict=True)]
+
+
+def _delta(after: dict[str, list[tuple[float, float]]],
+           before: dict[str, list[tuple[float, float]]]) -> dict[str, list[tuple[float, float]]]:
+    """Cumulative buckets of one round: ``after`` minus ``before`` (same buckets, counters only grow)."""
     out = {}
+    for name, buckets in after.items():
+        was = dict(before.get(name, []))
+        out[name] = [(le, count - was.get(le, 0.0)) for le, count in buckets]
+    return out
+
+
+async def _rounds(up: int, gw: int, streams: int, seconds: float,
+                  rounds: int) -> list[tuple[loadgen.Tally, loadgen.Tally, dict[str, list[tuple[float, float]]]]]:
+    sess = loadgen.session()
+    out = []
+    direct, through = (f"http://127.0.0.1:{port}/v1/chat/completions" for port in (up, gw))
+    metrics = f"http://127.0.0.1:{gw}/metrics"
     try:
-        for name, port in (("direct", up), ("gateway", gw)):
-            url = f"http://127.0.0.1:{port}/v1/chat/completions"
-            await loadgen.warmup(sess, url, streams=streams)
-            out[name], _ = await loadgen.closed_loop_streams(sess, url, conc=streams, tokens=300, tps=750,
-                                                             duration=seconds, max_requests=100_000, stagger=0.4)
+        await loadgen.warmup(sess, direct, streams=streams)
+        await loadgen.warmup(sess, through, streams=streams)
+        async with httpx.AsyncClient(timeout=5) as scrape:
+            for _ in range(rounds):
+                d, _ = await loadgen.closed_loop_streams(sess, direct, conc=streams, tokens=300, tps=750,
+                                                         duration=seconds, max_requests=100_000, stagger=0.4)
+                before = live((await scrape.get(metrics)).text)
+                g, _ = await loadgen.closed_loop_streams(sess, through, conc=streams, tokens=300, tps=750,
+                                                         duration=seconds, max_requests=100_000, stagger=0.4)
+                out.append((d, g, _delta(live((await scrape.get(metrics)).text), before)))
     finally:
         await sess.close()
     return out
@@ -79,7 +123,8 @@ async def _load(up: int, gw: int, streams: int, seconds: float) -> dict[str, loa
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.added", description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, default=32)
-    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--seconds", type=float, default=8.0, help="each phase of a round")
+    ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
     up_port, gw_port = _free(), _free()
     children: list[subprocess.Popen[bytes]] = []
@@ -106,28 +151,33 @@ def main() -> int:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the gateway did not become ready")
                 time.sleep(0.1)
-            tallies = asyncio.run(_load(up_port, gw_port, args.streams, args.seconds))
-            figures = live(httpx.get(f"http://127.0.0.1:{gw_port}/metrics", timeout=5).text)
+            measured = asyncio.run(_rounds(up_port, gw_port, args.streams, args.seconds, args.rounds))
         finally:
             for p in children:
                 p.terminate()
                 p.wait(10)
-    d, g = tallies["direct"], tallies["gateway"]
-    print(f"{args.streams} streams at 750 tokens/s, {args.seconds:g} s; errors direct {dict(d.errors)} "
-          f"gateway {dict(g.errors)}")
-    print("| figure | p50 ms | p99 ms |\n|---|---:|---:|")
-    print(f"| benchmark: added per-chunk delay (gateway - direct) | {_q(g.delays_ns, 0.5) - _q(d.delays_ns, 0.5):.3f} "
-          f"| {_q(g.delays_ns, 0.99) - _q(d.delays_ns, 0.99):.3f} |")
-    for name in ("chunk", "loop_lag", "first_byte"):
-        if name in figures:
-            b = figures[name]
-            print(f"| live: {name} ({int(b[-1][1])} observations) | {quantile(b, 0.5) * 1e3:.3f} "
-                  f"| {quantile(b, 0.99) * 1e3:.3f} |")
-    if "chunk" in figures and "loop_lag" in figures:
+    print(f"{args.streams} streams at 750 tokens/s, {args.rounds} rounds of {args.seconds:g} s each way; ms")
+    print("| round | direct p50 / p99 | through the gateway p50 / p99 | predicted by the live figures p50 / p99 "
+          "| live: chunk p50 / p99 | live: loop lag p50 / p99 (probes) | benchmark added p99 | live added p99 "
+          "| live / benchmark |\n|---|---|---|---|---|---|---:|---:|---:|")
+    rng = random.Random(36)
+    added, live_added, errors = [], [], 0
+    for i, (d, g, figures) in enumerate(measured, 1):
+        errors += d.error_count + g.error_count
         c, lag = figures["chunk"], figures["loop_lag"]
-        print(f"| live: chunk + loop_lag | {(quantile(c, 0.5) + quantile(lag, 0.5)) * 1e3:.3f} "
-              f"| {(quantile(c, 0.99) + quantile(lag, 0.99)) * 1e3:.3f} |")
-    return 0 if not d.error_count and not g.error_count else 1
+        guess = predicted(d.delays_ns, c, lag, rng)
+        d50, d99, g50, g99, p50, p99 = (_q(v, p) for v in (d.delays_ns, g.delays_ns, guess) for p in (0.5, 0.99))
+        c50, c99, l50, l99 = (quantile(b, p) * 1e3 for b in (c, lag) for p in (0.5, 0.99))
+        added.append(g99 - d99)
+        live_added.append(p99 - d99)
+        print(f"| {i} | {d50:.3f} / {d99:.3f} | {g50:.3f} / {g99:.3f} | {p50:.3f} / {p99:.3f} | {c50:.3f} / {c99:.3f} "
+              f"| {l50:.3f} / {l99:.3f} ({int(lag[-1][1])}) | {g99 - d99:.3f} | {p99 - d99:.3f} "
+              f"| {(p99 - d99) / (g99 - d99):.2f} |")
+    m = statistics.median
+    print(f"| median | | | | | | {m(added):.3f} | {m(live_added):.3f} | {m(live_added) / m(added):.2f} |")
+    if errors:
+        print(f"errors: {errors}")
+    return 0 if not errors else 1
 
 
 if __name__ == "__main__":
