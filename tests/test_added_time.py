@@ -4,6 +4,9 @@ is probed 40 times a second while requests are in flight, four times a second wh
 
 from __future__ import annotations
 
+import asyncio
+import statistics
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -12,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.observability import looplag
 from gateway.observability.looplag import IDLE_INTERVAL, INTERVAL
 from gateway.stream.relay import SAMPLE_EVERY
 
@@ -71,3 +75,47 @@ def test_the_loop_lag_is_probed_while_requests_are_in_flight_and_rarely_when_idl
     busy = count() - first
     waited = time.monotonic() - t0
     assert done and busy >= 0.3 * (1.5 - IDLE_INTERVAL) / INTERVAL, (busy, waited)  # probed at the busy rate
+
+
+async def _waits_behind_a_busy_loop(exact: bool, busy: float, seconds: float) -> list[float]:
+    """The probe's waits while one callback after another holds the loop for ``busy`` seconds (a spin on the clock,
+    so a loaded machine only lengthens it). ``exact=False``: the fallback probe, made ready from inside the loop."""
+    waits: list[float] = []
+    lag = looplag.LoopLag(waits.append, interval=busy * 0.8)
+    loop = asyncio.get_running_loop()
+    end = time.monotonic() + seconds
+
+    def spin() -> None:
+        until = time.monotonic() + busy
+        while time.monotonic() < until:
+            pass
+        if time.monotonic() < end:
+            loop.call_soon(spin)
+
+    lag.start()
+    assert lag.exact is exact
+    loop.call_soon(spin)
+    await asyncio.sleep(seconds + 4 * busy)
+    lag.stop()
+    return waits
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timerfd is Linux's")
+async def test_the_probe_counts_the_wait_from_the_moment_its_fd_became_readable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes that arrive while a callback runs wait for the rest of it, then for the callbacks made ready before
+    theirs: on average 1.5 callbacks when each holds the loop alike. A probe that starts its clock when the loop
+    first gets to it sees one (the fallback), and so did the probe before the timerfd: it showed 35-65 % of the
+    benchmark's added p99 (docs/metrics.md#gateway-added-time)."""
+    busy = 0.004
+    exact = await _waits_behind_a_busy_loop(True, busy, 0.6)
+    assert len(exact) >= 20, len(exact)
+    assert statistics.mean(exact) >= 1.25 * busy, (statistics.mean(exact), busy)
+    assert max(exact) >= 1.8 * busy  # some arrived early in a callback: nearly two whole callbacks
+    monkeypatch.setattr(looplag, "_TimerFD", _no_timerfd)
+    fallback = await _waits_behind_a_busy_loop(False, busy, 0.6)
+    assert fallback and statistics.mean(fallback) < statistics.mean(exact)
+
+
+def _no_timerfd() -> None:
+    raise OSError("no timerfd")
