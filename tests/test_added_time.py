@@ -5,6 +5,8 @@ is probed 40 times a second while requests are in flight, four times a second wh
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import statistics
 import sys
 import threading
@@ -119,3 +121,42 @@ async def test_the_probe_counts_the_wait_from_the_moment_its_fd_became_readable(
 
 def _no_timerfd() -> None:
     raise OSError("no timerfd")
+
+
+async def test_a_rate_of_zero_turns_the_probe_off() -> None:
+    """``GATEWAY_LOOP_LAG_RATE=0`` (create_app's ``loop_lag_rate``): no probe, nothing woken, nothing observed."""
+    waits: list[float] = []
+    lag = looplag.LoopLag(waits.append, interval=None)
+    lag.start()
+    await asyncio.sleep(0.05)
+    lag.stop()
+    assert not waits and not lag.exact
+    on = looplag.LoopLag(waits.append, interval=0.002)
+    on.start()
+    await asyncio.sleep(0.05)
+    on.stop()
+    assert waits  # the same wait with a probe on observes
+
+
+def test_the_first_byte_counts_from_the_request_read_whole(stack: Stack) -> None:
+    """A client that sends its head, then its body half a second later: that half second is the client's, not the
+    gateway's (its task starts at the head, so a clock started there would count it)."""
+    body = json.dumps({"model": "gpt-5.6-sol-fast", "stream": True, "max_completion_tokens": 4,
+                       "messages": [{"role": "user", "content": "[[emulate tokens=4 tps=400]]"}]}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
+
+    def first_byte(text: str, what: str) -> float:
+        return sample(text, f"tiergate_gateway_added_seconds_{what}", tier="fast", phase="first_byte")
+    before = scraped(stack.gateway.port)
+    with socket.create_connection(("127.0.0.1", stack.gateway.port), timeout=10) as sock:
+        sock.sendall(head)
+        time.sleep(0.5)
+        sock.sendall(body)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in answer
+    after = scraped(stack.gateway.port)
+    assert first_byte(after, "count") - first_byte(before, "count") == 1
+    assert first_byte(after, "sum") - first_byte(before, "sum") < 0.25

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -40,11 +41,14 @@ class Hangup:
     ``watch(None)`` stops). An app then needs no task per request awaiting ``http.disconnect`` (measured: ~10 us of
     CPU per request)."""
 
-    __slots__ = ("callback", "gone")
+    __slots__ = ("callback", "gone", "received")
 
     def __init__(self) -> None:
         self.callback: Callable[[], None] | None = None
         self.gone = False
+        # time.perf_counter() when the request was read whole, in the I/O callback that read its last byte: the
+        # gateway's own time to first byte counts from there (the wait for its task to start is the gateway's)
+        self.received: float | None = None
 
     def watch(self, callback: Callable[[], None] | None) -> None:
         self.callback = callback
@@ -172,6 +176,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         self._in_head = True
         self._head_bytes = 0
+        cycle = self.cycle
+        if cycle is not None:
+            hangup = getattr(cycle, "tiergate_hangup", None)
+            if hangup is not None:
+                hangup.received = time.perf_counter()
         super().on_message_complete()
         # a body over uvicorn's high-water mark pauses reading until the app's receive() resumes it; an app that
         # watches by Hangup calls receive() no more once the body is in, so reading resumes here: a client that

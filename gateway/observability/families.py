@@ -75,13 +75,13 @@ FAMILIES: tuple[Family, ...] = (
            ('tier',), buckets=OVERHEAD_BUCKETS),
     Family('added', Histogram, 'gateway_added_seconds',
            "The gateway's own time on a stream's way (docs/metrics.md#gateway-added-time): phase first_byte, from "
-           'request arrival to the upstream request sent plus from the first token read to its write to the client '
-           'done; phase chunk, from an upstream read to its write done, one read in 16 sampled.',
+           'the request read whole to the upstream request sent plus from the first token read to its write to the '
+           'client done; phase chunk, from an upstream read to its write done, one read in 16 sampled.',
            ('tier', 'phase'), buckets=ADDED_BUCKETS),
     Family('loop_lag', Histogram, 'event_loop_lag_seconds',
            'How long a file descriptor made readable at a random moment waited until the event loop had run a callback '
-           "it made ready, probed 40 times a second: the wait an upstream chunk's bytes have behind the loop's other "
-           'work (docs/metrics.md#gateway-added-time).',
+           'it made ready, probed 40 times a second (GATEWAY_LOOP_LAG_RATE): the wait an upstream chunk\'s bytes have '
+           "behind the loop's other work (docs/metrics.md#gateway-added-time).",
            (), buckets=ADDED_BUCKETS),
     Family('tokens', Counter, 'tokens',
            'Tokens from usage, by type; usage: reported by the upstream, or estimated by the gateway (a stream '

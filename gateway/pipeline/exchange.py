@@ -37,7 +37,7 @@ class Exchange:
     upstream sockets) and its socket's response store, else None."""
 
     __slots__ = ("request", "rec", "reserved", "answered", "relay", "gone_at", "cut", "task", "blame", "via",
-                 "memory", "_send", "_start")
+                 "memory", "hangup", "_send", "_start")
 
     def __init__(self, rec: Recorder, send: Send, bodies: BodyBudget) -> None:
         self.rec = rec
@@ -51,6 +51,7 @@ class Exchange:
         self.blame: Blame | None = None
         self.via: Transport | None = None
         self.memory: SocketStore | None = None
+        self.hangup: Any = None  # gateway.http.server.Hangup under the gateway's own server (frame.Watch sets it)
         self._send = send
         self._start: Message | None = None
 
@@ -137,9 +138,13 @@ class Exchange:
         stats = self.relay.stats
         first, last = stats.t_first_token, stats.t_last_token
         sent, written = self.rec.first_sent_at, stats.t_first_written
-        # the gateway's own part of the time to first byte: before its first upstream request left (a failed attempt's
-        # wait is the upstream's), and from the first token's read to its write done (metrics' gateway_added_seconds)
-        added = (sent - self.rec.t0) + (written - first) if first is not None and written is not None and \
+        # the gateway's own part of the time to first byte: from the request read whole (by the server's protocol,
+        # so the wait for the request's task to start counts; else from the app's start) until its first upstream
+        # request left (a failed attempt's wait is the upstream's), and from the first token's read to its write done
+        # (metrics' gateway_added_seconds)
+        received = self.hangup.received if self.hangup is not None else None
+        start = received if received is not None else self.rec.t0
+        added = (sent - start) + (written - first) if first is not None and written is not None and \
             sent is not None else None
         return {"ttft": first - self.rec.t0 if first is not None else None,
                 "decode_time": last - first if first is not None and last is not None else None,

@@ -34,7 +34,7 @@ class Watch:
         self.ex = ex
         self.receive = receive
         self.task: asyncio.Task[None] | None = None
-        self.hangup = scope.get("extensions", _NO_EXTENSIONS).get(HANGUP)
+        self.hangup = ex.hangup = scope.get("extensions", _NO_EXTENSIONS).get(HANGUP)
 
     def start(self) -> None:
         """Once; from then on ``receive`` is the watch's."""
