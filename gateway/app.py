@@ -33,7 +33,7 @@ from gateway.http.server import configure as configure_client_limits
 from gateway.http.server import drain_on_exit, reload_on_hup
 from gateway.observability import genai, logs, tracing
 from gateway.observability.estimates import Estimates
-from gateway.observability.looplag import LoopLag
+from gateway.observability.looplag import INTERVAL, LoopLag
 from gateway.observability.metrics import Metrics
 from gateway.observability.recorder import Observers
 from gateway.pipeline.attempts import Attempts
@@ -76,11 +76,13 @@ def freeze_startup_objects() -> None:
 
 def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
                multiprocess_dir: str | None = None, transport: Transport | None = None,
-               policy: Policy | None = None, state_dir: Path | None = None) -> HotPath:
+               policy: Policy | None = None, state_dir: Path | None = None,
+               loop_lag_rate: float = 1 / INTERVAL) -> HotPath:
     """``multiprocess_dir``: prometheus-client's, when several workers share the port (``/metrics`` then merges every
     worker's samples); ``transport``: an :class:`UpstreamPool` when None (tests pass one from
     ``gateway.tools.scripted``); ``policy``: ``bench.trace`` passes one that times itself; ``state_dir``: where the
-    keys' spend outlives a restart. A reload (``SIGHUP``) needs neither ``transport`` nor ``policy`` injected."""
+    keys' spend outlives a restart; ``loop_lag_rate``: the event loop's lag probes a second while requests are in
+    flight (0: none). A reload (``SIGHUP``) needs neither ``transport`` nor ``policy`` injected."""
     config = loaded.config
     if registry is None:
         registry = CollectorRegistry()
@@ -98,14 +100,15 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
         await upstreams.start()
         return assemble(new, previous.metrics, upstreams, previous=previous)
 
-    app = admin_app(gateway, registry, multiprocess_dir, _lifespan(pool, shared, kept, multiprocess_dir, hot))
+    app = admin_app(gateway, registry, multiprocess_dir, _lifespan(pool, shared, kept, multiprocess_dir, hot,
+                                                                               loop_lag_rate))
     reloadable = transport is None and policy is None
     hot.append(HotPath(app, gateway, loaded if reloadable else None, reassemble if reloadable else None))
     return hot[0]
 
 
 def _lifespan(pool: Transport, shared: SharedState | None, kept: LedgerFile | None, multiprocess_dir: str | None,
-              hot: list[HotPath]) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+              hot: list[HotPath], loop_lag_rate: float) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     """Redis connects in the background (start-up never waits for it); the keys' spend on disk loads before the first
     request; at the end, the traces and request lines still batched are flushed."""
     @asynccontextmanager
@@ -119,7 +122,7 @@ def _lifespan(pool: Transport, shared: SharedState | None, kept: LedgerFile | No
             writer = asyncio.get_running_loop().create_task(kept.run())
         freeze_startup_objects()
         lag = LoopLag(hot[0].gateway.metrics.loop_lag.observe,  # the added wait, live (looplag)
-                      lambda: hot[0].gateway.frame.in_flight() > 0)
+                      lambda: hot[0].gateway.frame.in_flight() > 0, 1 / loop_lag_rate if loop_lag_rate else None)
         lag.start()
         try:
             yield
@@ -249,7 +252,8 @@ def serve_app(loaded: LoadedConfig, settings: Settings, multiprocess_dir: str | 
     logs.configure(settings.log_format or "json", settings.log_level, settings.log_sample)
     tracing.configure(settings.otel_traces_exporter)
     genai.configure(settings.otel_metrics_exporter)
-    app = create_app(loaded, multiprocess_dir=multiprocess_dir, state_dir=settings.state_dir)
+    app = create_app(loaded, multiprocess_dir=multiprocess_dir, state_dir=settings.state_dir,
+                     loop_lag_rate=settings.loop_lag_rate)
     cfg = loaded.config
     logs.event("config_loaded", path=str(loaded.path), upstreams=[u.name for u in cfg.upstreams],
                models=cfg.model_names(), rules=len(cfg.rules) if cfg.rules is not None else "default")

@@ -30,7 +30,7 @@ def test_draws_fall_in_the_buckets_in_proportion() -> None:
 def test_a_gateway_that_adds_nothing_predicts_the_direct_delays() -> None:
     zero = [(0.000001, 5.0), (float("inf"), 5.0)]  # every observation in the first bucket: at most 1 us
     direct = [100_000, 200_000, 300_000]
-    out = predicted(direct, zero, zero, random.Random(2), n=1_000)
+    out = predicted(direct, [zero, zero], random.Random(2), n=1_000)
     assert all(any(0 <= v - d <= 2_000 for d in direct) for v in out)
 
 

@@ -71,6 +71,9 @@ class Settings(BaseSettings):
     # the pod began terminating) and sends requests on its pooled connections meanwhile; closing those at SIGTERM
     # lost each request that raced onto one. Bounded by drain_timeout (server.configure)
     drain_idle_grace: float = Field(5.0, ge=0)
+    # the event loop's lag probes a second while requests are in flight (gateway.observability.looplag; 0: none). The
+    # default gives 12,000 samples in a 5-minute rate window; a probe that wakes an idle loop costs ~40 us of CPU
+    loop_lag_rate: float = Field(40.0, ge=0, le=2000)
     # OpenTelemetry's own variable (gateway.observability.tracing): otlp, console, or none/unset (no traces)
     otel_traces_exporter: str | None = Field(None, validation_alias="OTEL_TRACES_EXPORTER")
     # and for the GenAI metrics (gateway.observability.genai): otlp, console, or none/unset (none)

@@ -83,10 +83,11 @@ class _TimerFD:
 
 class LoopLag:
     """``observe``: takes the seconds a probe waited; ``busy``: whether requests are in flight (probed every
-    ``interval`` on average then, else every :data:`IDLE_INTERVAL`)."""
+    ``interval`` seconds on average then, else every :data:`IDLE_INTERVAL` or ``interval`` if longer; None: never
+    probed)."""
 
     def __init__(self, observe: Callable[[float], None], busy: Callable[[], bool] = lambda: True,
-                 interval: float = INTERVAL) -> None:
+                 interval: float | None = INTERVAL) -> None:
         self.observe = observe
         self.busy = busy
         self.interval = interval
@@ -103,6 +104,8 @@ class LoopLag:
         return self._timer is not None
 
     def start(self) -> None:
+        if self.interval is None:
+            return
         self._loop = asyncio.get_running_loop()
         try:
             self._timer = _TimerFD()
@@ -114,7 +117,8 @@ class LoopLag:
         self._next()
 
     def _gap(self) -> float:
-        mean = self.interval if self.busy() else IDLE_INTERVAL
+        assert self.interval is not None
+        mean = self.interval if self.busy() else max(self.interval, IDLE_INTERVAL)
         return mean * self._jitter.uniform(1 - JITTER, 1 + JITTER)
 
     def _next(self) -> None:
