@@ -160,3 +160,20 @@ def test_the_first_byte_counts_from_the_request_read_whole(stack: Stack) -> None
     after = scraped(stack.gateway.port)
     assert first_byte(after, "count") - first_byte(before, "count") == 1
     assert first_byte(after, "sum") - first_byte(before, "sum") < 0.25
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timerfd is Linux's")
+async def test_a_timerfd_that_fails_to_arm_leaves_the_fallback_probing(monkeypatch: pytest.MonkeyPatch) -> None:
+    waits: list[float] = []
+    lag = looplag.LoopLag(waits.append, interval=0.002)
+    lag.start()
+    assert lag.exact
+
+    def refuse(self: object, at_ns: int) -> None:
+        raise OSError(22, "timerfd_settime")
+    monkeypatch.setattr(looplag._TimerFD, "arm", refuse)
+    await asyncio.sleep(0.05)
+    seen, exact = len(waits), lag.exact
+    await asyncio.sleep(0.05)
+    lag.stop()
+    assert not exact and len(waits) > seen

@@ -127,7 +127,13 @@ class LoopLag:
             self._handle = self._loop.call_later(self._gap(), self._probe)
             return
         self._due = time.monotonic_ns() + int(self._gap() * 1e9)
-        self._timer.arm(self._due)
+        try:
+            self._timer.arm(self._due)
+        except OSError:  # not seen; the probe goes on as the fallback rather than stop
+            self._loop.remove_reader(self._timer.fd)
+            self._timer.close()
+            self._timer = None
+            self._next()
 
     def _readable(self) -> None:
         assert self._loop is not None and self._timer is not None
