@@ -131,6 +131,8 @@ def main() -> int:
                     help="the gateway's loop-lag probes a second (GATEWAY_LOOP_LAG_RATE): a p99 of one round's probes "
                          "rests on their hundredth; 40, the default, leaves ~3 above it in 8 s")
     args = ap.parse_args()
+    if not 0 < args.probes <= 2000:
+        ap.error("--probes: 0 < probes <= 2000 (without probes there is no loop wait to compare)")
     up_port, gw_port = _free(), _free()
     children: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -177,3 +177,39 @@ async def test_a_timerfd_that_fails_to_arm_leaves_the_fallback_probing(monkeypat
     await asyncio.sleep(0.05)
     lag.stop()
     assert not exact and len(waits) > seen
+
+
+def test_a_pipelined_request_does_not_count_the_answers_ahead_of_it(stack: Stack) -> None:
+    """HTTP/1.1 pipelining: the second request is read whole while the first still streams (0.4 s) and waits in the
+    server's queue meanwhile; that wait is the first answer's, not the gateway's own time."""
+    body = json.dumps({"model": "gpt-5.6-sol-fast", "stream": True, "max_completion_tokens": 40,
+                       "messages": [{"role": "user", "content": "[[emulate tokens=40 tps=100]]"}]}).encode()
+    one = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+           f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+    def first_byte(text: str, what: str) -> float:
+        return sample(text, f"tiergate_gateway_added_seconds_{what}", tier="fast", phase="first_byte")
+    before = scraped(stack.gateway.port)
+    with socket.create_connection(("127.0.0.1", stack.gateway.port), timeout=10) as sock:
+        sock.sendall(one + one)  # both at once: the second is queued behind the first
+        answer = b""
+        while answer.count(b"data: [DONE]") < 2:
+            chunk = sock.recv(65536)
+            assert chunk, answer[-300:]
+            answer += chunk
+    after = scraped(stack.gateway.port)
+    assert first_byte(after, "count") - first_byte(before, "count") == 2
+    assert first_byte(after, "sum") - first_byte(before, "sum") < 0.2
+
+
+@pytest.mark.parametrize("value", ["0.001", "2001", "-1", "abc"])
+def test_a_bad_probe_rate_is_named_with_exit_2(value: str) -> None:
+    """Below 0.01 a second the interval overflows the timer's arithmetic; above 2000 the probe is a load of its own."""
+    import os
+    import subprocess
+
+    from conftest import ROOT
+    run = subprocess.run([sys.executable, "-m", "gateway", "check-config", "config/demo.yaml"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=30, env={**os.environ, "GATEWAY_LOOP_LAG_RATE": value})
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.startswith("tiergate: invalid environment: GATEWAY_LOOP_LAG_RATE:"), run.stderr

@@ -80,6 +80,13 @@ class Settings(BaseSettings):
     otel_metrics_exporter: str | None = Field(None, validation_alias="OTEL_METRICS_EXPORTER")
 
 
+    @field_validator("loop_lag_rate")
+    @classmethod
+    def _probe_rate(cls, value: float) -> float:
+        if 0 < value < 0.01:
+            raise ValueError("give 0 (no probe) or 0.01 to 2000 probes a second")
+        return value
+
     @field_validator("state_dir", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:

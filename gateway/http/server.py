@@ -177,7 +177,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = True
         self._head_bytes = 0
         cycle = self.cycle
-        if cycle is not None:
+        # a pipelined request waits in uvicorn's queue for the answers ahead of it: that wait is theirs, not the
+        # gateway's, so its own time then counts from its task's start (the app's, as without this protocol)
+        if cycle is not None and not self.pipeline:
             hangup = getattr(cycle, "tiergate_hangup", None)
             if hangup is not None:
                 hangup.received = time.perf_counter()
