@@ -222,6 +222,9 @@ def test_the_lock_free_families_expose_what_prometheus_clients_own_do() -> None:
         g.dec()
         g.set(7)
         g.inc(0.5)
+        for parent, use in ((h, "observe"), (c, "inc"), (g, "inc"), (g, "dec"), (g, "set")):
+            with pytest.raises(ValueError, match="missing label values"):  # a labelled parent is refused alike
+                getattr(type(parent)("t_parent_" + use, "p", ("tier",), registry=CollectorRegistry()), use)(1)
         texts.append(b"\n".join(line for line in generate_latest(reg).splitlines() if b"_created" not in line))
     assert texts[0] == texts[1]
     for gauge in (Gauge, values.LoopGauge):  # a mostrecent gauge is only set, in one process as under --workers

@@ -46,7 +46,10 @@ class LoopCounter(Counter):
     def inc(self, amount: float = 1, exemplar: dict[str, str] | None = None) -> None:
         if amount < 0 or exemplar:
             return super().inc(amount, exemplar)  # its ValueError, or its exemplar
-        self._value._value += amount
+        try:
+            self._value._value += amount
+        except AttributeError:  # a labelled parent has no value: prometheus-client's ValueError (free when unraised)
+            super().inc(amount, exemplar)
 
 
 class LoopGauge(Gauge):
@@ -57,15 +60,24 @@ class LoopGauge(Gauge):
     def inc(self, amount: float = 1) -> None:
         if self._is_most_recent:  # prometheus-client refuses it: so here, not first under --workers
             return super().inc(amount)
-        self._value._value += amount
+        try:
+            self._value._value += amount
+        except AttributeError:  # a labelled parent (as LoopCounter.inc)
+            super().inc(amount)
 
     def dec(self, amount: float = 1) -> None:
         if self._is_most_recent:
             return super().dec(amount)
-        self._value._value -= amount
+        try:
+            self._value._value -= amount
+        except AttributeError:
+            super().dec(amount)
 
     def set(self, value: float) -> None:
-        self._value._value = float(value)
+        try:
+            self._value._value = float(value)
+        except AttributeError:
+            super().set(value)
 
 
 class LoopHistogram(Histogram):
@@ -78,7 +90,10 @@ class LoopHistogram(Histogram):
         """The bucket is the first whose upper bound is >= ``amount`` (prometheus-client's rule); NaN counts in none."""
         if exemplar or amount != amount:
             return super().observe(amount, exemplar)
-        self._sum._value += amount
+        try:
+            self._sum._value += amount
+        except AttributeError:  # a labelled parent (as LoopCounter.inc)
+            return super().observe(amount, exemplar)
         self._buckets[bisect_left(self._upper_bounds, amount)]._value += 1
 
 
