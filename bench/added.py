@@ -18,12 +18,9 @@ import math
 import os
 import random
 import re
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -31,13 +28,6 @@ import httpx
 from bench import loadgen, procs
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _q(values: list[int], p: float) -> float:
@@ -133,37 +123,20 @@ def main() -> int:
     args = ap.parse_args()
     if not 0 < args.probes <= 2000:
         ap.error("--probes: 0 < probes <= 2000 (without probes there is no loop wait to compare)")
-    up_port, gw_port = _free(), _free()
-    children: list[subprocess.Popen[bytes]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            up = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-m", "bench.upstream", "--port",
-                                   str(up_port)], stdout=subprocess.PIPE, cwd=ROOT)
-            children.append(up)
-            assert up.stdout is not None
-            up.stdout.readline()  # READY <port>
-            cfg = Path(tmp) / "gateway.yaml"
-            cfg.write_text(procs.gateway_config(up_port))
-            gw = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-m", "gateway", "serve", "--config",
-                                   str(cfg), "--port", str(gw_port), "--log-level", "warning"], cwd=ROOT,
-                                  env={**os.environ, "GATEWAY_LOG_SAMPLE": "0",
-                                       "GATEWAY_LOOP_LAG_RATE": str(args.probes)})
-            children.append(gw)
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    if httpx.get(f"http://127.0.0.1:{gw_port}/readyz", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the gateway did not become ready")
-                time.sleep(0.1)
-            measured = asyncio.run(_rounds(up_port, gw_port, args.streams, args.seconds, args.rounds))
-        finally:
-            for p in children:
-                p.terminate()
-                p.wait(10)
+    py = sys.executable
+    with tempfile.TemporaryDirectory() as tmp, procs.Children() as kids:
+        up = kids.start("upstream", procs.pin_prefix(0) + [py, "-m", "bench.upstream", "--port", "0"],
+                        Path(tmp) / "upstream.log", cwd=ROOT)
+        up_port = procs.wait_upstream_ready(up)
+        cfg = Path(tmp) / "gateway.yaml"
+        cfg.write_text(procs.gateway_config(up_port))
+        gw_port = procs.free_port()
+        gw = kids.start("gateway", procs.pin_prefix(1) + [py, "-m", "gateway", "serve", "--config", str(cfg), "--port",
+                                                          str(gw_port), "--log-level", "warning"],
+                        Path(tmp) / "gateway.log", cwd=ROOT,
+                        env={**os.environ, "GATEWAY_LOG_SAMPLE": "0", "GATEWAY_LOOP_LAG_RATE": str(args.probes)})
+        procs.wait_http_ready(gw, f"http://127.0.0.1:{gw_port}/readyz")
+        measured = asyncio.run(_rounds(up_port, gw_port, args.streams, args.seconds, args.rounds))
     print(f"{args.streams} streams at 750 tokens/s, {args.rounds} rounds of {args.seconds:g} s each way; ms")
     print("| round | direct p50 / p99 | through the gateway p50 / p99 | predicted by the live figures p50 / p99 "
           "| live: chunk p50 / p99 | live: loop lag p50 / p99 (probes) | benchmark added p99 | live added p99 "

@@ -100,8 +100,8 @@ def create_app(loaded: LoadedConfig, registry: CollectorRegistry | None = None,
         await upstreams.start()
         return assemble(new, previous.metrics, upstreams, previous=previous)
 
-    app = admin_app(gateway, registry, multiprocess_dir, _lifespan(pool, shared, kept, multiprocess_dir, hot,
-                                                                               loop_lag_rate))
+    lifespan = _lifespan(pool, shared, kept, multiprocess_dir, hot, loop_lag_rate)
+    app = admin_app(gateway, registry, multiprocess_dir, lifespan)
     reloadable = transport is None and policy is None
     hot.append(HotPath(app, gateway, loaded if reloadable else None, reassemble if reloadable else None))
     return hot[0]

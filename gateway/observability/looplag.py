@@ -8,9 +8,10 @@ On Linux the probe is a ``timerfd`` (timerfd_create(2)) armed for an absolute CL
 it readable then, whatever the loop is doing, and the wait counts from that moment. A probe made ready from inside the
 loop (``call_soon`` from a timer, the fallback elsewhere) starts its clock only when the loop gets round to it and so
 misses the rest of the callback in progress, about half of the wait at the tail: measured with ``python -m
-bench.added --streams 32``, that probe plus the chunk's own time gave 35-65 % of the benchmark's added p99, this one
-within 5 % of it. The moments are jittered (uniform over 0.5-1.5 of the interval) so that the probe does not lock to
-the phase of a periodic load such as streams paced at a fixed token rate.
+bench.added --streams 32`` (medians of four to six rounds), that probe plus the chunk's own time gave 48 % of the
+benchmark's added p99, this one 81-97 % over three runs. The moments are jittered (uniform over 0.5-1.5 of the
+interval) so that the probe does not lock to the phase of a periodic load such as streams paced at a fixed token
+rate.
 
 Costs per probe two clock reads, one ``timerfd_settime`` through ctypes, one read, two loop callbacks and one
 observation, and the wake-up of an idle loop.
