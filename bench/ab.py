@@ -3,9 +3,10 @@
     .venv/bin/python -m bench.ab [--rounds N] [--phases chunks,rps] [--tokens 300] [--keys] [--latency] NAME=SPEC ...
 
 Each ``NAME=SPEC`` is one process on CPU 1 (the bench upstream and this load generator on CPU 0, as ``bench.run``):
-``minproxy`` (``bench/minproxy.py``), ``NAME=`` (the gateway of this tree), ``NAME=@DIR[,VAR=VALUE...]`` (the gateway of
-another checkout, e.g. a ``git worktree`` of an older commit, with those variables), or ``NAME=VAR=VALUE[,VAR=VALUE]`` (this tree with those
-environment variables, e.g. ``nolog=GATEWAY_LOG_SAMPLE=0``), or ``direct`` (no proxy: the bench upstream itself).
+``minproxy`` (``bench/minproxy.py``), ``NAME=`` (the gateway of this tree), ``NAME=@DIR[,VAR=VALUE...]`` (the
+gateway of another checkout, e.g. a ``git worktree`` of an older commit, with those variables), or
+``NAME=VAR=VALUE[,VAR=VALUE]`` (this tree with those environment variables, e.g. ``nolog=GATEWAY_LOG_SAMPLE=0``), or
+``direct`` (no proxy: the bench upstream itself).
 With ``--latency`` the chunks phase also keeps each chunk's delay and reports its p50 and p99 per round, and with a
 ``direct`` target each one's added p50 and p99 (its percentile minus direct's of the same round): the per-chunk
 latency judged like the CPU, interleaved, instead of from one run whose slow minute may land on one target. Every

@@ -64,7 +64,6 @@ from gateway.tenancy.sessions import MemorySessions, SessionRecord, SessionTable
 from gateway.upstream.attempt import Transport
 from gateway.upstream.client import UpstreamPool
 
-
 # with 700 (CPython's default) a young collection ran every few requests and walked what the requests in flight had
 # made, all of it alive, so it was promoted and walked again by the next generation: measured (bench.ab, 3 rounds,
 # against the same tree with 700) -16 us of CPU per plain request (229.7 -> 213.6 us; 50,000: 222.4), no change per
