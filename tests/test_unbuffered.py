@@ -223,3 +223,32 @@ async def test_stream_ends_at_done_while_the_upstream_lingers(gateway: tuple[Pro
         # right after [DONE], well inside the linger (a stall of the machine spoils one try, not three)
         return got.t_end - t_done, upstream.linger / 3
     await atimely(attempt)
+
+
+def test_a_chunk_written_straight_to_the_connection_is_framed_as_uvicorns_and_yields_to_its_path_when_it_must() -> None:
+    """``gateway.http.server.ChunkedBody``: RFC 9112 §7.1 framing; a paused client, an unchunked, complete or gone
+    response, or an empty piece goes through ASGI ``send`` (which waits for a paused client to drain)."""
+    from types import SimpleNamespace
+
+    from gateway.http.server import ChunkedBody
+
+    written: list[bytes] = []
+    flow = SimpleNamespace(write_paused=False)
+    cycle = SimpleNamespace(chunked_encoding=True, response_complete=False, disconnected=False, flow=flow,
+                            transport=SimpleNamespace(write=written.append))
+    body = ChunkedBody()
+    assert not body.write(b"data: x\n\n")  # no cycle yet
+    body.cycle = cycle
+    assert body.write(b"data: x\n\n") and written == [b"9\r\ndata: x\n\n\r\n"]
+    for name, value in (("write_paused", True),):
+        setattr(flow, name, value)
+        assert not body.write(b"y")
+        setattr(flow, name, False)
+    for name, value in (("chunked_encoding", None), ("chunked_encoding", False), ("response_complete", True),
+                        ("disconnected", True)):
+        old = getattr(cycle, name)
+        setattr(cycle, name, value)
+        assert not body.write(b"y"), name
+        setattr(cycle, name, old)
+    assert not body.write(b"")
+    assert written == [b"9\r\ndata: x\n\n\r\n"]

@@ -29,7 +29,7 @@ from uvicorn.supervisors.multiprocess import Multiprocess
 
 from gateway.config.settings import Settings
 from gateway.errors import error_body
-from gateway.pipeline.exchange import HANGUP
+from gateway.pipeline.exchange import BODY, HANGUP
 from gateway.wire.body import is_json_type
 
 _JSON_BY_DEFAULT = frozenset({b"/v1/chat/completions", b"/v1/responses"})
@@ -60,6 +60,28 @@ class Hangup:
         callback, self.callback = self.callback, None
         if callback is not None:
             callback()
+
+
+class ChunkedBody:
+    """The ``tiergate.body`` ASGI extension: a piece of a started ``transfer-encoding: chunked`` response body written
+    straight to the connection, framed as uvicorn frames it (RFC 9112 §7.1), instead of an ``http.response.body``
+    message through the ASGI ``send``: measured, that coroutine and its checks were ~1 us of the ~14 us of CPU per
+    relayed chunk. :meth:`write` returns False whenever uvicorn's own path must take the piece instead: the
+    response not started or not chunked (``HEAD``, a ``content-length``), complete, the client gone, or its writes
+    paused (``send`` then waits for them to drain: a slow client holds the relay, not the gateway's memory)."""
+
+    __slots__ = ("cycle",)
+
+    def __init__(self) -> None:
+        self.cycle: Any = None  # uvicorn's RequestResponseCycle of the request, once made
+
+    def write(self, data: bytes) -> bool:
+        cycle = self.cycle
+        if (cycle is None or cycle.chunked_encoding is not True or cycle.response_complete or cycle.disconnected
+                or cycle.flow.write_paused or not data):
+            return False
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return True
 
 
 class _Flow(FlowControl):
@@ -149,12 +171,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         else:
             self._arm(self.body_timeout, (408, "request_timeout",
                                           f"The request body took over {self.body_timeout:g} s."))
-        hangup = Hangup()
+        hangup, body = Hangup(), ChunkedBody()
         extensions = self.scope.get("extensions")
-        self.scope["extensions"] = {**extensions, HANGUP: hangup} if extensions else {HANGUP: hangup}  # type: ignore
+        ours: dict[str, Any] = {HANGUP: hangup, BODY: body}
+        self.scope["extensions"] = {**extensions, **ours} if extensions else ours
         super().on_headers_complete()
         if self.cycle is not None and self.cycle.scope is self.scope:
             self.cycle.tiergate_hangup = hangup  # type: ignore[attr-defined]
+            body.cycle = self.cycle
             if self._draining:  # its response says connection: close, and the connection closes after it
                 self.cycle.keep_alive = False
 

@@ -29,6 +29,8 @@ Headers = list[tuple[bytes, bytes]]
 # the ASGI extension (``scope["extensions"]``) through which the gateway's server protocol tells a request that its
 # client's connection was lost (``gateway.http.server.Hangup``)
 HANGUP = "tiergate.hangup"
+# and through which it writes a streamed body's pieces straight to the connection (``gateway.http.server.ChunkedBody``)
+BODY = "tiergate.body"
 
 
 class Exchange:
@@ -37,7 +39,7 @@ class Exchange:
     upstream sockets) and its socket's response store, else None."""
 
     __slots__ = ("request", "rec", "reserved", "answered", "relay", "gone_at", "cut", "task", "blame", "via",
-                 "memory", "hangup", "_send", "_start")
+                 "memory", "hangup", "direct", "_send", "_start")
 
     def __init__(self, rec: Recorder, send: Send, bodies: BodyBudget) -> None:
         self.rec = rec
@@ -52,6 +54,7 @@ class Exchange:
         self.via: Transport | None = None
         self.memory: SocketStore | None = None
         self.hangup: Any = None  # gateway.http.server.Hangup under the gateway's own server (frame.Watch sets it)
+        self.direct: Any = None  # gateway.http.server.ChunkedBody under it (frame.Watch sets it)
         self._send = send
         self._start: Message | None = None
 
@@ -106,7 +109,14 @@ class Exchange:
     async def write(self, data: bytes) -> None:
         if self._start is not None:
             await self._open()
+        elif self.direct is not None and self.direct.write(data):
+            return
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    def write_now(self, data: bytes) -> bool:
+        """:meth:`write` without a coroutine, when the connection takes ``data`` at once; False: await :meth:`write`."""
+        direct = self.direct
+        return self._start is None and direct is not None and direct.write(data)
 
     async def end_stream(self) -> None:
         if self._start is not None:

@@ -16,7 +16,7 @@ from typing import Any
 from starlette.types import Receive, Scope
 
 from gateway.errors import GatewayDraining, GatewayError
-from gateway.pipeline.exchange import CLOSE, HANGUP, Exchange
+from gateway.pipeline.exchange import BODY, CLOSE, HANGUP, Exchange
 
 log = logging.getLogger("tiergate")
 _NO_EXTENSIONS: dict[str, Any] = {}
@@ -34,7 +34,9 @@ class Watch:
         self.ex = ex
         self.receive = receive
         self.task: asyncio.Task[None] | None = None
-        self.hangup = ex.hangup = scope.get("extensions", _NO_EXTENSIONS).get(HANGUP)
+        extensions = scope.get("extensions", _NO_EXTENSIONS)
+        self.hangup = ex.hangup = extensions.get(HANGUP)
+        ex.direct = extensions.get(BODY)
 
     def start(self) -> None:
         """Once; from then on ``receive`` is the watch's."""

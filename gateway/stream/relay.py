@@ -54,6 +54,14 @@ ALIVE_WITHIN = 0.75  # at the hold's time bound, a stream heard from within this
 _NO_MEMBER = "\x00"  # the member looked for when the dialect adds none: no chunk has it (a lookup, not a branch)
 
 
+WriteNow = Callable[[bytes], bool]
+
+
+def _awaited(data: bytes) -> bool:
+    """The ``write_now`` of a relay without one: every piece goes through ``write``."""
+    return False
+
+
 class Relay:
     """``LEARN``: how many token chunks of a stream may be tried as its :class:`Template` (0: never); ``choices``: the
     request's ``n``; ``finish_grace``: seconds to wait for the usage tail of a finished stream; ``hold_seconds``:
@@ -112,7 +120,9 @@ class Relay:
             await write(held)
             self.stats.t_first_written = time.perf_counter()
 
-    async def rest(self, write: Write) -> StreamStats:
+    async def rest(self, write: Write, write_now: WriteNow | None = None) -> StreamStats:
+        """``write_now``: writes a piece at once and returns True, or returns False and ``write`` is awaited instead
+        (``gateway.pipeline.exchange.Exchange.write_now``): no coroutine per relayed chunk."""
         stats = self.stats
         assert self._first is not None, "first() comes before rest()"
         held, ended, chunks = self._first
@@ -126,7 +136,7 @@ class Relay:
             await self._end(write)
             return stats
         try:
-            if not stats.finished and await self._relay(chunks, write):
+            if not stats.finished and await self._relay(chunks, write, write_now or _awaited):
                 return stats
             await self._tail(chunks, write)
         except StreamInterrupted as exc:
@@ -135,7 +145,7 @@ class Relay:
             await self._broken(write, "upstream_event_too_large", str(exc))
         return stats
 
-    async def _relay(self, chunks: AsyncIterator[bytes], write: Write) -> bool:
+    async def _relay(self, chunks: AsyncIterator[bytes], write: Write, write_now: WriteNow) -> bool:
         """Every read until the answer finished (False: its tail follows) or the stream ended (True). One read in
         :data:`SAMPLE_EVERY` is timed from the read to its write done (``StreamStats.added``): two clock reads, on a
         sixteenth of the reads."""
@@ -145,13 +155,14 @@ class Relay:
             sample -= 1
             if sample:
                 out = self._take(chunk)
-                if out:
+                if out and not write_now(out):
                     await write(out)
             else:
                 sample, t0 = SAMPLE_EVERY, time.perf_counter()
                 out = self._take(chunk)
                 if out:
-                    await write(out)
+                    if not write_now(out):
+                        await write(out)
                     if len(added) < MAX_SAMPLES:
                         added.append(time.perf_counter() - t0)
             if stats.done:
